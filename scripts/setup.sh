@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Set up .venv for zeroshard: reuse a torch that is already installed, else install the
+# pinned CPU build (an unpinned torch can pull a multi-GB CUDA build), then zeroshard itself
+# with its test extras. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+TORCH_PIN=${TORCH_PIN:-torch==2.13.0}
+
+pip_install() {
+    # pip's output without this machine's noise about missing local index folders.
+    local log
+    log=$(mktemp)
+    local status=0
+    .venv/bin/python -m pip install -q "$@" >"$log" 2>&1 || status=$?
+    grep -v '^WARNING: Location' "$log" >&2 || true
+    rm -f "$log"
+    return "$status"
+}
+
+if [ ! -x .venv/bin/python ]; then
+    # System site packages let a machine's own torch (a CUDA build, say) be used as it is.
+    "$python" -m venv --system-site-packages .venv
+fi
+if .venv/bin/python -c "import torch" 2>/dev/null; then
+    echo "setup: using torch $(.venv/bin/python -c 'import torch; print(torch.__version__)')"
+else
+    echo "setup: installing $TORCH_PIN"
+    pip_install "$TORCH_PIN"
+fi
+pip_install -e ".[test]"
+.venv/bin/python -c "import torch, safetensors, zeroshard; print('setup: ok, torch', torch.__version__)"

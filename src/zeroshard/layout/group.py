@@ -1,0 +1,254 @@
+"""One group's flat buffer: where each parameter sits and which rank owns which elements.
+
+Coordinates used throughout:
+
+* flat offset: position in the group's flat buffer (all buckets, all padding);
+* partition offset: position in one rank's partition of the group, which is the
+  concatenation of that rank's slice of every bucket (bucket 0 first);
+* logical offset: position with the world-size-dependent tail paddings removed. It does not
+  depend on the world size, so state laid out in logical order reshards by range reads.
+
+Everything here is integer arithmetic on frozen values. Per-rank queries cost
+O(log P + answer size), so listing one rank's fragments at world size 4096 never walks all
+parameters or all ranks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+from dataclasses import dataclass
+
+from .specs import ParamSpec
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter sits in its group's flat buffer."""
+
+    spec: ParamSpec
+    index: int  # position in the group
+    bucket: int
+    offset: int  # flat offset of element 0
+    padding: int  # padding elements right after the parameter
+    logical_offset: int
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def numel(self) -> int:
+        return self.spec.numel
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.spec.numel
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A run of parameters partitioned across all ranks on its own."""
+
+    index: int
+    first_param: int  # index of its first parameter in the group
+    num_params: int
+    start: int  # flat offset
+    content_numel: int  # parameters and the padding between them
+    tail_padding: int  # makes the bucket divide into world_size equal partitions
+    partition_numel: int  # elements of this bucket on each rank
+    partition_start: int  # where this bucket's slice begins in every rank's partition
+    logical_start: int
+
+    @property
+    def numel(self) -> int:
+        return self.content_numel + self.tail_padding
+
+    @property
+    def end(self) -> int:
+        return self.start + self.numel
+
+    def rank_range(self, rank: int) -> tuple[int, int]:
+        """Flat [start, end) of this bucket's slice owned by ``rank``."""
+        begin = self.start + rank * self.partition_numel
+        return begin, begin + self.partition_numel
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """A run of one parameter's elements inside one rank's partition."""
+
+    param_index: int
+    name: str
+    param_start: int  # first element inside the (flattened) parameter
+    partition_start: int  # where it lies in the rank's partition
+    length: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A run of a parameter's elements and the rank that owns it."""
+
+    rank: int
+    partition_start: int
+    param_start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class LogicalRange:
+    """A run of a rank's partition that maps to the world-size-free logical buffer."""
+
+    partition_start: int
+    logical_start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """The flat buffer of one group of same-dtype parameters at one world size."""
+
+    index: int
+    dtype: str
+    world_size: int
+    params: tuple[ParamSlot, ...]
+    buckets: tuple[Bucket, ...]
+
+    @property
+    def numel(self) -> int:
+        """Elements of the flat buffer, padding included."""
+        return self.buckets[-1].end if self.buckets else 0
+
+    @property
+    def partition_numel(self) -> int:
+        """Elements of each rank's partition (the same on every rank)."""
+        return sum(bucket.partition_numel for bucket in self.buckets)
+
+    @property
+    def logical_numel(self) -> int:
+        """Elements of the world-size-free logical buffer (no tail padding)."""
+        return sum(bucket.content_numel for bucket in self.buckets)
+
+    @property
+    def param_numel(self) -> int:
+        return sum(slot.numel for slot in self.params)
+
+    @property
+    def inter_param_padding(self) -> int:
+        return self.logical_numel - self.param_numel
+
+    @property
+    def tail_padding(self) -> int:
+        return self.numel - self.logical_numel
+
+    # ---- per rank -------------------------------------------------------------------
+
+    def partition_ranges(self, rank: int) -> tuple[tuple[int, int], ...]:
+        """Flat [start, end) of each bucket slice that makes up ``rank``'s partition."""
+        self._check_rank(rank)
+        return tuple(bucket.rank_range(rank) for bucket in self.buckets)
+
+    def fragments(self, rank: int) -> tuple[Fragment, ...]:
+        """The parameter runs in ``rank``'s partition, in partition order."""
+        self._check_rank(rank)
+        found: list[Fragment] = []
+        for bucket in self.buckets:
+            begin, end = bucket.rank_range(rank)
+            for slot in self._slots_overlapping(bucket, begin, end):
+                first, last = max(slot.offset, begin), min(slot.end, end)
+                found.append(
+                    Fragment(
+                        param_index=slot.index,
+                        name=slot.name,
+                        param_start=first - slot.offset,
+                        partition_start=bucket.partition_start + first - begin,
+                        length=last - first,
+                    )
+                )
+        return tuple(found)
+
+    def padding_ranges(self, rank: int) -> tuple[tuple[int, int], ...]:
+        """[start, end) runs of ``rank``'s partition that hold padding, not parameters."""
+        gaps: list[tuple[int, int]] = []
+        cursor = 0
+        for fragment in self.fragments(rank):
+            if fragment.partition_start > cursor:
+                gaps.append((cursor, fragment.partition_start))
+            cursor = fragment.partition_start + fragment.length
+        if cursor < self.partition_numel:
+            gaps.append((cursor, self.partition_numel))
+        return tuple(gaps)
+
+    def logical_ranges(self, rank: int) -> tuple[LogicalRange, ...]:
+        """Runs of ``rank``'s partition that lie in the logical buffer (tail padding left out)."""
+        self._check_rank(rank)
+        ranges: list[LogicalRange] = []
+        for bucket in self.buckets:
+            begin, end = bucket.rank_range(rank)
+            content_end = bucket.start + bucket.content_numel
+            if begin < content_end:
+                ranges.append(
+                    LogicalRange(
+                        partition_start=bucket.partition_start,
+                        logical_start=bucket.logical_start + begin - bucket.start,
+                        length=min(end, content_end) - begin,
+                    )
+                )
+        return tuple(ranges)
+
+    def padding_per_rank(self) -> tuple[int, ...]:
+        """Padding elements in each rank's partition, O(world_size x buckets x log P)."""
+        return tuple(self.partition_numel - self._real_numel_of_rank(rank) for rank in range(self.world_size))
+
+    # ---- per parameter ----------------------------------------------------------------
+
+    def pieces(self, param_index: int) -> tuple[Piece, ...]:
+        """The runs, rank by rank, that reassemble parameter ``param_index``."""
+        slot = self.params[param_index]
+        bucket = self.buckets[slot.bucket]
+        found: list[Piece] = []
+        position = slot.offset
+        while position < slot.end:
+            rank, within = divmod(position - bucket.start, bucket.partition_numel)
+            length = min(bucket.partition_numel - within, slot.end - position)
+            found.append(Piece(rank, bucket.partition_start + within, position - slot.offset, length))
+            position += length
+        return tuple(found)
+
+    # ---- helpers ----------------------------------------------------------------------
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside world size {self.world_size}")
+
+    @functools.cached_property
+    def _param_ends(self) -> list[int]:
+        return [slot.end for slot in self.params]
+
+    @functools.cached_property
+    def _real_before(self) -> list[int]:
+        """_real_before[i]: parameter elements in params[:i]."""
+        totals = [0]
+        for slot in self.params:
+            totals.append(totals[-1] + slot.numel)
+        return totals
+
+    def _slots_overlapping(self, bucket: Bucket, begin: int, end: int):
+        stop = bucket.first_param + bucket.num_params
+        index = bisect.bisect_right(self._param_ends, begin, bucket.first_param, stop)
+        while index < stop and self.params[index].offset < end:
+            slot = self.params[index]
+            if slot.numel:
+                yield slot
+            index += 1
+
+    def _real_at(self, flat_offset: int) -> int:
+        """Parameter elements in the flat buffer before ``flat_offset``."""
+        index = bisect.bisect_right(self._param_ends, flat_offset)
+        real = self._real_before[index]
+        if index < len(self.params):
+            real += max(0, flat_offset - self.params[index].offset)
+        return real
+
+    def _real_numel_of_rank(self, rank: int) -> int:
+        return sum(self._real_at(end) - self._real_at(begin) for begin, end in self.partition_ranges(rank))

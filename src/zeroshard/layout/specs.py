@@ -1,0 +1,42 @@
+"""ParamSpec: what the layout needs to know of a parameter, validated."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from .dtypes import canonical_dtype
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """A parameter as the layout sees it: a name, a shape and a dtype name."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @classmethod
+    def of(cls, name: str, shape: Sequence[Any], dtype: object) -> ParamSpec:
+        """Validate and canonicalise; ValueError names the parameter and the problem."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"parameter name must be a non-empty string, got {name!r}")
+        try:
+            dims = tuple(shape)
+        except TypeError:
+            raise ValueError(f"parameter {name!r}: shape {shape!r} is not a sequence") from None
+        for dim in dims:
+            if isinstance(dim, bool) or not isinstance(dim, int):
+                raise ValueError(f"parameter {name!r}: shape {list(dims)} has a non-integer dimension {dim!r}")
+            if dim < 0:
+                raise ValueError(f"parameter {name!r}: shape {list(dims)} has a negative dimension {dim}")
+        try:
+            dtype_name = canonical_dtype(dtype)
+        except ValueError as err:
+            raise ValueError(f"parameter {name!r}: {err}") from None
+        return cls(name, dims, dtype_name)
