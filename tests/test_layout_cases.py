@@ -127,3 +127,24 @@ def test_json_rejects_other_versions_and_tampered_offsets():
         Layout.from_dict(tampered)
     with pytest.raises(ValueError, match="malformed"):
         Layout.from_dict({**data, "groups": [{"dtype": "bf16", "params": [{"name": "a"}]}]})
+
+
+def test_deepspeed_worked_example_from_its_source():
+    """bf16, parameter_alignment, numels 35,7,21,3,3,1: pads after each start at multiples of 8."""
+    specs = [ParamSpec(f"p{i}", (n,), "bfloat16") for i, n in enumerate([35, 7, 21, 3, 3, 1])]
+    group = build_layout([specs], 2, LayoutPolicy.deepspeed(parameter_alignment=True)).groups[0]
+    offsets = [s.offset for s in group.params]
+    paddings = [s.padding for s in group.params]
+    # Each start is the previous end rounded up to 8 elements; nothing after the last.
+    expected_offsets = [0]
+    for n in [35, 7, 21, 3, 3]:
+        expected_offsets.append(-(-(expected_offsets[-1] + n) // 8) * 8)
+    assert offsets == expected_offsets
+    assert paddings[-1] == 0 and group.logical_numel == offsets[-1] + 1
+    assert group.numel == -(-group.logical_numel // 4) * 4  # tail to a multiple of 2 x D elements
+
+
+def test_deepspeed_empty_params_after_the_last_take_no_padding():
+    specs = [ParamSpec("a", (3,), "bfloat16"), ParamSpec("b", (5,), "bfloat16"), ParamSpec("empty", (0,), "bfloat16")]
+    group = build_layout([specs], 2, LayoutPolicy.deepspeed(parameter_alignment=True)).groups[0]
+    assert [(s.offset, s.padding) for s in group.params] == [(0, 5), (8, 0), (13, 0)]

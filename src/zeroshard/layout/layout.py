@@ -194,11 +194,13 @@ def _lay_out_group(index: int, specs: list[ParamSpec], world_size: int, policy: 
     flat = logical = partition = 0
     for bucket_index, members in enumerate(_split_into_buckets(specs, policy)):
         bucket_start, logical_start = flat, logical
-        for position, param_index in enumerate(members):
+        # The last parameter that holds elements; empty ones after it take no padding.
+        last_real = max((i for i in members if specs[i].numel), default=-1)
+        for param_index in members:
             spec = specs[param_index]
-            is_last = position == len(members) - 1
             end = flat + spec.numel
-            padding = _round_up(end, param_align) - end if (policy.pads_last_param() or not is_last) else 0
+            pads = policy.pads_last_param() or param_index < last_real
+            padding = _round_up(end, param_align) - end if pads else 0
             slots.append(ParamSlot(spec, param_index, bucket_index, flat, padding, logical + flat - bucket_start))
             flat = end + padding
         content = flat - bucket_start
