@@ -139,7 +139,8 @@ def test_alignment_of_params_and_partitions(groups, world_size, policy):
                 for rank in (0, world_size // 2, world_size - 1):
                     assert bucket.rank_range(rank)[0] * size % policy.alignment_bytes == 0
         elif policy.parameter_alignment:
-            assert all(slot.offset * size % 16 == 0 for slot in group.params)
+            # DeepSpeed leaves empty parameters out of its buffer; where they sit is moot.
+            assert all(slot.offset * size % 16 == 0 for slot in group.params if slot.numel)
 
 
 @COMMON
