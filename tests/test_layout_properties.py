@@ -183,3 +183,24 @@ def test_json_round_trip_is_identity(groups, world_size, policy):
     again = Layout.from_json(layout.to_json())
     assert again == layout
     assert again.to_json() == layout.to_json()
+
+
+@COMMON
+@given(models(), WORLD_SIZES, POLICIES, st.data())
+def test_locate_logical_inverts_logical_ranges(groups, world_size, policy, data):
+    layout = build_layout(groups, world_size, policy)
+    for group in layout.groups:
+        if group.logical_numel == 0:
+            continue
+        start = data.draw(st.integers(0, group.logical_numel - 1))
+        length = data.draw(st.integers(0, group.logical_numel - start))
+        pieces = group.locate_logical(start, length)
+        assert sum(p.length for p in pieces) == length
+        position = start
+        for piece in pieces:
+            assert piece.logical_start == position
+            owner = [r for r in group.logical_ranges(piece.rank) if r.partition_start <= piece.partition_start < r.partition_start + r.length]
+            assert len(owner) == 1
+            assert owner[0].logical_start + piece.partition_start - owner[0].partition_start == piece.logical_start
+            assert piece.partition_start + piece.length <= owner[0].partition_start + owner[0].length
+            position += piece.length

@@ -5,7 +5,7 @@ a frozen, comparable, JSON-serialisable :class:`Layout` out.
 """
 
 from .dtypes import canonical_dtype, itemsize
-from .group import Bucket, Fragment, GroupLayout, LogicalRange, ParamSlot, Piece
+from .group import Bucket, Fragment, GroupLayout, LogicalPiece, LogicalRange, ParamSlot, Piece
 from .layout import FORMAT_VERSION, Layout, PaddingStats, build_layout
 from .policy import LayoutPolicy
 from .specs import ParamSpec
@@ -17,6 +17,7 @@ __all__ = [
     "GroupLayout",
     "Layout",
     "LayoutPolicy",
+    "LogicalPiece",
     "LogicalRange",
     "PaddingStats",
     "ParamSlot",

@@ -105,6 +105,16 @@ class LogicalRange:
 
 
 @dataclass(frozen=True)
+class LogicalPiece:
+    """A run of the logical buffer and the rank and partition offset that hold it."""
+
+    rank: int
+    partition_start: int
+    logical_start: int
+    length: int
+
+
+@dataclass(frozen=True)
 class GroupLayout:
     """The flat buffer of one group of same-dtype parameters at one world size."""
 
@@ -215,7 +225,30 @@ class GroupLayout:
             position += length
         return tuple(found)
 
+    def locate_logical(self, logical_start: int, length: int) -> tuple[LogicalPiece, ...]:
+        """The runs, rank by rank, that hold logical elements [logical_start, +length)."""
+        if logical_start < 0 or length < 0 or logical_start + length > self.logical_numel:
+            raise ValueError(
+                f"logical range [{logical_start}, {logical_start + length}) is outside "
+                f"group {self.index}'s {self.logical_numel} logical elements"
+            )
+        found: list[LogicalPiece] = []
+        position, end = logical_start, logical_start + length
+        while position < end:
+            # The last bucket starting at or before `position`: never an empty one, since an
+            # empty bucket shares its logical start with the bucket after it.
+            bucket = self.buckets[bisect.bisect_right(self._bucket_logical_starts, position) - 1]
+            rank, within = divmod(position - bucket.logical_start, bucket.partition_numel)
+            run = min(bucket.partition_numel - within, end - position, bucket.logical_start + bucket.content_numel - position)
+            found.append(LogicalPiece(rank, bucket.partition_start + within, position, run))
+            position += run
+        return tuple(found)
+
     # ---- helpers ----------------------------------------------------------------------
+
+    @functools.cached_property
+    def _bucket_logical_starts(self) -> list[int]:
+        return [bucket.logical_start for bucket in self.buckets]
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:

@@ -1,0 +1,43 @@
+"""ShardedState: what one rank hands to the checkpoint layer, and gets back from it.
+
+The engine exports its state as this plain value and imports it back; the checkpoint layer
+never reaches into the engine. Tensors are on the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..layout import Layout
+
+
+@dataclass
+class ParamGroupState:
+    """One optimizer param group: its hyperparameters and the layout groups it owns."""
+
+    hyperparameters: dict[str, Any]  # lr, betas, weight_decay, ... (JSON-able)
+    layout_groups: list[int]  # indices into Layout.groups (one per dtype in the group)
+
+
+@dataclass
+class ShardedState:
+    """One rank's share of a ZeRO run, in layout terms.
+
+    ``fp32_partitions[g]`` and every tensor in ``optimizer_states[g]`` have shape
+    ``[layout.groups[g].partition_numel]`` (this rank's partition, padding included, zeros
+    in the padding). ``optimizer_scalars[g]`` holds state that is not partition-shaped
+    (such as ``step``), the same on every rank, carried as is when resharding.
+    """
+
+    layout: Layout
+    rank: int
+    fp32_partitions: list[torch.Tensor]
+    optimizer_states: list[dict[str, torch.Tensor]]
+    optimizer_scalars: list[dict[str, torch.Tensor]]
+    param_groups: list[ParamGroupState]
+    optimizer_class: str  # e.g. "torch.optim.adamw.AdamW"
+    model_state: dict[str, torch.Tensor]  # the module's full state_dict (frozen params, buffers)
+    extra: dict[str, Any] = field(default_factory=dict)  # step counters, loss scaler, lr scheduler
