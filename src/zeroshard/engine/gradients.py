@@ -1,0 +1,177 @@
+"""Gradient reduction for stages 1 and 2.
+
+Both stages take each parameter's gradient in a post-accumulate-grad hook, add it in fp32 to
+a flat buffer laid out like the parameters, and drop ``param.grad``. What differs is when
+the reduce-scatter runs and what stays allocated:
+
+* stage 1 keeps a full-size fp32 gradient buffer per group and reduce-scatters it at the
+  step (or when a reduced gradient is first asked for);
+* stage 2 fills one bucket at a time and reduce-scatters each as soon as all its
+  parameters have their gradient, while backward goes on; the bucket's buffer is freed once
+  its partition has been added to the rank's fp32 gradient partition.
+
+Either way the result is ``partition_grads[g]``: this rank's partition of the sum over ranks
+of the accumulated (loss-scaled) gradients divided by the world size. Buckets are reduced in
+a fixed order (last bucket first, the order backward produces them) on every rank, so the
+collectives match even when hooks fire in another order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd import Variable
+
+from ..buffers import FlatParamBuffer
+from ..comm import Collectives
+
+
+@dataclass
+class _BucketReduction:
+    input: torch.Tensor  # the bucket's fp32 gradient, full size
+    output: torch.Tensor  # this rank's partition of it
+    handle: object
+
+
+@dataclass
+class GradientReducer:
+    """Owns gradient memory and reduction for every flat buffer of an engine."""
+
+    buffers: list[FlatParamBuffer]
+    comm: Collectives
+    stage: int
+    partition_grads: list[torch.Tensor] = field(init=False)
+
+    def __post_init__(self) -> None:
+        device = self.buffers[0].data.device
+        self.partition_grads = [torch.zeros(b.group.partition_numel, dtype=torch.float32, device=device) for b in self.buffers]
+        # Stage 1: persistent full-size accumulators. Stage 2: bucket buffers made on demand.
+        self._full: list[torch.Tensor | None] = [
+            torch.zeros(b.group.numel, dtype=torch.float32, device=device) if self.stage == 1 else None for b in self.buffers
+        ]
+        self._staging: dict[tuple[int, int], torch.Tensor] = {}
+        self._pending: dict[tuple[int, int], int] = {}
+        self._order = [(g, b) for g, buf in enumerate(self.buffers) for b in range(len(buf.group.buckets))][::-1]
+        self._next_launch = 0
+        self._in_flight: list[tuple[tuple[int, int], _BucketReduction]] = []
+        self._callback_queued = False
+        self._dirty = False  # stage 1: full buffers hold unreduced gradients
+        self._hooks = []
+        for group_index, buffer in enumerate(self.buffers):
+            for slot, param in zip(buffer.group.params, buffer.params):
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._make_hook(group_index, slot.index)))
+
+    # ---- backward -------------------------------------------------------------------------
+
+    def _make_hook(self, group_index: int, param_index: int):
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad(group_index, param_index, param)
+
+        return hook
+
+    def _on_grad(self, group_index: int, param_index: int, param: torch.Tensor) -> None:
+        if param.grad is None:
+            return
+        buffer = self.buffers[group_index]
+        slot = buffer.group.params[param_index]
+        grad = param.grad.detach().reshape(-1)
+        if self.stage == 1:
+            self._full[group_index][slot.offset : slot.end].add_(grad)
+            self._dirty = True
+        else:
+            key = (group_index, slot.bucket)
+            staging = self._bucket_staging(key)
+            start = slot.offset - buffer.group.buckets[slot.bucket].start
+            staging[start : start + slot.numel].add_(grad)
+            self._pending[key] -= 1
+            if not self._callback_queued:
+                self._callback_queued = True
+                Variable._execution_engine.queue_callback(self.finish_backward)
+            self._launch_ready(force=False)
+        param.grad = None
+
+    def _bucket_staging(self, key: tuple[int, int]) -> torch.Tensor:
+        if key not in self._staging:
+            group_index, bucket_index = key
+            bucket = self.buffers[group_index].group.buckets[bucket_index]
+            self._staging[key] = torch.zeros(bucket.numel, dtype=torch.float32, device=self.partition_grads[0].device)
+            self._pending[key] = self.buffers[group_index].group.buckets[bucket_index].num_params
+        return self._staging[key]
+
+    def _launch_ready(self, force: bool) -> None:
+        """Reduce-scatter buckets in the fixed order, as far as they are complete (or all)."""
+        while self._next_launch < len(self._order):
+            key = self._order[self._next_launch]
+            if not force and (key not in self._pending or self._pending[key] > 0):
+                return
+            staging = self._staging.pop(key, None)
+            self._pending.pop(key, None)
+            if staging is None:  # no parameter of this bucket got a gradient: reduce zeros
+                self._bucket_staging(key)
+                staging = self._staging.pop(key)
+                self._pending.pop(key)
+            self._in_flight.append((key, self._reduce_bucket(key, staging, async_op=True)))
+            self._next_launch += 1
+
+    def _reduce_bucket(self, key: tuple[int, int], full: torch.Tensor, async_op: bool) -> _BucketReduction:
+        group_index, bucket_index = key
+        bucket = self.buffers[group_index].group.buckets[bucket_index]
+        output = torch.empty(bucket.partition_numel, dtype=torch.float32, device=full.device)
+        handle = self.comm.reduce_scatter_sum(output, full, async_op=async_op)
+        return _BucketReduction(full, output, handle)
+
+    def finish_backward(self) -> None:
+        """Stage 2, end of a backward pass: reduce what is left and wait for everything."""
+        self._callback_queued = False
+        self._launch_ready(force=True)
+        for key, reduction in self._in_flight:
+            reduction.handle.wait()
+            self._accumulate(key, reduction.output)
+        self._in_flight.clear()
+        self._next_launch = 0
+
+    def _accumulate(self, key: tuple[int, int], reduced_sum: torch.Tensor) -> None:
+        group_index, bucket_index = key
+        bucket = self.buffers[group_index].group.buckets[bucket_index]
+        target = self.partition_grads[group_index][bucket.partition_start : bucket.partition_start + bucket.partition_numel]
+        target.add_(reduced_sum.div_(self.comm.world_size))
+
+    # ---- step side ------------------------------------------------------------------------
+
+    def reduce(self) -> None:
+        """Make ``partition_grads`` hold every gradient so far (collective on stage 1)."""
+        if self.stage == 1:
+            # Every rank runs the same backward passes, so this local flag agrees across ranks.
+            if not self._dirty:
+                return
+            reductions = []
+            for group_index, buffer in enumerate(self.buffers):
+                full = self._full[group_index]
+                for bucket in buffer.group.buckets:
+                    key = (group_index, bucket.index)
+                    reductions.append((key, self._reduce_bucket(key, full[bucket.start : bucket.end], async_op=True)))
+            for key, reduction in reductions:
+                reduction.handle.wait()
+                self._accumulate(key, reduction.output)
+            for full in self._full:
+                full.zero_()
+            self._dirty = False
+
+    def zero_grad(self) -> None:
+        for grad in self.partition_grads:
+            grad.zero_()
+        if self.stage == 1:
+            for full in self._full:
+                full.zero_()
+            self._dirty = False
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Every gradient tensor the reducer holds right now (for memory checks)."""
+        held = list(self.partition_grads) + list(self._staging.values())
+        return held + [t for t in self._full if t is not None]
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()

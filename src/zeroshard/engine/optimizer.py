@@ -1,0 +1,234 @@
+"""ZeroOptimizer: ZeRO stage 1/2 around any torch.optim optimizer.
+
+Each rank keeps the model's low-precision parameters as views into flat buffers (one per
+layout group), its own partition of the fp32 master weights, a torch optimizer over those
+partitions (one flat tensor per layout group), and its partition of the reduced gradients.
+
+A step: finish the gradient reduction, unscale (fp16), skip on overflow (decided on all
+ranks together), clip by the global norm, let the torch optimizer update the partitions,
+then write them back in the parameter dtype and all-gather the flat buffers in place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from ..buffers import FlatParamBuffer, bind_flat_buffer, torch_dtype
+from ..comm import Collectives
+from ..layout import Layout, LayoutPolicy, build_layout
+from .gradients import GradientReducer
+from .grouping import Grouping, resolve_groups
+from .scaler import LossScaler
+
+DEFAULT_STAGE2_BUCKET_NUMEL = 1 << 25  # 128 MiB of fp32 gradient per bucket in flight
+
+
+class ZeroOptimizer:
+    """Shards fp32 master weights, optimizer state (stage 1) and gradients (stage 2).
+
+    Args:
+        model: the module to train; its trainable parameters become views into flat buffers.
+        optimizer_class: a torch.optim.Optimizer class (AdamW, Adam, SGD, ...).
+        param_groups: as for torch optimizers: an iterable of parameters or of dicts with
+            "params" and per-group options. None means all trainable parameters.
+        stage: 1 (shard master weights and optimizer state) or 2 (also gradients).
+        param_dtype: cast floating-point parameters to this dtype (bf16, fp16); the fp32
+            master weights start from the values before the cast. None keeps their dtypes.
+        policy: the flat-buffer layout policy. Default: 16-byte aligned, and for stage 2
+            buckets of ``DEFAULT_STAGE2_BUCKET_NUMEL`` elements.
+        layout: a precomputed layout to use; it must match the parameters and world size.
+        process_group: torch.distributed group of the data-parallel ranks (default: world).
+        gradient_accumulation_steps: micro-batches per step; ``backward`` divides the loss.
+        max_grad_norm: clip the global gradient norm to this (None: no clipping).
+        loss_scaler: for fp16 parameters a dynamic LossScaler is used unless one is given.
+        offload: keep fp32 master weights and optimizer state in host memory.
+        sync_module_states: broadcast rank 0's initial parameter values to every rank.
+        **defaults: optimizer arguments (lr, betas, weight_decay, ...).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+        param_groups: Iterable[Any] | None = None,
+        *,
+        stage: int = 2,
+        param_dtype: torch.dtype | None = None,
+        policy: LayoutPolicy | None = None,
+        layout: Layout | None = None,
+        process_group: Any = None,
+        gradient_accumulation_steps: int = 1,
+        max_grad_norm: float | None = None,
+        loss_scaler: LossScaler | None = None,
+        offload: bool = False,
+        sync_module_states: bool = True,
+        **defaults: Any,
+    ) -> None:
+        if stage not in (1, 2):
+            raise ValueError(f"stage must be 1 or 2, got {stage!r}")
+        if gradient_accumulation_steps < 1:
+            raise ValueError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
+        self.model = model
+        self.stage = stage
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.max_grad_norm = max_grad_norm
+        self.offload = offload
+        self.comm = Collectives(process_group)
+        self.grouping: Grouping = resolve_groups(model, param_groups, param_dtype)
+        self.layout = self._resolve_layout(layout, policy)
+        self._check_same_layout_on_every_rank()
+
+        self.device = self.grouping.layout_params[0][0].device
+        self.master_device = torch.device("cpu") if offload else self.device
+        initial = self._initial_values(sync_module_states)
+        self.buffers: list[FlatParamBuffer] = [
+            bind_flat_buffer(group, params, self.device, self.layout.policy)
+            for group, params in zip(self.layout.groups, self.grouping.layout_params)
+        ]
+        self.masters = [self._master_from(values, group) for values, group in zip(initial, self.layout.groups)]
+        for buffer, values in zip(self.buffers, initial):
+            buffer.data.copy_(values)  # every rank now holds rank 0's values
+        del initial
+
+        self.optimizer = optimizer_class(self._torch_param_groups(), **defaults)
+        self.reducer = GradientReducer(self.buffers, self.comm, stage)
+        has_fp16 = any(group.dtype == "float16" for group in self.layout.groups)
+        self.scaler = loss_scaler or (LossScaler() if has_fp16 else LossScaler.disabled())
+        self.global_steps = 0
+        self.last_grad_norm: float | None = None
+        self._fragments = [group.fragments(self.rank) for group in self.layout.groups]
+
+    # ---- torch-like API ---------------------------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The torch optimizer's param groups: lr schedulers work on these unchanged."""
+        return self.optimizer.param_groups
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss`` divided by the accumulation steps and times the loss scale."""
+        (loss * (self.scaler.scale / self.gradient_accumulation_steps)).backward()
+
+    def step(self) -> bool:
+        """Update the parameters from the gradients so far. Returns False if skipped (fp16 overflow)."""
+        self.reducer.reduce()
+        grads = self.reducer.partition_grads
+        if self.scaler.scale != 1.0:
+            for grad in grads:
+                grad.div_(self.scaler.scale)
+        if self.scaler.dynamic and self._overflow_on_any_rank():
+            self.scaler.update(overflow=True)
+            self.reducer.zero_grad()
+            return False
+        self.last_grad_norm = float(self._clip(grads))
+        for master, grad in zip(self.masters, grads):
+            master.grad = grad.to(self.master_device, copy=self.offload)
+        self.optimizer.step()
+        for master in self.masters:
+            master.grad = None
+        self._write_back_and_gather()
+        self.scaler.update(overflow=False)
+        self.global_steps += 1
+        return True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the accumulated gradients (the partitions stay allocated)."""
+        self.reducer.zero_grad()
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _resolve_layout(self, layout: Layout | None, policy: LayoutPolicy | None) -> Layout:
+        if layout is not None:
+            if layout.world_size != self.comm.world_size:
+                raise ValueError(
+                    f"the layout is for world size {layout.world_size} but the process group has {self.comm.world_size} ranks"
+                )
+            if layout.specs() != self.grouping.layout_specs:
+                raise ValueError("the layout's parameters differ from the model's (names, shapes, dtypes or grouping)")
+            return layout
+        if policy is None:
+            policy = LayoutPolicy.native(bucket_numel=DEFAULT_STAGE2_BUCKET_NUMEL if self.stage == 2 else None)
+        return build_layout(self.grouping.layout_specs, self.comm.world_size, policy)
+
+    def _check_same_layout_on_every_rank(self) -> None:
+        digest = hashlib.sha256(self.layout.to_json().encode()).hexdigest()
+        digests = self.comm.all_gather_object(digest)
+        differing = [rank for rank, other in enumerate(digests) if other != digests[0]]
+        if differing:
+            raise ValueError(f"ranks {differing} have other parameters or param groups than rank 0 (their layouts differ)")
+
+    def _initial_values(self, sync: bool) -> list[torch.Tensor]:
+        """Each group's parameters in fp32 at their flat offsets, rank 0's values if ``sync``."""
+        values = []
+        for group, params in zip(self.layout.groups, self.grouping.layout_params):
+            flat = torch.zeros(group.numel, dtype=torch.float32, device=self.device)
+            for slot, param in zip(group.params, params):
+                flat[slot.offset : slot.end].copy_(param.detach().reshape(-1))
+            if sync:
+                self.comm.broadcast_(flat, src=0)
+            values.append(flat)
+        return values
+
+    def _master_from(self, values: torch.Tensor, group) -> nn.Parameter:
+        parts = [values[begin:end] for begin, end in group.partition_ranges(self.rank)]
+        master = torch.cat(parts) if parts else values.new_zeros(0)
+        return nn.Parameter(master.to(self.master_device, copy=True))
+
+    def _torch_param_groups(self) -> list[dict[str, Any]]:
+        return [
+            {**user.options, "params": [self.masters[g] for g in user.layout_groups]}
+            for user in self.grouping.user_groups
+        ]
+
+    def _overflow_on_any_rank(self) -> bool:
+        local = torch.zeros(1, device=self.device)
+        for grad in self.reducer.partition_grads:
+            if not torch.isfinite(grad).all():
+                local.fill_(1.0)
+        return bool(self.comm.all_reduce_(local, op="max").item())
+
+    def _clip(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Global L2 norm of the gradient (padding is zero, so it adds nothing); clip if asked.
+
+        The norm is taken over per-fragment norms, which at world size 1 are per-parameter
+        norms, exactly as torch.nn.utils.clip_grad_norm_ computes it.
+        """
+        pieces = [
+            grad[f.partition_start : f.partition_start + f.length]
+            for grad, fragments in zip(grads, self._fragments)
+            for f in fragments
+        ]
+        norms = torch._foreach_norm(pieces, 2.0) if pieces else []
+        local = torch.stack(list(norms)) if norms else torch.zeros(1, device=self.device)
+        if self.world_size == 1:
+            total = torch.linalg.vector_norm(local, 2.0)
+        else:
+            squared = local.square().sum().reshape(1)
+            total = self.comm.all_reduce_(squared, op="sum").sqrt()[0]
+        if self.max_grad_norm is not None:
+            coefficient = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+            for grad in grads:
+                grad.mul_(coefficient)
+        return total
+
+    def _write_back_and_gather(self) -> None:
+        handles = []
+        for buffer, master in zip(self.buffers, self.masters):
+            for bucket in buffer.group.buckets:
+                own = buffer.rank_slice(bucket.index, self.rank)
+                own.copy_(master.detach()[bucket.partition_start : bucket.partition_start + bucket.partition_numel])
+                handles.append(self.comm.all_gather_into(buffer.bucket_view(bucket.index), own, async_op=True))
+        for handle in handles:
+            handle.wait()

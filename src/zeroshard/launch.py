@@ -1,0 +1,108 @@
+"""Spawn D local ranks (gloo on 127.0.0.1, or NCCL with one GPU each) and run a function.
+
+Used by ``zeroshard demo`` and by the multi-process tests. Under torchrun, call
+``init_from_env()`` instead: it reads the variables torchrun sets.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> None:
+    """Initialise the default process group from RANK/WORLD_SIZE/MASTER_* (torchrun's)."""
+    import datetime
+
+    backend = backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple, results) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    try:
+        init_from_env(backend)
+        try:
+            value = fn(rank, world_size, *args)
+            results.put((rank, "ok", value))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # report it to the parent, which raises
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple = (),
+    *,
+    backend: str | None = None,
+    timeout_s: float = 300.0,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes; return their results.
+
+    ``fn`` must be importable (a module-level function). Raises RuntimeError with the
+    failing rank's traceback, or on timeout after killing every process.
+    """
+    backend = backend or default_backend()
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    port = free_port()
+    processes = [
+        context.Process(target=_worker, args=(rank, world_size, port, backend, fn, args, results), daemon=True)
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + timeout_s
+    collected: dict[int, Any] = {}
+    try:
+        while len(collected) < world_size:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"ranks {sorted(set(range(world_size)) - set(collected))} did not finish in {timeout_s:.0f} s")
+            if results.empty():
+                if any(p.exitcode not in (None, 0) for p in processes) and results.empty():
+                    time.sleep(0.2)
+                    if results.empty():
+                        codes = {r: p.exitcode for r, p in enumerate(processes)}
+                        raise RuntimeError(f"a rank exited without a result (exit codes {codes})")
+                time.sleep(0.01)
+                continue
+            rank, status, value = results.get()
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            collected[rank] = value
+    finally:
+        for process in processes:
+            process.join(timeout=max(1.0, deadline - time.monotonic()) if len(collected) == world_size else 1.0)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    return [collected[rank] for rank in range(world_size)]
