@@ -20,6 +20,7 @@ from torch import nn
 from ..buffers import FlatParamBuffer, bind_flat_buffer, torch_dtype
 from ..comm import Collectives
 from ..layout import Layout, LayoutPolicy, build_layout
+from .fragments import FragmentAccess
 from .gradients import GradientReducer
 from .grouping import Grouping, resolve_groups
 from .scaler import LossScaler
@@ -27,7 +28,7 @@ from .scaler import LossScaler
 DEFAULT_STAGE2_BUCKET_NUMEL = 1 << 25  # 128 MiB of fp32 gradient per bucket in flight
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(FragmentAccess):
     """Shards fp32 master weights, optimizer state (stage 1) and gradients (stage 2).
 
     Args:
@@ -146,6 +147,10 @@ class ZeroOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the accumulated gradients (the partitions stay allocated)."""
         self.reducer.zero_grad()
+
+    def sync_params_from_masters(self) -> None:
+        """Collective: make the model's parameters the fp32 masters cast to their dtype."""
+        self._write_back_and_gather()
 
     # ---- internals ----------------------------------------------------------------------------
 

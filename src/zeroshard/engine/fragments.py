@@ -1,0 +1,142 @@
+"""Per-parameter access to sharded state: the fp32 master, the gradient, optimizer state.
+
+"Full" accessors are collective (every rank calls them with the same name): they
+reassemble the parameter from the ranks that own its pieces, one broadcast per piece, so
+a call moves the parameter's size, not a full-size buffer. Full setters take the same
+value on every rank; each rank keeps its own piece, and the fp32 setter also updates the
+model's parameter in place. "Local" accessors touch only this rank's piece of the
+parameter (at most one contiguous run, since a parameter never spans buckets); local
+setters leave the model's parameters to the next step or to ``sync_params_from_masters``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .optimizer import ZeroOptimizer
+
+
+@dataclass
+class LocalShard:
+    """This rank's run of a parameter: elements [param_start, param_start + len(values))."""
+
+    param_start: int
+    values: torch.Tensor  # 1-D, fp32
+
+
+class FragmentAccess:
+    """Mixed into ZeroOptimizer; relies on its layout, masters, optimizer, reducer and comm."""
+
+    # ---- full (collective) --------------------------------------------------------------
+
+    def get_full_fp32_param(self: ZeroOptimizer, name: str) -> torch.Tensor:
+        return self._gather(name, self._master_of)
+
+    def set_full_fp32_param(self: ZeroOptimizer, name: str, value: torch.Tensor) -> None:
+        self._scatter(name, value, self._master_of)
+        group, slot = self.layout.param(name)
+        with torch.no_grad():
+            self.buffers[group.index].param_view(slot.index).copy_(value.reshape(slot.spec.shape))
+
+    def get_full_grad(self: ZeroOptimizer, name: str) -> torch.Tensor:
+        """The gradient the next step would use before clipping: reduced, unscaled."""
+        self.reducer.reduce()
+        return self._gather(name, self._grad_of) / self.scaler.scale
+
+    def set_full_grad(self: ZeroOptimizer, name: str, value: torch.Tensor) -> None:
+        self.reducer.reduce()
+        self._scatter(name, value * self.scaler.scale, self._grad_of)
+
+    def get_full_optimizer_state(self: ZeroOptimizer, name: str, key: str) -> torch.Tensor:
+        return self._gather(name, lambda group_index: self._state_of(group_index, key))
+
+    def set_full_optimizer_state(self: ZeroOptimizer, name: str, key: str, value: torch.Tensor) -> None:
+        self._scatter(name, value, lambda group_index: self._state_of(group_index, key))
+
+    # ---- local ----------------------------------------------------------------------------
+
+    def get_local_fp32_param(self: ZeroOptimizer, name: str) -> LocalShard | None:
+        return self._local_get(name, self._master_of)
+
+    def set_local_fp32_param(self: ZeroOptimizer, name: str, values: torch.Tensor) -> None:
+        self._local_set(name, values, self._master_of)
+
+    def get_local_grad(self: ZeroOptimizer, name: str) -> LocalShard | None:
+        self.reducer.reduce()
+        shard = self._local_get(name, self._grad_of)
+        if shard is not None:
+            shard.values.div_(self.scaler.scale)
+        return shard
+
+    def set_local_grad(self: ZeroOptimizer, name: str, values: torch.Tensor) -> None:
+        self.reducer.reduce()
+        self._local_set(name, values * self.scaler.scale, self._grad_of)
+
+    def get_local_optimizer_state(self: ZeroOptimizer, name: str, key: str) -> LocalShard | None:
+        return self._local_get(name, lambda group_index: self._state_of(group_index, key))
+
+    def set_local_optimizer_state(self: ZeroOptimizer, name: str, key: str, values: torch.Tensor) -> None:
+        self._local_set(name, values, lambda group_index: self._state_of(group_index, key))
+
+    # ---- sources --------------------------------------------------------------------------
+
+    def _master_of(self: ZeroOptimizer, group_index: int) -> torch.Tensor:
+        return self.masters[group_index].data
+
+    def _grad_of(self: ZeroOptimizer, group_index: int) -> torch.Tensor:
+        return self.reducer.partition_grads[group_index]
+
+    def _state_of(self: ZeroOptimizer, group_index: int, key: str) -> torch.Tensor:
+        state = self.optimizer.state.get(self.masters[group_index], {})
+        tensor = state.get(key)
+        if tensor is None:
+            raise KeyError(f"optimizer has no state {key!r} (yet) for group {group_index}; it has {sorted(state)}")
+        if tensor.dim() != 1 or tensor.numel() != self.masters[group_index].numel():
+            raise KeyError(f"optimizer state {key!r} is not partition-shaped (shape {tuple(tensor.shape)}); read it from engine.optimizer.state")
+        return tensor
+
+    # ---- mechanics ------------------------------------------------------------------------
+
+    def _gather(self: ZeroOptimizer, name: str, source) -> torch.Tensor:
+        group, slot = self.layout.param(name)
+        full = torch.empty(slot.numel, dtype=torch.float32, device=self.device)
+        for piece in group.pieces(slot.index):
+            target = full[piece.param_start : piece.param_start + piece.length]
+            if piece.rank == self.rank:
+                local = source(group.index)[piece.partition_start : piece.partition_start + piece.length]
+                target.copy_(local)
+            self.comm.broadcast_(target, src=piece.rank)
+        return full.view(slot.spec.shape)
+
+    def _scatter(self: ZeroOptimizer, name: str, value: torch.Tensor, source) -> None:
+        group, piece = self._own_piece(name)
+        slot = self.layout.param(name)[1]
+        if value.numel() != slot.numel:
+            raise ValueError(f"parameter {name!r} has shape {slot.spec.shape}, got a value of shape {tuple(value.shape)}")
+        if piece is not None:
+            flat = value.detach().reshape(-1)[piece.param_start : piece.param_start + piece.length]
+            source(group.index)[piece.partition_start : piece.partition_start + piece.length].copy_(flat)
+
+    def _own_piece(self: ZeroOptimizer, name: str):
+        """This rank's run of the parameter (at most one), or None."""
+        group, slot = self.layout.param(name)
+        return group, next((p for p in group.pieces(slot.index) if p.rank == self.rank), None)
+
+    def _local_get(self: ZeroOptimizer, name: str, source) -> LocalShard | None:
+        group, piece = self._own_piece(name)
+        if piece is None:
+            return None
+        values = source(group.index)[piece.partition_start : piece.partition_start + piece.length]
+        return LocalShard(piece.param_start, values.clone())
+
+    def _local_set(self: ZeroOptimizer, name: str, values: torch.Tensor, source) -> None:
+        group, piece = self._own_piece(name)
+        length = 0 if piece is None else piece.length
+        if values.numel() != length:
+            raise ValueError(f"parameter {name!r}: rank {self.rank} holds {length} of its elements, got {values.numel()}")
+        if piece is not None:
+            source(group.index)[piece.partition_start : piece.partition_start + length].copy_(values.reshape(-1))
