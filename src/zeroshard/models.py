@@ -69,6 +69,8 @@ class TinyGPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: one parameter, two names
         self.register_buffer("positions", torch.arange(config.block_size), persistent=True)
+        self.apply(_gpt2_init)
+
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         x = self.wte(idx) + self.wpe(self.positions[: idx.shape[1]])
@@ -77,7 +79,14 @@ class TinyGPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _gpt2_init(module: nn.Module) -> None:
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
 
 
 class OddSizedModel(nn.Module):

@@ -6,9 +6,9 @@ import argparse
 import sys
 from typing import Sequence
 
-from . import layout_report
+from . import demo_cmd, layout_report
 
-SUBCOMMANDS = [layout_report]
+SUBCOMMANDS = [demo_cmd, layout_report]
 
 
 def build_parser() -> argparse.ArgumentParser:

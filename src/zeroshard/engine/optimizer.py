@@ -12,6 +12,7 @@ then write them back in the parameter dtype and all-gather the flat buffers in p
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
@@ -26,6 +27,21 @@ from .grouping import Grouping, resolve_groups
 from .scaler import LossScaler
 
 DEFAULT_STAGE2_BUCKET_NUMEL = 1 << 25  # 128 MiB of fp32 gradient per bucket in flight
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes of training state on one rank; ``unsharded_bytes`` is plain data parallelism's."""
+
+    param_buffer_bytes: int
+    master_bytes: int
+    optimizer_state_bytes: int
+    gradient_bytes: int
+    unsharded_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.param_buffer_bytes + self.master_bytes + self.optimizer_state_bytes + self.gradient_bytes
 
 
 class ZeroOptimizer(FragmentAccess):
@@ -147,6 +163,27 @@ class ZeroOptimizer(FragmentAccess):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the accumulated gradients (the partitions stay allocated)."""
         self.reducer.zero_grad()
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes this rank holds for training state, and what unsharded training would hold."""
+        master = sum(m.numel() * m.element_size() for m in self.masters)
+        state = sum(
+            t.numel() * t.element_size()
+            for m in self.masters
+            for t in self.optimizer.state.get(m, {}).values()
+            if torch.is_tensor(t) and t.dim() > 0
+        )
+        grads = sum(t.numel() * t.element_size() for t in self.reducer.held_tensors())
+        params = sum(b.data.numel() * b.data.element_size() for b in self.buffers)
+        real = sum(group.param_numel for group in self.layout.groups)
+        partition = sum(group.partition_numel for group in self.layout.groups)
+        state_per_element = state / partition if partition else 0.0
+        unsharded = (
+            sum(group.param_numel * b.data.element_size() for group, b in zip(self.layout.groups, self.buffers))
+            + real * (4 + 4)  # fp32 master and fp32 gradient
+            + int(real * state_per_element)
+        )
+        return MemoryReport(params, master, state, grads, unsharded)
 
     def sync_params_from_masters(self) -> None:
         """Collective: make the model's parameters the fp32 masters cast to their dtype."""
