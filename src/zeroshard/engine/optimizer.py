@@ -21,6 +21,8 @@ from torch import nn
 from ..buffers import FlatParamBuffer, bind_flat_buffer, torch_dtype
 from ..comm import Collectives
 from ..layout import Layout, LayoutPolicy, build_layout
+from . import state_io
+from ..state import ShardedState
 from .fragments import FragmentAccess
 from .gradients import GradientReducer
 from .grouping import Grouping, resolve_groups
@@ -184,6 +186,23 @@ class ZeroOptimizer(FragmentAccess):
             + int(real * state_per_element)
         )
         return MemoryReport(params, master, state, grads, unsharded)
+
+    def export_state(self) -> ShardedState:
+        """This rank's state as a plain value (CPU tensors) for the checkpoint layer."""
+        return state_io.export_state(self)
+
+    def import_state(
+        self,
+        state: ShardedState,
+        *,
+        load_optimizer_states: bool = True,
+        load_module_only: bool = False,
+        strict: bool = True,
+    ) -> None:
+        """Collective. Load a state laid out for this engine; see ``state_io.import_state``."""
+        state_io.import_state(
+            self, state, load_optimizer_states=load_optimizer_states, load_module_only=load_module_only, strict=strict
+        )
 
     def sync_params_from_masters(self) -> None:
         """Collective: make the model's parameters the fp32 masters cast to their dtype."""

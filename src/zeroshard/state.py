@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..layout import Layout
+from .layout import Layout
 
 
 @dataclass

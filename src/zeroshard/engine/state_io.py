@@ -1,0 +1,137 @@
+"""Export an engine rank's state as a ShardedState, and load one back.
+
+Loading keeps the engine's invariant: afterwards the flat buffers, the model's parameters
+(views of them) and the fp32 master partitions agree, whatever kind of load it was, so
+the first step after a load starts from the loaded values. Everything is validated before
+anything changes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..state import ParamGroupState, ShardedState
+
+if TYPE_CHECKING:
+    from .optimizer import ZeroOptimizer
+
+
+def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
+    cls = type(optimizer)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def export_state(engine: ZeroOptimizer) -> ShardedState:
+    """A CPU copy of this rank's share: masters, optimizer state, model, counters."""
+    states, scalars = [], []
+    for master in engine.masters:
+        partitioned, scalar = {}, {}
+        for key, value in engine.optimizer.state.get(master, {}).items():
+            tensor = value if torch.is_tensor(value) else torch.tensor(value)
+            is_partition = tensor.dim() == 1 and tensor.numel() == master.numel()
+            (partitioned if is_partition else scalar)[key] = tensor.detach().cpu().clone()
+        states.append(partitioned)
+        scalars.append(scalar)
+    groups = [
+        ParamGroupState(
+            hyperparameters={k: v for k, v in group.items() if k != "params"},
+            layout_groups=list(user.layout_groups),
+        )
+        for group, user in zip(engine.optimizer.param_groups, engine.grouping.user_groups)
+    ]
+    return ShardedState(
+        layout=engine.layout,
+        rank=engine.rank,
+        fp32_partitions=[m.detach().cpu().clone() for m in engine.masters],
+        optimizer_states=states,
+        optimizer_scalars=scalars,
+        param_groups=groups,
+        optimizer_class=optimizer_class_name(engine.optimizer),
+        model_state={k: v.detach().cpu().clone() for k, v in engine.model.state_dict().items()},
+        extra={"global_steps": engine.global_steps, "loss_scaler": engine.scaler.state_dict()},
+    )
+
+
+def import_state(
+    engine: ZeroOptimizer,
+    state: ShardedState,
+    *,
+    load_optimizer_states: bool = True,
+    load_module_only: bool = False,
+    strict: bool = True,
+) -> None:
+    """Collective. Load ``state`` (already laid out for this engine) into the engine.
+
+    * full: model weights, masters, optimizer state, hyperparameters, counters;
+    * ``load_optimizer_states=False``: model weights; masters rebuilt from them; fresh
+      optimizer state;
+    * ``load_module_only=True``: model weights only (masters rebuilt from them).
+    """
+    full = load_optimizer_states and not load_module_only
+    _validate(engine, state, full, strict)
+    with torch.no_grad():
+        engine.model.load_state_dict(_cast_like(engine.model.state_dict(), state.model_state), strict=strict)
+    engine.reducer.zero_grad()
+    if not full:
+        _rebuild_masters_from_params(engine)
+        if not load_module_only:
+            engine.optimizer.state.clear()
+        return
+    for master, values in zip(engine.masters, state.fp32_partitions):
+        master.data.copy_(values)
+    engine.optimizer.load_state_dict(_torch_optimizer_state(engine, state))
+    engine.global_steps = int(state.extra.get("global_steps", 0))
+    engine.scaler.load_state_dict(state.extra.get("loss_scaler", engine.scaler.state_dict()))
+    engine.sync_params_from_masters()
+
+
+def _validate(engine: ZeroOptimizer, state: ShardedState, full: bool, strict: bool) -> None:
+    if state.layout != engine.layout:
+        raise ValueError("the state's layout differs from the engine's; load it through zeroshard.checkpoint to reshard")
+    if state.rank != engine.rank:
+        raise ValueError(f"the state is rank {state.rank}'s, this is rank {engine.rank}")
+    if not full:
+        return
+    expected = optimizer_class_name(engine.optimizer)
+    if state.optimizer_class != expected:
+        raise ValueError(f"the checkpoint's optimizer is {state.optimizer_class}, this run uses {expected}")
+    if len(state.param_groups) != len(engine.optimizer.param_groups):
+        raise ValueError(
+            f"the checkpoint has {len(state.param_groups)} param groups, this run has {len(engine.optimizer.param_groups)}"
+        )
+    for group_index, (values, master) in enumerate(zip(state.fp32_partitions, engine.masters)):
+        if values.shape != master.shape:
+            raise ValueError(f"group {group_index}: fp32 partition has shape {tuple(values.shape)}, expected {tuple(master.shape)}")
+        for key, tensor in state.optimizer_states[group_index].items():
+            if tensor.shape != master.shape:
+                raise ValueError(f"group {group_index}: optimizer state {key!r} has shape {tuple(tensor.shape)}")
+
+
+def _cast_like(current: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Loaded tensors in the dtypes the live module uses (a run may change param_dtype)."""
+    return {k: v.to(current[k].dtype) if k in current and v.is_floating_point() else v for k, v in loaded.items()}
+
+
+def _rebuild_masters_from_params(engine: ZeroOptimizer) -> None:
+    for master, buffer in zip(engine.masters, engine.buffers):
+        parts = [buffer.data[begin:end] for begin, end in buffer.group.partition_ranges(engine.rank)]
+        master.data.copy_(torch.cat(parts).float() if parts else master.data)
+
+
+def _torch_optimizer_state(engine: ZeroOptimizer, state: ShardedState) -> dict[str, Any]:
+    """The state in torch.optim's own state_dict form, so the optimizer casts it its way."""
+    index_of = {id(master): i for i, master in enumerate(engine.masters)}
+    per_param = {}
+    for group_index, master in enumerate(engine.masters):
+        # Clones: torch keeps tensors it needs no cast for, and would update ours in place.
+        saved = {**state.optimizer_scalars[group_index], **state.optimizer_states[group_index]}
+        entry = {key: value.clone() for key, value in saved.items()}
+        if entry:
+            per_param[index_of[id(master)]] = entry
+    groups = []
+    for live, saved in zip(engine.optimizer.param_groups, state.param_groups):
+        params = [index_of[id(p)] for p in live["params"]]
+        groups.append({**live, **saved.hyperparameters, "params": params})
+    return {"state": per_param, "param_groups": groups}
