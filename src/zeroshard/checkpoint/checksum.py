@@ -1,0 +1,80 @@
+"""Block checksums: CRC-32 of every fixed-size block of a file.
+
+CRC-32 (zlib) runs at about 3.9 GB/s here against 1.7 GB/s for SHA-256 and 0.9 GB/s for
+BLAKE2b (docs/FORMAT.md has the figures). It catches torn writes, truncation and flipped
+bits; it is not a defence against deliberate tampering, which the format does not need to
+be safe against since loading runs no code. Blocks let a rank that reads a byte range of a
+file verify just the blocks under it.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """What the manifest knows of one file: its size and the CRC-32 of each block."""
+
+    size: int
+    block_size: int
+    crc32: tuple[int, ...]
+
+    def blocks_covering(self, start: int, end: int) -> range:
+        """Indices of the blocks holding bytes [start, end)."""
+        if end <= start:
+            return range(0)
+        return range(start // self.block_size, (end - 1) // self.block_size + 1)
+
+    def block_range(self, index: int) -> tuple[int, int]:
+        begin = index * self.block_size
+        return begin, min(begin + self.block_size, self.size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"size": self.size, "block_size": self.block_size, "crc32": list(self.crc32)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FileRecord:
+        record = cls(int(data["size"]), int(data["block_size"]), tuple(int(c) for c in data["crc32"]))
+        expected_blocks = -(-record.size // record.block_size) if record.block_size > 0 else -1
+        if record.size < 0 or record.block_size <= 0 or len(record.crc32) != expected_blocks:
+            raise ValueError(
+                f"file record {data.get('size')} bytes / {data.get('block_size')} per block has {len(record.crc32)} checksums"
+            )
+        return record
+
+
+class BlockHasher:
+    """Feeds a stream of bytes and cuts it into blocks, keeping the CRC-32 of each."""
+
+    def __init__(self, block_size: int) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.size = 0
+        self._crcs: list[int] = []
+        self._current = 0  # running CRC of the unfinished block
+        self._filled = 0
+
+    def update(self, data: memoryview | bytes) -> None:
+        view = memoryview(data).cast("B")
+        position = 0
+        while position < len(view):
+            take = min(self.block_size - self._filled, len(view) - position)
+            self._current = zlib.crc32(view[position : position + take], self._current)
+            self._filled += take
+            position += take
+            if self._filled == self.block_size:
+                self._crcs.append(self._current)
+                self._current = self._filled = 0
+        self.size += len(view)
+
+    def record(self) -> FileRecord:
+        crcs = self._crcs + ([self._current] if self._filled else [])
+        return FileRecord(self.size, self.block_size, tuple(crcs))
+
+
+def block_crc(data: memoryview | bytes) -> int:
+    return zlib.crc32(data)

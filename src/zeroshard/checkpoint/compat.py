@@ -1,0 +1,76 @@
+"""Does a checkpoint fit the run? Name every parameter that does not, in one line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from ..layout import Layout
+from .manifest import Manifest, dtype_name
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """Differences between the checkpoint's tensors and the run's, by name."""
+
+    missing: tuple[str, ...] = ()  # in the run, not in the checkpoint
+    unexpected: tuple[str, ...] = ()  # in the checkpoint, not in the run
+    reshaped: tuple[str, ...] = ()  # "name (checkpoint [..], run [..])"
+    retyped: tuple[str, ...] = ()  # "name (checkpoint bfloat16, run float16)"
+
+    def __bool__(self) -> bool:
+        return bool(self.missing or self.unexpected or self.reshaped or self.retyped)
+
+    def describe(self, what: str) -> str:
+        parts = []
+        for label, names in (
+            ("missing from the checkpoint", self.missing),
+            ("not in the run", self.unexpected),
+            ("with another shape", self.reshaped),
+            ("with another dtype", self.retyped),
+        ):
+            if names:
+                parts.append(f"{len(names)} {label}: {', '.join(names)}")
+        return f"{what}: " + "; ".join(parts)
+
+    def skipped(self) -> set[str]:
+        """Names a non-strict load leaves out (present on one side only, or reshaped)."""
+        return set(self.missing) | set(self.unexpected) | {entry.split(" (")[0] for entry in self.reshaped}
+
+
+def compare_params(old: Layout, new: Layout) -> Mismatch:
+    """The run's trainable parameters (``new``) against the checkpoint's (``old``)."""
+    old_specs = {slot.name: slot.spec for group in old.groups for slot in group.params}
+    new_specs = {slot.name: slot.spec for group in new.groups for slot in group.params}
+    return _compare(
+        {name: (spec.shape, spec.dtype) for name, spec in old_specs.items()},
+        {name: (spec.shape, spec.dtype) for name, spec in new_specs.items()},
+    )
+
+
+def compare_module(manifest: Manifest, module_state: Mapping[str, torch.Tensor]) -> Mismatch:
+    """The run's full state_dict (frozen parameters and buffers too) against model.safetensors."""
+    saved = {name: (record.shape, record.dtype) for name, record in manifest.model_tensors.items()}
+    saved.update({alias: saved[target] for alias, target in manifest.aliases.items()})
+    run = {name: (tuple(t.shape), dtype_name(t.dtype)) for name, t in module_state.items()}
+    return _compare(saved, run)
+
+
+def _compare(saved: Mapping[str, tuple], run: Mapping[str, tuple]) -> Mismatch:
+    both = [name for name in run if name in saved]
+    return Mismatch(
+        missing=tuple(name for name in run if name not in saved),
+        unexpected=tuple(name for name in saved if name not in run),
+        reshaped=tuple(
+            f"{name} (checkpoint {list(saved[name][0])}, run {list(run[name][0])})"
+            for name in both
+            if tuple(saved[name][0]) != tuple(run[name][0])
+        ),
+        retyped=tuple(
+            f"{name} (checkpoint {saved[name][1]}, run {run[name][1]})"
+            for name in both
+            if tuple(saved[name][0]) == tuple(run[name][0]) and saved[name][1] != run[name][1]
+        ),
+    )

@@ -1,0 +1,146 @@
+"""The checkpoint root on disk: staging, atomic publication, the ``latest`` pointer.
+
+A save writes into ``<root>/.<tag>.tmp-<id>`` and becomes visible with one rename to
+``<root>/<tag>``; ``latest`` is replaced after that. Saving over an existing tag first moves
+the old directory aside to ``<root>/.<tag>.old-<id>``; if a crash falls between the two
+renames, :func:`resolve_checkpoint` finds the old one there, and the next save puts it back.
+Nothing whose name starts with a dot is ever loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Callable
+
+from .format import LATEST_FILE, MANIFEST_FILE, OLD_MARKER, TEMP_MARKER, check_tag, old_dir_name, temp_dir_name
+
+log = logging.getLogger(__name__)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make renames and new entries in ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_durably(path: Path, text: str) -> None:
+    with open(path, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def replace_file_atomically(path: Path, text: str) -> None:
+    """Readers see the old content or the new, never a partial file."""
+    temp = path.with_name(f".{path.name}{TEMP_MARKER}{uuid.uuid4().hex[:8]}")
+    write_file_durably(temp, text)
+    os.replace(temp, path)
+    fsync_dir(path.parent)
+
+
+def prepare_staging(root: Path, tag: str) -> Path:
+    """Clean up after earlier interrupted saves, then create a fresh staging directory."""
+    root.mkdir(parents=True, exist_ok=True)
+    clean_interrupted_saves(root)
+    staging = root / temp_dir_name(tag, uuid.uuid4().hex[:12])
+    staging.mkdir()
+    return staging
+
+
+def clean_interrupted_saves(root: Path) -> None:
+    """Delete staging directories; put back an old tag a crash left moved aside, else delete it.
+
+    One root is written by one job at a time, so every staging directory found here belongs
+    to a save that died.
+    """
+    for entry in sorted(root.iterdir()):
+        if not entry.name.startswith(".") or not entry.is_dir():
+            continue
+        if TEMP_MARKER in entry.name:
+            shutil.rmtree(entry, ignore_errors=True)
+        elif OLD_MARKER in entry.name:
+            tag = entry.name[1:].rsplit(OLD_MARKER, 1)[0]
+            if not (root / tag).exists() and (entry / MANIFEST_FILE).exists():
+                os.rename(entry, root / tag)
+                log.warning("restored checkpoint %s, moved aside by an interrupted save", root / tag)
+            else:
+                shutil.rmtree(entry, ignore_errors=True)
+    fsync_dir(root)
+
+
+def publish(root: Path, tag: str, staging: Path, fault: Callable[[str], None]) -> Path:
+    """Rename the finished ``staging`` directory to ``root/tag``: the commit point of a save."""
+    target = root / tag
+    moved_aside = None
+    fault("before_rename")
+    if target.exists():
+        moved_aside = root / old_dir_name(tag, staging.name.rsplit(TEMP_MARKER, 1)[1])
+        os.rename(target, moved_aside)
+        fsync_dir(root)
+        fault("mid_replace")
+    os.rename(staging, target)
+    fsync_dir(root)
+    fault("before_latest")
+    replace_file_atomically(root / LATEST_FILE, tag + "\n")
+    if moved_aside is not None:
+        shutil.rmtree(moved_aside, ignore_errors=True)
+    return target
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """The checkpoint directory ``path`` names: itself, or the tag its ``latest`` file names.
+
+    FileNotFoundError or ValueError in one line when there is none.
+    """
+    if (path / MANIFEST_FILE).is_file():
+        return path
+    if (path / LATEST_FILE).is_file():
+        tag = (path / LATEST_FILE).read_text().strip()
+        try:
+            check_tag(tag)
+        except ValueError:
+            raise ValueError(f"{path / LATEST_FILE}: holds {tag!r}, not a checkpoint tag") from None
+        target = _existing_or_moved_aside(path / tag)
+        if target is None:
+            raise FileNotFoundError(f"{path / LATEST_FILE}: names tag {tag!r} but {path / tag} does not exist")
+        if not (target / MANIFEST_FILE).is_file():
+            raise ValueError(f"{path / LATEST_FILE}: names tag {tag!r} but {target} has no {MANIFEST_FILE}")
+        return target
+    if not path.exists():
+        moved = _existing_or_moved_aside(path)
+        if moved is None:
+            raise FileNotFoundError(f"{path}: no such checkpoint directory")
+        return moved
+    if not path.is_dir():
+        raise ValueError(f"{path}: not a directory; a checkpoint is a directory with {MANIFEST_FILE}")
+    if not any(path.iterdir()):
+        raise ValueError(f"{path}: empty directory, not a checkpoint")
+    tags = list_tags(path)
+    if tags:
+        raise ValueError(f"{path}: no {LATEST_FILE} file; name one of its checkpoints: {', '.join(tags)}")
+    raise ValueError(f"{path}: no {MANIFEST_FILE}: not a checkpoint, or an unfinished save")
+
+
+def list_tags(root: Path) -> list[str]:
+    """Tags of the complete checkpoints under ``root``."""
+    return sorted(e.name for e in root.iterdir() if not e.name.startswith(".") and (e / MANIFEST_FILE).is_file())
+
+
+def _existing_or_moved_aside(target: Path) -> Path | None:
+    if target.exists():
+        return target
+    if not target.parent.is_dir():
+        return None
+    prefix = f".{target.name}{OLD_MARKER}"
+    aside = [e for e in target.parent.iterdir() if e.name.startswith(prefix) and (e / MANIFEST_FILE).is_file()]
+    if not aside:
+        return None
+    log.warning("%s was being replaced when a save stopped; loading the previous version from %s", target, aside[0])
+    return aside[0]

@@ -1,0 +1,54 @@
+"""Names in a checkpoint directory and keys in its files: the format's vocabulary.
+
+docs/FORMAT.md describes the format; this module is the one place that spells its names.
+"""
+
+from __future__ import annotations
+
+FORMAT_NAME = "zeroshard.checkpoint"
+FORMAT_VERSION = 1
+
+MANIFEST_FILE = "manifest.json"
+MODEL_FILE = "model.safetensors"
+LATEST_FILE = "latest"
+
+# Checksums cover fixed-size blocks of every file, so a rank that reads a byte range checks
+# only the blocks under it instead of hashing whole files it mostly does not need.
+DEFAULT_BLOCK_SIZE = 1 << 20
+
+TEMP_MARKER = ".tmp-"  # staging directory: "." + tag + TEMP_MARKER + id
+OLD_MARKER = ".old-"  # a replaced tag waiting to be deleted: "." + tag + OLD_MARKER + id
+
+
+def rank_file_name(rank: int, world_size: int) -> str:
+    """``rank-00003-of-00008.safetensors``: the file holding one rank's partitions."""
+    return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def fp32_key(group: int) -> str:
+    return f"group{group}.fp32"
+
+
+def state_key(group: int, name: str) -> str:
+    return f"group{group}.state.{name}"
+
+
+def scalar_key(group: int, name: str) -> str:
+    return f"group{group}.scalar.{name}"
+
+
+def temp_dir_name(tag: str, unique: str) -> str:
+    return f".{tag}{TEMP_MARKER}{unique}"
+
+
+def old_dir_name(tag: str, unique: str) -> str:
+    return f".{tag}{OLD_MARKER}{unique}"
+
+
+def check_tag(tag: str) -> str:
+    """A tag names a directory under the root: no separators, no leading dot, not 'latest'."""
+    if not isinstance(tag, str) or not tag or tag.strip() != tag:
+        raise ValueError(f"checkpoint tag {tag!r} must be a non-empty string without surrounding spaces")
+    if "/" in tag or "\\" in tag or tag.startswith(".") or tag == LATEST_FILE or "\n" in tag:
+        raise ValueError(f"checkpoint tag {tag!r} must not contain '/', start with '.', or be {LATEST_FILE!r}")
+    return tag

@@ -1,0 +1,217 @@
+"""The manifest: everything about a checkpoint but the tensors, as one JSON document.
+
+It is written last, so a directory without one is an unfinished save. Reading it checks
+the format name and version, rebuilds the Layout (which re-derives every offset) and
+checks that the file list matches the world size.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import __version__
+from ..layout import Layout
+from ..state import ParamGroupState
+from . import jsonvalue
+from .checksum import FileRecord
+from .format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    MODEL_FILE,
+    fp32_key,
+    rank_file_name,
+    scalar_key,
+    state_key,
+)
+
+TENSOR_KINDS = ("trainable", "frozen", "buffer", "other")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class GroupRecord:
+    """Which tensors each rank file holds for one layout group, and their dtypes."""
+
+    fp32_dtype: str
+    states: dict[str, str]  # partition-shaped optimizer state: name -> dtype
+    scalars: dict[str, tuple[str, tuple[int, ...]]]  # other optimizer state: name -> (dtype, shape)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "fp32_dtype": self.fp32_dtype,
+            "states": dict(self.states),
+            "scalars": {name: {"dtype": dtype, "shape": list(shape)} for name, (dtype, shape) in self.scalars.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GroupRecord:
+        scalars = {name: (str(s["dtype"]), tuple(int(d) for d in s["shape"])) for name, s in data["scalars"].items()}
+        return cls(str(data["fp32_dtype"]), {str(k): str(v) for k, v in data["states"].items()}, scalars)
+
+
+@dataclass(frozen=True)
+class ModelTensorRecord:
+    """One entry of the module's state_dict."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    kind: str  # one of TENSOR_KINDS; "other" is a frozen parameter or a buffer, not told apart
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The parsed manifest.json of one checkpoint."""
+
+    tag: str
+    layout: Layout
+    optimizer_class: str
+    param_groups: list[ParamGroupState]
+    groups: tuple[GroupRecord, ...]
+    model_tensors: dict[str, ModelTensorRecord]
+    aliases: dict[str, str]  # state_dict name -> the name whose tensor it shares (stored once)
+    extra: dict[str, Any]
+    files: dict[str, FileRecord]
+    version: int = FORMAT_VERSION
+    created_by: str = f"zeroshard {__version__}"
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    def rank_files(self) -> list[str]:
+        return [rank_file_name(rank, self.world_size) for rank in range(self.world_size)]
+
+    def rank_file_tensors(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """The (dtype, shape) of every tensor each rank file holds, by key."""
+        tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+        for group, record in zip(self.layout.groups, self.groups):
+            shape = (group.partition_numel,)
+            tensors.update({scalar_key(group.index, n): spec for n, spec in record.scalars.items()})
+            tensors[fp32_key(group.index)] = (record.fp32_dtype, shape)
+            tensors.update({state_key(group.index, n): (dtype, shape) for n, dtype in record.states.items()})
+        return tensors
+
+    def model_file_tensors(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        return {name: (t.dtype, t.shape) for name, t in self.model_tensors.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_NAME,
+            "version": self.version,
+            "created_by": self.created_by,
+            "tag": self.tag,
+            "world_size": self.world_size,
+            "layout": self.layout.to_dict(),
+            "optimizer": {
+                "class": self.optimizer_class,
+                "param_groups": [
+                    {
+                        "hyperparameters": jsonvalue.encode(g.hyperparameters, f"param_groups[{i}]"),
+                        "layout_groups": list(g.layout_groups),
+                    }
+                    for i, g in enumerate(self.param_groups)
+                ],
+            },
+            "groups": [group.to_dict() for group in self.groups],
+            "model": {
+                "file": MODEL_FILE,
+                "tensors": {
+                    name: {"shape": list(t.shape), "dtype": t.dtype, "kind": t.kind}
+                    for name, t in self.model_tensors.items()
+                },
+                "aliases": dict(self.aliases),
+            },
+            "extra": jsonvalue.encode(self.extra, "extra"),
+            "files": {name: record.to_dict() for name, record in sorted(self.files.items())},
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, allow_nan=False)
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "manifest") -> Manifest:
+        """Parse and check; ValueError names ``source`` and the problem in one line."""
+        if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
+            found = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"{source}: not a zeroshard checkpoint manifest (format {found!r})")
+        version = data.get("version")
+        if not isinstance(version, int) or version < 1:
+            raise ValueError(f"{source}: format version {version!r} is not valid")
+        if version > FORMAT_VERSION:
+            raise ValueError(
+                f"{source}: format version {version} is newer than this zeroshard reads ({FORMAT_VERSION}); upgrade zeroshard"
+            )
+        try:
+            layout = Layout.from_dict(data["layout"])
+        except ValueError as err:
+            raise ValueError(f"{source}: {err}") from None
+        try:
+            manifest = cls._fields_from_dict(data, layout)
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise ValueError(f"{source}: malformed manifest ({type(err).__name__}: {err})") from None
+        manifest._check_consistent(data, source)
+        return manifest
+
+    @classmethod
+    def _fields_from_dict(cls, data: dict[str, Any], layout: Layout) -> Manifest:
+        optimizer = data["optimizer"]
+        model = data["model"]
+        return cls(
+            tag=str(data["tag"]),
+            layout=layout,
+            optimizer_class=str(optimizer["class"]),
+            param_groups=[
+                ParamGroupState(jsonvalue.decode(g["hyperparameters"]), [int(i) for i in g["layout_groups"]])
+                for g in optimizer["param_groups"]
+            ],
+            groups=tuple(GroupRecord.from_dict(group) for group in data["groups"]),
+            model_tensors={
+                str(name): ModelTensorRecord(tuple(int(d) for d in t["shape"]), str(t["dtype"]), str(t["kind"]))
+                for name, t in model["tensors"].items()
+            },
+            aliases={str(k): str(v) for k, v in model["aliases"].items()},
+            extra=jsonvalue.decode(data["extra"]),
+            files={str(name): FileRecord.from_dict(record) for name, record in data["files"].items()},
+            version=int(data["version"]),
+            created_by=str(data.get("created_by", "")),
+        )
+
+    def _check_consistent(self, data: dict[str, Any], source: str) -> None:
+        if data.get("world_size") != self.world_size:
+            raise ValueError(
+                f"{source}: world_size {data.get('world_size')!r} disagrees with the layout's {self.world_size}"
+            )
+        if len(self.groups) != len(self.layout.groups):
+            raise ValueError(f"{source}: {len(self.groups)} group records for {len(self.layout.groups)} layout groups")
+        expected = {MODEL_FILE, *self.rank_files()}
+        if set(self.files) != expected:
+            missing = sorted(expected - set(self.files))
+            unknown = sorted(set(self.files) - expected)
+            raise ValueError(
+                f"{source}: file list does not match world size {self.world_size} (missing {missing}, unknown {unknown})"
+            )
+        for alias, target in self.aliases.items():
+            if target not in self.model_tensors or alias in self.model_tensors:
+                raise ValueError(f"{source}: alias {alias!r} -> {target!r} does not name a stored tensor")
+
+
+def read_manifest(directory: Path) -> Manifest:
+    path = directory / MANIFEST_FILE
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: missing: not a complete checkpoint") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: corrupted: not valid JSON ({err.msg} at line {err.lineno})") from None
+    return Manifest.from_dict(data, str(path))

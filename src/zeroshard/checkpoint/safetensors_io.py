@@ -1,0 +1,234 @@
+"""Write safetensors files in one streaming pass, and read verified byte ranges back.
+
+The writer produces standard safetensors (any safetensors reader opens the files) while
+hashing the bytes as they go out, so a save reads nothing back and copies no tensor. The
+reader reads only the checksum blocks under the requested byte ranges with ``os.pread``,
+checks each block against the manifest, and counts the bytes it read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+
+from .checksum import BlockHasher, FileRecord, block_crc
+
+_DTYPE_CODES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+_MAX_HEADER_BYTES = 100 << 20  # the limit safetensors itself enforces
+_WRITE_CHUNK = 64 << 20
+
+if sys.byteorder != "little":  # safetensors is little-endian and tensors are written raw
+    raise ImportError("zeroshard checkpoints need a little-endian machine")
+
+
+def dtype_to_code(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_CODES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} cannot be stored in safetensors") from None
+
+
+def dtype_from_code(code: str) -> torch.dtype:
+    try:
+        return _CODE_DTYPES[code]
+    except KeyError:
+        raise ValueError(f"unknown safetensors dtype {code!r}") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """torch dtype of a canonical layout dtype name ("bfloat16", "float32", ...)."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors file: dtype code, shape and absolute byte range."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def write_safetensors(
+    path: Path, tensors: Sequence[tuple[str, torch.Tensor]], block_size: int, metadata: dict[str, str] | None = None
+) -> FileRecord:
+    """Write ``tensors`` in the given order to ``path``, fsync it, return its block checksums."""
+    flats = [(name, _as_bytes(tensor), tensor) for name, tensor in tensors]
+    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, raw, tensor in flats:
+        header[name] = {
+            "dtype": dtype_to_code(tensor.dtype),
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + len(raw)],
+        }
+        offset += len(raw)
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # data starts 8-byte aligned, as safetensors writes it
+    hasher = BlockHasher(block_size)
+    with open(path, "wb", buffering=0) as out:
+        for piece in (struct.pack("<Q", len(encoded)), encoded):
+            _write_all(out, memoryview(piece), hasher)
+        for _, raw, _ in flats:
+            for start in range(0, len(raw), _WRITE_CHUNK):
+                _write_all(out, raw[start : start + _WRITE_CHUNK], hasher)
+        os.fsync(out.fileno())
+    return hasher.record()
+
+
+def _as_bytes(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def _write_all(out, data: memoryview, hasher: BlockHasher) -> None:
+    hasher.update(data)
+    written = 0
+    while written < len(data):
+        written += out.write(data[written:])
+
+
+def read_header(path: Path, file_size: int, stats: ReadStats | None = None) -> dict[str, TensorEntry]:
+    """Parse and check a safetensors header; offsets become absolute and must fit the file."""
+    with open(path, "rb", buffering=0) as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            raise ValueError(f"{path}: truncated: no safetensors header")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > min(_MAX_HEADER_BYTES, file_size - 8):
+            raise ValueError(f"{path}: corrupted: header length {length} does not fit a {file_size}-byte file")
+        raw = handle.read(length)
+    if stats is not None:
+        stats.add(path.name, 8 + len(raw))
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ValueError(f"{path}: corrupted: the safetensors header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: corrupted: the safetensors header is not a JSON object")
+    data_start = 8 + length
+    entries = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = (data_start + int(v) for v in info["data_offsets"])
+            entries[name] = TensorEntry(str(info["dtype"]), tuple(int(d) for d in info["shape"]), begin, end)
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{path}: corrupted: bad header entry for {name!r}") from None
+        if not data_start <= begin <= end <= file_size:
+            raise ValueError(f"{path}: corrupted: tensor {name!r} lies outside the file")
+    return entries
+
+
+@dataclass
+class ReadStats:
+    """Bytes read from each checkpoint file (header, data and checksum-block overhead)."""
+
+    bytes_by_file: dict[str, int] = field(default_factory=dict)
+
+    def add(self, file_name: str, count: int) -> None:
+        self.bytes_by_file[file_name] = self.bytes_by_file.get(file_name, 0) + count
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes_by_file.values())
+
+
+class VerifiedRanges:
+    """Byte ranges of one file, read whole-block and checked against the manifest."""
+
+    def __init__(
+        self, path: Path, record: FileRecord, ranges: Iterable[tuple[int, int]], stats: ReadStats | None
+    ) -> None:
+        self.path = path
+        self._runs: list[tuple[int, bytearray]] = []
+        blocks = sorted({index for begin, end in ranges for index in record.blocks_covering(begin, end)})
+        with open(path, "rb", buffering=0) as handle:
+            for first, last in _consecutive_runs(blocks):
+                begin, end = record.block_range(first)[0], record.block_range(last)[1]
+                data = _pread_exact(handle.fileno(), begin, end - begin, path)
+                if stats is not None:
+                    stats.add(path.name, len(data))
+                _check_blocks(path, record, first, last, begin, data)
+                self._runs.append((begin, data))
+
+    def view(self, begin: int, end: int) -> memoryview:
+        for run_start, data in self._runs:
+            if run_start <= begin and end <= run_start + len(data):
+                return memoryview(data)[begin - run_start : end - run_start]
+        raise AssertionError(f"bytes [{begin}, {end}) of {self.path} were not read")
+
+
+def verify_file(path: Path, record: FileRecord) -> list[str]:
+    """Problems found re-reading all of ``path`` against ``record`` (empty when it is intact)."""
+    size = path.stat().st_size
+    if size != record.size:
+        return [f"{path}: size {size} bytes, the manifest says {record.size}"]
+    problems = []
+    with open(path, "rb", buffering=0) as handle:
+        for index in range(len(record.crc32)):
+            begin, end = record.block_range(index)
+            data = _pread_exact(handle.fileno(), begin, end - begin, path)
+            if block_crc(data) != record.crc32[index]:
+                problems.append(
+                    f"{path}: checksum mismatch in block {index} (bytes {begin}-{end}): the file is corrupted"
+                )
+    return problems
+
+
+def _consecutive_runs(indices: list[int]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for index in indices:
+        if runs and runs[-1][1] == index - 1:
+            runs[-1] = (runs[-1][0], index)
+        else:
+            runs.append((index, index))
+    return runs
+
+
+def _pread_exact(fd: int, offset: int, count: int, path: Path) -> bytearray:
+    data = bytearray(count)
+    view = memoryview(data)
+    done = 0
+    while done < count:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise ValueError(f"{path}: truncated: expected {offset + count} bytes, the file ends at {offset + done}")
+        done += got
+    return data
+
+
+def _check_blocks(path: Path, record: FileRecord, first: int, last: int, run_start: int, data: bytearray) -> None:
+    view = memoryview(data)
+    for index in range(first, last + 1):
+        begin, end = record.block_range(index)
+        if block_crc(view[begin - run_start : end - run_start]) != record.crc32[index]:
+            raise ValueError(f"{path}: checksum mismatch in block {index} (bytes {begin}-{end}): the file is corrupted")
