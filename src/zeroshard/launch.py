@@ -58,6 +58,10 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, a
         results.put((rank, "error", traceback.format_exc()))
 
 
+class _PortTaken(RuntimeError):
+    pass
+
+
 def spawn(
     fn: Callable[..., Any],
     world_size: int,
@@ -65,13 +69,24 @@ def spawn(
     *,
     backend: str | None = None,
     timeout_s: float = 300.0,
+    attempts: int = 3,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes; return their results.
 
     ``fn`` must be importable (a module-level function). Raises RuntimeError with the
-    failing rank's traceback, or on timeout after killing every process.
+    failing rank's traceback, or on timeout after killing every process. The rendezvous
+    port is picked free but can be taken before rank 0 binds it; then it tries another.
     """
-    backend = backend or default_backend()
+    for attempt in range(attempts):
+        try:
+            return _spawn_once(fn, world_size, args, backend or default_backend(), timeout_s)
+        except _PortTaken:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _spawn_once(fn: Callable[..., Any], world_size: int, args: tuple, backend: str, timeout_s: float) -> list[Any]:
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
     port = free_port()
@@ -96,6 +111,8 @@ def spawn(
                 time.sleep(0.01)
                 continue
             rank, status, value = results.get()
+            if status == "error" and ("EADDRINUSE" in value or "address already in use" in value.lower()):
+                raise _PortTaken(value)
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             collected[rank] = value

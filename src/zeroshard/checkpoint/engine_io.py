@@ -1,0 +1,111 @@
+"""Save and load a training run: the engine's exported state through the checkpoint format.
+
+These functions use only the engine's public surface (``export_state``, ``import_state``,
+``layout``, ``rank``, ``model``, ``comm``), so the on-disk format knows nothing of engine
+internals. Both are collective: every rank calls them, and every rank succeeds or raises
+together. A load validates everything on every rank before any rank changes anything.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..state import ShardedState
+from .coordinator import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
+from .load import load_sharded
+from .save import FaultHook, save_sharded
+
+if TYPE_CHECKING:
+    from ..engine import ZeroOptimizer
+
+LR_SCHEDULER_KEY = "lr_scheduler"
+
+
+def save_checkpoint(
+    engine: ZeroOptimizer,
+    root: str | os.PathLike[str],
+    tag: str | None = None,
+    *,
+    lr_scheduler: Any = None,
+    fault: FaultHook | None = None,
+) -> Path:
+    """Save the run as ``<root>/<tag>`` (default tag ``step-<global step>``) and point
+    ``<root>/latest`` at it. Returns the checkpoint directory on every rank."""
+    state = engine.export_state()
+    if lr_scheduler is not None:
+        state.extra[LR_SCHEDULER_KEY] = lr_scheduler.state_dict()
+    tag = tag or f"step-{engine.global_steps:08d}"
+    buffer_names = [name for name, _ in engine.model.named_buffers()]
+    return save_sharded(root, tag, state, coordinator=_coordinator(engine), fault=fault, buffer_names=buffer_names)
+
+
+def load_checkpoint(
+    engine: ZeroOptimizer,
+    path: str | os.PathLike[str],
+    *,
+    load_optimizer_states: bool = True,
+    load_module_only: bool = False,
+    strict: bool = True,
+    lr_scheduler: Any = None,
+) -> dict[str, Any]:
+    """Load a checkpoint into the running engine, resharding as needed.
+
+    ``path`` is a native checkpoint (a tag directory or a root with ``latest``), a
+    universal checkpoint or a DeepSpeed ZeRO-1/2 checkpoint, saved at any world size and
+    layout policy. Returns the checkpoint's ``extra`` (step counters and the like).
+    """
+    coordinator = _coordinator(engine)
+    try:
+        state = _read_state(engine, Path(path), load_optimizer_states, load_module_only, strict)
+        problem = None
+    except (ValueError, FileNotFoundError, KeyError, OSError) as err:
+        state, problem = None, f"{type(err).__name__}: {err}"
+    problems = coordinator.all_gather_object(problem)
+    failed = [(rank, text) for rank, text in enumerate(problems) if text]
+    if failed:
+        rank, text = failed[0]
+        raise ValueError(f"checkpoint {path} not loaded (nothing changed): rank {rank}: {text}")
+    engine.import_state(
+        state, load_optimizer_states=load_optimizer_states, load_module_only=load_module_only, strict=strict
+    )
+    if lr_scheduler is not None and LR_SCHEDULER_KEY in state.extra and not load_module_only:
+        lr_scheduler.load_state_dict(state.extra[LR_SCHEDULER_KEY])
+    return dict(state.extra)
+
+
+def _read_state(
+    engine: ZeroOptimizer, path: Path, load_optimizer_states: bool, load_module_only: bool, strict: bool
+) -> ShardedState:
+    options = dict(load_optimizer_states=load_optimizer_states, load_module_only=load_module_only, strict=strict)
+    module_state = engine.model.state_dict()
+    base = None if strict else engine.export_state()
+    kind = checkpoint_kind(path)
+    if kind == "universal":
+        from .universal import load_universal
+
+        return load_universal(path, engine.layout, engine.rank, **options)
+    if kind == "deepspeed":
+        from ..importers.deepspeed import open_deepspeed
+        from .universal import load_from_source
+
+        return load_from_source(open_deepspeed(path), engine.layout, engine.rank, **options)
+    return load_sharded(path, engine.layout, engine.rank, module_state=module_state, base=base, **options)
+
+
+def checkpoint_kind(path: Path) -> str:
+    """"native", "universal" or "deepspeed", from the files ``path`` holds."""
+    if (path / "universal.json").is_file():
+        return "universal"
+    try:
+        from ..importers.deepspeed import is_deepspeed_checkpoint
+    except ImportError:
+        return "native"
+    return "deepspeed" if is_deepspeed_checkpoint(path) else "native"
+
+
+def _coordinator(engine: ZeroOptimizer) -> Coordinator:
+    if engine.world_size == 1:
+        return SingleProcessCoordinator()
+    return TorchDistributedCoordinator(engine.comm.group)
