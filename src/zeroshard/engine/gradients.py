@@ -12,8 +12,11 @@ the reduce-scatter runs and what stays allocated:
 
 Either way the result is ``partition_grads[g]``: this rank's partition of the sum over ranks
 of the accumulated (loss-scaled) gradients divided by the world size. Buckets are reduced in
-a fixed order (last bucket first, the order backward produces them) on every rank, so the
-collectives match even when hooks fire in another order.
+a fixed order on every rank, so the collectives match even when hooks fire in another order:
+the order backward usually completes them, latest-registered parameters first. At most
+``MAX_IN_FLIGHT`` bucket reductions are outstanding; launching another first folds the
+oldest into the partition and frees its buffers, so stage 2 never holds more than a few
+buckets of full-size gradient.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from torch.autograd import Variable
 
 from ..buffers import FlatParamBuffer
 from ..comm import Collectives
+
+MAX_IN_FLIGHT = 2
 
 
 @dataclass
@@ -41,6 +46,7 @@ class GradientReducer:
     buffers: list[FlatParamBuffer]
     comm: Collectives
     stage: int
+    param_positions: dict[str, int]  # each parameter's place in module registration order
     partition_grads: list[torch.Tensor] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -52,7 +58,7 @@ class GradientReducer:
         ]
         self._staging: dict[tuple[int, int], torch.Tensor] = {}
         self._pending: dict[tuple[int, int], int] = {}
-        self._order = [(g, b) for g, buf in enumerate(self.buffers) for b in range(len(buf.group.buckets))][::-1]
+        self._order = self._reduction_order()
         self._next_launch = 0
         self._in_flight: list[tuple[tuple[int, int], _BucketReduction]] = []
         self._callback_queued = False
@@ -61,6 +67,19 @@ class GradientReducer:
         for group_index, buffer in enumerate(self.buffers):
             for slot, param in zip(buffer.group.params, buffer.params):
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._make_hook(group_index, slot.index)))
+
+    def _reduction_order(self) -> list[tuple[int, int]]:
+        """Buckets by the latest-registered parameter they hold, latest first: backward
+        finishes the last layers first. Derived from the model alone, so every rank agrees."""
+
+        def last_position(key: tuple[int, int]) -> tuple[int, int, int]:
+            group = self.buffers[key[0]].group
+            bucket = group.buckets[key[1]]
+            members = group.params[bucket.first_param : bucket.first_param + bucket.num_params]
+            return (max(self.param_positions[slot.name] for slot in members), key[0], key[1])
+
+        keys = [(g, b) for g, buf in enumerate(self.buffers) for b in range(len(buf.group.buckets))]
+        return sorted(keys, key=last_position, reverse=True)
 
     # ---- backward -------------------------------------------------------------------------
 
@@ -111,8 +130,16 @@ class GradientReducer:
                 self._bucket_staging(key)
                 staging = self._staging.pop(key)
                 self._pending.pop(key)
+            self._retire_in_flight(keep=MAX_IN_FLIGHT - 1)
             self._in_flight.append((key, self._reduce_bucket(key, staging, async_op=True)))
             self._next_launch += 1
+
+    def _retire_in_flight(self, keep: int) -> None:
+        """Wait for the oldest reductions until ``keep`` remain; fold them in, free their buffers."""
+        while len(self._in_flight) > keep:
+            key, reduction = self._in_flight.pop(0)
+            reduction.handle.wait()
+            self._accumulate(key, reduction.output)
 
     def _reduce_bucket(self, key: tuple[int, int], full: torch.Tensor, async_op: bool) -> _BucketReduction:
         group_index, bucket_index = key
@@ -125,10 +152,7 @@ class GradientReducer:
         """Stage 2, end of a backward pass: reduce what is left and wait for everything."""
         self._callback_queued = False
         self._launch_ready(force=True)
-        for key, reduction in self._in_flight:
-            reduction.handle.wait()
-            self._accumulate(key, reduction.output)
-        self._in_flight.clear()
+        self._retire_in_flight(keep=0)
         self._next_launch = 0
 
     def _accumulate(self, key: tuple[int, int], reduced_sum: torch.Tensor) -> None:
@@ -169,6 +193,7 @@ class GradientReducer:
     def held_tensors(self) -> list[torch.Tensor]:
         """Every gradient tensor the reducer holds right now (for memory checks)."""
         held = list(self.partition_grads) + list(self._staging.values())
+        held += [tensor for _, reduction in self._in_flight for tensor in (reduction.input, reduction.output)]
         return held + [t for t in self._full if t is not None]
 
     def remove_hooks(self) -> None:

@@ -46,8 +46,14 @@ class MemoryReport:
         return self.param_buffer_bytes + self.master_bytes + self.optimizer_state_bytes + self.gradient_bytes
 
 
-class ZeroOptimizer(FragmentAccess):
+class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
     """Shards fp32 master weights, optimizer state (stage 1) and gradients (stage 2).
+
+    It is a ``torch.optim.Optimizer`` as far as schedulers and tools are concerned
+    (``param_groups``, ``state``, ``defaults``, ``step``, ``zero_grad``), so
+    ``torch.optim.lr_scheduler.LambdaLR(engine, ...)`` works. It does not run
+    Optimizer.__init__: its param groups are those of the wrapped optimizer over the fp32
+    master partitions. Save and load go through ``zeroshard.checkpoint``, not state_dict.
 
     Args:
         model: the module to train; its trainable parameters become views into flat buffers.
@@ -114,7 +120,8 @@ class ZeroOptimizer(FragmentAccess):
         del initial
 
         self.optimizer = optimizer_class(self._torch_param_groups(), **defaults)
-        self.reducer = GradientReducer(self.buffers, self.comm, stage)
+        positions = {name: index for index, (name, _) in enumerate(model.named_parameters())}
+        self.reducer = GradientReducer(self.buffers, self.comm, stage, positions)
         has_fp16 = any(group.dtype == "float16" for group in self.layout.groups)
         self.scaler = loss_scaler or (LossScaler() if has_fp16 else LossScaler.disabled())
         self.global_steps = 0
@@ -125,8 +132,34 @@ class ZeroOptimizer(FragmentAccess):
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        """The torch optimizer's param groups: lr schedulers work on these unchanged."""
+        """The wrapped optimizer's param groups (lr schedulers change these)."""
         return self.optimizer.param_groups
+
+    @property
+    def state(self) -> dict:
+        """The wrapped optimizer's state: this rank's partitions only."""
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError(
+            "a ZeroOptimizer's state is sharded: save it with zeroshard.checkpoint.save_checkpoint"
+        )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise NotImplementedError("load a ZeroOptimizer with zeroshard.checkpoint.load_checkpoint")
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError("a ZeroOptimizer's param groups are fixed when it is built")
+
+    def __repr__(self) -> str:
+        return (
+            f"ZeroOptimizer(stage={self.stage}, world_size={self.world_size}, "
+            f"optimizer={type(self.optimizer).__name__}, groups={len(self.layout.groups)})"
+        )
 
     @property
     def rank(self) -> int:

@@ -1,0 +1,711 @@
+"""Worker code for the multi-process engine tests, and the single-process reference.
+
+Everything here is module level so ``zeroshard.launch.spawn`` can import it in its workers.
+A spawned worker runs several configurations in one process group (each process costs
+about 1.5 s of torch import) and returns plain Python values: numbers, booleans, strings.
+
+The reference mirrors the engine's arithmetic on one process: each (rank, micro-batch)
+gradient in the parameter dtype is added in fp32 to an accumulator, micro-batch 1 first;
+ranks are summed in rank order and divided by the world size (per micro-batch for stage 2,
+which reduces every backward, once per step for stage 1); the loss scale is divided out;
+an inf/nan anywhere skips the step and halves the scale; clip_grad_norm_ clips; the torch
+optimizer steps on fp32 masters; the model's parameters are the masters cast back.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from zeroshard.buffers import owns_storage
+from zeroshard.engine import ZeroOptimizer
+from zeroshard.layout import LayoutPolicy
+from zeroshard.models import GPTConfig, OddSizedModel, TinyGPT, gpt_param_groups
+
+SMALL_GPT = GPTConfig(vocab_size=53, block_size=16, n_layer=1, n_head=3, n_embd=24)
+FP16_INITIAL_SCALE = 2.0**16
+# torch 2.13 renamed the tensor collective; older releases only have the first name.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "AdamW": torch.optim.AdamW,
+    "Adam": torch.optim.Adam,
+    "SGD": torch.optim.SGD,
+    "Adagrad": torch.optim.Adagrad,
+}
+
+
+class NineBiasModel(nn.Module):
+    """Its only no-decay parameter is a 9-element bias: at D=4 with 64-byte alignment the
+    no-decay group is 9 real elements in 4 partitions, so ranks 1-3 own padding only."""
+
+    vocab_size = 11
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(self.vocab_size, 6)
+        self.fc = nn.Linear(6, 9)
+        self.head = nn.Linear(9, self.vocab_size, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.head(F.gelu(self.fc(self.embed(idx))))
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One training run, the same for the engine and the reference."""
+
+    name: str
+    model: str = "odd"  # "odd" (OddSizedModel), "gpt" (small TinyGPT), "nine" (NineBiasModel)
+    stage: int = 2
+    param_dtype: str | None = "bfloat16"  # None keeps the model's fp32
+    optimizer: str = "AdamW"
+    optimizer_options: tuple[tuple[str, Any], ...] = (("betas", (0.9, 0.95)),)
+    decay_options: tuple[tuple[str, Any], ...] = (("lr", 3e-3), ("weight_decay", 0.1))
+    no_decay_options: tuple[tuple[str, Any], ...] = (("lr", 1e-3), ("weight_decay", 0.0))
+    steps: int = 12
+    accumulation: int = 2
+    max_grad_norm: float | None = 0.05  # below every step's norm: clipping is always active
+    alignment_bytes: int = 16
+    compact: bool = False
+    bucket_numel: int | None = None
+    lr_schedule: str | None = None  # "lambda" or "step"
+    offload: bool = False
+    frozen: tuple[str, ...] = ()
+    batch_size: int = 4
+    seq_len: int = 8
+    seed: int = 0
+
+    def policy(self) -> LayoutPolicy:
+        return LayoutPolicy.native(self.alignment_bytes, compact=self.compact, bucket_numel=self.bucket_numel)
+
+    def dtype(self) -> torch.dtype | None:
+        return getattr(torch, self.param_dtype) if self.param_dtype else None
+
+
+# ---- model, data and param groups (identical for engine and reference) ------------------------
+
+
+def build_model(config: RunConfig) -> nn.Module:
+    torch.manual_seed(config.seed)
+    model = {"odd": OddSizedModel, "gpt": lambda: TinyGPT(SMALL_GPT), "nine": NineBiasModel}[config.model]()
+    for name, param in model.named_parameters():
+        if name in config.frozen:
+            param.requires_grad_(False)
+    return model
+
+
+def vocab_size(config: RunConfig) -> int:
+    return {"odd": 13, "gpt": SMALL_GPT.vocab_size, "nine": NineBiasModel.vocab_size}[config.model]
+
+
+def batch_for(config: RunConfig, step: int, rank: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens rank ``rank`` sees in micro-batch ``micro`` of ``step``; a learnable target."""
+    generator = torch.Generator().manual_seed(config.seed * 1_000_003 + (step * 64 + rank) * 16 + micro)
+    vocab = vocab_size(config)
+    idx = torch.randint(0, vocab, (config.batch_size, config.seq_len), generator=generator)
+    return idx, (idx * 3 + 1) % vocab
+
+
+def torch_param_groups(model: nn.Module, config: RunConfig) -> list[dict[str, Any]]:
+    """Decayed matrices and undecayed norms/biases, with their own lr and weight decay."""
+    params = dict(model.named_parameters())
+    decay, no_decay = gpt_param_groups(model)
+    return [
+        {"params": [params[name] for name in decay], **dict(config.decay_options)},
+        {"params": [params[name] for name in no_decay], **dict(config.no_decay_options)},
+    ]
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, config: RunConfig):
+    if config.lr_schedule == "lambda":
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1.0 + 0.2 * step))
+    if config.lr_schedule == "step":
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+    return None
+
+
+def trainable_names(model: nn.Module) -> list[str]:
+    return [name for name, param in model.named_parameters() if param.requires_grad]
+
+
+# ---- the engine side ----------------------------------------------------------------------------
+
+
+def make_engine(model: nn.Module, config: RunConfig, **overrides: Any) -> ZeroOptimizer:
+    options = dict(
+        stage=config.stage,
+        param_dtype=config.dtype(),
+        policy=config.policy(),
+        gradient_accumulation_steps=config.accumulation,
+        max_grad_norm=config.max_grad_norm,
+        offload=config.offload,
+    )
+    options.update(overrides)
+    return ZeroOptimizer(
+        model,
+        OPTIMIZERS[config.optimizer],
+        torch_param_groups(model, config),
+        **options,
+        **dict(config.optimizer_options),
+    )
+
+
+@dataclass
+class TrainLog:
+    """What a training run saw, step by step."""
+
+    losses: list[list[float]] = field(default_factory=list)  # [step][micro] on this rank
+    stepped: list[bool] = field(default_factory=list)
+    grad_norms: list[float | None] = field(default_factory=list)
+    lrs: list[list[float]] = field(default_factory=list)  # [step][group] used by the step
+    scales: list[float] = field(default_factory=list)
+
+
+def train_engine(engine: ZeroOptimizer, model: nn.Module, config: RunConfig, rank: int) -> TrainLog:
+    log = TrainLog()
+    scheduler = make_scheduler(engine.optimizer, config)
+    for step in range(config.steps):
+        losses = []
+        for micro in range(config.accumulation):
+            idx, targets = batch_for(config, step, rank, micro)
+            loss = model(idx, targets)
+            engine.backward(loss)
+            losses.append(loss.item())
+        log.lrs.append([group["lr"] for group in engine.param_groups])
+        log.scales.append(engine.scaler.scale)
+        log.stepped.append(engine.step())
+        log.grad_norms.append(engine.last_grad_norm)
+        engine.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+        log.losses.append(losses)
+    return log
+
+
+def gather_partitions(engine: ZeroOptimizer, partitions: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full fp32 parameters from every rank's partitions, reassembled from the layout's pieces."""
+    full: dict[str, torch.Tensor] = {}
+    for group, partition in zip(engine.layout.groups, partitions):
+        partition = partition.detach().float().contiguous()
+        everyone = torch.empty(engine.world_size * partition.numel(), dtype=partition.dtype)
+        if engine.world_size == 1:
+            everyone.copy_(partition)
+        else:
+            _all_gather_tensor(everyone, partition)
+        per_rank = everyone.view(engine.world_size, -1)
+        for slot in group.params:
+            values = torch.empty(slot.numel, dtype=torch.float32)
+            for piece in group.pieces(slot.index):
+                source = per_rank[piece.rank, piece.partition_start : piece.partition_start + piece.length]
+                values[piece.param_start : piece.param_start + piece.length] = source
+            full[slot.name] = values.view(slot.spec.shape)
+    return full
+
+
+def engine_masters(engine: ZeroOptimizer) -> dict[str, torch.Tensor]:
+    return gather_partitions(engine, list(engine.masters))
+
+
+def engine_optimizer_state(engine: ZeroOptimizer) -> dict[str, dict[str, torch.Tensor]]:
+    """Per parameter name and state key: the full state tensor, or the scalar as it is."""
+    per_group = [engine.optimizer.state.get(master, {}) for master in engine.masters]
+    keys = sorted({key for state in per_group for key, value in state.items() if torch.is_tensor(value)})
+    names = [slot.name for group in engine.layout.groups for slot in group.params]
+    result: dict[str, dict[str, torch.Tensor]] = {name: {} for name in names}
+    for key in keys:
+        tensors = [state[key] for state in per_group]
+        if all(t.dim() == 1 and t.numel() == m.numel() for t, m in zip(tensors, engine.masters)):
+            for name, value in gather_partitions(engine, tensors).items():
+                result[name][key] = value
+        else:
+            for group, tensor in zip(engine.layout.groups, tensors):
+                for slot in group.params:
+                    result[slot.name][key] = tensor.detach().clone()
+    return result
+
+
+def _tensor_state(engine: ZeroOptimizer, master: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {key: value for key, value in engine.optimizer.state.get(master, {}).items() if torch.is_tensor(value)}
+
+
+def scalar_state(engine: ZeroOptimizer) -> list[dict[str, float]]:
+    """This rank's scalar optimizer state (Adam's 'step', ...) per layout group."""
+    return [
+        {key: float(value) for key, value in _tensor_state(engine, master).items() if value.dim() == 0}
+        for master in engine.masters
+    ]
+
+
+def padding_is_zero(engine: ZeroOptimizer) -> bool:
+    """Padding of this rank's partitions (masters, every optimizer state) and of the flat
+    buffers (everything outside a parameter slot) is exactly zero."""
+    for group, master, buffer in zip(engine.layout.groups, engine.masters, engine.buffers):
+        partitions = [master.detach()] + [
+            value for value in _tensor_state(engine, master).values() if value.dim() == 1
+        ]
+        for begin, end in group.padding_ranges(engine.rank):
+            if any(bool(partition[begin:end].any()) for partition in partitions):
+                return False
+        covered = torch.zeros(group.numel, dtype=torch.bool)
+        for slot in group.params:
+            covered[slot.offset : slot.end] = True
+        if bool(buffer.data[~covered].float().any()):
+            return False
+    return True
+
+
+# ---- the single-process reference -----------------------------------------------------------------
+
+
+@dataclass
+class Reference:
+    masters: dict[str, torch.Tensor]
+    state: dict[str, dict[str, torch.Tensor]]
+    log: TrainLog  # losses are [step][rank * accumulation + micro]
+
+
+def reference_run(config: RunConfig, world_size: int) -> Reference:
+    model = build_model(config)
+    names = trainable_names(model)
+    params = dict(model.named_parameters())
+    masters = {name: nn.Parameter(params[name].detach().clone().float()) for name in names}
+    groups = [
+        {**group, "params": [masters[name] for name in _names_of(model, group["params"]) if name in masters]}
+        for group in torch_param_groups(model, config)
+    ]
+    optimizer = OPTIMIZERS[config.optimizer](groups, **dict(config.optimizer_options))
+    ordered_masters = [param for group in groups for param in group["params"]]  # the engine's norm order
+    scheduler = make_scheduler(optimizer, config)
+    dtype = config.dtype()
+    if dtype is not None:
+        for name in names:
+            params[name].data = params[name].data.to(dtype)
+    scale = FP16_INITIAL_SCALE if dtype == torch.float16 else 1.0
+    log = TrainLog()
+    for step in range(config.steps):
+        grads, losses = _reference_gradients(model, names, config, step, world_size, scale)
+        log.losses.append(losses)
+        log.lrs.append([group["lr"] for group in optimizer.param_groups])
+        log.scales.append(scale)
+        if scale != 1.0:
+            grads = {name: grad.div_(scale) for name, grad in grads.items()}
+        if dtype == torch.float16 and not all(bool(torch.isfinite(g).all()) for g in grads.values()):
+            scale /= 2
+            log.stepped.append(False)
+            log.grad_norms.append(None)
+        else:
+            for name, master in masters.items():
+                master.grad = grads[name]
+            norm = torch.nn.utils.clip_grad_norm_(ordered_masters, config.max_grad_norm or math.inf)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                for name in names:
+                    params[name].copy_(masters[name])
+            log.stepped.append(True)
+            log.grad_norms.append(float(norm))
+        if scheduler is not None:
+            scheduler.step()
+    state = {
+        name: {key: value.detach().clone() for key, value in optimizer.state[master].items() if torch.is_tensor(value)}
+        for name, master in masters.items()
+    }
+    return Reference({name: m.detach().clone() for name, m in masters.items()}, state, log)
+
+
+def _names_of(model: nn.Module, params: list[nn.Parameter]) -> list[str]:
+    name_of = {id(param): name for name, param in model.named_parameters()}
+    return [name_of[id(param)] for param in params]
+
+
+def _reference_gradients(
+    model: nn.Module, names: list[str], config: RunConfig, step: int, world_size: int, scale: float
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The reduced fp32 gradient of one step (still scaled) and every (rank, micro) loss."""
+    params = dict(model.named_parameters())
+    per_rank_micro = {}
+    losses = []
+    for rank in range(world_size):
+        for micro in range(config.accumulation):
+            idx, targets = batch_for(config, step, rank, micro)
+            model.zero_grad(set_to_none=True)
+            loss = model(idx, targets)
+            (loss * (scale / config.accumulation)).backward()
+            losses.append(loss.item())
+            per_rank_micro[rank, micro] = {name: _fp32_grad(params[name]) for name in names}
+    model.zero_grad(set_to_none=True)
+    total = {name: torch.zeros_like(params[name], dtype=torch.float32) for name in names}
+    if config.stage == 2:  # stage 2 reduces every backward: average over ranks per micro-batch
+        for micro in range(config.accumulation):
+            for name in names:
+                per_rank = [per_rank_micro[rank, micro][name] for rank in range(world_size)]
+                total[name].add_(_sum_in_rank_order(per_rank).div_(world_size))
+    else:  # stage 1 accumulates locally and reduces once at the step
+        for name in names:
+            local = []
+            for rank in range(world_size):
+                accumulator = torch.zeros_like(total[name])
+                for micro in range(config.accumulation):
+                    accumulator.add_(per_rank_micro[rank, micro][name])
+                local.append(accumulator)
+            total[name].add_(_sum_in_rank_order(local).div_(world_size))
+    return total, losses
+
+
+def _fp32_grad(param: nn.Parameter) -> torch.Tensor:
+    return torch.zeros_like(param, dtype=torch.float32) if param.grad is None else param.grad.float()
+
+
+def _sum_in_rank_order(tensors: list[torch.Tensor]) -> torch.Tensor:
+    total = tensors[0].clone()
+    for tensor in tensors[1:]:
+        total.add_(tensor)
+    return total
+
+
+# ---- comparing ------------------------------------------------------------------------------------
+
+
+def max_abs_difference(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor]) -> float:
+    assert left.keys() == right.keys(), (sorted(left), sorted(right))
+    return max(float((left[n].float() - right[n].float()).abs().max()) if left[n].numel() else 0.0 for n in left)
+
+
+def all_equal(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor]) -> bool:
+    return left.keys() == right.keys() and all(torch.equal(left[name], right[name]) for name in left)
+
+
+@dataclass
+class EngineOutcome:
+    """Everything the comparison needs from an engine run, gathered onto every rank."""
+
+    config: RunConfig
+    world_size: int
+    masters: dict[str, torch.Tensor]
+    state: dict[str, dict[str, torch.Tensor]]
+    losses: list[list[float]]  # [step][rank * accumulation + micro]
+    log: TrainLog  # this rank's
+    padding_zero_on_every_rank: bool
+    scalar_state_per_rank: list[list[dict[str, float]]]
+    layout_facts: dict[str, Any]
+
+
+def engine_outcome(config: RunConfig, engine: ZeroOptimizer, log: TrainLog) -> EngineOutcome:
+    """Collective: every rank gets the full masters, state and losses of the run."""
+    per_rank_losses = engine.comm.all_gather_object(log.losses)
+    groups = engine.layout.groups
+    return EngineOutcome(
+        config=config,
+        world_size=engine.world_size,
+        masters=engine_masters(engine),
+        state=engine_optimizer_state(engine),
+        losses=[[loss for losses in per_rank_losses for loss in losses[step]] for step in range(config.steps)],
+        log=log,
+        padding_zero_on_every_rank=all(engine.comm.all_gather_object(padding_is_zero(engine))),
+        scalar_state_per_rank=engine.comm.all_gather_object(scalar_state(engine)),
+        layout_facts={
+            "padding_per_rank": [list(group.padding_per_rank()) for group in groups],
+            "partition_numel": [group.partition_numel for group in groups],
+            "num_buckets": [len(group.buckets) for group in groups],
+            "layout_names": list(engine.layout.param_names),
+        },
+    )
+
+
+def compare_with_reference(outcome: EngineOutcome) -> dict[str, Any]:
+    """Runs the reference (no collectives) and reports how the engine run differs from it."""
+    config, log = outcome.config, outcome.log
+    reference = reference_run(config, outcome.world_size)
+    engine_state = {f"{n}/{k}": v for n, keys in outcome.state.items() for k, v in keys.items()}
+    reference_state = {f"{n}/{k}": v for n, keys in reference.state.items() for k, v in keys.items()}
+    same_state_keys = engine_state.keys() == reference_state.keys()
+    return {
+        "name": config.name,
+        "world_size": outcome.world_size,
+        "masters_equal": all_equal(outcome.masters, reference.masters),
+        "masters_max_error": max_abs_difference(outcome.masters, reference.masters),
+        "masters_moved": max_abs_difference(reference.masters, _initial_masters(config)),
+        "state_keys_match": same_state_keys,
+        "state_equal": all_equal(engine_state, reference_state),
+        "state_max_error": max_abs_difference(engine_state, reference_state) if same_state_keys else math.inf,
+        "state_keys": sorted({k for keys in outcome.state.values() for k in keys}),
+        "losses_equal": outcome.losses == reference.log.losses,
+        "step_loss_max_error": max(
+            abs(sum(e) / len(e) - sum(r) / len(r)) for e, r in zip(outcome.losses, reference.log.losses)
+        ),
+        "stepped": log.stepped,
+        "reference_stepped": reference.log.stepped,
+        "scales": log.scales,
+        "reference_scales": reference.log.scales,
+        "lrs": log.lrs,
+        "reference_lrs": reference.log.lrs,
+        "grad_norms": log.grad_norms,
+        "reference_grad_norms": reference.log.grad_norms,
+        "grad_norm_max_relative_error": max(
+            (abs(e - r) / r for e, r in zip(log.grad_norms, reference.log.grad_norms) if None not in (e, r)),
+            default=0.0,
+        ),
+        "padding_zero_on_every_rank": outcome.padding_zero_on_every_rank,
+        "scalar_state_per_rank": outcome.scalar_state_per_rank,
+        **outcome.layout_facts,
+    }
+
+
+def _initial_masters(config: RunConfig) -> dict[str, torch.Tensor]:
+    model = build_model(config)
+    return {name: p.detach().clone().float() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def run_equivalence(rank: int, world_size: int, configs: list[RunConfig]) -> list[dict[str, Any]]:
+    """Spawn target: train every config with the engine, then compare with the reference.
+
+    The references need no collectives, so once every engine run is done each rank computes
+    those of the configs it owns (index % world_size) in parallel with the others; the
+    caller merges the ranks' lists.
+    """
+    owned = []
+    for index, config in enumerate(configs):
+        model = build_model(config)
+        engine = make_engine(model, config)
+        outcome = engine_outcome(config, engine, train_engine(engine, model, config, rank))
+        engine.reducer.remove_hooks()
+        if index % world_size == rank:
+            owned.append(outcome)
+    return [compare_with_reference(outcome) for outcome in owned]
+
+
+# ---- behaviour checks (each returns plain values; all ranks run them together) --------------------
+
+
+def check_alignment(rank: int, world_size: int) -> dict[str, Any]:
+    """OddSizedModel in bf16, stage 2 with several buckets: aligned views that keep their storage."""
+    config = RunConfig("alignment", bucket_numel=128, steps=3)
+    model = build_model(config)
+    engine = make_engine(model, config)
+    named = _engine_params(engine)
+    before = {name: param.data_ptr() for name, param in named.items()}
+    aligned_before = {name: param.data_ptr() % 16 == 0 for name, param in named.items()}
+    inside_before = _inside_own_buffer(engine)
+    train_engine(engine, model, config, rank)
+    engine.zero_grad()
+    after = {name: param.data_ptr() for name, param in named.items()}
+    aligned_after = {name: param.data_ptr() % 16 == 0 for name, param in named.items()}
+    inside_after = _inside_own_buffer(engine)
+    # The module's own parameters are the bound views (not copies made elsewhere).
+    module_is_view = all(dict(model.named_parameters())[name] is param for name, param in named.items())
+
+    offsets = torch.tensor([4, 8, 12, 16], dtype=torch.int32)
+    tokens = torch.randn(16, 8, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+    with torch.no_grad():
+        on_view = torch._grouped_mm(tokens, model.experts, offs=offsets)
+        on_copy = torch._grouped_mm(tokens, model.experts.detach().clone(), offs=offsets)
+    expert_buffer = _buffer_of(engine, "experts")
+
+    compact_config = replace(config, compact=True)
+    compact_model = build_model(compact_config)
+    compact_engine = make_engine(compact_model, compact_config)
+    compact_misaligned = sorted(name for name, p in _engine_params(compact_engine).items() if p.data_ptr() % 16)
+    return {
+        "aligned_before": aligned_before,
+        "aligned_after": aligned_after,
+        "inside_before": inside_before,
+        "inside_after": inside_after,
+        "data_ptr_unchanged": before == after,
+        "module_is_view": module_is_view,
+        "num_buckets": [len(group.buckets) for group in engine.layout.groups],
+        "experts_shape": tuple(model.experts.shape),
+        "experts_in_buffer": owns_storage(expert_buffer, model.experts),
+        "experts_aligned": model.experts.data_ptr() % 16 == 0,
+        "grouped_mm_equal": torch.equal(on_view, on_copy),
+        "compact_misaligned": compact_misaligned,
+    }
+
+
+def _engine_params(engine: ZeroOptimizer) -> dict[str, nn.Parameter]:
+    return {slot.name: param for buffer in engine.buffers for slot, param in zip(buffer.group.params, buffer.params)}
+
+
+def _buffer_of(engine: ZeroOptimizer, name: str):
+    group, _ = engine.layout.param(name)
+    return engine.buffers[group.index]
+
+
+def _inside_own_buffer(engine: ZeroOptimizer) -> dict[str, bool]:
+    return {
+        slot.name: owns_storage(buffer, param)
+        for buffer in engine.buffers
+        for slot, param in zip(buffer.group.params, buffer.params)
+    }
+
+
+def check_gradient_memory(rank: int, world_size: int) -> dict[str, Any]:
+    """Sizes of the gradient tensors the reducer holds after one backward, per stage."""
+    result = {}
+    for stage in (1, 2):
+        config = RunConfig(f"memory-stage{stage}", stage=stage, bucket_numel=128)
+        model = build_model(config)
+        engine = make_engine(model, config)
+        idx, targets = batch_for(config, 0, rank, 0)
+        engine.backward(model(idx, targets))
+        result[stage] = {
+            "held_numels": sorted(t.numel() for t in engine.reducer.held_tensors()),
+            "partition_numels": sorted(group.partition_numel for group in engine.layout.groups),
+            "group_numels": sorted(group.numel for group in engine.layout.groups),
+            "num_buckets": [len(group.buckets) for group in engine.layout.groups],
+            "largest_bucket_numel": max(b.numel for g in engine.layout.groups for b in g.buckets),
+            "grads_none": all(param.grad is None for param in model.parameters()),
+        }
+        engine.reducer.remove_hooks()
+    return result
+
+
+class GradientMemoryProbe:
+    """Peak bytes of the engine's gradient tensors: the reducer's ``held_tensors()`` plus the
+    buffers handed to reduce-scatters that are still alive (in flight, or outputs not yet
+    added to the partition), each storage counted once. Sampled after every reduce-scatter
+    call and after every parameter's engine hook (this hook is registered later, so it runs
+    after the engine's). Wraps the engine's Collectives instance, no private attributes."""
+
+    def __init__(self, engine: ZeroOptimizer, model: nn.Module) -> None:
+        self.engine = engine
+        self.peak_bytes = 0
+        self._collective_buffers: list[weakref.ref] = []
+        reduce_scatter = engine.comm.reduce_scatter_sum
+
+        def reduce_scatter_and_sample(output, input, async_op=False):
+            handle = reduce_scatter(output, input, async_op=async_op)
+            self._collective_buffers += [weakref.ref(output), weakref.ref(input)]
+            self.sample()
+            return handle
+
+        engine.comm.reduce_scatter_sum = reduce_scatter_and_sample
+        for param in model.parameters():
+            param.register_post_accumulate_grad_hook(lambda _: self.sample())
+
+    def sample(self) -> None:
+        alive = [ref() for ref in self._collective_buffers]
+        self._collective_buffers = [ref for ref, tensor in zip(self._collective_buffers, alive) if tensor is not None]
+        tensors = list(self.engine.reducer.held_tensors()) + [t for t in alive if t is not None]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        self.peak_bytes = max(self.peak_bytes, sum(storages.values()))
+
+
+def check_stage2_peak_gradient_memory(rank: int, world_size: int) -> dict[str, Any]:
+    """Peak fp32 gradient bytes while one stage-2 backward runs, with many small buckets."""
+    config = RunConfig("stage2-peak", model="gpt", stage=2, bucket_numel=1000)
+    model = build_model(config)
+    engine = make_engine(model, config)
+    probe = GradientMemoryProbe(engine, model)
+    idx, targets = batch_for(config, 0, rank, 0)
+    engine.backward(model(idx, targets))
+    buckets = [bucket for group in engine.layout.groups for bucket in group.buckets]
+    return {
+        "peak_bytes": probe.peak_bytes,
+        "partition_bytes": 4 * sum(group.partition_numel for group in engine.layout.groups),
+        "full_gradient_bytes": 4 * sum(group.numel for group in engine.layout.groups),
+        "num_buckets": len(buckets),
+        # One bucket's staging buffer and its reduced partition.
+        "largest_bucket_bytes": 4 * max(bucket.numel + bucket.partition_numel for bucket in buckets),
+    }
+
+
+def check_overflow_on_one_rank(rank: int, world_size: int, stage: int) -> dict[str, Any]:
+    """fp16: at step 1 rank 1 alone makes an inf gradient, for a parameter whose reduced
+    gradient only rank 0 holds. So rank 0 alone sees the overflow and rank 1 alone made it;
+    both must skip the step together."""
+    config = RunConfig(f"overflow-stage{stage}", stage=stage, param_dtype="float16", steps=3, bucket_numel=256)
+    model = build_model(config)
+    engine = make_engine(model, config)
+    poisoned = next(
+        slot.name
+        for group in engine.layout.groups
+        for slot in group.params
+        if slot.numel and {piece.rank for piece in group.pieces(slot.index)} == {0}
+    )
+    inject_at_step = 1
+    current_step = [0]
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        if rank == 1 and current_step[0] == inject_at_step:
+            return torch.full_like(grad, math.inf)
+        return grad
+
+    dict(model.named_parameters())[poisoned].register_hook(poison)
+    stepped, scales, masters_changed, buffer_changed = [], [], [], []
+    for step in range(config.steps):
+        current_step[0] = step
+        masters_before = [m.detach().clone() for m in engine.masters]
+        buffers_before = [b.data.clone() for b in engine.buffers]
+        for micro in range(config.accumulation):
+            idx, targets = batch_for(config, step, rank, micro)
+            engine.backward(model(idx, targets))
+        scales.append(engine.scaler.scale)
+        stepped.append(engine.step())
+        engine.zero_grad()
+        masters_changed.append(any(not torch.equal(a, b) for a, b in zip(masters_before, engine.masters)))
+        buffer_changed.append(any(not torch.equal(a, b.data) for a, b in zip(buffers_before, engine.buffers)))
+    return {
+        "poisoned": poisoned,
+        "stepped": stepped,
+        "scales": scales + [engine.scaler.scale],
+        "masters_changed": masters_changed,
+        "buffer_changed": buffer_changed,
+        "skipped_steps": engine.scaler.skipped_steps,
+        "global_steps": engine.global_steps,
+        "masters_finite": all(bool(torch.isfinite(m).all()) for m in engine.masters),
+    }
+
+
+def check_frozen_and_tied(rank: int, world_size: int) -> dict[str, Any]:
+    """TinyGPT with wpe frozen: wpe stays out of the buffers; wte/lm_head counted once."""
+    config = RunConfig("frozen-tied", model="gpt", param_dtype=None, frozen=("wpe.weight",), steps=4, seq_len=8)
+    model = build_model(config)
+    frozen_before = model.wpe.weight.detach().clone()
+    engine = make_engine(model, config)
+    outcome = engine_outcome(config, engine, train_engine(engine, model, config, rank))
+    comparison = compare_with_reference(outcome) if rank == 0 else None
+    unique_trainable = {id(p): p.numel() for p in model.parameters() if p.requires_grad}
+    return {
+        "layout_names": list(engine.layout.param_names),
+        "layout_param_numel": sum(group.param_numel for group in engine.layout.groups),
+        "unique_trainable_numel": sum(unique_trainable.values()),
+        "frozen_unchanged": torch.equal(model.wpe.weight, frozen_before),
+        "frozen_in_a_buffer": any(owns_storage(buffer, model.wpe.weight) for buffer in engine.buffers),
+        "still_tied": model.lm_head.weight is model.wte.weight,
+        "tied_in_a_buffer": any(owns_storage(buffer, model.wte.weight) for buffer in engine.buffers),
+        "comparison": comparison,
+    }
+
+
+def check_different_models(rank: int, world_size: int) -> str:
+    """Rank 1 builds another model; the engine must refuse on every rank, naming the ranks."""
+    config = RunConfig("mismatch", model="gpt" if rank == 1 else "odd", param_dtype=None)
+    model = build_model(config)
+    try:
+        make_engine(model, config)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def run_checks(rank: int, world_size: int, checks: list[tuple[str, str, tuple]]) -> dict[str, Any]:
+    """Spawn target: run (label, check name, extra args) in order on every rank; results by label."""
+    functions: dict[str, Callable[..., Any]] = {
+        "alignment": check_alignment,
+        "gradient_memory": check_gradient_memory,
+        "stage2_peak_gradient_memory": check_stage2_peak_gradient_memory,
+        "overflow": check_overflow_on_one_rank,
+        "frozen_and_tied": check_frozen_and_tied,
+        "different_models": check_different_models,
+        "equivalence": run_equivalence,
+    }
+    return {label: functions[name](rank, world_size, *args) for label, name, args in checks}
