@@ -82,12 +82,7 @@ def test_stage1_holds_full_size_gradients(per_rank):
 def test_stage2_peak_gradient_memory_during_backward_is_bounded_by_buckets(per_rank):
     """Stage 2 exists to avoid holding a full-size gradient. Allowing one bucket filling and
     two in flight, the peak while backward runs must stay below partitions + 3 buckets.
-
-    Fails at present: GradientReducer._launch_ready (gradients.py:114) queues every bucket's
-    reduction in _in_flight and finish_backward (gradients.py:124-131) only waits and folds
-    them in at the end, so every bucket's full-size fp32 staging buffer and its output stay
-    alive until backward ends: the peak equals stage 1's (full gradient + 2 partitions).
-    held_tensors() (gradients.py:169) does not list in-flight buffers, so it hides this.
+    (It once held every bucket's reduction until backward ended: stage 1's peak.)
     """
     for result in (ranks["peak-memory"] for ranks in per_rank):
         assert result["num_buckets"] > 4

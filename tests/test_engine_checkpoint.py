@@ -3,8 +3,7 @@ regression, failed loads and crashes during save. Multi-process tests use gloo r
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import shutil
 
 import pytest
 import torch
@@ -14,8 +13,7 @@ from zeroshard.checkpoint.engine_io import load_checkpoint, save_checkpoint
 from zeroshard.launch import spawn
 from zeroshard.layout import LayoutPolicy
 
-sys.path.insert(0, str(Path(__file__).parent))
-import checkpoint_workers as workers  # noqa: E402
+import checkpoint_workers as workers
 
 SAVE_POLICY = workers.SAVE_POLICY
 # Tolerances after a resharded resume: the same global batches, but summed in another order
@@ -72,8 +70,6 @@ def test_resharded_resume_at_world_size_one_in_process(saved_at_two):
 
 def test_failed_load_on_one_rank_fails_everywhere_and_changes_nothing(saved_at_two, tmp_path):
     out, _ = saved_at_two
-    import shutil
-
     copy = tmp_path / "copy"
     shutil.copytree(out / "ckpt", copy / "ckpt")
     results = spawn(workers.failed_load_changes_nothing, 2, (str(copy),), timeout_s=240)

@@ -1,0 +1,458 @@
+"""Universal checkpoints: exact at any world size, policy and bucket size; streaming; atomic."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from universal_helpers import (
+    PatternSource,
+    bits,
+    check_against_pattern,
+    manifest_without_source,
+    save_synthetic,
+    universal_tensors,
+)
+
+from zeroshard.checkpoint import ReadStats, load_sharded, open_checkpoint, run_ranks, save_sharded
+from zeroshard.checkpoint.native_source import NativeSource, open_source
+from zeroshard.checkpoint.source import read_param
+from zeroshard.checkpoint.testing import ADAM_STATES, expected_partition, pattern, synthesize_state
+from zeroshard.checkpoint.universal import load_from_source, load_universal, open_universal, to_universal
+from zeroshard.layout import LayoutPolicy, ParamSpec, build_layout
+
+SPECS = [
+    [ParamSpec.of("embed", (13, 7), "bf16"), ParamSpec.of("proj", (7, 5), "bf16"), ParamSpec.of("experts", (4, 8, 3), "bf16")],
+    [ParamSpec.of("norm.weight", (5,), "bf16"), ParamSpec.of("proj.bias", (9,), "bf16"), ParamSpec.of("head.bias", (13,), "bf16")],
+]
+NATIVE = LayoutPolicy.native()
+COMPACT = LayoutPolicy.native(compact=True)
+BUCKETED = LayoutPolicy.native(bucket_numel=40)
+DEEPSPEED = LayoutPolicy.deepspeed()
+DEEPSPEED_ALIGNED = LayoutPolicy.deepspeed(parameter_alignment=True)
+
+ROUND_TRIPS = [
+    ((1, NATIVE), (4, NATIVE)),
+    ((4, NATIVE), (3, COMPACT)),
+    ((3, COMPACT), (2, BUCKETED)),
+    ((2, BUCKETED), (1, NATIVE)),
+    ((4, DEEPSPEED), (3, BUCKETED)),
+    ((3, DEEPSPEED_ALIGNED), (2, NATIVE)),
+    ((5, LayoutPolicy.native(bucket_numel=24)), (7, DEEPSPEED)),
+]
+
+
+def _id(case) -> str:
+    (m, before), (n, after) = case
+    def name(policy):
+        return "compact" if policy.compact else (f"b{policy.bucket_numel}" if policy.bucket_numel else policy.kind)
+    return f"D{m}-{name(before)}-to-D{n}-{name(after)}"
+
+
+@pytest.mark.parametrize("case", ROUND_TRIPS, ids=_id)
+def test_round_trip_is_bit_exact(tmp_path, case):
+    (m, before), (n, after) = case
+    old = build_layout(SPECS, m, before)
+    first = to_universal(save_synthetic(tmp_path / "a", old), tmp_path / "u1", max_shard_size=400, progress=False)
+    check_against_pattern(universal_tensors(first), old)
+
+    ckpt = open_universal(first)
+    new = ckpt.build_layout(n, after)
+    states = [load_universal(ckpt, new, rank) for rank in range(n)]
+    for rank, state in enumerate(states):
+        for g in range(len(new.groups)):
+            assert torch.equal(state.fp32_partitions[g], expected_partition(new, rank, g, "fp32"))
+            for name in ADAM_STATES:
+                assert torch.equal(state.optimizer_states[g][name], expected_partition(new, rank, g, name))
+    second = to_universal(save_synthetic(tmp_path / "b", new, states=states), tmp_path / "u2", max_shard_size=400, progress=False)
+
+    assert manifest_without_source(first) == manifest_without_source(second)
+    a, b = universal_tensors(first), universal_tensors(second)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(bits(a[key]), bits(b[key])), key
+    for shard in json.loads((first / "universal.json").read_text())["shards"]:
+        assert (first / shard).read_bytes() == (second / shard).read_bytes()
+
+
+def test_manifest_describes_the_run(tmp_path):
+    layout = build_layout(SPECS, 3, DEEPSPEED)
+    out = to_universal(save_synthetic(tmp_path / "a", layout), tmp_path / "u", progress=False)
+    ckpt = open_universal(out)
+    manifest = ckpt.manifest
+    assert manifest.source["kind"] == "zeroshard.checkpoint" and manifest.source["world_size"] == 3
+    assert manifest.source["policy"]["kind"] == "deepspeed"
+    assert [g.params for g in manifest.param_groups] == [("embed", "proj", "experts"), ("norm.weight", "proj.bias", "head.bias")]
+    assert manifest.param_groups[0].hyperparameters == {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1}
+    assert ckpt.scalars(1)["step"].item() == 7.0
+    assert manifest.params["experts"].shape == (4, 8, 3) and manifest.params["experts"].dtype == "bfloat16"
+    assert manifest.params["experts"].states == ADAM_STATES
+    assert {n: e.kind for n, e in manifest.model_entries.items()} == {"frozen.weight": "frozen", "positions": "buffer"}
+    assert manifest.aliases == {"tied.alias": "embed"}
+    assert manifest.extra["lr_scheduler"]["base_lrs"] == (1e-3, 1e-3)
+    assert [p.name for p in out.iterdir()] and len(manifest.shards) == 1
+    assert torch.equal(ckpt.read_param("experts", "exp_avg_sq", 10, 50), pattern("experts", "exp_avg_sq", 96)[10:50])
+    assert torch.equal(ckpt.model_tensor("positions"), torch.arange(5))
+    assert torch.equal(ckpt.model_tensor("frozen.weight"), pattern("frozen.weight", "fp32", 6).reshape(2, 3))
+
+
+def test_shards_are_bounded_and_a_big_tensor_gets_its_own(tmp_path):
+    layout = build_layout(SPECS, 2)
+    out = to_universal(save_synthetic(tmp_path / "a", layout), tmp_path / "u", max_shard_size=200, progress=False)
+    manifest = open_universal(out).manifest
+    per_shard: dict[str, list[int]] = {}
+    for key, shard in manifest.weight_map.items():
+        dtype, shape = manifest.tensor_specs()[key]
+        per_shard.setdefault(shard, []).append(torch.empty(shape, dtype=dtype).nbytes)
+    assert all(sum(sizes) <= 200 or len(sizes) == 1 for sizes in per_shard.values())
+    assert [4 * 96] in per_shard.values()  # experts in fp32 is bigger than a shard: alone
+    assert sorted(per_shard) == [f"universal-{i:05d}-of-{len(per_shard):05d}.safetensors" for i in range(1, len(per_shard) + 1)]
+
+
+def test_conversion_reads_each_input_byte_once(tmp_path):
+    layout = build_layout(SPECS, 4, DEEPSPEED)
+    ckpt = open_checkpoint(save_synthetic(tmp_path / "a", layout, block_size=64))
+    stats = ReadStats()
+    with NativeSource(ckpt, stats=stats) as source:
+        to_universal(source, tmp_path / "u", progress=False)
+    for name, record in ckpt.manifest.files.items():
+        header = 8 + int.from_bytes((ckpt.directory / name).read_bytes()[:8], "little")
+        assert stats.bytes_by_file.get(name, 0) <= record.size + header, name
+
+
+@pytest.mark.parametrize("new_policy", [NATIVE, BUCKETED, DEEPSPEED_ALIGNED])
+def test_load_from_source_equals_resharded_load(tmp_path, new_policy):
+    old = build_layout(SPECS, 4, COMPACT)
+    path = save_synthetic(tmp_path, old)
+    new = build_layout(SPECS, 3, new_policy)
+    with open_source(path) as source:
+        for rank in range(3):
+            ours = load_from_source(source, new, rank)
+            theirs = load_sharded(path, new, rank)
+            for g in range(len(new.groups)):
+                assert torch.equal(ours.fp32_partitions[g], theirs.fp32_partitions[g])
+                assert ours.optimizer_states[g].keys() == theirs.optimizer_states[g].keys()
+                for name in ours.optimizer_states[g]:
+                    assert torch.equal(ours.optimizer_states[g][name], theirs.optimizer_states[g][name])
+                assert ours.optimizer_scalars[g] == theirs.optimizer_scalars[g]
+            assert ours.param_groups == theirs.param_groups and ours.extra == theirs.extra
+            assert ours.model_state.keys() == theirs.model_state.keys()
+            assert all(torch.equal(ours.model_state[k], theirs.model_state[k]) for k in ours.model_state)
+
+
+def test_seeds_case_d768_deepspeed(tmp_path):
+    """DeepSpeed's layout at D=768: a 266240-element bf16 group whose padding (1024) spans the
+    last three ranks (348 elements each), next to a larger group."""
+    specs = [
+        [ParamSpec.of("layers.0.norm.weight", (4096,), "bf16"), ParamSpec.of("small.bias", (262144,), "bf16")],
+        [ParamSpec.of("big.weight", (768, 1300), "bf16"), ParamSpec.of("big.bias", (1301,), "bf16")],
+    ]
+    layout = build_layout(specs, 768, DEEPSPEED)
+    small = layout.groups[0]
+    assert small.param_numel == 266240 and small.partition_numel == 348 and small.tail_padding == 1024
+    assert small.padding_per_rank()[764:] == (0, 328, 348, 348)
+    states = [synthesize_state(layout, rank) for rank in range(768)]
+    path = save_synthetic(tmp_path / "ds768", layout, block_size=1 << 16, states=states)
+    del states
+    out = to_universal(path, tmp_path / "u", progress=False)
+    check_against_pattern(universal_tensors(out), layout)
+    # Native at D=768: partitions of 352 elements, so ranks 757..767 own nothing of group 0.
+    new = open_universal(out).build_layout(768, NATIVE)
+    assert new.groups[0].partition_numel == 352 and new.groups[0].fragments(767) == ()
+    for rank in (0, 756, 757, 765, 767):
+        state = load_universal(out, new, rank)
+        for g in range(2):
+            assert torch.equal(state.fp32_partitions[g], expected_partition(new, rank, g, "fp32"))
+            assert sorted(state.optimizer_states[g]) == sorted(ADAM_STATES)
+            for name in ADAM_STATES:
+                assert torch.equal(state.optimizer_states[g][name], expected_partition(new, rank, g, name))
+            assert state.optimizer_scalars[g]["step"].item() == 7.0
+        assert [p.layout_groups for p in state.param_groups] == [[0], [1]]
+
+
+def test_d4096_pattern_source_and_ranks_without_elements(tmp_path):
+    specs = [
+        [ParamSpec.of("a.weight", (300, 400), "bf16"), ParamSpec.of("a.bias", (17,), "bf16")],
+        [ParamSpec.of("b.weight", (266240,), "bf16")],
+    ]
+    layout = build_layout(specs, 4096, NATIVE)
+    source = PatternSource(layout)
+    out = to_universal(source, tmp_path / "u", max_shard_size=1 << 20, progress=False)
+    check_against_pattern(universal_tensors(out), layout)
+    ckpt = open_universal(out)
+    assert ckpt.manifest.source == {"kind": "pattern", "path": "<pattern>", "world_size": 4096, "policy": NATIVE.to_dict()}
+    empty = [r for r in range(4096) if not layout.groups[1].fragments(r)]
+    assert empty and empty[-1] == 4095
+    new = build_layout(specs, 4096, DEEPSPEED_ALIGNED)
+    for rank in (0, empty[0] - 1, empty[0], 4095):
+        state = load_universal(ckpt, new, rank)
+        for g in range(2):
+            assert torch.equal(state.fp32_partitions[g], expected_partition(new, rank, g, "fp32"))
+            assert torch.equal(state.optimizer_states[g]["exp_avg"], expected_partition(new, rank, g, "exp_avg"))
+        assert state.param_groups[1].hyperparameters == {"lr": 1e-3, "group": 1}
+
+
+def test_load_options(tmp_path):
+    layout = build_layout(SPECS, 2)
+    out = to_universal(save_synthetic(tmp_path / "a", layout), tmp_path / "u", progress=False)
+    new = build_layout(SPECS, 3, BUCKETED)
+    no_state = load_universal(out, new, 1, load_optimizer_states=False)
+    assert no_state.optimizer_states == [{}, {}] and no_state.optimizer_scalars == [{}, {}]
+    assert torch.equal(no_state.fp32_partitions[0], expected_partition(new, 1, 0, "fp32"))
+    assert no_state.param_groups and no_state.extra["global_step"] == 7
+    module_only = load_universal(out, new, 1, load_module_only=True)
+    assert module_only.param_groups == [] and module_only.optimizer_class == "" and module_only.extra == {}
+    model = module_only.model_state
+    assert model["embed"].dtype == torch.bfloat16 and model["tied.alias"] is model["embed"]
+    assert torch.equal(model["embed"].reshape(-1), pattern("embed", "fp32", 91).to(torch.bfloat16))
+    assert torch.equal(model["positions"], torch.arange(5))
+
+    fewer = build_layout([SPECS[0], SPECS[1][:2] + [ParamSpec.of("new.bias", (3,), "bf16")]], 2)
+    with pytest.raises(ValueError, match="1 missing from the checkpoint: new.bias; 1 not in the run: head.bias"):
+        load_universal(out, fewer, 0)
+    with pytest.warns(UserWarning, match="loading the rest"):
+        state = load_universal(out, fewer, 0, strict=False)
+    assert "head.bias" not in state.model_state and "new.bias" not in state.model_state
+    mixed = build_layout([[*SPECS[0], SPECS[1][0]], SPECS[1][1:]], 2)
+    with pytest.raises(ValueError, match="holds parameters of saved param groups"):
+        load_universal(out, mixed, 0)
+
+
+def test_engine_resumes_from_universal_at_the_same_values(tmp_path):
+    from zeroshard.engine import ZeroOptimizer
+    from zeroshard.models import GPTConfig, TinyGPT
+
+    config = GPTConfig(vocab_size=31, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    torch.manual_seed(0)
+    engine = ZeroOptimizer(TinyGPT(config), torch.optim.AdamW, param_dtype=torch.bfloat16, lr=1e-2)
+    data = torch.randint(0, 31, (4, 9))
+    for _ in range(2):
+        engine.backward(engine.model(data[:, :-1], data[:, 1:]))
+        engine.step()
+        engine.zero_grad()
+    run_ranks(1, lambda c: save_sharded(tmp_path / "ck", "s", engine.export_state(), coordinator=c, buffer_names=["positions"]))
+    out = to_universal(tmp_path / "ck" / "s", tmp_path / "u", progress=False)
+    torch.manual_seed(1)
+    resumed = ZeroOptimizer(TinyGPT(config), torch.optim.AdamW, param_dtype=torch.bfloat16, lr=1e-2)
+    resumed.import_state(load_universal(out, resumed.layout, 0))
+    for name in engine.layout.param_names:
+        assert torch.equal(resumed.get_full_fp32_param(name), engine.get_full_fp32_param(name)), name
+        assert torch.equal(resumed.get_full_optimizer_state(name, "exp_avg"), engine.get_full_optimizer_state(name, "exp_avg"))
+    for live in (engine, resumed):
+        live.backward(live.model(data[:, :-1], data[:, 1:]))
+        live.step()
+    for name in engine.layout.param_names:
+        assert torch.equal(resumed.get_full_fp32_param(name), engine.get_full_fp32_param(name)), name
+
+
+def test_read_param_on_a_native_source_matches_the_pattern(tmp_path):
+    layout = build_layout(SPECS, 5, DEEPSPEED_ALIGNED)
+    with NativeSource(save_synthetic(tmp_path, layout, block_size=32)) as source:
+        for name, numel in (("experts", 96), ("head.bias", 13)):
+            assert torch.equal(read_param(source, name, "exp_avg"), pattern(name, "exp_avg", numel))
+            assert torch.equal(read_param(source, name, "fp32", 3, 11), pattern(name, "fp32", numel)[3:11])
+        assert source.scalars(1)["step"].item() == 7.0
+        assert torch.equal(source.model_tensor("tied.alias"), source.model_tensor("embed"))
+        with pytest.raises(KeyError, match="no optimizer state 'momentum'"):
+            source.read(0, 0, "momentum", 0, 1)
+
+
+# ---- bad input, atomic output, the command line ---------------------------------------------
+
+
+@pytest.fixture
+def small_checkpoint(tmp_path):
+    return save_synthetic(tmp_path / "ck", build_layout(SPECS, 2), block_size=64)
+
+
+def _assert_nothing_complete(out):
+    assert not (out / "universal.json").exists()
+    assert not list(out.parent.glob(f"{out.name}.tmp-*")), "the staging directory must be removed"
+
+
+def _cli(*argv) -> tuple[int, str]:
+    import contextlib
+    import io
+
+    from zeroshard.cli.main import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main([str(a) for a in argv])
+    return code, err.getvalue()
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda ck: _truncate(ck / "rank-00001-of-00002.safetensors"), "truncated or altered"),
+        (lambda ck: (ck / "rank-00001-of-00002.safetensors").unlink(), "rank-00001-of-00002.safetensors: missing"),
+        (lambda ck: _edit_json(ck / "manifest.json", version=99), "format version 99 is newer"),
+        (lambda ck: _flip_in_tensor(ck / "rank-00000-of-00002.safetensors", "group0.state.exp_avg"), "checksum mismatch"),
+        (lambda ck: _flip_in_tensor(ck / "model.safetensors", "positions"), "checksum mismatch"),
+    ],
+    ids=["truncated", "missing-rank", "version", "corrupted-rank", "corrupted-model"],
+)
+def test_bad_checkpoint_one_line_error_and_no_output(small_checkpoint, tmp_path, damage, message):
+    damage(small_checkpoint)
+    out = tmp_path / "out"
+    code, err = _cli("to-universal", small_checkpoint, out)
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert err.startswith("zeroshard to-universal: error: ")
+    _assert_nothing_complete(out)
+    code, err = _cli("to-fp32", small_checkpoint, tmp_path / "fp32")
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "fp32").exists()
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda u: _truncate(_shards(u)[1]), "truncated or altered"),
+        (lambda u: _shards(u)[-1].unlink(), "missing; the manifest lists it"),
+        (lambda u: _edit_json(u / "universal.json", version=2), "format version 2 is newer"),
+        (lambda u: _edit_json(u / "universal.json", format="other"), "not a zeroshard universal checkpoint"),
+        (lambda u: _flip_in_tensor(_shards(u)[0], "param/embed/fp32"), "checksum mismatch"),
+    ],
+    ids=["truncated", "missing-shard", "version", "format", "corrupted"],
+)
+def test_bad_universal_checkpoint(small_checkpoint, tmp_path, damage, message):
+    universal = to_universal(small_checkpoint, tmp_path / "u", max_shard_size=1000, progress=False)
+    assert len(_shards(universal)) > 2
+    damage(universal)
+    layout = build_layout(SPECS, 3)
+    with pytest.raises((ValueError, FileNotFoundError)) as info:
+        for rank in range(3):
+            load_universal(universal, layout, rank)
+    assert message in str(info.value) and "\n" not in str(info.value)
+    code, err = _cli("to-fp32", universal, tmp_path / "fp32")
+    assert code == 2 and message in err and err.count("\n") == 1
+    assert not (tmp_path / "fp32").exists()
+
+
+def test_existing_output_is_kept_unless_overwrite(small_checkpoint, tmp_path):
+    out = to_universal(small_checkpoint, tmp_path / "u", progress=False)
+    before = (out / "universal.json").read_text()
+    with pytest.raises(FileExistsError, match="already holds a complete universal checkpoint"):
+        to_universal(small_checkpoint, out, progress=False)
+    code, err = _cli("to-universal", small_checkpoint, out, "--max-shard-size", "500B")
+    assert code == 2 and "--overwrite" in err
+    code, _ = _cli("to-universal", small_checkpoint, out, "--max-shard-size", "500B", "--overwrite")
+    assert code == 0 and (out / "universal.json").read_text() != before
+    assert len(_shards(out)) > 1 and not list(tmp_path.glob("u.old-*"))
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="is not empty and is not a universal checkpoint"):
+        to_universal(small_checkpoint, foreign, overwrite=True, progress=False)
+    assert (foreign / "notes.txt").read_text() == "mine"
+
+
+def test_a_failure_mid_write_leaves_nothing(small_checkpoint, tmp_path, monkeypatch):
+    from zeroshard.checkpoint import native_source
+
+    calls = {"n": 0}
+    original = native_source.NativeSource.read
+
+    def failing_read(self, *args):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise OSError("disk gone")
+        return original(self, *args)
+
+    monkeypatch.setattr(native_source.NativeSource, "read", failing_read)
+    out = tmp_path / "u"
+    with pytest.raises(OSError, match="disk gone"):
+        to_universal(small_checkpoint, out, progress=False)
+    assert not out.exists()
+    _assert_nothing_complete(out)
+
+
+def test_universal_input_is_refused_where_a_sharded_run_is_needed(small_checkpoint, tmp_path):
+    universal = to_universal(small_checkpoint, tmp_path / "u", progress=False)
+    with pytest.raises(ValueError, match="universal checkpoint, not a sharded run; open it with open_universal"):
+        open_source(universal)
+    code, err = _cli("to-universal", universal, tmp_path / "again")
+    assert code == 2 and "already a universal checkpoint" in err
+
+
+def test_size_arguments():
+    import argparse
+
+    from zeroshard.cli.convert_cmd import parse_size
+
+    assert parse_size("500MB") == 500 * 10**6 and parse_size("2GB") == 2 * 10**9
+    assert parse_size("1GiB") == 2**30 and parse_size("1.5kb") == 1500 and parse_size("4096") == 4096
+    for bad in ("lots", "5XB", "0", "-3MB"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_size(bad)
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 7])
+
+
+def _shards(directory):
+    return sorted(directory.glob("universal-*.safetensors"))
+
+
+def _flip_in_tensor(path, key):
+    from zeroshard.checkpoint.safetensors_io import read_header
+
+    entry = read_header(path, path.stat().st_size)[key]
+    data = bytearray(path.read_bytes())
+    data[entry.begin + 1] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def _edit_json(path, **changes):
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+# ---- streaming pieces ---------------------------------------------------------------------------
+
+
+def test_streaming_writer_checks_the_plan_and_writes_standard_safetensors(tmp_path):
+    from safetensors.torch import load_file
+
+    from zeroshard.checkpoint.safetensors_io import PlannedTensor, SafetensorsWriter, write_safetensors
+
+    a, b = torch.arange(6, dtype=torch.float32), torch.ones(2, 2, dtype=torch.bfloat16)
+    plan = [PlannedTensor("a", torch.float32, (2, 3)), PlannedTensor("b", torch.bfloat16, (2, 2))]
+    with SafetensorsWriter(tmp_path / "s.safetensors", plan, block_size=16) as writer:
+        with pytest.raises(ValueError, match="expected 'a'"):
+            writer.write("b", b)
+        writer.write("a", a)  # flat values, planned shape
+        writer.write("b", b)
+        record = writer.close()
+    loaded = load_file(tmp_path / "s.safetensors")
+    assert torch.equal(loaded["a"], a.reshape(2, 3)) and torch.equal(loaded["b"], b)
+    assert write_safetensors(tmp_path / "t.safetensors", [("a", a.reshape(2, 3)), ("b", b)], 16) == record
+    assert (tmp_path / "s.safetensors").read_bytes() == (tmp_path / "t.safetensors").read_bytes()
+    with pytest.raises(ValueError, match="1 planned tensors were never written"):
+        with SafetensorsWriter(tmp_path / "u.safetensors", plan, block_size=16) as writer:
+            writer.write("a", a)
+
+
+def test_range_reader_reads_a_shared_block_once(tmp_path):
+    from zeroshard.checkpoint.block_reader import RangeReader
+    from zeroshard.checkpoint.checksum import BlockHasher
+
+    path = tmp_path / "f"
+    payload = bytes(range(256)) * 4
+    path.write_bytes(payload)
+    hasher = BlockHasher(100)
+    hasher.update(payload)
+    record = hasher.record()
+    stats = ReadStats()
+    reader = RangeReader(stats)
+    assert bytes(reader.read(path, record, 10, 250)) == payload[10:250]
+    assert bytes(reader.read(path, record, 250, 420)) == payload[250:420]  # block 2 comes from the cache
+    assert stats.total == 500
+    path.write_bytes(payload[:700] + b"x" + payload[701:])
+    with pytest.raises(ValueError, match="checksum mismatch in block 7"):
+        reader.read(path, record, 650, 720)
