@@ -1,0 +1,20 @@
+"""Readers for checkpoints written by other ZeRO implementations.
+
+Each presents its checkpoint as a :class:`~zeroshard.checkpoint.source.ShardSource`, so
+universal conversion, fp32 export and resharded loading work on it unchanged.
+
+* :func:`open_deepspeed`: DeepSpeed ZeRO stage 1/2 (docs/DEEPSPEED.md).
+"""
+
+from .deepspeed import DeepSpeedSource, open_deepspeed
+from .deepspeed_files import find_tag_dir, is_deepspeed_checkpoint
+from .deepspeed_pickle import ALLOWED_GLOBALS, DeepSpeedFormatError
+
+__all__ = [
+    "ALLOWED_GLOBALS",
+    "DeepSpeedFormatError",
+    "DeepSpeedSource",
+    "find_tag_dir",
+    "is_deepspeed_checkpoint",
+    "open_deepspeed",
+]

@@ -1,0 +1,320 @@
+"""DeepSpeed ZeRO stage 1/2 checkpoints as a :class:`~zeroshard.checkpoint.source.ShardSource`.
+
+:func:`open_deepspeed` finds the tag folder, reads the model-states file, rebuilds the flat
+layout with the layout module's ``deepspeed`` policy from ``param_shapes``, and checks it
+against what every rank's optimizer file says (partition sizes, paddings, slice mappings)
+before anything is read. A disagreement is a :class:`DeepSpeedFormatError` naming the file,
+group and rank: a misread layout would silently scramble weights.
+
+Rank files are opened lazily and memory-mapped; at most ``cache_size`` stay open, so a
+conversion that walks the ranks in order holds one or two at a time whatever the world size.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..checkpoint.source import ModelEntry, SourceInfo
+from ..layout import GroupLayout, Layout, LayoutPolicy, ParamSpec, build_layout, canonical_dtype
+from ..state import ParamGroupState
+from .deepspeed_files import (
+    ModelStates,
+    RankShard,
+    find_tag_dir,
+    model_states_path,
+    rank_file_paths,
+    read_model_states,
+    read_rank_shard,
+    refuse_unsupported,
+)
+from .deepspeed_pickle import DeepSpeedFormatError
+
+
+def open_deepspeed(path: str | Path, *, cache_size: int = 2) -> DeepSpeedSource:
+    """Open a DeepSpeed ZeRO stage 1/2 checkpoint, check its layout, and return a source."""
+    return DeepSpeedSource(find_tag_dir(path), cache_size=cache_size)
+
+
+class DeepSpeedSource:
+    """A DeepSpeed ZeRO-1/2 checkpoint read range by range (the ShardSource protocol)."""
+
+    def __init__(self, tag_dir: Path, *, cache_size: int = 2) -> None:
+        if cache_size < 1:
+            raise ValueError(f"cache_size must be at least 1, got {cache_size}")
+        self.path = tag_dir
+        refuse_unsupported(tag_dir)
+        self._model = read_model_states(model_states_path(tag_dir))
+        self._rank_paths = rank_file_paths(tag_dir)
+        self._cache: OrderedDict[int, RankShard] = OrderedDict()
+        self._cache_size = cache_size
+        first = self._shard(0)
+        layout = rebuild_layout(self._model, first, world_size=len(self._rank_paths))
+        for rank in range(layout.world_size):
+            check_rank(layout, self._shard(rank))
+        self.info = _source_info(layout, self._model, first)
+        self._scalars = first.scalars
+
+    @property
+    def layout(self) -> Layout:
+        return self.info.layout
+
+    @property
+    def cached_ranks(self) -> tuple[int, ...]:
+        """Ranks whose optimizer file is open now, least recently used first."""
+        return tuple(self._cache)
+
+    def read(self, rank: int, group: int, key: str, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of ``rank``'s partition of ``key`` ("fp32" or an optimizer
+        state name) in layout group ``group``, as a new fp32 tensor."""
+        partition_numel = self._group(group).partition_numel
+        if not 0 <= start <= end <= partition_numel:
+            raise ValueError(
+                f"range [{start}, {end}) is outside group {group}'s partition of {partition_numel} elements"
+            )
+        shard = self._shard(rank)
+        if key == "fp32":
+            return _read_zero_extended(shard.fp32[group], start, end)
+        if key not in shard.states[group]:
+            raise KeyError(f"group {group} has no optimizer state {key!r} (it has {sorted(shard.states[group])})")
+        return shard.states[group][key][start:end].to(torch.float32, copy=True)
+
+    def scalars(self, group: int) -> dict[str, torch.Tensor]:
+        """Non-partitioned optimizer state of ``group`` (``step``), as saved by rank 0."""
+        self._group(group)
+        return {key: value.clone() for key, value in self._scalars[group].items()}
+
+    def model_tensor(self, name: str) -> torch.Tensor:
+        """A tensor of the module state_dict (bf16/fp16 weights, buffers, frozen params)."""
+        name = self.info.aliases.get(name, name)
+        if name not in self._model.module:
+            raise KeyError(f"{self._model.path.name} has no module tensor {name!r}")
+        return self._model.module[name].clone()
+
+    def close(self) -> None:
+        self._cache.clear()
+
+    def __enter__(self) -> DeepSpeedSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _group(self, group: int) -> GroupLayout:
+        if not 0 <= group < len(self.info.layout.groups):
+            raise ValueError(f"group {group} does not exist (the checkpoint has {len(self.info.layout.groups)})")
+        return self.info.layout.groups[group]
+
+    def _shard(self, rank: int) -> RankShard:
+        if not 0 <= rank < len(self._rank_paths):
+            raise ValueError(f"rank {rank} is outside world size {len(self._rank_paths)}")
+        if rank in self._cache:
+            self._cache.move_to_end(rank)
+            return self._cache[rank]
+        shard = read_rank_shard(self._rank_paths[rank], rank)
+        self._cache[rank] = shard
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return shard
+
+
+# ---- the layout and its check ------------------------------------------------------------
+
+
+def rebuild_layout(model: ModelStates, first: RankShard, world_size: int) -> Layout:
+    """The layout DeepSpeed used: groups from ``param_shapes`` (already in flat-buffer order,
+    round-robin reordering included), dtypes from the module, alignment from the paddings."""
+    where = f"{first.path}, rank 0"
+    counts = set(first.partition_count)
+    if counts != {world_size}:
+        raise DeepSpeedFormatError(
+            f"{where}: partition_count {first.partition_count}, but there are {world_size} rank files"
+        )
+    saved_world = model.counters.get("dp_world_size")
+    if saved_world is not None and saved_world != world_size:
+        raise DeepSpeedFormatError(f"{model.path}: dp_world_size {saved_world}, but there are {world_size} rank files")
+    if len(model.param_shapes) != len(first.fp32):
+        raise DeepSpeedFormatError(
+            f"{where}: {len(first.fp32)} fp32 partitions, but {model.path.name} lists {len(model.param_shapes)} groups"
+        )
+    fallback_dtype = _config_dtype(model.ds_config, first.path)
+    groups = [
+        [ParamSpec.of(name, shape, _param_dtype(model, name, shape, fallback_dtype)) for name, shape in shapes.items()]
+        for shapes in model.param_shapes
+    ]
+    policy = LayoutPolicy.deepspeed(parameter_alignment=_uses_parameter_alignment(first, model.ds_config))
+    try:
+        return build_layout(groups, world_size, policy)
+    except ValueError as err:
+        raise DeepSpeedFormatError(f"{model.path}: param_shapes do not give a layout: {err}") from None
+
+
+def check_rank(layout: Layout, shard: RankShard) -> None:
+    """Compare everything ``shard``'s file says about the layout with ``layout``."""
+    group_count = len(layout.groups)
+    for what, found in (
+        ("fp32 partitions", len(shard.fp32)),
+        ("optimizer groups", len(shard.param_groups)),
+        ("group_paddings", len(shard.group_paddings)),
+        ("partition_count entries", len(shard.partition_count)),
+        ("param_slice_mappings", len(shard.slice_mappings)),
+    ):
+        if found != group_count:
+            raise DeepSpeedFormatError(
+                f"{shard.path}, rank {shard.rank}: {found} {what}, the layout has {group_count} groups"
+            )
+    for group in layout.groups:
+        _check_group(group, shard)
+
+
+def _check_group(group: GroupLayout, shard: RankShard) -> None:
+    rank, index = shard.rank, group.index
+
+    def mismatch(message: str) -> DeepSpeedFormatError:
+        return DeepSpeedFormatError(f"{shard.path}, group {index}, rank {rank}: {message}")
+
+    if shard.partition_count[index] != group.world_size:
+        raise mismatch(f"partition_count {shard.partition_count[index]}, expected {group.world_size}")
+    # DeepSpeed saves the fp32 partition without the group's tail padding.
+    stored = sum(piece.length for piece in group.logical_ranges(rank))
+    tail = group.partition_numel - stored
+    if shard.fp32[index].numel() != stored:
+        raise mismatch(f"saved fp32 partition has {shard.fp32[index].numel()} elements, the layout gives {stored}")
+    if shard.group_paddings[index] != tail:
+        raise mismatch(f"group_paddings says {shard.group_paddings[index]}, the layout gives {tail}")
+    for key, tensor in shard.states[index].items():
+        if tensor.numel() != group.partition_numel:
+            raise mismatch(
+                f"optimizer state {key!r} has {tensor.numel()} elements, the partition has {group.partition_numel}"
+            )
+    expected_pads = [slot.padding for slot in group.params]
+    if shard.param_alignment_paddings is not None and shard.param_alignment_paddings[index] != expected_pads:
+        raise mismatch(
+            f"param_alignment_paddings {shard.param_alignment_paddings[index]}, the layout gives {expected_pads}"
+        )
+    expected = {f.name: (f.length, f.partition_start) for f in group.fragments(rank)}
+    found = shard.slice_mappings[index]
+    if found != expected:
+        name = next(n for n in sorted(set(found) | set(expected)) if found.get(n) != expected.get(n))
+        raise mismatch(
+            f"param_slice_mappings[{name!r}] (numel, start) is {found.get(name)}, the layout gives {expected.get(name)}"
+        )
+
+
+def _uses_parameter_alignment(first: RankShard, ds_config: dict[str, Any]) -> bool:
+    if first.param_alignment_paddings is None:
+        return False  # written before DeepSpeed had the option
+    if any(pad for group in first.param_alignment_paddings for pad in group):
+        return True
+    # All zero: both policies give the same offsets; follow the config for the record.
+    return bool((ds_config.get("zero_optimization") or {}).get("parameter_alignment", False))
+
+
+def _param_dtype(model: ModelStates, name: str, shape: tuple[int, ...], fallback: str) -> str:
+    tensor = model.module.get(name)
+    if tensor is None:
+        if model.module:
+            raise DeepSpeedFormatError(f"{model.path}: param_shapes lists {name!r}, the module has no such tensor")
+        return fallback
+    if tuple(tensor.shape) != shape:
+        raise DeepSpeedFormatError(
+            f"{model.path}: {name!r} is {list(tensor.shape)} in the module, {list(shape)} in param_shapes"
+        )
+    return canonical_dtype(tensor.dtype)
+
+
+def _config_dtype(ds_config: dict[str, Any], rank_file: Path) -> str:
+    for key, dtype in (("bf16", "bfloat16"), ("bfloat16", "bfloat16"), ("fp16", "float16")):
+        if (ds_config.get(key) or {}).get("enabled"):
+            return dtype
+    return "bfloat16" if rank_file.name.startswith("bf16_") else "float32"
+
+
+def _read_zero_extended(saved: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """[start, end) of a partition saved without its tail padding; the tail reads as zeros."""
+    out = torch.zeros(end - start, dtype=torch.float32)
+    stop = min(end, saved.numel())
+    if start < stop:
+        out[: stop - start] = saved[start:stop]
+    return out
+
+
+# ---- SourceInfo ----------------------------------------------------------------------------------
+
+
+def _source_info(layout: Layout, model: ModelStates, first: RankShard) -> SourceInfo:
+    trained = set(layout.param_names)
+    aliases = {alias: target for alias, target in model.shared_params.items() if target in trained}
+    return SourceInfo(
+        layout=layout,
+        optimizer_class=optimizer_class(model.ds_config, first.param_groups),
+        param_groups=[ParamGroupState(dict(hyper), [index]) for index, hyper in enumerate(first.param_groups)],
+        state_keys=[list(states) for states in first.states],
+        model_entries=_model_entries(model, trained | set(aliases)),
+        aliases=aliases,
+        extra={
+            "source": "deepspeed",
+            "deepspeed_version": first.ds_version or model.ds_version,
+            "zero_stage": first.zero_stage,
+            **model.counters,
+            "lr_scheduler": model.lr_scheduler,
+            "loss_scaler": first.loss_scaler,
+            "clip_grad": first.clip_grad,
+            "deepspeed_optimizer": deepspeed_optimizer(model.ds_config),
+        },
+    )
+
+
+def _model_entries(model: ModelStates, trained: set[str]) -> list[ModelEntry]:
+    """Buffers, and every module tensor DeepSpeed did not optimize (frozen or empty params).
+
+    Frozen params come from ``module``: stage 1 saves no frozen_param_shapes."""
+    buffers = set(model.buffer_names)
+    entries = []
+    for name, tensor in model.module.items():
+        if name in trained:
+            continue
+        kind = "buffer" if name in buffers else "frozen"
+        entries.append(ModelEntry(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), kind))
+    return entries
+
+
+def deepspeed_optimizer(ds_config: dict[str, Any]) -> dict[str, Any]:
+    """What DeepSpeed built from the config's ``optimizer`` section (engine.py,
+    ``_configure_basic_optimizer``): the type, whether torch's Adam(W) ran, decoupled decay."""
+    section = ds_config.get("optimizer") or {}
+    params = section.get("params") or {}
+    kind = str(section.get("type", "")).lower()
+    info: dict[str, Any] = {"type": section.get("type"), "torch_adam": bool(params.get("torch_adam", False))}
+    if kind in ("adam", "adamw"):
+        # DeepSpeed's "Adam" decouples weight decay too unless adam_w_mode is false.
+        info["adam_w_mode"] = kind == "adamw" or bool(params.get("adam_w_mode", True))
+        info["implementation"] = (
+            ("torch.optim.adamw.AdamW" if info["adam_w_mode"] else "torch.optim.adam.Adam")
+            if info["torch_adam"]
+            else "deepspeed FusedAdam / DeepSpeedCPUAdam"
+        )
+    return info
+
+
+def optimizer_class(ds_config: dict[str, Any], param_groups: list[dict[str, Any]]) -> str:
+    """The torch optimizer class whose update the saved run used, by its import path, or
+    ``"deepspeed:<type>"`` for DeepSpeed's own optimizers (Lamb, Lion, Muon, ...)."""
+    ds = deepspeed_optimizer(ds_config)
+    if "adam_w_mode" in ds:
+        return "torch.optim.adamw.AdamW" if ds["adam_w_mode"] else "torch.optim.adam.Adam"
+    name = ds["type"]
+    if name is None:
+        # A client optimizer: torch (>= 2.6) records decoupled_weight_decay in Adam's groups.
+        decoupled = param_groups[0].get("decoupled_weight_decay") if param_groups else None
+        if decoupled is not None and "betas" in param_groups[0]:
+            return "torch.optim.adamw.AdamW" if decoupled else "torch.optim.adam.Adam"
+        return "deepspeed:client optimizer"
+    torch_class = getattr(torch.optim, str(name), None)
+    if isinstance(torch_class, type) and not str(name).lower().startswith("muon"):
+        # Names DeepSpeed has no optimizer of its own for are looked up in torch.optim.
+        return f"{torch_class.__module__}.{torch_class.__qualname__}"
+    return f"deepspeed:{name}"
