@@ -1,0 +1,85 @@
+"""ShardSource: a saved ZeRO run seen through its layout, whatever wrote it.
+
+Native zeroshard checkpoints and DeepSpeed ZeRO-1/2 checkpoints both present themselves
+this way, so resharded loading, universal conversion and fp32 export are written once.
+A source never holds a whole partition in memory: ``read`` returns one range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Protocol
+
+import torch
+
+from ..layout import Layout
+from ..state import ParamGroupState
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """A module state_dict entry that is not a trainable parameter's master copy."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    kind: str  # "buffer" or "frozen"
+
+
+@dataclass
+class SourceInfo:
+    """What a source knows besides the partitioned tensors."""
+
+    layout: Layout  # the layout the run was saved with
+    optimizer_class: str  # "torch.optim.adamw.AdamW", ...
+    param_groups: list[ParamGroupState]  # hyperparameters and the layout groups of each
+    state_keys: list[list[str]]  # per layout group: partition-shaped optimizer states
+    model_entries: list[ModelEntry]  # buffers and frozen parameters
+    aliases: dict[str, str] = field(default_factory=dict)  # state_dict name -> trained param it ties to
+    extra: dict[str, Any] = field(default_factory=dict)  # global_steps, loss scaler, lr scheduler
+
+
+class ShardSource(Protocol):
+    """Read access to a saved run, range by range."""
+
+    path: Path
+    info: SourceInfo
+
+    def read(self, rank: int, group: int, key: str, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of rank ``rank``'s partition of ``key`` in layout group
+        ``group``, as fp32. ``key`` is "fp32" (the master weights) or an optimizer state
+        name from ``info.state_keys[group]``. Padding reads as zeros."""
+        ...
+
+    def scalars(self, group: int) -> dict[str, torch.Tensor]:
+        """Optimizer state of the group that is not partition-shaped (e.g. ``step``)."""
+        ...
+
+    def model_tensor(self, name: str) -> torch.Tensor:
+        """A buffer or frozen parameter, or a trained parameter's low-precision weight."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def read_param(source: ShardSource, name: str, key: str, start: int = 0, end: int | None = None) -> torch.Tensor:
+    """Elements [start, end) of parameter ``name``'s ``key`` tensor, flattened, as fp32,
+    assembled from the ranks that hold them (each piece read once)."""
+    group, slot = source.info.layout.param(name)
+    end = slot.numel if end is None else end
+    out = torch.empty(end - start, dtype=torch.float32)
+    for piece in group.pieces(slot.index):
+        lo, hi = max(piece.param_start, start), min(piece.param_start + piece.length, end)
+        if lo >= hi:
+            continue
+        offset = piece.partition_start + lo - piece.param_start
+        out[lo - start : hi - start] = source.read(piece.rank, group.index, key, offset, offset + hi - lo)
+    return out
+
+
+def iter_params(source: ShardSource) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Trained parameters in layout order (group by group, buffer order)."""
+    for group in source.info.layout.groups:
+        for slot in group.params:
+            yield slot.name, slot.spec.shape
