@@ -214,6 +214,10 @@ def test_load_options(tmp_path):
     with pytest.warns(UserWarning, match="loading the rest"):
         state = load_universal(out, fewer, 0, strict=False)
     assert "head.bias" not in state.model_state and "new.bias" not in state.model_state
+    with_empty = build_layout([SPECS[0], [*SPECS[1], ParamSpec.of("empty", (0, 4), "bf16")]], 2)
+    state = load_universal(out, with_empty, 1)  # no elements: nothing to load, not a mismatch
+    assert state.model_state["empty"].shape == (0, 4)
+    assert torch.equal(state.fp32_partitions[1], expected_partition(with_empty, 1, 1, "fp32"))
     mixed = build_layout([[*SPECS[0], SPECS[1][0]], SPECS[1][1:]], 2)
     with pytest.raises(ValueError, match="holds parameters of saved param groups"):
         load_universal(out, mixed, 0)

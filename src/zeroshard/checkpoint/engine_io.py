@@ -87,7 +87,7 @@ def _read_state(
 
         return load_universal(path, engine.layout, engine.rank, **options)
     if kind == "deepspeed":
-        from ..importers.deepspeed import open_deepspeed
+        from ..importers import open_deepspeed
         from .universal import load_from_source
 
         return load_from_source(open_deepspeed(path), engine.layout, engine.rank, **options)
@@ -98,10 +98,8 @@ def checkpoint_kind(path: Path) -> str:
     """"native", "universal" or "deepspeed", from the files ``path`` holds."""
     if (path / "universal.json").is_file():
         return "universal"
-    try:
-        from ..importers.deepspeed import is_deepspeed_checkpoint
-    except ImportError:
-        return "native"
+    from ..importers import is_deepspeed_checkpoint
+
     return "deepspeed" if is_deepspeed_checkpoint(path) else "native"
 
 

@@ -9,6 +9,7 @@ checks each block against the manifest, and counts the bytes it read.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import sys
@@ -36,7 +37,7 @@ _DTYPE_CODES: dict[torch.dtype, str] = {
 }
 _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 _MAX_HEADER_BYTES = 100 << 20  # the limit safetensors itself enforces
-_WRITE_CHUNK = 64 << 20
+_WRITE_CHUNK = 1 << 20  # hashed and written while still in the CPU cache
 
 if sys.byteorder != "little":  # safetensors is little-endian and tensors are written raw
     raise ImportError("zeroshard checkpoints need a little-endian machine")
@@ -74,31 +75,118 @@ class TensorEntry:
     end: int
 
 
+@dataclass(frozen=True)
+class PlannedTensor:
+    """A tensor a :class:`SafetensorsWriter` will write: its key, dtype and shape."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty(0, dtype=self.dtype).element_size()
+
+
+class SafetensorsWriter:
+    """Writes one safetensors file tensor by tensor, in the planned order.
+
+    The header is computed from the plan and written first, so tensors can be produced,
+    written and dropped one at a time. Every byte is hashed into block CRCs as it goes out;
+    :meth:`close` checks that every planned tensor came, fsyncs and returns the record.
+    Leaving a ``with`` block by an exception closes the file unfinished (the caller removes it).
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        plan: Sequence[PlannedTensor],
+        block_size: int,
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        self.path = path
+        self._plan = list(plan)
+        self._next = 0
+        self._hasher = BlockHasher(block_size)
+        header = _plan_header(self._plan, metadata)
+        self._file = open(path, "wb", buffering=0)
+        try:
+            for piece in (struct.pack("<Q", len(header)), header):
+                _write_all(self._file, memoryview(piece), self._hasher)
+        except BaseException:
+            self._file.close()
+            raise
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        """Write the next planned tensor: ``key`` and dtype as planned, the planned number of
+        elements (any shape: the header holds the planned one)."""
+        if self._next >= len(self._plan):
+            raise ValueError(f"{self.path}: {key!r} was not planned; all {len(self._plan)} tensors are written")
+        planned = self._plan[self._next]
+        if key != planned.key or tensor.dtype != planned.dtype or tensor.numel() != planned.numel:
+            raise ValueError(
+                f"{self.path}: expected {planned.key!r} ({planned.dtype}, {planned.numel} elements), "
+                f"got {key!r} ({tensor.dtype}, {tensor.numel()} elements)"
+            )
+        raw = _as_bytes(tensor)
+        for start in range(0, len(raw), _WRITE_CHUNK):
+            _write_all(self._file, raw[start : start + _WRITE_CHUNK], self._hasher)
+        self._next += 1
+
+    def close(self) -> FileRecord:
+        """Finish the file: every planned tensor must have been written. Fsyncs it."""
+        if self._file.closed:
+            return self._hasher.record()
+        if self._next != len(self._plan):
+            self._file.close()
+            raise ValueError(f"{self.path}: {len(self._plan) - self._next} planned tensors were never written")
+        os.fsync(self._file.fileno())
+        self._file.close()
+        return self._hasher.record()
+
+    def abort(self) -> None:
+        """Close the file unfinished (the caller removes it)."""
+        self._file.close()
+
+    def __enter__(self) -> SafetensorsWriter:
+        return self
+
+    def __exit__(self, kind: object, error: object, trace: object) -> None:
+        if error is not None:
+            self.abort()
+        else:
+            self.close()
+
+
 def write_safetensors(
     path: Path, tensors: Sequence[tuple[str, torch.Tensor]], block_size: int, metadata: dict[str, str] | None = None
 ) -> FileRecord:
     """Write ``tensors`` in the given order to ``path``, fsync it, return its block checksums."""
-    flats = [(name, _as_bytes(tensor), tensor) for name, tensor in tensors]
+    plan = [PlannedTensor(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in tensors]
+    with SafetensorsWriter(path, plan, block_size, metadata) as writer:
+        for name, tensor in tensors:
+            writer.write(name, tensor)
+        return writer.close()
+
+
+def _plan_header(plan: Sequence[PlannedTensor], metadata: dict[str, str] | None) -> bytes:
     header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
     offset = 0
-    for name, raw, tensor in flats:
-        header[name] = {
-            "dtype": dtype_to_code(tensor.dtype),
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + len(raw)],
+    for entry in plan:
+        if entry.key in header:
+            raise ValueError(f"tensor key {entry.key!r} appears twice")
+        header[entry.key] = {
+            "dtype": dtype_to_code(entry.dtype),
+            "shape": list(entry.shape),
+            "data_offsets": [offset, offset + entry.nbytes],
         }
-        offset += len(raw)
+        offset += entry.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # data starts 8-byte aligned, as safetensors writes it
-    hasher = BlockHasher(block_size)
-    with open(path, "wb", buffering=0) as out:
-        for piece in (struct.pack("<Q", len(encoded)), encoded):
-            _write_all(out, memoryview(piece), hasher)
-        for _, raw, _ in flats:
-            for start in range(0, len(raw), _WRITE_CHUNK):
-                _write_all(out, raw[start : start + _WRITE_CHUNK], hasher)
-        os.fsync(out.fileno())
-    return hasher.record()
+    return encoded + b" " * (-len(encoded) % 8)  # data starts 8-byte aligned, as safetensors writes it
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
@@ -174,10 +262,10 @@ class VerifiedRanges:
         with open(path, "rb", buffering=0) as handle:
             for first, last in _consecutive_runs(blocks):
                 begin, end = record.block_range(first)[0], record.block_range(last)[1]
-                data = _pread_exact(handle.fileno(), begin, end - begin, path)
+                data = pread_exact(handle.fileno(), begin, end - begin, path)
                 if stats is not None:
                     stats.add(path.name, len(data))
-                _check_blocks(path, record, first, last, begin, data)
+                check_blocks(path, record, first, last, begin, data)
                 self._runs.append((begin, data))
 
     def view(self, begin: int, end: int) -> memoryview:
@@ -196,7 +284,7 @@ def verify_file(path: Path, record: FileRecord) -> list[str]:
     with open(path, "rb", buffering=0) as handle:
         for index in range(len(record.crc32)):
             begin, end = record.block_range(index)
-            data = _pread_exact(handle.fileno(), begin, end - begin, path)
+            data = pread_exact(handle.fileno(), begin, end - begin, path)
             if block_crc(data) != record.crc32[index]:
                 problems.append(
                     f"{path}: checksum mismatch in block {index} (bytes {begin}-{end}): the file is corrupted"
@@ -214,19 +302,28 @@ def _consecutive_runs(indices: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def _pread_exact(fd: int, offset: int, count: int, path: Path) -> bytearray:
+def pread_exact(fd: int, offset: int, count: int, path: Path) -> bytearray:
     data = bytearray(count)
-    view = memoryview(data)
-    done = 0
-    while done < count:
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got == 0:
-            raise ValueError(f"{path}: truncated: expected {offset + count} bytes, the file ends at {offset + done}")
-        done += got
+    pread_into(fd, memoryview(data), offset, path)
     return data
 
 
-def _check_blocks(path: Path, record: FileRecord, first: int, last: int, run_start: int, data: bytearray) -> None:
+def pread_into(fd: int, view: memoryview, offset: int, path: Path) -> None:
+    """Fill ``view`` with the file's bytes from ``offset``; ValueError if the file ends first."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise ValueError(
+                f"{path}: truncated: expected {offset + len(view)} bytes, the file ends at {offset + done}"
+            )
+        done += got
+
+
+def check_blocks(
+    path: Path, record: FileRecord, first: int, last: int, run_start: int, data: bytearray | memoryview
+) -> None:
+    """CRC-check blocks ``first``..``last`` held in ``data``, which starts at file offset ``run_start``."""
     view = memoryview(data)
     for index in range(first, last + 1):
         begin, end = record.block_range(index)

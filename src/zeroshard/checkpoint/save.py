@@ -196,7 +196,17 @@ def _write_rank_file(path: Path, state: ShardedState, block_size: int) -> FileRe
         partitions.append((fp32_key(g), state.fp32_partitions[g]))
         partitions += [(state_key(g, n), t) for n, t in sorted(state.optimizer_states[g].items())]
     metadata = {"format": FORMAT_NAME, "rank": str(state.rank), "world_size": str(state.layout.world_size)}
-    return write_safetensors(path, scalars + partitions, block_size, metadata)
+    data_bytes = sum(t.numel() * t.element_size() for _, t in scalars + partitions)
+    return write_safetensors(path, scalars + partitions, _block_size_for(data_bytes, block_size), metadata)
+
+
+def _block_size_for(data_bytes: int, block_size: int) -> int:
+    """At least 16 checksum blocks per rank file (down to 4 KiB blocks), so a reader of a
+    slice of a small file (large D) does not read and check the whole file for it."""
+    smaller = block_size
+    while smaller > 4096 and smaller * 16 > data_bytes:
+        smaller //= 2
+    return smaller
 
 
 def _manifest(tag: str, state: ShardedState, records: list[GroupRecord], outcomes: list[Any]) -> Manifest:

@@ -6,9 +6,9 @@ import argparse
 import sys
 from typing import Sequence
 
-from . import demo_cmd, inspect_cmd, layout_report
+from . import convert_cmd, demo_cmd, inspect_cmd, layout_report
 
-SUBCOMMANDS = [demo_cmd, layout_report, inspect_cmd]
+SUBCOMMANDS = [demo_cmd, layout_report, inspect_cmd, convert_cmd]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -49,9 +49,21 @@ def export_state(engine: ZeroOptimizer) -> ShardedState:
         optimizer_scalars=scalars,
         param_groups=groups,
         optimizer_class=optimizer_class_name(engine.optimizer),
-        model_state={k: v.detach().cpu().clone() for k, v in engine.model.state_dict().items()},
+        model_state=_cpu_copy_keeping_ties(engine.model.state_dict()),
         extra={"global_steps": engine.global_steps, "loss_scaler": engine.scaler.state_dict()},
     )
+
+
+def _cpu_copy_keeping_ties(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU copies of a state_dict in which names that shared a tensor (tied weights) still do."""
+    copies: dict[tuple, torch.Tensor] = {}
+    result = {}
+    for name, tensor in state.items():
+        identity = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        if identity not in copies:
+            copies[identity] = tensor.detach().cpu().clone()
+        result[name] = copies[identity]
+    return result
 
 
 def import_state(

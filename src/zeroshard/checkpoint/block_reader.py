@@ -1,0 +1,107 @@
+"""Checked byte ranges of checkpoint files, for readers that walk many small ranges.
+
+Converters read a parameter piece by piece, and consecutive pieces usually share a
+checksum block: the one where the previous piece ended. :class:`RangeReader` reads whole
+blocks, checks each against the file's :class:`FileRecord`, and keeps the partly used
+blocks at the ends of each range in a small cache shared by all files, so a block under two
+neighbouring ranges is read and checked once. Interior blocks are used whole and never
+cached, so the cache stays a few blocks big whatever the range sizes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from .checksum import FileRecord
+from .safetensors_io import ReadStats, check_blocks, pread_into
+
+DEFAULT_CACHE_BYTES = 32 << 20
+
+
+class RangeReader:
+    """Reads verified byte ranges of any number of files; one cache of edge blocks for all."""
+
+    def __init__(self, stats: ReadStats | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+        self.stats = stats
+        self._cache: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        self._cache_bytes = cache_bytes
+        self._cached = 0
+
+    def read(self, path: Path, record: FileRecord, begin: int, end: int) -> memoryview:
+        """Bytes [begin, end) of ``path``, every block under them checked against ``record``.
+
+        The view is of a new buffer that the caller may keep."""
+        if not 0 <= begin <= end <= record.size:
+            raise ValueError(f"{path}: byte range [{begin}, {end}) is outside its {record.size} bytes")
+        blocks = record.blocks_covering(begin, end)
+        if not blocks:
+            return memoryview(b"")
+        first, last = blocks[0], blocks[-1]
+        span_start, span_end = record.block_range(first)[0], record.block_range(last)[1]
+        # torch.empty, not bytearray: no zero-filling of memory the read overwrites anyway.
+        view = memoryview(torch.empty(span_end - span_start, dtype=torch.uint8).numpy()).cast("B")
+        key = str(path)
+        head = self._take(key, first, record, view, span_start)
+        tail = last != first and self._take(key, last, record, view, span_start)
+        read_first = first + 1 if head else first
+        read_last = last - 1 if tail else last
+        if read_first <= read_last:
+            self._read_blocks(path, record, read_first, read_last, view, span_start)
+        if begin > span_start or (first == last and end < span_end):
+            self._keep(key, first, record, view, span_start)
+        if last != first and end < span_end:
+            self._keep(key, last, record, view, span_start)
+        return view[begin - span_start : end - span_start]
+
+    def _read_blocks(
+        self, path: Path, record: FileRecord, first: int, last: int, view: memoryview, span_start: int
+    ) -> None:
+        begin, end = record.block_range(first)[0], record.block_range(last)[1]
+        target = view[begin - span_start : end - span_start]
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            pread_into(fd, target, begin, path)
+        finally:
+            os.close(fd)
+        if self.stats is not None:
+            self.stats.add(path.name, end - begin)
+        check_blocks(path, record, first, last, begin, target)
+
+    def _take(self, key: str, index: int, record: FileRecord, view: memoryview, span_start: int) -> bool:
+        data = self._cache.get((key, index))
+        if data is None:
+            return False
+        self._cache.move_to_end((key, index))
+        begin, end = record.block_range(index)
+        view[begin - span_start : end - span_start] = data
+        return True
+
+    def _keep(self, key: str, index: int, record: FileRecord, view: memoryview, span_start: int) -> None:
+        if (key, index) in self._cache:
+            return
+        begin, end = record.block_range(index)
+        data = bytes(view[begin - span_start : end - span_start])
+        self._cache[(key, index)] = data
+        self._cached += len(data)
+        while self._cached > self._cache_bytes and len(self._cache) > 1:
+            _, dropped = self._cache.popitem(last=False)
+            self._cached -= len(dropped)
+
+    def clear(self) -> None:
+        self._cache.clear()
+        self._cached = 0
+
+
+def tensor_view(data: memoryview, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D tensor over ``data`` (shared when aligned for ``dtype``, else a copy)."""
+    if len(data) == 0:
+        return torch.empty(0, dtype=dtype)
+    raw = torch.frombuffer(data, dtype=torch.uint8)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    if raw.data_ptr() % itemsize:
+        raw = raw.clone()
+    return raw.view(dtype)

@@ -1,0 +1,182 @@
+"""The consolidated module state_dict of a saved run, as Hugging Face style safetensors.
+
+Every name of the module's state_dict is written: trained parameters from their fp32
+masters (cast to ``dtype``), frozen parameters (floating ones cast to ``dtype``) and
+buffers (in their own dtype), and a tied parameter under each of its names with its own
+bytes (safetensors refuses shared storage). One ``model.safetensors``, or, when
+``max_shard_size`` is given and exceeded, ``model-00001-of-0000N.safetensors`` shards and a
+``model.safetensors.index.json``. Streaming and atomic like :func:`to_universal`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..layout import canonical_dtype
+from .directory import write_file_durably
+from .format import DEFAULT_BLOCK_SIZE
+from .native_source import open_source
+from .output_dir import staged_output
+from .safetensors_io import PlannedTensor, torch_dtype
+from .source import ModelEntry, ShardSource, iter_params
+from .streaming import OutputTensor, plan_shards, write_shards
+from .universal_format import is_universal_checkpoint
+from .universal_read import UniversalCheckpoint, open_universal
+from .universal_write import read_whole_param
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+Input = str | os.PathLike[str] | ShardSource | UniversalCheckpoint
+
+
+def shard_file_name(index: int, count: int) -> str:
+    """``model-00001-of-00003.safetensors`` for shard ``index`` (from 0) of ``count``."""
+    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+@dataclass(frozen=True)
+class _ModelView:
+    """What an export needs of its input, whatever the input is."""
+
+    trained: list[tuple[str, tuple[int, ...]]]  # layout order
+    entries: list[ModelEntry]  # buffers and frozen parameters
+    aliases: dict[str, str]
+    master: Callable[[str], torch.Tensor]  # a trained parameter's fp32 master, flat
+    model_tensor: Callable[[str], torch.Tensor]
+    close: Callable[[], None]
+
+
+def to_fp32(
+    path: Input,
+    out_dir: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | str = torch.float32,
+    max_shard_size: int | None = None,
+    progress: bool | None = None,
+    overwrite: bool = False,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> Path:
+    """Export the module state_dict of ``path`` (a native, universal or DeepSpeed checkpoint,
+    or an opened ShardSource / UniversalCheckpoint) to ``out_dir``; returns ``out_dir``."""
+    dtype = _as_dtype(dtype)
+    view = _open(path)
+    try:
+        tensors = _outputs(view, dtype)
+        sizes = [t.planned.nbytes for t in tensors]
+        shards = plan_shards(sizes, max_shard_size)
+        names = [SINGLE_FILE] if len(shards) == 1 else [shard_file_name(i, len(shards)) for i in range(len(shards))]
+        with staged_output(out_dir, markers=[SINGLE_FILE, INDEX_FILE], overwrite=overwrite, what="model export") as staging:
+            write_shards(
+                staging,
+                tensors,
+                shards,
+                names,
+                block_size=block_size,
+                metadata={"format": "pt"},  # what transformers checks before loading a file
+                progress=progress,
+                description="to-fp32",
+            )
+            if len(shards) > 1:
+                weight_map = {tensors[i].planned.key: name for shard, name in zip(shards, names) for i in shard}
+                index = {"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(weight_map.items()))}
+                write_file_durably(staging / INDEX_FILE, json.dumps(index, indent=2) + "\n")
+    finally:
+        view.close()
+    return Path(out_dir)
+
+
+def load_fp32_state_dict(path: Input, dtype: torch.dtype | str = torch.float32) -> dict[str, torch.Tensor]:
+    """The consolidated module state_dict of ``path`` in memory, as :func:`to_fp32` writes it
+    (tied names share one tensor here)."""
+    dtype = _as_dtype(dtype)
+    view = _open(path)
+    try:
+        state: dict[str, torch.Tensor] = {}
+        made: dict[int, torch.Tensor] = {}
+        for entry in _outputs(view, dtype):
+            key = id(entry.produce)
+            if key not in made:
+                made[key] = entry.produce().reshape(entry.planned.shape)
+            state[entry.planned.key] = made[key]
+        return state
+    finally:
+        view.close()
+
+
+def _outputs(view: _ModelView, dtype: torch.dtype) -> list[OutputTensor]:
+    """One entry per state_dict name; a target and its aliases share one producer, in a row."""
+    aliases_of: dict[str, list[str]] = {}
+    for alias, target in view.aliases.items():
+        aliases_of.setdefault(target, []).append(alias)
+    tensors: list[OutputTensor] = []
+    stored: set[str] = set()
+    for name, shape in view.trained:
+        produce = functools.partial(_cast, view.master, name, dtype)
+        tensors += [OutputTensor(PlannedTensor(n, dtype, shape), produce) for n in [name, *aliases_of.get(name, [])]]
+        stored.add(name)
+    for entry in view.entries:
+        own = torch_dtype(entry.dtype)
+        out = dtype if entry.kind == "frozen" and own.is_floating_point else own
+        produce = functools.partial(_cast, view.model_tensor, entry.name, out)
+        tensors += [OutputTensor(PlannedTensor(n, out, entry.shape), produce) for n in [entry.name, *aliases_of.get(entry.name, [])]]
+        stored.add(entry.name)
+    dangling = sorted(alias for alias, target in view.aliases.items() if target not in stored)
+    if dangling:
+        raise ValueError(f"tied names {dangling} point at tensors the checkpoint does not hold")
+    return tensors
+
+
+def _cast(read: Callable[[str], torch.Tensor], name: str, dtype: torch.dtype) -> torch.Tensor:
+    return read(name).to(dtype)
+
+
+def _open(path: Input) -> _ModelView:
+    if isinstance(path, UniversalCheckpoint):
+        return _universal_view(path, close=False)
+    if hasattr(path, "read") and hasattr(path, "info"):
+        return _source_view(path, close=False)  # type: ignore[arg-type]
+    path = Path(path)  # type: ignore[arg-type]
+    if is_universal_checkpoint(path):
+        return _universal_view(open_universal(path), close=True)
+    return _source_view(open_source(path), close=True)
+
+
+def _universal_view(ckpt: UniversalCheckpoint, *, close: bool) -> _ModelView:
+    manifest = ckpt.manifest
+    return _ModelView(
+        trained=[(name, param.shape) for name, param in manifest.params.items()],
+        entries=list(manifest.model_entries.values()),
+        aliases=dict(manifest.aliases),
+        master=lambda name: ckpt.read_param(name, "fp32"),
+        model_tensor=ckpt.model_tensor,
+        close=ckpt.close if close else _nothing,
+    )
+
+
+def _source_view(source: ShardSource, *, close: bool) -> _ModelView:
+    return _ModelView(
+        trained=list(iter_params(source)),
+        entries=list(source.info.model_entries),
+        aliases=dict(source.info.aliases),
+        master=lambda name: read_whole_param(source, name, "fp32"),
+        model_tensor=source.model_tensor,
+        close=source.close if close else _nothing,
+    )
+
+
+def _nothing() -> None:
+    pass
+
+
+def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    name = canonical_dtype(dtype)
+    if name not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"export dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    return torch_dtype(name)

@@ -1,0 +1,147 @@
+"""A native zeroshard checkpoint as a :class:`ShardSource`, and :func:`open_source` for any saved run.
+
+Reads are range reads of the rank files, every checksum block under them verified (see
+:mod:`.block_reader`); each file's safetensors header is checked against the manifest the
+first time the file is read.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .block_reader import RangeReader, tensor_view
+from .format import MODEL_FILE, fp32_key, rank_file_name, scalar_key, state_key
+from .load import Checkpoint, open_checkpoint
+from .model_file import check_entries
+from .safetensors_io import ReadStats, TensorEntry, read_header, torch_dtype
+from .source import ModelEntry, ShardSource, SourceInfo
+
+NATIVE_KIND = "zeroshard.checkpoint"
+
+
+class NativeSource:
+    """An opened native checkpoint, read range by range (the ShardSource protocol)."""
+
+    kind = NATIVE_KIND
+
+    def __init__(self, checkpoint: str | os.PathLike[str] | Checkpoint, *, stats: ReadStats | None = None) -> None:
+        self.checkpoint = open_checkpoint(checkpoint)
+        self.path = self.checkpoint.directory
+        manifest = self.checkpoint.manifest
+        self._reader = RangeReader(stats)
+        self._stats = stats
+        self._headers: dict[str, dict[str, TensorEntry]] = {}
+        self._rank_tensors = manifest.rank_file_tensors()
+        self.info = SourceInfo(
+            layout=manifest.layout,
+            optimizer_class=manifest.optimizer_class,
+            param_groups=list(manifest.param_groups),
+            state_keys=[list(record.states) for record in manifest.groups],
+            model_entries=[
+                ModelEntry(name, record.shape, record.dtype, record.kind)
+                for name, record in manifest.model_tensors.items()
+                if record.kind != "trainable"
+            ],
+            aliases=dict(manifest.aliases),
+            extra=dict(manifest.extra),
+        )
+
+    def read(self, rank: int, group: int, key: str, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of ``rank``'s partition of ``key`` in ``group``, as fp32."""
+        manifest = self.checkpoint.manifest
+        if not 0 <= group < len(manifest.groups):
+            raise ValueError(f"{self.path}: group {group} does not exist (the checkpoint has {len(manifest.groups)})")
+        record = manifest.groups[group]
+        if key == "fp32":
+            tensor_key, dtype = fp32_key(group), record.fp32_dtype
+        elif key in record.states:
+            tensor_key, dtype = state_key(group, key), record.states[key]
+        else:
+            raise KeyError(f"{self.path}: group {group} has no optimizer state {key!r} (it has {sorted(record.states)})")
+        partition_numel = manifest.layout.groups[group].partition_numel
+        if not 0 <= start <= end <= partition_numel:
+            raise ValueError(f"range [{start}, {end}) is outside group {group}'s partition of {partition_numel} elements")
+        file_name = self._rank_file(rank)
+        entry = self._header(file_name)[tensor_key]
+        itemsize = torch.empty(0, dtype=torch_dtype(dtype)).element_size()
+        data = self._read(file_name, entry.begin + start * itemsize, entry.begin + end * itemsize)
+        return tensor_view(data, torch_dtype(dtype)).to(torch.float32)
+
+    def scalars(self, group: int) -> dict[str, torch.Tensor]:
+        """The group's non-partitioned optimizer state, as rank 0 saved it."""
+        manifest = self.checkpoint.manifest
+        file_name = self._rank_file(0)
+        header = self._header(file_name)
+        found = {}
+        for name, (dtype, shape) in manifest.groups[group].scalars.items():
+            entry = header[scalar_key(group, name)]
+            data = self._read(file_name, entry.begin, entry.end)
+            found[name] = tensor_view(data, torch_dtype(dtype)).clone().reshape(shape)
+        return found
+
+    def model_tensor(self, name: str) -> torch.Tensor:
+        """A module state_dict entry from model.safetensors, aliases followed."""
+        stored = self.info.aliases.get(name, name)
+        record = self.checkpoint.manifest.model_tensors.get(stored)
+        if record is None:
+            raise KeyError(f"{self.path / MODEL_FILE}: no module tensor {name!r}")
+        entry = self._header(MODEL_FILE)[stored]
+        data = self._read(MODEL_FILE, entry.begin, entry.end)
+        return tensor_view(data, torch_dtype(record.dtype)).clone().reshape(record.shape)
+
+    def close(self) -> None:
+        self._reader.clear()
+        self._headers.clear()
+
+    def __enter__(self) -> NativeSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _rank_file(self, rank: int) -> str:
+        world_size = self.checkpoint.manifest.world_size
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        return rank_file_name(rank, world_size)
+
+    def _header(self, file_name: str) -> dict[str, TensorEntry]:
+        header = self._headers.get(file_name)
+        if header is None:
+            manifest = self.checkpoint.manifest
+            path = self.checkpoint.path(file_name)
+            header = read_header(path, manifest.files[file_name].size, self._stats)
+            expected = manifest.model_file_tensors() if file_name == MODEL_FILE else self._rank_tensors
+            check_entries(path, header, expected)
+            self._headers[file_name] = header
+        return header
+
+    def _read(self, file_name: str, begin: int, end: int) -> memoryview:
+        record = self.checkpoint.manifest.files[file_name]
+        return self._reader.read(self.checkpoint.path(file_name), record, begin, end)
+
+
+def open_source(path: str | os.PathLike[str]) -> ShardSource:
+    """The saved run at ``path`` as a ShardSource: a native checkpoint (a tag directory or a
+    root with ``latest``) or a DeepSpeed ZeRO-1/2 checkpoint.
+
+    A universal checkpoint is refused: it has no ranks; open it with ``open_universal``.
+    """
+    from .universal_format import is_universal_checkpoint
+
+    path = Path(path)
+    if is_universal_checkpoint(path):
+        raise ValueError(
+            f"{path}: a zeroshard universal checkpoint, not a sharded run; open it with open_universal / load_universal"
+        )
+    try:
+        from ..importers import is_deepspeed_checkpoint, open_deepspeed
+    except ModuleNotFoundError:  # a build without the importers
+        pass
+    else:
+        if is_deepspeed_checkpoint(path):
+            return open_deepspeed(path)
+    return NativeSource(path)

@@ -1,0 +1,237 @@
+"""The universal checkpoint's vocabulary and manifest (``universal.json``).
+
+A universal checkpoint holds every trained parameter's fp32 master and optimizer states in
+the parameter's own shape, with no padding and no ranks, so any world size, policy or bucket
+size loads it by range reads. docs/FORMAT.md describes it; this module spells its names and
+parses its manifest.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import __version__
+from ..layout import ParamSpec, canonical_dtype
+from . import jsonvalue
+from .checksum import FileRecord
+from .safetensors_io import torch_dtype
+from .source import ModelEntry
+
+FORMAT_NAME = "zeroshard.universal"
+FORMAT_VERSION = 1
+MANIFEST_FILE = "universal.json"
+DEFAULT_MAX_SHARD_SIZE = 2**31
+
+
+def shard_file_name(index: int, count: int) -> str:
+    """``universal-00001-of-00003.safetensors`` for shard ``index`` (from 0) of ``count``."""
+    return f"universal-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def param_key(name: str, key: str) -> str:
+    """Tensor key of a trained parameter's ``key`` ("fp32" or an optimizer state name)."""
+    return f"param/{name}/{key}"
+
+
+def model_key(name: str) -> str:
+    """Tensor key of a buffer or frozen parameter."""
+    return f"model/{name}"
+
+
+def is_universal_checkpoint(path: Path) -> bool:
+    return (Path(path) / MANIFEST_FILE).is_file()
+
+
+@dataclass(frozen=True)
+class UniversalParam:
+    """A trained parameter: its shape, the dtype it trained in, its param group, its states."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    group: int
+    states: tuple[str, ...]
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count
+
+
+@dataclass(frozen=True)
+class UniversalParamGroup:
+    """An optimizer param group: hyperparameters, member parameters, non-partitioned state."""
+
+    hyperparameters: dict[str, Any]
+    params: tuple[str, ...]
+    scalars: dict[str, Any]  # "step" and the like, usually 0-d tensors
+
+
+@dataclass(frozen=True)
+class UniversalManifest:
+    """The parsed ``universal.json``."""
+
+    source: dict[str, Any]  # kind, world_size, policy of the run it was converted from
+    optimizer_class: str
+    param_groups: list[UniversalParamGroup]
+    params: dict[str, UniversalParam]  # in the source's layout order
+    model_entries: dict[str, ModelEntry]  # buffers and frozen parameters
+    aliases: dict[str, str]  # state_dict name -> the stored name it ties to
+    extra: dict[str, Any]
+    shards: dict[str, FileRecord] = field(default_factory=dict)
+    weight_map: dict[str, str] = field(default_factory=dict)  # tensor key -> shard file
+    version: int = FORMAT_VERSION
+    created_by: str = f"zeroshard {__version__}"
+
+    def tensor_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Every tensor the shards hold, by key, in the order they are written."""
+        specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        for name, param in self.params.items():
+            for key in ("fp32", *param.states):
+                specs[param_key(name, key)] = (torch.float32, param.shape)
+        for name, entry in self.model_entries.items():
+            specs[model_key(name)] = (torch_dtype(entry.dtype), entry.shape)
+        return specs
+
+    def param_specs(self) -> list[list[ParamSpec]]:
+        """Layout groups as a run would form them: one per (param group, dtype), first seen first."""
+        groups: dict[tuple[int, str], list[ParamSpec]] = {}
+        for name, param in self.params.items():
+            groups.setdefault((param.group, param.dtype), []).append(ParamSpec.of(name, param.shape, param.dtype))
+        return list(groups.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_NAME,
+            "version": self.version,
+            "created_by": self.created_by,
+            "source": self.source,
+            "optimizer": {
+                "class": self.optimizer_class,
+                "param_groups": [
+                    {
+                        "hyperparameters": jsonvalue.encode(group.hyperparameters, f"param_groups[{index}]"),
+                        "params": list(group.params),
+                        "scalars": jsonvalue.encode(group.scalars, f"param_groups[{index}].scalars"),
+                    }
+                    for index, group in enumerate(self.param_groups)
+                ],
+            },
+            "params": {
+                name: {"shape": list(p.shape), "dtype": p.dtype, "group": p.group, "states": list(p.states)}
+                for name, p in self.params.items()
+            },
+            "model": {
+                "tensors": {
+                    name: {"shape": list(e.shape), "dtype": e.dtype, "kind": e.kind}
+                    for name, e in self.model_entries.items()
+                },
+                "aliases": dict(self.aliases),
+            },
+            "extra": jsonvalue.encode(self.extra, "extra"),
+            "shards": {name: record.to_dict() for name, record in self.shards.items()},
+            "weight_map": dict(self.weight_map),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, allow_nan=False)
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = MANIFEST_FILE) -> UniversalManifest:
+        """Parse and check; ValueError naming ``where`` and the problem in one line."""
+        if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
+            found = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"{where}: not a zeroshard universal checkpoint (format {found!r})")
+        version = data.get("version")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise ValueError(f"{where}: format version {version!r} is not valid")
+        if version > FORMAT_VERSION:
+            raise ValueError(
+                f"{where}: format version {version} is newer than this zeroshard reads ({FORMAT_VERSION}); upgrade zeroshard"
+            )
+        try:
+            manifest = _fields_from_dict(data)
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise ValueError(f"{where}: malformed manifest ({type(err).__name__}: {err})") from None
+        problem = manifest.inconsistency()
+        if problem:
+            raise ValueError(f"{where}: inconsistent manifest: {problem}")
+        return manifest
+
+    def inconsistency(self) -> str | None:
+        """What contradicts itself in this manifest, or None."""
+        for name, param in self.params.items():
+            if not 0 <= param.group < len(self.param_groups) or name not in self.param_groups[param.group].params:
+                return f"parameter {name!r} is not a member of its param group {param.group}"
+        members = [name for group in self.param_groups for name in group.params]
+        if len(members) != len(set(members)) or sorted(members) != sorted(self.params):
+            return "the param groups' members are not exactly the parameters"
+        for alias, target in self.aliases.items():
+            if alias in self.params or alias in self.model_entries:
+                return f"alias {alias!r} is also a stored name"
+            if target not in self.params and target not in self.model_entries:
+                return f"alias {alias!r} -> {target!r} does not name a stored tensor"
+        specs = self.tensor_specs()
+        if set(self.weight_map) != set(specs):
+            missing = sorted(set(specs) - set(self.weight_map))[:3]
+            unknown = sorted(set(self.weight_map) - set(specs))[:3]
+            return f"weight_map does not list exactly the tensors (missing {missing}, unknown {unknown})"
+        unlisted = sorted(set(self.weight_map.values()) - set(self.shards))
+        if unlisted:
+            return f"weight_map names shards not in the shard list: {unlisted[:3]}"
+        return None
+
+
+def _fields_from_dict(data: dict[str, Any]) -> UniversalManifest:
+    optimizer = data["optimizer"]
+    model = data["model"]
+    return UniversalManifest(
+        source=dict(data["source"]),
+        optimizer_class=str(optimizer["class"]),
+        param_groups=[
+            UniversalParamGroup(
+                hyperparameters=jsonvalue.decode(group["hyperparameters"]),
+                params=tuple(str(name) for name in group["params"]),
+                scalars=jsonvalue.decode(group["scalars"]),
+            )
+            for group in optimizer["param_groups"]
+        ],
+        params={
+            str(name): UniversalParam(
+                shape=tuple(int(d) for d in p["shape"]),
+                dtype=canonical_dtype(p["dtype"]),
+                group=int(p["group"]),
+                states=tuple(str(s) for s in p["states"]),
+            )
+            for name, p in data["params"].items()
+        },
+        model_entries={
+            str(name): ModelEntry(str(name), tuple(int(d) for d in e["shape"]), str(e["dtype"]), str(e["kind"]))
+            for name, e in model["tensors"].items()
+        },
+        aliases={str(k): str(v) for k, v in model["aliases"].items()},
+        extra=jsonvalue.decode(data["extra"]),
+        shards={str(name): FileRecord.from_dict(record) for name, record in data["shards"].items()},
+        weight_map={str(k): str(v) for k, v in data["weight_map"].items()},
+        version=int(data["version"]),
+        created_by=str(data.get("created_by", "")),
+    )
+
+
+def read_universal_manifest(directory: Path) -> UniversalManifest:
+    path = directory / MANIFEST_FILE
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: missing: not a complete universal checkpoint") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: corrupted: not valid JSON ({err.msg} at line {err.lineno})") from None
+    return UniversalManifest.from_dict(data, str(path))

@@ -1,0 +1,119 @@
+"""Read a universal checkpoint: range reads of any tensor, checked block by block.
+
+Opening checks the manifest (format, version, consistency) and every shard's presence and
+size; a shard's safetensors header is checked against the manifest the first time it is
+read; every checksum block a read touches is verified.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+import torch
+
+from ..layout import Layout, LayoutPolicy, build_layout
+from .block_reader import RangeReader, tensor_view
+from .manifest import dtype_name
+from .model_file import check_entries
+from .safetensors_io import ReadStats, TensorEntry, read_header
+from .universal_format import UniversalManifest, model_key, param_key, read_universal_manifest
+
+
+class UniversalCheckpoint:
+    """An opened universal checkpoint. Cheap to open; reads only what is asked for."""
+
+    def __init__(self, directory: Path, manifest: UniversalManifest, *, stats: ReadStats | None = None) -> None:
+        self.directory = directory
+        self.manifest = manifest
+        self._stats = stats
+        self._reader = RangeReader(stats)
+        self._headers: dict[str, dict[str, TensorEntry]] = {}
+        self._specs = manifest.tensor_specs()
+
+    def read_param(self, name: str, key: str = "fp32", start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Elements [start, end) of parameter ``name``'s ``key`` ("fp32" or an optimizer
+        state), flattened in the parameter's own shape, as a new fp32 tensor."""
+        param = self.manifest.params.get(name)
+        if param is None:
+            raise KeyError(f"{self.directory}: no trained parameter {name!r}")
+        if key != "fp32" and key not in param.states:
+            raise KeyError(f"{self.directory}: parameter {name!r} has no state {key!r} (it has {list(param.states)})")
+        end = param.numel if end is None else end
+        if not 0 <= start <= end <= param.numel:
+            raise ValueError(f"range [{start}, {end}) is outside parameter {name!r}'s {param.numel} elements")
+        return self._read(param_key(name, key), start * 4, end * 4, torch.float32)
+
+    def model_tensor(self, name: str) -> torch.Tensor:
+        """A buffer or frozen parameter in its own dtype and shape (aliases followed)."""
+        stored = self.manifest.aliases.get(name, name)
+        entry = self.manifest.model_entries.get(stored)
+        if entry is None:
+            raise KeyError(f"{self.directory}: no buffer or frozen parameter {name!r}")
+        dtype, shape = self._specs[model_key(stored)]
+        size = torch.empty(0, dtype=dtype).element_size() * math.prod(shape)
+        return self._read(model_key(stored), 0, size, dtype).reshape(shape)
+
+    def scalars(self, group: int) -> dict[str, torch.Tensor]:
+        """Non-partitioned optimizer state of param group ``group`` (``step``), as tensors."""
+        return {
+            name: value.clone() if torch.is_tensor(value) else torch.tensor(value)
+            for name, value in self.manifest.param_groups[group].scalars.items()
+        }
+
+    def build_layout(self, world_size: int, policy: LayoutPolicy | None = None) -> Layout:
+        """The layout a run of these parameters would have at ``world_size`` under ``policy``."""
+        return build_layout(self.manifest.param_specs(), world_size, policy)
+
+    def close(self) -> None:
+        self._reader.clear()
+        self._headers.clear()
+
+    def __enter__(self) -> UniversalCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _read(self, key: str, begin: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        """Bytes [begin, end) of tensor ``key``'s data as a 1-D ``dtype`` tensor the caller owns."""
+        shard = self.manifest.weight_map[key]
+        entry = self._header(shard)[key]
+        data = self._reader.read(self.directory / shard, self.manifest.shards[shard], entry.begin + begin, entry.begin + end)
+        return tensor_view(data, dtype)
+
+    def _header(self, shard: str) -> dict[str, TensorEntry]:
+        header = self._headers.get(shard)
+        if header is None:
+            path = self.directory / shard
+            header = read_header(path, self.manifest.shards[shard].size, self._stats)
+            expected = {
+                key: (dtype_name(dtype), shape)
+                for key, (dtype, shape) in self._specs.items()
+                if self.manifest.weight_map[key] == shard
+            }
+            check_entries(path, header, expected)
+            unexpected = sorted(set(header) - set(expected))
+            if unexpected:
+                raise ValueError(f"{path}: corrupted or not the manifest's shard: unexpected tensors {unexpected[:3]}")
+            self._headers[shard] = header
+        return header
+
+
+def open_universal(path: str | os.PathLike[str] | UniversalCheckpoint, *, stats: ReadStats | None = None) -> UniversalCheckpoint:
+    """Open the universal checkpoint in directory ``path``: manifest checked, every shard
+    present with its recorded size. FileNotFoundError or ValueError in one line otherwise."""
+    if isinstance(path, UniversalCheckpoint):
+        return path
+    directory = Path(path)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory}: no such directory")
+    manifest = read_universal_manifest(directory)
+    for name, record in manifest.shards.items():
+        try:
+            size = (directory / name).stat().st_size
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{directory / name}: missing; the manifest lists it") from None
+        if size != record.size:
+            raise ValueError(f"{directory / name}: truncated or altered: {size} bytes, the manifest says {record.size}")
+    return UniversalCheckpoint(directory, manifest, stats=stats)

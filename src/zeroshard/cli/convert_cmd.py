@@ -1,0 +1,104 @@
+"""``zeroshard to-universal`` and ``zeroshard to-fp32``: convert a saved run, streaming.
+
+Any failure is one line on stderr and exit status 2, and leaves nothing under OUT that
+looks complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from pathlib import Path
+
+from ..checkpoint.fp32_export import to_fp32
+from ..checkpoint.universal_format import DEFAULT_MAX_SHARD_SIZE, is_universal_checkpoint
+from ..checkpoint.universal_write import to_universal
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``text``: a number with an optional unit, "500MB", "2GB" (powers of 10) or "2GiB"."""
+    match = _SIZE.match(text)
+    unit = match.group(2).upper() if match else ""
+    if not match or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 500MB, 2GB, 1GiB, 1048576)")
+    size = int(float(match.group(1)) * _UNITS[unit])
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"size must be at least one byte, got {text!r}")
+    return size
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    universal = commands.add_parser(
+        "to-universal", help="convert a checkpoint (native or DeepSpeed) to a universal, world-size-free checkpoint"
+    )
+    _common(universal)
+    universal.add_argument(
+        "--max-shard-size", type=parse_size, default=DEFAULT_MAX_SHARD_SIZE, help="bytes of tensors per shard (default 2GiB)"
+    )
+    universal.set_defaults(run=run_to_universal)
+
+    fp32 = commands.add_parser("to-fp32", help="export the consolidated model state_dict as Hugging Face safetensors")
+    _common(fp32)
+    fp32.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="dtype of trained (and frozen) parameters")
+    fp32.add_argument("--max-shard-size", type=parse_size, default=None, help="shard the output, e.g. 5GB (default: one file)")
+    fp32.set_defaults(run=run_to_fp32)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint directory (or a root with 'latest')")
+    parser.add_argument("out", type=Path, help="the output directory (created; must not hold anything else)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a complete output already at OUT")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
+
+
+def run_to_universal(args: argparse.Namespace) -> int:
+    if is_universal_checkpoint(args.checkpoint):
+        return _fail(args, f"{args.checkpoint}: already a universal checkpoint")
+    return _run(
+        args,
+        lambda: to_universal(
+            args.checkpoint,
+            args.out,
+            max_shard_size=args.max_shard_size,
+            progress=False if args.no_progress else None,
+            overwrite=args.overwrite,
+        ),
+    )
+
+
+def run_to_fp32(args: argparse.Namespace) -> int:
+    return _run(
+        args,
+        lambda: to_fp32(
+            args.checkpoint,
+            args.out,
+            dtype=_DTYPES[args.dtype],
+            max_shard_size=args.max_shard_size,
+            progress=False if args.no_progress else None,
+            overwrite=args.overwrite,
+        ),
+    )
+
+
+def _run(args: argparse.Namespace, convert) -> int:
+    started = time.perf_counter()
+    try:
+        out = convert()
+    except (OSError, ValueError, KeyError) as err:
+        return _fail(args, str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err))
+    files = sorted(p for p in out.iterdir() if p.is_file())
+    size = sum(p.stat().st_size for p in files)
+    print(f"wrote {out}: {len(files)} files, {size:,} bytes in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def _fail(args: argparse.Namespace, message: str) -> int:
+    line = " ".join(message.split())
+    print(f"zeroshard {args.command}: error: {line}", file=sys.stderr)
+    return 2
