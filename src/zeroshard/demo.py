@@ -1,24 +1,26 @@
-"""The demo: train TinyGPT with ZeRO on D ranks and report what the sharding bought.
+"""The demo: train TinyGPT with ZeRO, save, resume at another world size, convert.
 
-``train(rank, world_size, config)`` runs on every rank (spawned by the CLI or by torchrun)
-and returns a summary for rank 0 to print.
+``train_phase`` runs on every rank (spawned by the CLI, or under torchrun) and returns a
+``PhaseResult`` on rank 0. Data is drawn per global batch, and each rank trains on its
+contiguous share, so a run resumed at another world size continues the same optimisation.
 """
 
 from __future__ import annotations
 
-import math
-import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
-from .data import batch_seed, markov_chain, sample_batch
+from .checkpoint.engine_io import load_checkpoint, save_checkpoint
+from .data import markov_chain, sample_batch
 from .engine import ZeroOptimizer
 from .layout import LayoutPolicy
 from .models import GPTConfig, TinyGPT, gpt_param_groups
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+LIVE_MASTERS_FILE = "live_fp32_masters.safetensors"
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,7 @@ class DemoConfig:
     steps: int = 60
     stage: int = 2
     dtype: str = "bf16"
-    batch_size: int = 8
+    global_batch: int = 24
     micro_batches: int = 1
     lr: float = 3e-3
     weight_decay: float = 0.1
@@ -44,11 +46,17 @@ class ParamAlignment:
 
 
 @dataclass
-class DemoSummary:
+class PhaseResult:
+    """What rank 0 reports of one phase (training, then a save)."""
+
     world_size: int
     backend: str
+    first_step: int
     losses: list[float] = field(default_factory=list)
-    step_seconds: float = 0.0
+    train_seconds: float = 0.0
+    load_seconds: float = 0.0
+    save_seconds: float = 0.0
+    checkpoint: str = ""
     memory: dict = field(default_factory=dict)
     padding: dict = field(default_factory=dict)
     alignment: list[ParamAlignment] = field(default_factory=list)
@@ -78,14 +86,17 @@ def build_engine(config: DemoConfig) -> tuple[TinyGPT, ZeroOptimizer]:
 
 
 def train_steps(model: TinyGPT, engine: ZeroOptimizer, config: DemoConfig, first_step: int, steps: int, progress) -> list[float]:
-    """Train ``steps`` steps; return the loss of each, averaged over ranks and micro-batches."""
+    """Train ``steps`` steps; the loss of each, averaged over the global batch."""
     chain = markov_chain(model.config.vocab_size)
+    per_micro = config.global_batch // (engine.world_size * config.micro_batches)
     losses = []
     for step in range(first_step, first_step + steps):
+        inputs, targets = sample_batch(chain, config.global_batch, model.config.block_size, seed=step)
         total = torch.zeros(1)
         for micro in range(config.micro_batches):
-            inputs, targets = sample_batch(chain, config.batch_size, model.config.block_size, batch_seed(step, engine.rank, micro))
-            loss = model(inputs.to(engine.device), targets.to(engine.device))
+            start = (engine.rank * config.micro_batches + micro) * per_micro
+            rows = slice(start, start + per_micro)
+            loss = model(inputs[rows].to(engine.device), targets[rows].to(engine.device))
             engine.backward(loss)
             total += loss.detach().float().cpu()
         engine.step()
@@ -96,18 +107,40 @@ def train_steps(model: TinyGPT, engine: ZeroOptimizer, config: DemoConfig, first
     return losses
 
 
-def train(rank: int, world_size: int, config: DemoConfig) -> DemoSummary | None:
+def train_phase(
+    rank: int, world_size: int, config: DemoConfig, out_dir: str, first_step: int, steps: int, resume: bool
+) -> PhaseResult | None:
+    """Build the engine, load the latest checkpoint if ``resume``, train, save."""
+    if config.global_batch % (world_size * config.micro_batches):
+        raise ValueError(f"global batch {config.global_batch} does not split into {world_size} ranks x {config.micro_batches} micro-batches")
     model, engine = build_engine(config)
-    summary = DemoSummary(world_size, engine.comm.backend)
-    bar = _progress_bar(config, rank)
+    result = PhaseResult(world_size, engine.comm.backend, first_step)
+    if resume:
+        start = time.perf_counter()
+        load_checkpoint(engine, Path(out_dir) / "checkpoints")
+        result.load_seconds = time.perf_counter() - start
+    bar = _progress_bar(config, rank, first_step, steps)
     start = time.perf_counter()
-    summary.losses = train_steps(model, engine, config, 0, config.steps, bar)
-    summary.step_seconds = (time.perf_counter() - start) / max(config.steps, 1)
+    result.losses = train_steps(model, engine, config, first_step, steps, bar)
+    result.train_seconds = time.perf_counter() - start
     bar(None, None)
-    summary.memory = asdict(engine.memory_report())
-    summary.padding = asdict(engine.layout.padding())
-    summary.alignment = _alignment(engine)
-    return summary if rank == 0 else None
+    start = time.perf_counter()
+    result.checkpoint = str(save_checkpoint(engine, Path(out_dir) / "checkpoints"))
+    result.save_seconds = time.perf_counter() - start
+    _save_live_masters(engine, Path(out_dir) / LIVE_MASTERS_FILE)
+    result.memory = asdict(engine.memory_report())
+    result.padding = asdict(engine.layout.padding())
+    result.alignment = _alignment(engine)
+    return result if rank == 0 else None
+
+
+def _save_live_masters(engine: ZeroOptimizer, path: Path) -> None:
+    """Rank 0 writes every parameter's fp32 master, gathered from the live engine."""
+    from safetensors.torch import save_file
+
+    masters = {name: engine.get_full_fp32_param(name).contiguous() for name in engine.layout.param_names}
+    if engine.rank == 0:
+        save_file(masters, str(path))
 
 
 def _alignment(engine: ZeroOptimizer) -> list[ParamAlignment]:
@@ -120,14 +153,16 @@ def _alignment(engine: ZeroOptimizer) -> list[ParamAlignment]:
     return rows
 
 
-def _progress_bar(config: DemoConfig, rank: int):
+def _progress_bar(config: DemoConfig, rank: int, first_step: int, steps: int):
     """A tqdm bar on rank 0's terminal; plain lines every 10 steps otherwise."""
     if rank != 0 or not config.progress:
         return lambda step, loss: None
+    import sys
+
     if sys.stderr.isatty():
         from tqdm import tqdm
 
-        bar = tqdm(total=config.steps, desc="train", unit="step")
+        bar = tqdm(total=steps, desc="train", unit="step")
 
         def update(step, loss):
             if step is None:
@@ -139,36 +174,7 @@ def _progress_bar(config: DemoConfig, rank: int):
         return update
 
     def log(step, loss):
-        if step is not None and (step % 10 == 0 or step == config.steps - 1):
+        if step is not None and ((step - first_step) % 10 == 0 or step == first_step + steps - 1):
             print(f"  step {step:4d}  loss {loss:.4f}", flush=True)
 
     return log
-
-
-def format_summary(summary: DemoSummary, config: DemoConfig) -> str:
-    memory, padding = summary.memory, summary.padding
-    per_rank = memory["param_buffer_bytes"] + memory["master_bytes"] + memory["optimizer_state_bytes"] + memory["gradient_bytes"]
-    misaligned_if_compact = [row for row in summary.alignment if row.compact_offset_bytes % 16]
-    aligned = sum(1 for row in summary.alignment if row.address_mod_16 == 0)
-    lines = [
-        "",
-        f"ZeRO stage {config.stage}, {config.dtype}, {summary.world_size} ranks ({summary.backend}), {config.steps} steps",
-        f"  loss: {summary.losses[0]:.4f} at the start -> {summary.losses[-1]:.4f} at the end "
-        f"(uniform guess: {math.log(97):.4f})",
-        f"  step time: {1e3 * summary.step_seconds:.1f} ms",
-        "  memory per rank (training state):",
-        f"    parameters ({config.dtype} flat buffers) {memory['param_buffer_bytes']:>10,} B",
-        f"    fp32 master partition          {memory['master_bytes']:>10,} B",
-        f"    optimizer state partition      {memory['optimizer_state_bytes']:>10,} B",
-        f"    gradient partition             {memory['gradient_bytes']:>10,} B",
-        f"    total                          {per_rank:>10,} B  vs {memory['unsharded_bytes']:,} B unsharded "
-        f"({per_rank / memory['unsharded_bytes']:.2f}x)",
-        f"  padding: {padding['inter_param_elements'] + padding['tail_elements']:,} elements, "
-        f"{padding['padding_bytes']:,} B = {100 * padding['padding_bytes'] / padding['param_bytes']:.3f}% of the parameters",
-        f"  alignment: {aligned} of {len(summary.alignment)} parameters start on a 16-byte boundary "
-        f"(a compact layout would misalign {len(misaligned_if_compact)}):",
-    ]
-    for row in summary.alignment:
-        note = "  <- misaligned if compact" if row.compact_offset_bytes % 16 else ""
-        lines.append(f"    {row.name:<28} {str(list(row.shape)):<12} data_ptr % 16 = {row.address_mod_16}{note}")
-    return "\n".join(lines)

@@ -1,58 +1,195 @@
-"""``zeroshard demo``: train TinyGPT with ZeRO on D local ranks (or under torchrun)."""
+"""``zeroshard demo``: the whole arc on local ranks.
+
+Train TinyGPT with ZeRO on D ranks and save a checkpoint; resume it at another world size
+D' and train on; convert the last checkpoint to a universal checkpoint and to an fp32
+state dict; check the export against the live fp32 masters and load it into the model
+class. Each stage prints its time and sizes. Under torchrun only the training phase runs.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
 
-from ..demo import DemoConfig, format_summary, train
+from ..demo import LIVE_MASTERS_FILE, DemoConfig, PhaseResult, train_phase
 
 
 def register(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("demo", help="train a small GPT with ZeRO stage 2 on D local ranks")
-    parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
-    parser.add_argument("--steps", type=int, default=DemoConfig.steps)
+    parser = commands.add_parser("demo", help="train a small GPT with ZeRO, resume at another D, convert")
+    parser.add_argument("--world-size", type=int, default=2, help="ranks for the first phase (ignored under torchrun)")
+    parser.add_argument("--resume-world-size", type=int, default=3, help="ranks for the resumed phase")
+    parser.add_argument("--steps", type=int, default=DemoConfig.steps, help="steps in all, half per phase")
     parser.add_argument("--stage", type=int, choices=(1, 2), default=DemoConfig.stage)
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=DemoConfig.dtype)
     parser.add_argument("--micro-batches", type=int, default=DemoConfig.micro_batches)
-    parser.add_argument("--batch-size", type=int, default=DemoConfig.batch_size)
+    parser.add_argument("--global-batch", type=int, default=DemoConfig.global_batch)
     parser.add_argument("--lr", type=float, default=DemoConfig.lr)
+    parser.add_argument("--out", type=Path, default=None, help="keep checkpoints and exports here (default: a temporary folder)")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="default: nccl with CUDA GPUs, else gloo")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before spawned ranks are stopped")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.world_size < 1:
-        raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
+    for flag, value in (("--world-size", args.world_size), ("--resume-world-size", args.resume_world_size)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     config = DemoConfig(
         steps=args.steps,
         stage=args.stage,
         dtype=args.dtype,
-        batch_size=args.batch_size,
+        global_batch=args.global_batch,
         micro_batches=args.micro_batches,
         lr=args.lr,
     )
     if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
-        return _run_under_torchrun(config, args.backend)
-    from ..launch import spawn
-
-    print(f"zeroshard demo: spawning {args.world_size} ranks", flush=True)
-    summary = spawn(train, args.world_size, (config,), backend=args.backend, timeout_s=args.timeout)[0]
-    print(format_summary(summary, config))
+        return _run_under_torchrun(config, args)
+    out = args.out or Path(tempfile.mkdtemp(prefix="zeroshard-demo-"))
+    try:
+        _run_arc(config, args, out)
+    finally:
+        if args.out is None:
+            shutil.rmtree(out, ignore_errors=True)
     return 0
 
 
-def _run_under_torchrun(config: DemoConfig, backend: str | None) -> int:
+def _run_arc(config: DemoConfig, args: argparse.Namespace, out: Path) -> None:
+    from ..launch import spawn
+
+    first_steps = config.steps // 2
+    rows: list[tuple[str, float, str]] = []
+    print(f"zeroshard demo: phase 1 on {args.world_size} ranks", flush=True)
+    first: PhaseResult = spawn(
+        train_phase, args.world_size, (config, str(out), 0, first_steps, False), backend=args.backend, timeout_s=args.timeout
+    )[0]
+    rows.append((f"train D={first.world_size}, steps 0-{first_steps - 1}", first.train_seconds, _losses(first)))
+    rows.append((f"save checkpoint at D={first.world_size}", first.save_seconds, _size(Path(first.checkpoint))))
+
+    print(f"zeroshard demo: phase 2 resumes on {args.resume_world_size} ranks", flush=True)
+    second: PhaseResult = spawn(
+        train_phase,
+        args.resume_world_size,
+        (config, str(out), first_steps, config.steps - first_steps, True),
+        backend=args.backend,
+        timeout_s=args.timeout,
+    )[0]
+    rows.append((f"load it at D={second.world_size} (resharded)", second.load_seconds, ""))
+    rows.append((f"train D={second.world_size}, steps {first_steps}-{config.steps - 1}", second.train_seconds, _losses(second)))
+    rows.append((f"save checkpoint at D={second.world_size}", second.save_seconds, _size(Path(second.checkpoint))))
+    rows += _convert(Path(second.checkpoint), out)
+    print(_format(config, first, second, rows))
+
+
+def _convert(checkpoint: Path, out: Path) -> list[tuple[str, float, str]]:
+    import torch
+
+    from ..checkpoint.fp32_export import to_fp32
+    from ..checkpoint.universal import to_universal
+    from ..models import GPTConfig, TinyGPT
+
+    rows = []
+    start = time.perf_counter()
+    universal = to_universal(checkpoint, out / "universal", overwrite=True)
+    rows.append(("to-universal", time.perf_counter() - start, _size(universal)))
+    start = time.perf_counter()
+    exported = to_fp32(universal, out / "fp32", overwrite=True)
+    rows.append(("to-fp32 (from the universal checkpoint)", time.perf_counter() - start, _size(exported)))
+
+    from safetensors.torch import load_file
+
+    state = load_file(str(exported / "model.safetensors"))  # what any safetensors user would do
+    live = load_file(str(out / LIVE_MASTERS_FILE))
+    exact = sum(torch.equal(state[name], tensor) for name, tensor in live.items())
+    model = TinyGPT(GPTConfig())
+    model.load_state_dict(state, strict=True)
+    verdict = f"{exact} of {len(live)} parameters bit-for-bit equal to the live fp32 masters; TinyGPT.load_state_dict(strict=True) ok"
+    rows.append(("check the export", 0.0, verdict))
+    if exact != len(live):
+        raise ValueError(f"the fp32 export differs from the live masters in {len(live) - exact} parameters")
+    return rows
+
+
+def _losses(result: PhaseResult) -> str:
+    return f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}"
+
+
+def _size(path: Path) -> str:
+    files = [f for f in path.rglob("*") if f.is_file()]
+    return f"{sum(f.stat().st_size for f in files) / 1e6:.2f} MB in {len(files)} files"
+
+
+def _format(config: DemoConfig, first: PhaseResult, second: PhaseResult, rows: list[tuple[str, float, str]]) -> str:
+    lines = [
+        "",
+        f"ZeRO stage {config.stage}, {config.dtype}, {config.steps} steps, global batch {config.global_batch} "
+        f"({first.backend}); uniform guess loss {math.log(97):.4f}",
+        "",
+        f"  {'stage':<44} {'time':>9}  result",
+    ]
+    lines += [f"  {name:<44} {seconds:>8.2f}s  {detail}" for name, seconds, detail in rows]
+    lines += ["", _memory_lines(config, first), _padding_line(first), *_alignment_lines(first)]
+    return "\n".join(lines)
+
+
+def _memory_lines(config: DemoConfig, result: PhaseResult) -> str:
+    memory = result.memory
+    per_rank = sum(memory[k] for k in ("param_buffer_bytes", "master_bytes", "optimizer_state_bytes", "gradient_bytes"))
+    return "\n".join(
+        [
+            f"  memory per rank at D={result.world_size} (training state):",
+            f"    parameters ({config.dtype} flat buffers) {memory['param_buffer_bytes']:>10,} B",
+            f"    fp32 master partition          {memory['master_bytes']:>10,} B",
+            f"    optimizer state partition      {memory['optimizer_state_bytes']:>10,} B",
+            f"    gradient partition             {memory['gradient_bytes']:>10,} B",
+            f"    total                          {per_rank:>10,} B  vs {memory['unsharded_bytes']:,} B unsharded "
+            f"({per_rank / memory['unsharded_bytes']:.2f}x)",
+        ]
+    )
+
+
+def _padding_line(result: PhaseResult) -> str:
+    padding = result.padding
+    elements = padding["inter_param_elements"] + padding["tail_elements"]
+    percent = 100 * padding["padding_bytes"] / padding["param_bytes"]
+    return f"  padding at D={result.world_size}: {elements:,} elements, {padding['padding_bytes']:,} B = {percent:.3f}% of the parameters"
+
+
+def _alignment_lines(result: PhaseResult) -> list[str]:
+    rows = result.alignment
+    aligned = sum(1 for row in rows if row.address_mod_16 == 0)
+    misaligned_if_compact = sum(1 for row in rows if row.compact_offset_bytes % 16)
+    lines = [
+        f"  alignment: {aligned} of {len(rows)} parameters start on a 16-byte boundary "
+        f"(a compact layout would misalign {misaligned_if_compact}):"
+    ]
+    for row in rows:
+        note = "  <- misaligned if compact" if row.compact_offset_bytes % 16 else ""
+        lines.append(f"    {row.name:<28} {str(list(row.shape)):<12} data_ptr % 16 = {row.address_mod_16}{note}")
+    return lines
+
+
+def _run_under_torchrun(config: DemoConfig, args: argparse.Namespace) -> int:
+    """One training phase on the torchrun ranks (resuming from --out when it has a checkpoint)."""
     import torch.distributed as dist
 
     from ..launch import init_from_env
 
-    init_from_env(backend)
+    if args.out is None:
+        raise ValueError("under torchrun, pass --out DIR for the checkpoints")
+    init_from_env(args.backend)
     try:
-        summary = train(dist.get_rank(), dist.get_world_size(), config)
-        if summary is not None:
-            print(format_summary(summary, config))
+        resume = (args.out / "checkpoints" / "latest").is_file()
+        first_step = config.steps // 2 if resume else 0
+        result = train_phase(dist.get_rank(), dist.get_world_size(), config, str(args.out), first_step, config.steps // 2, resume)
+        if result is not None:
+            print(f"\nD={result.world_size} ({result.backend}): {_losses(result)}; checkpoint {result.checkpoint}")
+            print(_memory_lines(config, result))
+            print(_padding_line(result))
     finally:
         dist.destroy_process_group()
     return 0
