@@ -8,6 +8,11 @@ Two halves in one file:
   configuration of its world size for a few steps in one process group, records DeepSpeed's
   own per-parameter accessors right before ``save_checkpoint``, saves, and on rank 0 runs
   DeepSpeed's ``zero_to_fp32`` on the result. Both references go to safetensors files.
+  Then it trains ``CONTINUE_STEPS`` more steps and records their losses and learning rates,
+  the reference for resuming the run elsewhere.
+
+Every step trains on one global batch (:func:`global_batch`), split into equal row ranges
+per rank (:func:`rank_rows`), so a run at another world size can see the same data.
 
 Several configurations share one launch because starting a rank (torch and deepspeed
 imports) costs more than training the tiny models. DeepSpeed runs on the CPU (gloo, bf16;
@@ -17,6 +22,7 @@ it refuses fp16 there).
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -27,7 +33,12 @@ from pathlib import Path
 
 TAG = "step3"
 STEPS = 3
+CONTINUE_STEPS = 4  # trained after the save: what a resumed run must reproduce
 LAUNCH_TIMEOUT_S = 300
+VOCAB, SEQ_LEN = 13, 5
+GLOBAL_BATCH = 24  # rows per step, split evenly over 1, 2, 3, 4, 6 or 8 ranks
+BASE_LR, NO_DECAY_LR, BETAS, CLIP = 1e-3, 2e-3, (0.9, 0.95), 1.0
+SCHEDULE = {"total_num_steps": 20, "warmup_num_steps": 2, "warmup_min_ratio": 0.1}
 
 
 @dataclass(frozen=True)
@@ -64,6 +75,7 @@ class Fixture:
     tag_dir: Path
     accessors: Path  # safetensors: "fp32/<name>", "exp_avg/<name>", "exp_avg_sq/<name>"
     zero_to_fp32: Path  # safetensors: DeepSpeed's consolidated fp32 state dict
+    continued: Path  # json: "losses" and "lrs" (per param group) of the steps after the save
 
     def live_layout(self, rank: int) -> dict:
         """DeepSpeed's in-memory layout on ``rank`` during the run: per group the flat order,
@@ -74,20 +86,58 @@ class Fixture:
 def fixture_paths(config: FixtureConfig, root: Path) -> Fixture:
     base = root / config.name
     return Fixture(
-        config, base / "ckpt", base / "ckpt" / TAG, base / "accessors.safetensors", base / "zero_to_fp32.safetensors"
+        config,
+        base / "ckpt",
+        base / "ckpt" / TAG,
+        base / "accessors.safetensors",
+        base / "zero_to_fp32.safetensors",
+        base / "continued.json",
     )
+
+
+def global_batch(step: int):
+    """(tokens, targets) of training step ``step`` (from 0), all ranks' rows together."""
+    import torch
+
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ_LEN), generator=torch.Generator().manual_seed(1000 + step))
+    return tokens, torch.roll(tokens, 1, dims=1)
+
+
+def rank_rows(batch, rank: int, world_size: int):
+    """This rank's equal share of a global batch."""
+    rows = GLOBAL_BATCH // world_size
+    return tuple(tensor[rank * rows : (rank + 1) * rows] for tensor in batch)
+
+
+def warmup_cosine_lr(base_lr: float, iteration: int) -> float:
+    """The lr DeepSpeed's WarmupCosineLR (log warmup, the SCHEDULE above) sets for
+    ``iteration``, the same float arithmetic as deepspeed/runtime/lr_schedules.py."""
+    warmup, total, floor = SCHEDULE["warmup_num_steps"], SCHEDULE["total_num_steps"], 1e-4
+    if iteration < warmup:
+        ratio = 1.0 / math.log(warmup) * math.log(iteration + 1)
+        return base_lr * (SCHEDULE["warmup_min_ratio"] + ratio * (1.0 - SCHEDULE["warmup_min_ratio"]))
+    progress = min(1.0, (iteration - warmup + 1) / max(1, total - warmup))
+    return base_lr * max(0.0, floor + (1.0 - floor) * (1 + math.cos(math.pi * progress)) / 2)
 
 
 # ---- test-process side -----------------------------------------------------------------
 
 
+# Runs already generated in this process, by configuration: several test modules share one
+# pytest session, and the runs are read-only inputs, so they are built once.
+_GENERATED: dict[FixtureConfig, Fixture] = {}
+
+
 def generate(root: Path, configs: tuple[FixtureConfig, ...] = CONFIGS) -> dict[str, Fixture]:
-    """Run DeepSpeed for every configuration; one torchrun launch per world size."""
+    """Run DeepSpeed for every configuration not yet run in this process (one torchrun launch
+    per world size) under ``root``; earlier runs are returned where they were made."""
     root.mkdir(parents=True, exist_ok=True)
-    for world_size in sorted({config.world_size for config in configs}):
-        batch = [config for config in configs if config.world_size == world_size]
+    missing = [config for config in configs if config not in _GENERATED]
+    for world_size in sorted({config.world_size for config in missing}):
+        batch = [config for config in missing if config.world_size == world_size]
         _launch(root, world_size, batch)
-    return {config.name: fixture_paths(config, root) for config in configs}
+        _GENERATED.update({config: fixture_paths(config, root) for config in batch})
+    return {config.name: _GENERATED[config] for config in configs}
 
 
 def _launch(root: Path, world_size: int, configs: list[FixtureConfig]) -> None:
@@ -105,14 +155,21 @@ def _launch(root: Path, world_size: int, configs: list[FixtureConfig]) -> None:
         raise RuntimeError(
             f"DeepSpeed fixture launch (world size {world_size}) timed out after {LAUNCH_TIMEOUT_S} s"
         ) from err
-    if done.returncode != 0:
+    finished = all(_finished_marker(root, world_size, rank).is_file() for rank in range(world_size))
+    if done.returncode != 0 and not finished:
         raise RuntimeError(
             f"DeepSpeed fixture launch (world size {world_size}) failed with exit code {done.returncode}:\n"
             f"{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
         )
+    note = "" if done.returncode == 0 else f"exit code {done.returncode} after every rank finished: ignored\n"
     (root / f"launch_w{world_size}.log").write_text(
-        f"{time.perf_counter() - started:.1f} s\n{done.stdout}\n{done.stderr}"
+        f"{time.perf_counter() - started:.1f} s\n{note}{done.stdout}\n{done.stderr}"
     )
+
+
+def _finished_marker(root: Path, world_size: int, rank: int) -> Path:
+    """Written by a rank once every run of its launch is saved and every rank has got there."""
+    return root / f"finished_w{world_size}_rank{rank}"
 
 
 def _free_port() -> int:
@@ -124,7 +181,7 @@ def _free_port() -> int:
 # ---- torchrun worker side ------------------------------------------------------------------
 
 
-def _build_model(tiny_no_decay: bool):
+def build_model(tiny_no_decay: bool):
     import torch
     from torch import nn
 
@@ -134,7 +191,7 @@ def _build_model(tiny_no_decay: bool):
 
         def __init__(self) -> None:
             super().__init__()
-            vocab, hidden = 13, 6
+            vocab, hidden = VOCAB, 6
             self.embed = nn.Embedding(vocab, hidden)
             self.fc1 = nn.Linear(hidden, 3 if tiny_no_decay else 7, bias=True)
             self.norm = nn.Identity() if tiny_no_decay else nn.LayerNorm(7)
@@ -157,28 +214,25 @@ def _build_model(tiny_no_decay: bool):
     return FixtureModel()
 
 
-def _param_groups(model) -> list[dict]:
+def param_groups(model) -> list[dict]:
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     decay = [p for name, p in trainable if p.dim() >= 2]
     no_decay = [p for name, p in trainable if p.dim() < 2]
     return [
         {"params": decay, "weight_decay": 0.1},
-        {"params": no_decay, "weight_decay": 0.0, "lr": 2e-3},
+        {"params": no_decay, "weight_decay": 0.0, "lr": NO_DECAY_LR},
     ]
 
 
 def _ds_config(config: FixtureConfig) -> dict:
     return {
-        "train_micro_batch_size_per_gpu": 4,
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // config.world_size,
         "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "torch_adam": True}},
+        "optimizer": {"type": "AdamW", "params": {"lr": BASE_LR, "betas": list(BETAS), "torch_adam": True}},
         # Scales each group's own lr, so the two groups keep different ones.
-        "scheduler": {
-            "type": "WarmupCosineLR",
-            "params": {"total_num_steps": 20, "warmup_num_steps": 2, "warmup_min_ratio": 0.1},
-        },
+        "scheduler": {"type": "WarmupCosineLR", "params": dict(SCHEDULE)},
         "bf16": {"enabled": True},
-        "gradient_clipping": 1.0,
+        "gradient_clipping": CLIP,
         "zero_optimization": {
             "stage": config.stage,
             "parameter_alignment": config.parameter_alignment,
@@ -198,17 +252,11 @@ def _run_config(config: FixtureConfig, root: Path) -> None:
 
     paths = fixture_paths(config, root)
     rank = dist.get_rank()
-    model = _build_model(config.tiny_no_decay)
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=_param_groups(model), config=_ds_config(config)
-    )
+    model = build_model(config.tiny_no_decay)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=_ds_config(config))
     _record_live_layout(engine, paths.save_dir.parent / f"live_layout_rank{rank}.json")
-    generator = torch.Generator().manual_seed(100 + rank)
-    for _ in range(STEPS):
-        tokens = torch.randint(0, 13, (4, 5), generator=generator)
-        loss = engine(tokens, torch.roll(tokens, 1, dims=1))
-        engine.backward(loss)
-        engine.step()
+    for step in range(STEPS):
+        _train_step(engine, step)
 
     # DeepSpeed 0.19.8 links the per-parameter optimizer-state views once, right after the
     # first group's first step, before torch's AdamW has created the later groups' state:
@@ -235,7 +283,26 @@ def _run_config(config: FixtureConfig, root: Path) -> None:
             str(paths.zero_to_fp32),
         )
     dist.barrier()
+    continued = {"losses": [], "lrs": []}
+    for step in range(STEPS, STEPS + CONTINUE_STEPS):
+        continued["lrs"].append([group["lr"] for group in engine.optimizer.param_groups])
+        continued["losses"].append(_train_step(engine, step))
+    if rank == 0:
+        paths.continued.write_text(json.dumps(continued))
     engine.destroy()
+
+
+def _train_step(engine, step: int) -> float:
+    """One step on this rank's rows of the global batch; returns the global mean loss."""
+    import torch.distributed as dist
+
+    tokens, targets = rank_rows(global_batch(step), dist.get_rank(), dist.get_world_size())
+    loss = engine(tokens, targets)
+    engine.backward(loss)
+    engine.step()
+    total = loss.detach().double().reshape(1)
+    dist.all_reduce(total)
+    return float(total) / dist.get_world_size()
 
 
 def _record_live_layout(engine, path: Path) -> None:
@@ -265,6 +332,18 @@ def _worker_main(root: Path, spec: Path) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     for entry in json.loads(spec.read_text()):
         _run_config(FixtureConfig(**entry), root)
+    deepspeed.comm.barrier()
+    rank, world_size = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
+    _finished_marker(root, world_size, rank).write_text("")
+    # Teardown of the gloo groups sometimes aborted a rank after all the work was done
+    # ("terminate called without an active exception"; seen 3 times in some 25 launches under
+    # load once the continued steps were added, never in 40 launches run for it). Destroy the groups
+    # and leave without the interpreter's own teardown; the launcher also accepts an exit
+    # code when every rank wrote its marker.
+    deepspeed.comm.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

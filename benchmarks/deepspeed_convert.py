@@ -1,0 +1,329 @@
+"""DeepSpeed's own converters against zeroshard's, on one real DeepSpeed ZeRO-2 checkpoint.
+
+The checkpoint is made first, by DeepSpeed itself (torchrun, gloo on the CPU, bf16, ZeRO
+stage 2, torch AdamW, D = 4): an MLP of about 25 M parameters in two param groups, one
+training step, then ``save_checkpoint``. That is about 300 MB of fp32 master and Adam state
+plus the 50 MB bf16 model file. Then, on that checkpoint:
+
+* DeepSpeed's ``convert_zero_checkpoint_to_fp32_state_dict`` (what its ``zero_to_fp32.py``
+  runs, with ``safe_serialization=True`` so both sides write safetensors, and
+  ``max_shard_size=None``: the script's default of 5GB needs ``huggingface_hub``, which splits
+  nothing here anyway) against ``zeroshard to-fp32``;
+* DeepSpeed ``ds_to_universal`` (``--num_extract_workers 1 --num_merge_workers 1``: one
+  process, so one resident set to measure; ``--inject_missing_state``: the run was not made
+  with universal-checkpoint metadata) against ``zeroshard to-universal``.
+
+Each command runs in a fresh wrapper process that starts it as its child and reports the wall
+time and ``getrusage(RUSAGE_CHILDREN).ru_maxrss``: the peak resident set of exactly that
+command. The child imports its converter first and then times the conversion alone; both
+times are shown, and the import-only rows give the memory floor of each side. The checkpoint
+is read once before the timings, so every command reads it from the page cache. zeroshard
+fsyncs what it writes; DeepSpeed does not. The fp32 exports are checked bit for bit against
+each other, and so are the fp32 / exp_avg / exp_avg_sq of every parameter in the two
+universal checkpoints.
+
+    DS_BUILD_OPS=0 pip install -e '.[deepspeed]'
+    .venv/bin/python benchmarks/deepspeed_convert.py [--dir /tmp] [--world-size 4] [--layers 24] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TAG = "bench"
+HIDDEN, LAYERS = 1024, 24  # 24 x (1024 x 1024 + 1024) + norms: 25.2 M parameters
+
+_WRAPPER = """
+import json, resource, subprocess, sys, time
+start = time.perf_counter()
+done = subprocess.run(sys.argv[1:], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+wall = time.perf_counter() - start
+peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+report = {"code": done.returncode, "wall": wall, "peak_kb": peak, "stdout": done.stdout[-2000:], "stderr": done.stderr[-2000:]}
+print(json.dumps(report))
+"""
+_CONVERSION_SECONDS = "conversion seconds:"
+
+
+# ---- the checkpoint (torchrun workers run this file with ``--train``) ----------------------------
+
+
+def _train_and_save(save_dir: Path, num_layers: int) -> None:
+    import importlib
+
+    import deepspeed
+    import torch
+    from torch import nn
+
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # gloo is enough; no g++ build
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(num_layers):
+        layers += [nn.Linear(HIDDEN, HIDDEN), nn.LayerNorm(HIDDEN), nn.GELU()]
+    model = nn.Sequential(*layers)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 2},
+        "steps_per_print": 10_000,
+    }
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=[{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        config=config,
+    )
+    inputs = torch.randn(2, HIDDEN, dtype=torch.bfloat16)
+    loss = engine(inputs).float().square().mean()
+    engine.backward(loss)
+    engine.step()
+    engine.save_checkpoint(str(save_dir), tag=TAG)
+    deepspeed.comm.destroy_process_group()
+
+
+def make_checkpoint(save_dir: Path, world_size: int, num_layers: int) -> float:
+    """Train one step with DeepSpeed at ``world_size`` and save; returns the seconds it took."""
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size),
+        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), __file__, "--train", str(save_dir), str(num_layers),
+    ]  # fmt: skip
+    started = time.perf_counter()
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"DeepSpeed run failed ({done.returncode}):\n{done.stderr[-6000:]}")
+    return time.perf_counter() - started
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ---- the measured commands (``deepspeed_convert.py --run KIND ARGS...`` in a fresh process) ---------
+
+
+def _run_zero_to_fp32(save_dir: str, out: str) -> None:
+    from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
+
+    started = time.perf_counter()
+    convert_zero_checkpoint_to_fp32_state_dict(save_dir, out, max_shard_size=None, safe_serialization=True, tag=TAG)
+    print(_CONVERSION_SECONDS, time.perf_counter() - started)
+
+
+def _run_ds_to_universal(*argv: str) -> None:
+    from deepspeed.checkpoint import ds_to_universal
+
+    sys.argv = ["ds_to_universal", *argv]
+    parsed = ds_to_universal.parse_arguments()
+    started = time.perf_counter()
+    ds_to_universal.main(parsed)
+    print(_CONVERSION_SECONDS, time.perf_counter() - started)
+
+
+def _run_zeroshard(*argv: str) -> None:
+    import zeroshard.importers  # noqa: F401  (imported lazily by the CLI; not part of the conversion)
+    from zeroshard.cli.main import main
+
+    started = time.perf_counter()
+    code = main(list(argv))
+    print(_CONVERSION_SECONDS, time.perf_counter() - started)
+    sys.exit(code)
+
+
+def _run_import(module: str) -> None:
+    import importlib
+
+    importlib.import_module(module)
+    print(_CONVERSION_SECONDS, 0.0)
+
+
+_RUNNERS = {
+    "zero_to_fp32": _run_zero_to_fp32,
+    "ds_to_universal": _run_ds_to_universal,
+    "zeroshard": _run_zeroshard,
+    "import": _run_import,
+}
+
+
+# ---- measuring -------------------------------------------------------------------------------------
+
+
+def measure(command: list[str], out: Path | None) -> dict:
+    """Run ``command`` under the wrapper (``out`` removed first); wall s, peak MB, error."""
+    if out is not None:
+        shutil.rmtree(out, ignore_errors=True)
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    done = subprocess.run([sys.executable, "-c", _WRAPPER, *command], capture_output=True, text=True, env=env)
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    error = None
+    if report["code"] != 0:
+        lines = [line for line in report["stderr"].splitlines() if line.strip()]
+        error = lines[-1] if lines else f"exit status {report['code']}"
+    timed = [line for line in report["stdout"].splitlines() if line.startswith(_CONVERSION_SECONDS)]
+    conversion = float(timed[-1].split()[-1]) if timed else float("nan")
+    return {"wall": report["wall"], "conversion": conversion, "peak_mb": report["peak_kb"] / 1024, "error": error}
+
+
+def best_of(repeats: int, command: list[str], out: Path | None) -> dict:
+    runs = [measure(command, out) for _ in range(repeats)]
+    failed = next((run for run in runs if run["error"]), None)
+    if failed:
+        return failed
+    best = {key: min(run[key] for run in runs) for key in ("wall", "conversion")}
+    return {**best, "peak_mb": max(run["peak_mb"] for run in runs), "error": None}
+
+
+def commands(save_dir: Path, work: Path) -> dict[str, tuple[list[str], Path | None]]:
+    me, tag_dir = [sys.executable, __file__, "--run"], save_dir / TAG
+    return {
+        "import deepspeed (floor)": ([*me, "import", "deepspeed.utils.zero_to_fp32"], None),
+        "import zeroshard (floor)": ([*me, "import", "zeroshard.cli.main"], None),
+        "deepspeed zero_to_fp32": ([*me, "zero_to_fp32", str(save_dir), str(work / "ds_fp32")], work / "ds_fp32"),
+        "zeroshard to-fp32": (
+            [*me, "zeroshard", "to-fp32", str(save_dir), str(work / "zs_fp32"), "--no-progress"],
+            work / "zs_fp32",
+        ),
+        "deepspeed ds_to_universal": (
+            [
+                *me, "ds_to_universal", "--input_folder", str(tag_dir), "--output_folder", str(work / "ds_universal"),
+                "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state",
+            ],  # fmt: skip
+            work / "ds_universal",
+        ),
+        "zeroshard to-universal": (
+            [*me, "zeroshard", "to-universal", str(save_dir), str(work / "zs_universal"), "--no-progress"],
+            work / "zs_universal",
+        ),
+    }
+
+
+def same_bits(a, b) -> bool:
+    import torch
+
+    a, b = a.contiguous(), b.contiguous()
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def fp32_exports_equal(work: Path) -> bool:
+    """zeroshard's to-fp32 tensors against DeepSpeed's zero_to_fp32 ones, bit for bit."""
+    from safetensors.torch import load_file
+
+    theirs = load_file(str(work / "ds_fp32" / "model.safetensors"))
+    ours = load_file(str(work / "zs_fp32" / "model.safetensors"))
+    return ours.keys() == theirs.keys() and all(same_bits(ours[k], theirs[k]) for k in ours)
+
+
+def universal_checkpoints_equal(work: Path) -> bool:
+    """Every parameter's fp32 / exp_avg / exp_avg_sq in DeepSpeed's universal checkpoint
+    (``zero/<name>/<key>.pt``, the tensor under "param") against zeroshard's, bit for bit."""
+    import torch
+
+    from zeroshard.checkpoint.universal import open_universal
+
+    theirs = next((work / "ds_universal").rglob("zero"))
+    with open_universal(work / "zs_universal") as ours:
+        names = sorted(ours.manifest.params)
+        if names != sorted(path.name for path in theirs.iterdir() if path.is_dir()):
+            return False
+        for name in names:
+            for key in ("fp32", "exp_avg", "exp_avg_sq"):
+                saved = torch.load(theirs / name / f"{key}.pt", weights_only=True)["param"]
+                if not same_bits(ours.read_param(name, key).reshape(saved.shape), saved):
+                    return False
+    return True
+
+
+def directory_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def warm_page_cache(path: Path) -> None:
+    for file in path.rglob("*"):
+        if file.is_file():
+            with open(file, "rb") as handle:
+                while handle.read(1 << 24):
+                    pass
+
+
+# ---- report ------------------------------------------------------------------------------------------
+
+
+def print_table(results: dict[str, dict]) -> None:
+    print(f"| {'command':<27} | {'process s':>9} | {'conversion s':>12} | {'peak RSS MB':>11} |")
+    print(f"| {'-' * 27} | {'-' * 8}: | {'-' * 11}: | {'-' * 10}: |")
+    for name, result in results.items():
+        if result["error"]:
+            print(f"| {name:<27} | failed: {result['error'][:160]} | | |")
+        else:
+            print(
+                f"| {name:<27} | {result['wall']:>9.2f} | {result['conversion']:>12.2f} | {result['peak_mb']:>11.0f} |"
+            )
+    print()
+    for task, theirs, ours in (
+        ("fp32 export", "deepspeed zero_to_fp32", "zeroshard to-fp32"),
+        ("universal", "deepspeed ds_to_universal", "zeroshard to-universal"),
+    ):
+        a, b = results[theirs], results[ours]
+        if a["error"] or b["error"]:
+            print(f"{task}: no ratio ({theirs if a['error'] else ours} failed)")
+            continue
+        floor_a = results["import deepspeed (floor)"]["peak_mb"]
+        floor_b = results["import zeroshard (floor)"]["peak_mb"]
+        print(
+            f"{task}: zeroshard {a['conversion'] / b['conversion']:.1f}x faster on the conversion"
+            f" ({a['wall'] / b['wall']:.1f}x on the whole process), {b['peak_mb'] / a['peak_mb']:.2f}x the peak RSS"
+            f" ({(b['peak_mb'] - floor_b) / max(a['peak_mb'] - floor_a, 1):.2f}x above each side's import floor)"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one)")
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=LAYERS, help=f"Linear({HIDDEN}, {HIDDEN}) layers (1.05 M parameters each)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per command: best wall time, worst peak")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="ds_convert_", dir=args.dir))
+    try:
+        save_dir = work / "ckpt"
+        seconds = make_checkpoint(save_dir, args.world_size, args.layers)
+        tag_dir = save_dir / TAG
+        state_mb = directory_bytes(tag_dir) / 1e6
+        print(f"DeepSpeed checkpoint: D={args.world_size}, {state_mb:.0f} MB in {len(list(tag_dir.iterdir()))} files, made in {seconds:.0f} s")
+        warm_page_cache(tag_dir)
+        results = {name: best_of(args.repeats, command, out) for name, (command, out) in commands(save_dir, work).items()}
+        print(f"repeats: {args.repeats} (best wall time, largest peak)\n")
+        print_table(results)
+        if not (results["deepspeed zero_to_fp32"]["error"] or results["zeroshard to-fp32"]["error"]):
+            print(f"\nfp32 exports bit for bit equal: {fp32_exports_equal(work)}")
+        if not (results["deepspeed ds_to_universal"]["error"] or results["zeroshard to-universal"]["error"]):
+            print(f"universal checkpoints bit for bit equal (fp32, exp_avg, exp_avg_sq): {universal_checkpoints_equal(work)}")
+    finally:
+        if args.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--train"]:  # a torchrun worker
+        _train_and_save(Path(sys.argv[2]), int(sys.argv[3]))
+    elif sys.argv[1:2] == ["--run"]:  # one measured command
+        _RUNNERS[sys.argv[2]](*sys.argv[3:])
+    else:
+        main()
