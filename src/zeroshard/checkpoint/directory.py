@@ -9,12 +9,15 @@ Nothing whose name starts with a dot is ever loaded.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Mapping
+
+from .checksum import FileRecord
 
 from .format import LATEST_FILE, MANIFEST_FILE, OLD_MARKER, TEMP_MARKER, check_tag, old_dir_name, temp_dir_name
 
@@ -144,3 +147,26 @@ def _existing_or_moved_aside(target: Path) -> Path | None:
         return None
     log.warning("%s was being replaced when a save stopped; loading the previous version from %s", target, aside[0])
     return aside[0]
+
+
+def read_json_file(path: Path, what: str) -> Any:
+    """The JSON in ``path``; one-line errors for a missing file or invalid JSON."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: missing: not a complete {what}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: corrupted: not valid JSON ({err.msg} at line {err.lineno})") from None
+
+
+def check_files_present(directory: Path, records: Mapping[str, FileRecord]) -> None:
+    """Every file a manifest lists exists with its recorded size (one stat each)."""
+    for name, record in records.items():
+        try:
+            size = (directory / name).stat().st_size
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{directory / name}: missing; the manifest lists it") from None
+        if size != record.size:
+            raise ValueError(f"{directory / name}: truncated or altered: {size} bytes, the manifest says {record.size}")

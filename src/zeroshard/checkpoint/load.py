@@ -28,7 +28,7 @@ import torch
 from ..layout import Layout
 from ..state import ShardedState
 from .compat import compare_module, compare_params
-from .directory import resolve_checkpoint
+from .directory import check_files_present, resolve_checkpoint
 from .format import MODEL_FILE, fp32_key, rank_file_name, scalar_key, state_key
 from .manifest import GroupRecord, Manifest, read_manifest
 from .model_file import check_entries, load_model_state, tensor_from_bytes
@@ -53,13 +53,7 @@ def open_checkpoint(path: str | os.PathLike[str] | Checkpoint) -> Checkpoint:
         return path
     directory = resolve_checkpoint(Path(path))
     manifest = read_manifest(directory)
-    for name, record in manifest.files.items():
-        try:
-            size = (directory / name).stat().st_size
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{directory / name}: missing; the manifest lists it") from None
-        if size != record.size:
-            raise ValueError(f"{directory / name}: truncated or altered: {size} bytes, the manifest says {record.size}")
+    check_files_present(directory, manifest.files)
     return Checkpoint(directory, manifest)
 
 

@@ -19,6 +19,7 @@ from ..layout import Layout
 from ..state import ParamGroupState
 from . import jsonvalue
 from .checksum import FileRecord
+from .directory import read_json_file
 from .format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -206,12 +207,4 @@ class Manifest:
 
 def read_manifest(directory: Path) -> Manifest:
     path = directory / MANIFEST_FILE
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: missing: not a complete checkpoint") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: corrupted: not valid JSON ({err.msg} at line {err.lineno})") from None
-    return Manifest.from_dict(data, str(path))
+    return Manifest.from_dict(read_json_file(path, "checkpoint"), str(path))

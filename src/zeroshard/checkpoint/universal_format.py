@@ -19,6 +19,7 @@ from .. import __version__
 from ..layout import ParamSpec, canonical_dtype
 from . import jsonvalue
 from .checksum import FileRecord
+from .directory import read_json_file
 from .safetensors_io import torch_dtype
 from .source import ModelEntry
 
@@ -226,12 +227,4 @@ def _fields_from_dict(data: dict[str, Any]) -> UniversalManifest:
 
 def read_universal_manifest(directory: Path) -> UniversalManifest:
     path = directory / MANIFEST_FILE
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: missing: not a complete universal checkpoint") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: corrupted: not valid JSON ({err.msg} at line {err.lineno})") from None
-    return UniversalManifest.from_dict(data, str(path))
+    return UniversalManifest.from_dict(read_json_file(path, "universal checkpoint"), str(path))

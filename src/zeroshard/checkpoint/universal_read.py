@@ -14,6 +14,7 @@ import torch
 
 from ..layout import Layout, LayoutPolicy, build_layout
 from .block_reader import RangeReader, tensor_view
+from .directory import check_files_present
 from .manifest import dtype_name
 from .model_file import check_entries
 from .safetensors_io import ReadStats, TensorEntry, read_header
@@ -109,11 +110,5 @@ def open_universal(path: str | os.PathLike[str] | UniversalCheckpoint, *, stats:
     if not directory.is_dir():
         raise FileNotFoundError(f"{directory}: no such directory")
     manifest = read_universal_manifest(directory)
-    for name, record in manifest.shards.items():
-        try:
-            size = (directory / name).stat().st_size
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{directory / name}: missing; the manifest lists it") from None
-        if size != record.size:
-            raise ValueError(f"{directory / name}: truncated or altered: {size} bytes, the manifest says {record.size}")
+    check_files_present(directory, manifest.shards)
     return UniversalCheckpoint(directory, manifest, stats=stats)
