@@ -58,6 +58,11 @@ def compare_module(manifest: Manifest, module_state: Mapping[str, torch.Tensor])
     return _compare(saved, run)
 
 
+def compare_shapes(saved: Mapping[str, tuple[int, ...]], run: Mapping[str, tuple[int, ...]]) -> Mismatch:
+    """Names and shapes only (dtypes may differ)."""
+    return _compare({n: (shape, None) for n, shape in saved.items()}, {n: (shape, None) for n, shape in run.items()})
+
+
 def _compare(saved: Mapping[str, tuple], run: Mapping[str, tuple]) -> Mismatch:
     both = [name for name in run if name in saved]
     return Mismatch(

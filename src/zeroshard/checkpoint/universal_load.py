@@ -20,7 +20,7 @@ import torch
 
 from ..layout import Layout
 from ..state import ParamGroupState, ShardedState
-from .compat import Mismatch, compare_params
+from .compat import Mismatch, compare_params, compare_shapes
 from .reshard import plan_reads
 from .safetensors_io import torch_dtype
 from .source import ShardSource
@@ -148,16 +148,7 @@ def _check_rank(layout: Layout, rank: int) -> None:
 
 
 def _compare_shapes(saved: Mapping[str, tuple[int, ...]], layout: Layout) -> Mismatch:
-    run = {slot.name: slot.spec.shape for group in layout.groups for slot in group.params}
-    return Mismatch(
-        missing=tuple(name for name in run if name not in saved),
-        unexpected=tuple(name for name in saved if name not in run),
-        reshaped=tuple(
-            f"{name} (checkpoint {list(saved[name])}, run {list(run[name])})"
-            for name in run
-            if name in saved and tuple(saved[name]) != tuple(run[name])
-        ),
-    )
+    return compare_shapes(saved, {slot.name: slot.spec.shape for group in layout.groups for slot in group.params})
 
 
 def _loadable(mismatch: Mismatch, layout: Layout, strict: bool, where: str, dtype_fatal: bool = False) -> set[str]:
