@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-import weakref
 from collections import Counter
 
 import torch
@@ -35,6 +34,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from zeroshard.engine import ZeroOptimizer
+from zeroshard.engine.probe import GradientMemoryProbe
 from zeroshard.launch import spawn
 from zeroshard.layout import LayoutPolicy
 from zeroshard.models import TinyGPT, gpt_param_groups
@@ -80,36 +80,6 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 # ---- variants: each has step(step_index) and memory_bytes() -------------------------------------
-
-
-class GradientMemoryProbe:
-    """Peak bytes of the engine's gradient tensors: the reducer's ``held_tensors()`` plus the
-    buffers handed to reduce-scatters still alive (in flight, or outputs not yet folded in),
-    each storage counted once. Sampled after every reduce-scatter call, every parameter's
-    engine hook and every step."""
-
-    def __init__(self, engine: ZeroOptimizer, model: nn.Module) -> None:
-        self.engine = engine
-        self.peak_bytes = 0
-        self._collective_buffers: list[weakref.ref] = []
-        reduce_scatter = engine.comm.reduce_scatter_sum
-
-        def reduce_scatter_and_sample(output, input, async_op=False):
-            handle = reduce_scatter(output, input, async_op=async_op)
-            self._collective_buffers += [weakref.ref(output), weakref.ref(input)]
-            self.sample()
-            return handle
-
-        engine.comm.reduce_scatter_sum = reduce_scatter_and_sample
-        for param in model.parameters():  # registered after the engine's hooks, so runs after them
-            param.register_post_accumulate_grad_hook(lambda _: self.sample())
-
-    def sample(self) -> None:
-        alive = [ref() for ref in self._collective_buffers]
-        self._collective_buffers = [ref for ref, tensor in zip(self._collective_buffers, alive) if tensor is not None]
-        tensors = list(self.engine.reducer.held_tensors()) + [t for t in alive if t is not None]
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-        self.peak_bytes = max(self.peak_bytes, sum(storages.values()))
 
 
 class EngineVariant:

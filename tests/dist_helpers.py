@@ -15,7 +15,6 @@ optimizer steps on fp32 masters; the model's parameters are the masters cast bac
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -26,6 +25,7 @@ from torch.nn import functional as F
 
 from zeroshard.buffers import owns_storage
 from zeroshard.engine import ZeroOptimizer
+from zeroshard.engine.probe import GradientMemoryProbe
 from zeroshard.layout import LayoutPolicy
 from zeroshard.models import GPTConfig, OddSizedModel, TinyGPT, gpt_param_groups
 
@@ -566,37 +566,6 @@ def check_gradient_memory(rank: int, world_size: int) -> dict[str, Any]:
         }
         engine.reducer.remove_hooks()
     return result
-
-
-class GradientMemoryProbe:
-    """Peak bytes of the engine's gradient tensors: the reducer's ``held_tensors()`` plus the
-    buffers handed to reduce-scatters that are still alive (in flight, or outputs not yet
-    added to the partition), each storage counted once. Sampled after every reduce-scatter
-    call and after every parameter's engine hook (this hook is registered later, so it runs
-    after the engine's). Wraps the engine's Collectives instance, no private attributes."""
-
-    def __init__(self, engine: ZeroOptimizer, model: nn.Module) -> None:
-        self.engine = engine
-        self.peak_bytes = 0
-        self._collective_buffers: list[weakref.ref] = []
-        reduce_scatter = engine.comm.reduce_scatter_sum
-
-        def reduce_scatter_and_sample(output, input, async_op=False):
-            handle = reduce_scatter(output, input, async_op=async_op)
-            self._collective_buffers += [weakref.ref(output), weakref.ref(input)]
-            self.sample()
-            return handle
-
-        engine.comm.reduce_scatter_sum = reduce_scatter_and_sample
-        for param in model.parameters():
-            param.register_post_accumulate_grad_hook(lambda _: self.sample())
-
-    def sample(self) -> None:
-        alive = [ref() for ref in self._collective_buffers]
-        self._collective_buffers = [ref for ref, tensor in zip(self._collective_buffers, alive) if tensor is not None]
-        tensors = list(self.engine.reducer.held_tensors()) + [t for t in alive if t is not None]
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-        self.peak_bytes = max(self.peak_bytes, sum(storages.values()))
 
 
 def check_stage2_peak_gradient_memory(rank: int, world_size: int) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from ..buffers import FlatParamBuffer, bind_flat_buffer, torch_dtype
+from ..buffers import FlatParamBuffer, bind_flat_buffer
 from ..comm import Collectives
 from ..layout import Layout, LayoutPolicy, build_layout
 from . import state_io

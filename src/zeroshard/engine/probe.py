@@ -1,0 +1,43 @@
+"""GradientMemoryProbe: the peak gradient memory of an engine, observed from outside.
+
+For tests and benchmarks. It counts the reducer's ``held_tensors()`` plus every buffer
+handed to a reduce-scatter that is still alive (in flight, or an output not yet folded in),
+each storage once, sampled after every reduce-scatter call and after every parameter's
+gradient hook. It wraps the engine's Collectives instance and reads no private state, so it
+also catches buffers the engine's own accounting would miss.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from .optimizer import ZeroOptimizer
+
+
+class GradientMemoryProbe:
+    def __init__(self, engine: ZeroOptimizer, model: nn.Module) -> None:
+        self.engine = engine
+        self.peak_bytes = 0
+        self._collective_buffers: list[weakref.ref] = []
+        reduce_scatter = engine.comm.reduce_scatter_sum
+
+        def reduce_scatter_and_sample(output, input, async_op=False):
+            handle = reduce_scatter(output, input, async_op=async_op)
+            self._collective_buffers += [weakref.ref(output), weakref.ref(input)]
+            self.sample()
+            return handle
+
+        engine.comm.reduce_scatter_sum = reduce_scatter_and_sample
+        for param in model.parameters():  # registered after the engine's hooks, so runs after them
+            param.register_post_accumulate_grad_hook(lambda _: self.sample())
+
+    def sample(self) -> None:
+        alive = [ref() for ref in self._collective_buffers]
+        self._collective_buffers = [ref for ref, tensor in zip(self._collective_buffers, alive) if tensor is not None]
+        tensors = list(self.engine.reducer.held_tensors()) + [t for t in alive if t is not None]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        self.peak_bytes = max(self.peak_bytes, sum(storages.values()))
