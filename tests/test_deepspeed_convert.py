@@ -25,7 +25,6 @@ they were bf16); for stage 1 against the module state_dict in ``mp_rank_00_model
 from __future__ import annotations
 
 import importlib.util
-import time
 from pathlib import Path
 
 import pytest
@@ -34,7 +33,7 @@ import torch
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("deepspeed is not installed (pip install -e '.[deepspeed]')", allow_module_level=True)
 
-from deepspeed_fixtures import CONFIGS, Fixture, generate
+from deepspeed_fixtures import CONFIGS, Fixture
 from safetensors.torch import load_file
 
 from zeroshard.checkpoint.universal import open_universal
@@ -44,14 +43,6 @@ CONFIG_NAMES = [config.name for config in CONFIGS]
 FROZEN = ("frozen.weight", "frozen.bias", "empty")
 BUFFERS = ("position_scale",)
 STATE_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
-
-
-@pytest.fixture(scope="session")
-def deepspeed_runs(tmp_path_factory) -> dict[str, Fixture]:
-    started = time.perf_counter()
-    runs = generate(tmp_path_factory.mktemp("deepspeed"))  # shared with the other DeepSpeed tests
-    print(f"\nDeepSpeed fixtures: {len(runs)} runs ready in {time.perf_counter() - started:.1f} s")
-    return runs
 
 
 @pytest.fixture(params=CONFIG_NAMES)

@@ -13,7 +13,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ import torch
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("deepspeed is not installed (pip install -e '.[deepspeed]')", allow_module_level=True)
 
-from deepspeed_fixtures import CONFIGS, Fixture, generate
+from deepspeed_fixtures import CONFIGS, Fixture
 from safetensors.torch import load_file
 
 from zeroshard.checkpoint.source import read_param
@@ -39,14 +38,6 @@ from zeroshard.importers.deepspeed_pickle import load_checkpoint_file
 
 CONFIG_NAMES = [config.name for config in CONFIGS]
 SRC = Path(__file__).resolve().parents[1] / "src"
-
-
-@pytest.fixture(scope="session")
-def deepspeed_runs(tmp_path_factory) -> dict[str, Fixture]:
-    started = time.perf_counter()
-    runs = generate(tmp_path_factory.mktemp("deepspeed"))
-    print(f"\nDeepSpeed fixtures: {len(runs)} runs in {time.perf_counter() - started:.1f} s")
-    return runs
 
 
 @pytest.fixture(params=CONFIG_NAMES)

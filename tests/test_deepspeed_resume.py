@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import time
 
 import pytest
 import torch
@@ -41,7 +40,6 @@ from deepspeed_fixtures import (
     STEPS,
     Fixture,
     build_model,
-    generate,
     global_batch,
     param_groups,
     rank_rows,
@@ -61,14 +59,6 @@ FIRST_LOSS_RELATIVE_TOLERANCE = 1e-6
 LOSS_RELATIVE_TOLERANCE = 1e-3
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 SPAWN_TIMEOUT_S = 240
-
-
-@pytest.fixture(scope="session")
-def deepspeed_runs(tmp_path_factory) -> dict[str, Fixture]:
-    started = time.perf_counter()
-    runs = generate(tmp_path_factory.mktemp("deepspeed"))  # shared with the other DeepSpeed tests
-    print(f"\nDeepSpeed fixtures: {len(runs)} runs ready in {time.perf_counter() - started:.1f} s")
-    return runs
 
 
 # ---- the zeroshard side (runs on every rank; spawn targets are module-level) -------------------------

@@ -12,7 +12,6 @@ from ..checkpoint.manifest import read_manifest
 from ..checkpoint.model_file import tensor_from_bytes
 from ..checkpoint.safetensors_io import VerifiedRanges, read_header, torch_dtype
 from ..checkpoint.verify import verify_checkpoint
-from ..layout import LayoutPolicy
 
 _STEP_KEYS = ("global_step", "global_steps", "step", "iteration")
 _LISTED_RANK_FILES = 8
@@ -62,7 +61,7 @@ def describe(ckpt: Checkpoint, *, list_all_files: bool = False) -> list[str]:
         f"checkpoint {ckpt.directory} (tag {manifest.tag!r}, format version {manifest.version}, {manifest.created_by})",
         f"step: {_step(ckpt)}",
         f"world size: {manifest.world_size}",
-        f"layout policy: {_describe_policy(layout.policy)}",
+        f"layout policy: {layout.policy.describe()}",
         f"optimizer: {manifest.optimizer_class or '-'}, {len(manifest.param_groups)} param group(s)",
         "groups:",
     ]
@@ -125,10 +124,3 @@ def _optimizer_step(ckpt: Checkpoint) -> str:
     value = tensor_from_bytes(data.view(entry.begin, entry.end), torch_dtype(dtype), shape)
     return f"{value.item():g} (optimizer step of group 0)"
 
-
-def _describe_policy(policy: LayoutPolicy) -> str:
-    if policy.kind == "deepspeed":
-        return "deepspeed" + (" with parameter_alignment" if policy.parameter_alignment else "")
-    kind = "compact" if policy.compact else "native"
-    buckets = f", buckets of ~{policy.bucket_numel:,} elements" if policy.bucket_numel else ""
-    return f"{kind}, {policy.alignment_bytes}-byte alignment{buckets}"

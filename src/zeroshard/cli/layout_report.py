@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(layouts[0].to_json(indent=2))
         return 0
-    print(f"{title}: {sum(len(g) for g in groups)} parameters in {len(groups)} group(s), policy {_describe(policy)}")
+    print(f"{title}: {sum(len(g) for g in groups)} parameters in {len(groups)} group(s), policy {policy.describe()}")
     for group_index in range(len(groups)):
         _print_group(layouts, group_index)
     print()
@@ -74,13 +74,6 @@ def _print_group(layouts: list[Layout], group_index: int) -> None:
             f"{padded_ranks} ({only_padding} hold padding only)"
         )
 
-
-def _describe(policy: LayoutPolicy) -> str:
-    if policy.kind == "deepspeed":
-        return "deepspeed" + (" with parameter_alignment" if policy.parameter_alignment else "")
-    kind = "compact" if policy.compact else "native"
-    buckets = f", buckets of ~{policy.bucket_numel:,} elements" if policy.bucket_numel else ""
-    return f"{kind}, {policy.alignment_bytes}-byte alignment{buckets}"
 
 
 def _load_groups(path: Path | None, dtype: str) -> tuple[list[list[ParamSpec]], str]:

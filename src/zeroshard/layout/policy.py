@@ -95,6 +95,14 @@ class LayoutPolicy:
             )
         return None
 
+    def describe(self) -> str:
+        """One line for reports: "native, 16-byte alignment", "deepspeed with parameter_alignment", ..."""
+        if self.kind == "deepspeed":
+            return "deepspeed" + (" with parameter_alignment" if self.parameter_alignment else "")
+        kind = "compact" if self.compact else "native"
+        buckets = f", buckets of ~{self.bucket_numel:,} elements" if self.bucket_numel else ""
+        return f"{kind}, {self.alignment_bytes}-byte alignment{buckets}"
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
