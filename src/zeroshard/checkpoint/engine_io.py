@@ -79,8 +79,6 @@ def _read_state(
     engine: ZeroOptimizer, path: Path, load_optimizer_states: bool, load_module_only: bool, strict: bool
 ) -> ShardedState:
     options = dict(load_optimizer_states=load_optimizer_states, load_module_only=load_module_only, strict=strict)
-    module_state = engine.model.state_dict()
-    base = None if strict else engine.export_state()
     kind = checkpoint_kind(path)
     if kind == "universal":
         from .universal import load_universal
@@ -91,7 +89,8 @@ def _read_state(
         from .universal import load_from_source
 
         return load_from_source(open_deepspeed(path), engine.layout, engine.rank, **options)
-    return load_sharded(path, engine.layout, engine.rank, module_state=module_state, base=base, **options)
+    base = None if strict else engine.export_state()  # what the checkpoint lacks keeps the run's values
+    return load_sharded(path, engine.layout, engine.rank, module_state=engine.model.state_dict(), base=base, **options)
 
 
 def checkpoint_kind(path: Path) -> str:
