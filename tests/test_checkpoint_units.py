@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from zeroshard.checkpoint import RankFailedError, plan_reads, run_ranks
 from zeroshard.checkpoint.checksum import BlockHasher
+from zeroshard.checkpoint.dtypes import to_torch
 from zeroshard.checkpoint.jsonvalue import decode, encode
 from zeroshard.checkpoint.reshard import Copy, coalesce
 from zeroshard.layout import LayoutPolicy, ParamSpec, build_layout
@@ -75,8 +77,12 @@ def test_json_values_round_trip_with_their_types():
     back = decode(encode(value))
     assert back["betas"] == (0.9, 0.999) and back["nested"] == [{"a": None, "b": True}, (1, (2, 3))]
     assert math.isinf(back["inf"]) and back[7] == "int key"
-    assert torch.equal(back["tensor"], value["tensor"]) and back["tensor"].dtype == torch.bfloat16
-    assert back["empty"].shape == (0,)
+    # tensors come back as numpy arrays (bfloat16 through ml_dtypes), bit for bit
+    assert torch.equal(to_torch(back["tensor"]), value["tensor"]) and back["tensor"].dtype.name == "bfloat16"
+    assert back["empty"].shape == (0,) and back["empty"].dtype == np.int64
+    assert decode(encode({"array": back["tensor"]}))["array"].tobytes() == back["tensor"].tobytes()
+    with pytest.raises(ValueError, match=r"value\['bad'\]: dtype complex64"):
+        encode({"bad": np.zeros(2, dtype=np.complex64)})
 
 
 def test_block_hasher_is_independent_of_how_the_stream_is_cut():

@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -36,6 +37,7 @@ if importlib.util.find_spec("deepspeed") is None:
 from deepspeed_fixtures import CONFIGS, Fixture
 from safetensors.torch import load_file
 
+from zeroshard.checkpoint.dtypes import to_torch
 from zeroshard.checkpoint.universal import open_universal
 from zeroshard.cli.main import main as zeroshard_cli
 
@@ -50,8 +52,10 @@ def run(request, deepspeed_runs) -> Fixture:
     return deepspeed_runs[request.param]
 
 
-def same_bits(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+def same_bits(actual: torch.Tensor | np.ndarray, expected: torch.Tensor) -> bool:
     """Same dtype, shape and bytes (so -0.0 differs from 0.0, and a NaN equals itself)."""
+    if isinstance(actual, np.ndarray):
+        actual = to_torch(actual)
     if actual.dtype != expected.dtype or actual.shape != expected.shape:
         return False
     return torch.equal(actual.contiguous().view(torch.uint8), expected.contiguous().view(torch.uint8))

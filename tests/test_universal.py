@@ -16,6 +16,7 @@ from universal_helpers import (
 )
 
 from zeroshard.checkpoint import ReadStats, load_sharded, open_checkpoint, run_ranks, save_sharded
+from zeroshard.checkpoint.dtypes import to_torch, torch_dtype
 from zeroshard.checkpoint.native_source import NativeSource, open_source
 from zeroshard.checkpoint.source import read_param
 from zeroshard.checkpoint.testing import ADAM_STATES, expected_partition, pattern, synthesize_state
@@ -92,9 +93,9 @@ def test_manifest_describes_the_run(tmp_path):
     assert manifest.aliases == {"tied.alias": "embed"}
     assert manifest.extra["lr_scheduler"]["base_lrs"] == (1e-3, 1e-3)
     assert [p.name for p in out.iterdir()] and len(manifest.shards) == 1
-    assert torch.equal(ckpt.read_param("experts", "exp_avg_sq", 10, 50), pattern("experts", "exp_avg_sq", 96)[10:50])
-    assert torch.equal(ckpt.model_tensor("positions"), torch.arange(5))
-    assert torch.equal(ckpt.model_tensor("frozen.weight"), pattern("frozen.weight", "fp32", 6).reshape(2, 3))
+    assert torch.equal(to_torch(ckpt.read_param("experts", "exp_avg_sq", 10, 50)), pattern("experts", "exp_avg_sq", 96)[10:50])
+    assert torch.equal(to_torch(ckpt.model_tensor("positions")), torch.arange(5))
+    assert torch.equal(to_torch(ckpt.model_tensor("frozen.weight")), pattern("frozen.weight", "fp32", 6).reshape(2, 3))
 
 
 def test_shards_are_bounded_and_a_big_tensor_gets_its_own(tmp_path):
@@ -104,7 +105,7 @@ def test_shards_are_bounded_and_a_big_tensor_gets_its_own(tmp_path):
     per_shard: dict[str, list[int]] = {}
     for key, shard in manifest.weight_map.items():
         dtype, shape = manifest.tensor_specs()[key]
-        per_shard.setdefault(shard, []).append(torch.empty(shape, dtype=dtype).nbytes)
+        per_shard.setdefault(shard, []).append(torch.empty(shape, dtype=torch_dtype(dtype)).nbytes)
     assert all(sum(sizes) <= 200 or len(sizes) == 1 for sizes in per_shard.values())
     assert [4 * 96] in per_shard.values()  # experts in fp32 is bigger than a shard: alone
     assert sorted(per_shard) == [f"universal-{i:05d}-of-{len(per_shard):05d}.safetensors" for i in range(1, len(per_shard) + 1)]
@@ -254,10 +255,10 @@ def test_read_param_on_a_native_source_matches_the_pattern(tmp_path):
     layout = build_layout(SPECS, 5, DEEPSPEED_ALIGNED)
     with NativeSource(save_synthetic(tmp_path, layout, block_size=32)) as source:
         for name, numel in (("experts", 96), ("head.bias", 13)):
-            assert torch.equal(read_param(source, name, "exp_avg"), pattern(name, "exp_avg", numel))
-            assert torch.equal(read_param(source, name, "fp32", 3, 11), pattern(name, "fp32", numel)[3:11])
+            assert torch.equal(to_torch(read_param(source, name, "exp_avg")), pattern(name, "exp_avg", numel))
+            assert torch.equal(to_torch(read_param(source, name, "fp32", 3, 11)), pattern(name, "fp32", numel)[3:11])
         assert source.scalars(1)["step"].item() == 7.0
-        assert torch.equal(source.model_tensor("tied.alias"), source.model_tensor("embed"))
+        assert torch.equal(to_torch(source.model_tensor("tied.alias")), to_torch(source.model_tensor("embed")))
         with pytest.raises(KeyError, match="no optimizer state 'momentum'"):
             source.read(0, 0, "momentum", 0, 1)
 
@@ -426,7 +427,7 @@ def test_streaming_writer_checks_the_plan_and_writes_standard_safetensors(tmp_pa
     from zeroshard.checkpoint.safetensors_io import PlannedTensor, SafetensorsWriter, write_safetensors
 
     a, b = torch.arange(6, dtype=torch.float32), torch.ones(2, 2, dtype=torch.bfloat16)
-    plan = [PlannedTensor("a", torch.float32, (2, 3)), PlannedTensor("b", torch.bfloat16, (2, 2))]
+    plan = [PlannedTensor("a", "float32", (2, 3)), PlannedTensor("b", "bfloat16", (2, 2))]
     with SafetensorsWriter(tmp_path / "s.safetensors", plan, block_size=16) as writer:
         with pytest.raises(ValueError, match="expected 'a'"):
             writer.write("b", b)

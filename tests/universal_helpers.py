@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -47,16 +48,16 @@ class PatternSource:
         )
         self.reads = 0
 
-    def read(self, rank: int, group: int, key: str, start: int, end: int) -> torch.Tensor:
+    def read(self, rank: int, group: int, key: str, start: int, end: int) -> np.ndarray:
         self.reads += 1
-        return expected_partition(self.info.layout, rank, group, key)[start:end].clone()
+        return expected_partition(self.info.layout, rank, group, key)[start:end].numpy().copy()
 
-    def scalars(self, group: int) -> dict[str, torch.Tensor]:
-        return {"step": torch.tensor(7.0)}
+    def scalars(self, group: int) -> dict[str, np.ndarray]:
+        return {"step": np.array(7.0, dtype=np.float32)}
 
-    def model_tensor(self, name: str) -> torch.Tensor:
+    def model_tensor(self, name: str) -> np.ndarray:
         assert name == "positions"
-        return torch.arange(5, dtype=torch.int64)
+        return np.arange(5, dtype=np.int64)
 
     def close(self) -> None:
         pass

@@ -7,11 +7,12 @@ never reaches into the engine. Tensors are on the CPU.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .layout import Layout
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass

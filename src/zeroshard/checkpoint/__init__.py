@@ -8,25 +8,59 @@
 docs/FORMAT.md describes the format.
 """
 
-from ..state import ParamGroupState, ShardedState
-from .checksum import FileRecord
-from .coordinator import (
-    Coordinator,
-    RankFailedError,
-    SingleProcessCoordinator,
-    ThreadCoordinator,
-    TorchDistributedCoordinator,
-    default_coordinator,
-    run_ranks,
-)
-from .directory import list_tags, resolve_checkpoint
-from .format import DEFAULT_BLOCK_SIZE, FORMAT_NAME, FORMAT_VERSION, rank_file_name
-from .load import Checkpoint, load_sharded, open_checkpoint
-from .manifest import GroupRecord, Manifest, ModelTensorRecord
-from .reshard import Copy, GroupPlan, plan_reads
-from .safetensors_io import ReadStats
-from .save import FAULT_POINTS, FaultHook, save_sharded
-from .verify import verify_checkpoint
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Imported on first use (PEP 562), so that reading and converting checkpoints, which needs
+# no torch, does not pay for importing it through this package.
+_EXPORTS = {
+    "ParamGroupState": "..state",
+    "ShardedState": "..state",
+    "FileRecord": ".checksum",
+    "Coordinator": ".coordinator",
+    "RankFailedError": ".coordinator",
+    "SingleProcessCoordinator": ".coordinator",
+    "ThreadCoordinator": ".coordinator",
+    "TorchDistributedCoordinator": ".coordinator",
+    "default_coordinator": ".coordinator",
+    "run_ranks": ".coordinator",
+    "list_tags": ".directory",
+    "resolve_checkpoint": ".directory",
+    "DEFAULT_BLOCK_SIZE": ".format",
+    "FORMAT_NAME": ".format",
+    "FORMAT_VERSION": ".format",
+    "rank_file_name": ".format",
+    "Checkpoint": ".handle",
+    "open_checkpoint": ".handle",
+    "load_sharded": ".load",
+    "GroupRecord": ".manifest",
+    "Manifest": ".manifest",
+    "ModelTensorRecord": ".manifest",
+    "Copy": ".reshard",
+    "GroupPlan": ".reshard",
+    "plan_reads": ".reshard",
+    "ReadStats": ".safetensors_io",
+    "FAULT_POINTS": ".save",
+    "FaultHook": ".save",
+    "save_sharded": ".save",
+    "verify_checkpoint": ".verify",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",

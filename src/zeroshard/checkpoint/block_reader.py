@@ -14,9 +14,10 @@ import os
 from collections import OrderedDict
 from pathlib import Path
 
-import torch
+import numpy as np
 
 from .checksum import FileRecord
+from .dtypes import from_bytes
 from .safetensors_io import ReadStats, check_blocks, pread_into
 
 DEFAULT_CACHE_BYTES = 32 << 20
@@ -42,8 +43,8 @@ class RangeReader:
             return memoryview(b"")
         first, last = blocks[0], blocks[-1]
         span_start, span_end = record.block_range(first)[0], record.block_range(last)[1]
-        # torch.empty, not bytearray: no zero-filling of memory the read overwrites anyway.
-        view = memoryview(torch.empty(span_end - span_start, dtype=torch.uint8).numpy()).cast("B")
+        # np.empty, not bytearray: no zero-filling of memory the read overwrites anyway.
+        view = memoryview(np.empty(span_end - span_start, dtype=np.uint8))
         key = str(path)
         head = self._take(key, first, record, view, span_start)
         tail = last != first and self._take(key, last, record, view, span_start)
@@ -96,12 +97,7 @@ class RangeReader:
         self._cached = 0
 
 
-def tensor_view(data: memoryview, dtype: torch.dtype) -> torch.Tensor:
-    """A 1-D tensor over ``data`` (shared when aligned for ``dtype``, else a copy)."""
-    if len(data) == 0:
-        return torch.empty(0, dtype=dtype)
-    raw = torch.frombuffer(data, dtype=torch.uint8)
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    if raw.data_ptr() % itemsize:
-        raw = raw.clone()
-    return raw.view(dtype)
+def array_view(data: memoryview, dtype: str) -> np.ndarray:
+    """A 1-D array of dtype ``dtype`` over ``data`` (shared when aligned for it, else a copy)."""
+    array = from_bytes(data, dtype)
+    return array if array.flags.aligned else array.copy()

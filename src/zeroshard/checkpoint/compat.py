@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
-
-import torch
+from typing import TYPE_CHECKING, Mapping
 
 from ..layout import Layout
 from .manifest import Manifest, dtype_name
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)

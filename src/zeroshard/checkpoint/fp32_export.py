@@ -5,7 +5,8 @@ masters (cast to ``dtype``), frozen parameters (floating ones cast to ``dtype``)
 buffers (in their own dtype), and a tied parameter under each of its names with its own
 bytes (safetensors refuses shared storage). One ``model.safetensors``, or, when
 ``max_shard_size`` is given and exceeded, ``model-00001-of-0000N.safetensors`` shards and a
-``model.safetensors.index.json``. Streaming and atomic like :func:`to_universal`.
+``model.safetensors.index.json``. Streaming and atomic like :func:`to_universal`, and like
+it torch-free: :func:`load_fp32_state_dict` alone hands out torch tensors.
 """
 
 from __future__ import annotations
@@ -15,16 +16,17 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
+import numpy as np
 
 from ..layout import canonical_dtype
 from .directory import write_file_durably
 from .format import DEFAULT_BLOCK_SIZE
 from .native_source import open_source
 from .output_dir import staged_output
-from .safetensors_io import PlannedTensor, torch_dtype
+from .dtypes import cast, dtype_info, to_torch
+from .safetensors_io import PlannedTensor
 from .source import ModelEntry, ShardSource, iter_params
 from .streaming import OutputTensor, plan_shards, write_shards
 from .universal_format import is_universal_checkpoint
@@ -33,6 +35,9 @@ from .universal_write import read_whole_param
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+if TYPE_CHECKING:
+    import torch
+
 Input = str | os.PathLike[str] | ShardSource | UniversalCheckpoint
 
 
@@ -48,8 +53,8 @@ class _ModelView:
     trained: list[tuple[str, tuple[int, ...]]]  # layout order
     entries: list[ModelEntry]  # buffers and frozen parameters
     aliases: dict[str, str]
-    master: Callable[[str], torch.Tensor]  # a trained parameter's fp32 master, flat
-    model_tensor: Callable[[str], torch.Tensor]
+    master: Callable[[str], np.ndarray]  # a trained parameter's fp32 master, flat
+    model_tensor: Callable[[str], np.ndarray]
     close: Callable[[], None]
 
 
@@ -57,7 +62,7 @@ def to_fp32(
     path: Input,
     out_dir: str | os.PathLike[str],
     *,
-    dtype: torch.dtype | str = torch.float32,
+    dtype: torch.dtype | str = "float32",
     max_shard_size: int | None = None,
     progress: bool | None = None,
     overwrite: bool = False,
@@ -92,9 +97,9 @@ def to_fp32(
     return Path(out_dir)
 
 
-def load_fp32_state_dict(path: Input, dtype: torch.dtype | str = torch.float32) -> dict[str, torch.Tensor]:
-    """The consolidated module state_dict of ``path`` in memory, as :func:`to_fp32` writes it
-    (tied names share one tensor here)."""
+def load_fp32_state_dict(path: Input, dtype: torch.dtype | str = "float32") -> dict[str, torch.Tensor]:
+    """The consolidated module state_dict of ``path`` in memory, as :func:`to_fp32` writes it,
+    as torch tensors (tied names share one tensor here)."""
     dtype = _as_dtype(dtype)
     view = _open(path)
     try:
@@ -103,14 +108,14 @@ def load_fp32_state_dict(path: Input, dtype: torch.dtype | str = torch.float32) 
         for entry in _outputs(view, dtype):
             key = id(entry.produce)
             if key not in made:
-                made[key] = entry.produce().reshape(entry.planned.shape)
+                made[key] = to_torch(entry.produce().reshape(entry.planned.shape))
             state[entry.planned.key] = made[key]
         return state
     finally:
         view.close()
 
 
-def _outputs(view: _ModelView, dtype: torch.dtype) -> list[OutputTensor]:
+def _outputs(view: _ModelView, dtype: str) -> list[OutputTensor]:
     """One entry per state_dict name; a target and its aliases share one producer, in a row."""
     aliases_of: dict[str, list[str]] = {}
     for alias, target in view.aliases.items():
@@ -122,8 +127,8 @@ def _outputs(view: _ModelView, dtype: torch.dtype) -> list[OutputTensor]:
         tensors += [OutputTensor(PlannedTensor(n, dtype, shape), produce) for n in [name, *aliases_of.get(name, [])]]
         stored.add(name)
     for entry in view.entries:
-        own = torch_dtype(entry.dtype)
-        out = dtype if entry.kind == "frozen" and own.is_floating_point else own
+        own = entry.dtype
+        out = dtype if entry.kind == "frozen" and dtype_info(own).is_floating_point else own
         produce = functools.partial(_cast, view.model_tensor, entry.name, out)
         tensors += [OutputTensor(PlannedTensor(n, out, entry.shape), produce) for n in [entry.name, *aliases_of.get(entry.name, [])]]
         stored.add(entry.name)
@@ -133,8 +138,8 @@ def _outputs(view: _ModelView, dtype: torch.dtype) -> list[OutputTensor]:
     return tensors
 
 
-def _cast(read: Callable[[str], torch.Tensor], name: str, dtype: torch.dtype) -> torch.Tensor:
-    return read(name).to(dtype)
+def _cast(read: Callable[[str], np.ndarray], name: str, dtype: str) -> np.ndarray:
+    return cast(read(name), dtype)
 
 
 def _open(path: Input) -> _ModelView:
@@ -175,8 +180,8 @@ def _nothing() -> None:
     pass
 
 
-def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+def _as_dtype(dtype: torch.dtype | str) -> str:
     name = canonical_dtype(dtype)
     if name not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"export dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    return torch_dtype(name)
+    return name

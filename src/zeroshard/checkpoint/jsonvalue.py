@@ -3,7 +3,8 @@
 Hyperparameters, step counters, loss-scaler and lr-scheduler state are mostly JSON already;
 the rest are tuples, dicts with non-string keys, non-finite floats and small tensors. Each of
 those gets a tagged object, so ``decode(encode(x))`` gives ``x`` back with its types, and
-tensors bit for bit. Anything else (functions, arbitrary objects) is refused with the path
+tensors bit for bit (torch tensors and numpy arrays are stored alike and come back as numpy
+arrays: see :mod:`.dtypes`). Anything else (functions, arbitrary objects) is refused with the path
 to the value, because storing it would need pickle.
 """
 
@@ -13,9 +14,9 @@ import base64
 import math
 from typing import Any
 
-import torch
+import numpy as np
 
-from .safetensors_io import dtype_from_code, dtype_to_code
+from .dtypes import as_array, dtype_of, dtype_of_code
 
 _TAG = "__zeroshard__"
 _MAX_TENSOR_BYTES = 1 << 20  # bigger tensors belong in a safetensors file, not in JSON
@@ -39,8 +40,8 @@ def encode(value: Any, path: str = "value") -> Any:
             _TAG: "dict",
             "items": [[encode(k, f"{path} key"), encode(v, f"{path}[{k!r}]")] for k, v in value.items()],
         }
-    if isinstance(value, torch.Tensor):
-        return _encode_tensor(value, path)
+    if isinstance(value, np.ndarray) or _is_torch_tensor(value):
+        return _encode_tensor(as_array(value), path)
     raise ValueError(f"{path}: cannot store a {type(value).__name__} in a checkpoint manifest (no pickle)")
 
 
@@ -64,25 +65,28 @@ def decode(value: Any) -> Any:
     raise ValueError(f"unknown tagged value {kind!r} in the manifest")
 
 
-def _encode_tensor(tensor: torch.Tensor, path: str) -> dict[str, Any]:
-    tensor = tensor.detach().cpu().contiguous()
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes > _MAX_TENSOR_BYTES:
-        raise ValueError(f"{path}: tensor of {nbytes} bytes is too large for the manifest")
-    raw = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+def _is_torch_tensor(value: Any) -> bool:
+    return type(value).__module__.startswith("torch") and hasattr(value, "untyped_storage")
+
+
+def _encode_tensor(array: np.ndarray, path: str) -> dict[str, Any]:
+    if array.nbytes > _MAX_TENSOR_BYTES:
+        raise ValueError(f"{path}: tensor of {array.nbytes} bytes is too large for the manifest")
+    try:
+        code = dtype_of(array).code
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
     return {
         _TAG: "tensor",
-        "dtype": dtype_to_code(tensor.dtype),
-        "shape": list(tensor.shape),
-        "data": base64.b64encode(raw).decode(),
+        "dtype": code,
+        "shape": list(array.shape),
+        "data": base64.b64encode(np.ascontiguousarray(array).tobytes()).decode(),
     }
 
 
-def _decode_tensor(value: dict[str, Any]) -> torch.Tensor:
+def _decode_tensor(value: dict[str, Any]) -> np.ndarray:
     raw = bytearray(base64.b64decode(value["data"]))
-    dtype = dtype_from_code(value["dtype"])
-    flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-    return flat.view(dtype).reshape(value["shape"]).clone()
+    return np.frombuffer(raw, dtype=dtype_of_code(value["dtype"]).numpy).reshape(value["shape"])
 
 
 def _hashable(key: Any) -> Any:

@@ -17,10 +17,9 @@ load leaves the caller's state as it was.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
@@ -28,33 +27,13 @@ import torch
 from ..layout import Layout
 from ..state import ShardedState
 from .compat import compare_module, compare_params
-from .directory import check_files_present, resolve_checkpoint
 from .format import MODEL_FILE, fp32_key, rank_file_name, scalar_key, state_key
-from .manifest import GroupRecord, Manifest, read_manifest
-from .model_file import check_entries, load_model_state, tensor_from_bytes
+from .manifest import GroupRecord, Manifest
+from .model_file import load_model_state, tensor_from_bytes
 from .reshard import GroupPlan, plan_reads
-from .safetensors_io import ReadStats, TensorEntry, VerifiedRanges, read_header, torch_dtype
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """An opened checkpoint: its directory and checked manifest. Reuse it across ranks' loads."""
-
-    directory: Path
-    manifest: Manifest
-
-    def path(self, file_name: str) -> Path:
-        return self.directory / file_name
-
-
-def open_checkpoint(path: str | os.PathLike[str] | Checkpoint) -> Checkpoint:
-    """Resolve ``path`` (a tag directory, or a root with ``latest``), read and check its manifest."""
-    if isinstance(path, Checkpoint):
-        return path
-    directory = resolve_checkpoint(Path(path))
-    manifest = read_manifest(directory)
-    check_files_present(directory, manifest.files)
-    return Checkpoint(directory, manifest)
+from .dtypes import arrays_to_torch, torch_dtype
+from .handle import Checkpoint, open_checkpoint
+from .safetensors_io import ReadStats, TensorEntry, VerifiedRanges, check_entries, read_header
 
 
 def load_sharded(
@@ -108,10 +87,12 @@ def load_sharded(
         fp32_partitions=fp32,
         optimizer_states=states,
         optimizer_scalars=scalars,
-        param_groups=[] if load_module_only else list(manifest.param_groups),
+        param_groups=[] if load_module_only else [
+            dataclasses.replace(g, hyperparameters=arrays_to_torch(g.hyperparameters)) for g in manifest.param_groups
+        ],
         optimizer_class="" if load_module_only else manifest.optimizer_class,
         model_state=model_state,
-        extra={} if load_module_only else dict(manifest.extra),
+        extra={} if load_module_only else arrays_to_torch(dict(manifest.extra)),
     )
 
 

@@ -12,8 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .. import __version__
 from ..layout import Layout
 from ..state import ParamGroupState
@@ -34,7 +32,8 @@ from .format import (
 TENSOR_KINDS = ("trainable", "frozen", "buffer", "other")
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: object) -> str:
+    """A dtype's name without the "torch." prefix: "bfloat16" for torch.bfloat16."""
     return str(dtype).removeprefix("torch.")
 
 

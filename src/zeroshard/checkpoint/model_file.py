@@ -16,7 +16,8 @@ import torch
 
 from .checksum import FileRecord
 from .manifest import ModelTensorRecord, dtype_name
-from .safetensors_io import ReadStats, VerifiedRanges, dtype_from_code, read_header, write_safetensors
+from .dtypes import dtype_of_code, torch_dtype
+from .safetensors_io import ReadStats, VerifiedRanges, check_entries, read_header, write_safetensors
 
 
 @dataclass(frozen=True)
@@ -83,27 +84,10 @@ def load_model_state(
     state = {}
     for name in expected:
         entry = entries[name]
-        state[name] = tensor_from_bytes(data.view(entry.begin, entry.end), dtype_from_code(entry.dtype), entry.shape)
+        state[name] = tensor_from_bytes(data.view(entry.begin, entry.end), torch_dtype(dtype_of_code(entry.dtype).name), entry.shape)
     for alias, target in aliases.items():
         state[alias] = state[target]
     return state
-
-
-def check_entries(path: Path, entries: Mapping, expected: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
-    """The file's header must hold exactly the tensors the manifest describes."""
-    missing = sorted(set(expected) - set(entries))
-    if missing:
-        raise ValueError(f"{path}: corrupted or not the manifest's file: tensors {missing} are missing")
-    for name, (dtype, shape) in expected.items():
-        entry = entries[name]
-        found_dtype = dtype_name(dtype_from_code(entry.dtype))
-        if found_dtype != dtype or tuple(entry.shape) != tuple(shape):
-            raise ValueError(
-                f"{path}: tensor {name!r} is {found_dtype} {list(entry.shape)}, the manifest says {dtype} {list(shape)}"
-            )
-        itemsize = torch.empty(0, dtype=dtype_from_code(entry.dtype)).element_size()
-        if entry.end - entry.begin != itemsize * _numel(shape):
-            raise ValueError(f"{path}: corrupted: tensor {name!r} spans {entry.end - entry.begin} bytes")
 
 
 def tensor_from_bytes(data: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -111,10 +95,3 @@ def tensor_from_bytes(data: memoryview, dtype: torch.dtype, shape: tuple[int, ..
     if len(data) == 0:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(data, dtype=torch.uint8).clone().view(dtype).reshape(shape)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count

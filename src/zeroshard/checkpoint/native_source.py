@@ -10,13 +10,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
+import numpy as np
 
-from .block_reader import RangeReader, tensor_view
+from .block_reader import RangeReader, array_view
+from .dtypes import itemsize_of, to_float32
 from .format import MODEL_FILE, fp32_key, rank_file_name, scalar_key, state_key
-from .load import Checkpoint, open_checkpoint
-from .model_file import check_entries
-from .safetensors_io import ReadStats, TensorEntry, read_header, torch_dtype
+from .handle import Checkpoint, open_checkpoint
+from .safetensors_io import ReadStats, TensorEntry, check_entries, read_header
 from .source import ModelEntry, ShardSource, SourceInfo
 
 NATIVE_KIND = "zeroshard.checkpoint"
@@ -49,7 +49,7 @@ class NativeSource:
             extra=dict(manifest.extra),
         )
 
-    def read(self, rank: int, group: int, key: str, start: int, end: int) -> torch.Tensor:
+    def read(self, rank: int, group: int, key: str, start: int, end: int) -> np.ndarray:
         """Elements [start, end) of ``rank``'s partition of ``key`` in ``group``, as fp32."""
         manifest = self.checkpoint.manifest
         if not 0 <= group < len(manifest.groups):
@@ -66,11 +66,11 @@ class NativeSource:
             raise ValueError(f"range [{start}, {end}) is outside group {group}'s partition of {partition_numel} elements")
         file_name = self._rank_file(rank)
         entry = self._header(file_name)[tensor_key]
-        itemsize = torch.empty(0, dtype=torch_dtype(dtype)).element_size()
+        itemsize = itemsize_of(dtype)
         data = self._read(file_name, entry.begin + start * itemsize, entry.begin + end * itemsize)
-        return tensor_view(data, torch_dtype(dtype)).to(torch.float32)
+        return to_float32(array_view(data, dtype))
 
-    def scalars(self, group: int) -> dict[str, torch.Tensor]:
+    def scalars(self, group: int) -> dict[str, np.ndarray]:
         """The group's non-partitioned optimizer state, as rank 0 saved it."""
         manifest = self.checkpoint.manifest
         file_name = self._rank_file(0)
@@ -79,10 +79,10 @@ class NativeSource:
         for name, (dtype, shape) in manifest.groups[group].scalars.items():
             entry = header[scalar_key(group, name)]
             data = self._read(file_name, entry.begin, entry.end)
-            found[name] = tensor_view(data, torch_dtype(dtype)).clone().reshape(shape)
+            found[name] = array_view(data, dtype).reshape(shape)
         return found
 
-    def model_tensor(self, name: str) -> torch.Tensor:
+    def model_tensor(self, name: str) -> np.ndarray:
         """A module state_dict entry from model.safetensors, aliases followed."""
         stored = self.info.aliases.get(name, name)
         record = self.checkpoint.manifest.model_tensors.get(stored)
@@ -90,7 +90,7 @@ class NativeSource:
             raise KeyError(f"{self.path / MODEL_FILE}: no module tensor {name!r}")
         entry = self._header(MODEL_FILE)[stored]
         data = self._read(MODEL_FILE, entry.begin, entry.end)
-        return tensor_view(data, torch_dtype(record.dtype)).clone().reshape(record.shape)
+        return array_view(data, record.dtype).reshape(record.shape)
 
     def close(self) -> None:
         self._reader.clear()

@@ -15,54 +15,20 @@ import struct
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
-import torch
+import numpy as np
 
 from .checksum import BlockHasher, FileRecord, block_crc
+from .dtypes import as_array, dtype_info, dtype_of, dtype_of_code
 
-_DTYPE_CODES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
-_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 _MAX_HEADER_BYTES = 100 << 20  # the limit safetensors itself enforces
 _WRITE_CHUNK = 1 << 20  # hashed and written while still in the CPU cache
 
 if sys.byteorder != "little":  # safetensors is little-endian and tensors are written raw
     raise ImportError("zeroshard checkpoints need a little-endian machine")
 
-
-def dtype_to_code(dtype: torch.dtype) -> str:
-    try:
-        return _DTYPE_CODES[dtype]
-    except KeyError:
-        raise ValueError(f"dtype {dtype} cannot be stored in safetensors") from None
-
-
-def dtype_from_code(code: str) -> torch.dtype:
-    try:
-        return _CODE_DTYPES[code]
-    except KeyError:
-        raise ValueError(f"unknown safetensors dtype {code!r}") from None
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """torch dtype of a canonical layout dtype name ("bfloat16", "float32", ...)."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
+Tensor = Any  # a numpy array or a torch tensor (torch is not imported here)
 
 
 @dataclass(frozen=True)
@@ -77,10 +43,10 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class PlannedTensor:
-    """A tensor a :class:`SafetensorsWriter` will write: its key, dtype and shape."""
+    """A tensor a :class:`SafetensorsWriter` will write: its key, dtype name and shape."""
 
     key: str
-    dtype: torch.dtype
+    dtype: str  # "float32", "bfloat16", ... (dtypes.dtype_info names)
     shape: tuple[int, ...]
 
     @property
@@ -89,7 +55,7 @@ class PlannedTensor:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty(0, dtype=self.dtype).element_size()
+        return self.numel * dtype_info(self.dtype).itemsize
 
 
 class SafetensorsWriter:
@@ -121,18 +87,21 @@ class SafetensorsWriter:
             self._file.close()
             raise
 
-    def write(self, key: str, tensor: torch.Tensor) -> None:
-        """Write the next planned tensor: ``key`` and dtype as planned, the planned number of
-        elements (any shape: the header holds the planned one)."""
+    def write(self, key: str, tensor: Tensor) -> None:
+        """Write the next planned tensor (a numpy array or a CPU torch tensor): ``key`` and
+        dtype as planned, the planned number of elements (any shape: the header holds the
+        planned one)."""
         if self._next >= len(self._plan):
             raise ValueError(f"{self.path}: {key!r} was not planned; all {len(self._plan)} tensors are written")
         planned = self._plan[self._next]
-        if key != planned.key or tensor.dtype != planned.dtype or tensor.numel() != planned.numel:
+        array = as_array(tensor)
+        dtype = dtype_of(array).name
+        if key != planned.key or dtype != planned.dtype or array.size != planned.numel:
             raise ValueError(
                 f"{self.path}: expected {planned.key!r} ({planned.dtype}, {planned.numel} elements), "
-                f"got {key!r} ({tensor.dtype}, {tensor.numel()} elements)"
+                f"got {key!r} ({dtype}, {array.size} elements)"
             )
-        raw = _as_bytes(tensor)
+        raw = _as_bytes(array)
         for start in range(0, len(raw), _WRITE_CHUNK):
             _write_all(self._file, raw[start : start + _WRITE_CHUNK], self._hasher)
         self._next += 1
@@ -163,10 +132,10 @@ class SafetensorsWriter:
 
 
 def write_safetensors(
-    path: Path, tensors: Sequence[tuple[str, torch.Tensor]], block_size: int, metadata: dict[str, str] | None = None
+    path: Path, tensors: Sequence[tuple[str, Tensor]], block_size: int, metadata: dict[str, str] | None = None
 ) -> FileRecord:
     """Write ``tensors`` in the given order to ``path``, fsync it, return its block checksums."""
-    plan = [PlannedTensor(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in tensors]
+    plan = [PlannedTensor(name, dtype_of(tensor).name, tuple(tensor.shape)) for name, tensor in tensors]
     with SafetensorsWriter(path, plan, block_size, metadata) as writer:
         for name, tensor in tensors:
             writer.write(name, tensor)
@@ -180,7 +149,7 @@ def _plan_header(plan: Sequence[PlannedTensor], metadata: dict[str, str] | None)
         if entry.key in header:
             raise ValueError(f"tensor key {entry.key!r} appears twice")
         header[entry.key] = {
-            "dtype": dtype_to_code(entry.dtype),
+            "dtype": dtype_info(entry.dtype).code,
             "shape": list(entry.shape),
             "data_offsets": [offset, offset + entry.nbytes],
         }
@@ -189,11 +158,11 @@ def _plan_header(plan: Sequence[PlannedTensor], metadata: dict[str, str] | None)
     return encoded + b" " * (-len(encoded) % 8)  # data starts 8-byte aligned, as safetensors writes it
 
 
-def _as_bytes(tensor: torch.Tensor) -> memoryview:
-    flat = tensor.detach().cpu().contiguous().reshape(-1)
-    if flat.numel() == 0:
+def _as_bytes(array: np.ndarray) -> memoryview:
+    flat = np.ascontiguousarray(array).reshape(-1)
+    if flat.size == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return memoryview(flat.view(np.uint8))
 
 
 def _write_all(out, data: memoryview, hasher: BlockHasher) -> None:
@@ -234,6 +203,26 @@ def read_header(path: Path, file_size: int, stats: ReadStats | None = None) -> d
         if not data_start <= begin <= end <= file_size:
             raise ValueError(f"{path}: corrupted: tensor {name!r} lies outside the file")
     return entries
+
+
+def check_entries(path: Path, entries: Mapping, expected: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
+    """The file's header must hold the tensors ``expected`` describes: name -> (dtype name, shape)."""
+    missing = sorted(set(expected) - set(entries))
+    if missing:
+        raise ValueError(f"{path}: corrupted or not the manifest's file: tensors {missing} are missing")
+    for name, (dtype, shape) in expected.items():
+        entry = entries[name]
+        try:
+            found = dtype_of_code(entry.dtype)
+        except ValueError:
+            raise ValueError(f"{path}: corrupted: tensor {name!r} has unknown dtype {entry.dtype!r}") from None
+        found_dtype = found.name
+        if found_dtype != dtype or tuple(entry.shape) != tuple(shape):
+            raise ValueError(
+                f"{path}: tensor {name!r} is {found_dtype} {list(entry.shape)}, the manifest says {dtype} {list(shape)}"
+            )
+        if entry.end - entry.begin != found.itemsize * math.prod(shape):
+            raise ValueError(f"{path}: corrupted: tensor {name!r} spans {entry.end - entry.begin} bytes")
 
 
 @dataclass

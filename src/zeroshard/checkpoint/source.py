@@ -2,7 +2,8 @@
 
 Native zeroshard checkpoints and DeepSpeed ZeRO-1/2 checkpoints both present themselves
 this way, so resharded loading, universal conversion and fp32 export are written once.
-A source never holds a whole partition in memory: ``read`` returns one range.
+A source never holds a whole partition in memory: ``read`` returns one range. Tensors are
+numpy arrays (see :mod:`.dtypes`): reading a checkpoint needs no torch.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
-import torch
+import numpy as np
 
 from ..layout import Layout
 from ..state import ParamGroupState
@@ -46,29 +47,31 @@ class ShardSource(Protocol):
     path: Path
     info: SourceInfo
 
-    def read(self, rank: int, group: int, key: str, start: int, end: int) -> torch.Tensor:
+    def read(self, rank: int, group: int, key: str, start: int, end: int) -> np.ndarray:
         """Elements [start, end) of rank ``rank``'s partition of ``key`` in layout group
         ``group``, as fp32. ``key`` is "fp32" (the master weights) or an optimizer state
         name from ``info.state_keys[group]``. Padding reads as zeros."""
         ...
 
-    def scalars(self, group: int) -> dict[str, torch.Tensor]:
-        """Optimizer state of the group that is not partition-shaped (e.g. ``step``)."""
+    def scalars(self, group: int) -> dict[str, Any]:
+        """Optimizer state of the group that is not partition-shaped (e.g. ``step``):
+        numpy arrays or plain Python values."""
         ...
 
-    def model_tensor(self, name: str) -> torch.Tensor:
-        """A buffer or frozen parameter, or a trained parameter's low-precision weight."""
+    def model_tensor(self, name: str) -> np.ndarray:
+        """A buffer or frozen parameter, or a trained parameter's low-precision weight, in
+        its own dtype and shape."""
         ...
 
     def close(self) -> None: ...
 
 
-def read_param(source: ShardSource, name: str, key: str, start: int = 0, end: int | None = None) -> torch.Tensor:
+def read_param(source: ShardSource, name: str, key: str, start: int = 0, end: int | None = None) -> np.ndarray:
     """Elements [start, end) of parameter ``name``'s ``key`` tensor, flattened, as fp32,
     assembled from the ranks that hold them (each piece read once)."""
     group, slot = source.info.layout.param(name)
     end = slot.numel if end is None else end
-    out = torch.empty(end - start, dtype=torch.float32)
+    out = np.empty(end - start, dtype=np.float32)
     for piece in group.pieces(slot.index):
         lo, hi = max(piece.param_start, start), min(piece.param_start + piece.length, end)
         if lo >= hi:

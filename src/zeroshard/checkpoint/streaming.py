@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import torch
+import numpy as np
 
 from .checksum import FileRecord
 from .safetensors_io import PlannedTensor, SafetensorsWriter
@@ -26,7 +26,7 @@ class OutputTensor:
     """One tensor of a conversion's output; ``produce`` returns its values (any shape, same numel)."""
 
     planned: PlannedTensor
-    produce: Callable[[], torch.Tensor]
+    produce: Callable[[], np.ndarray]
 
 
 def plan_shards(sizes: Sequence[int], max_shard_size: int | None) -> list[range]:
@@ -71,7 +71,7 @@ def write_shards(
     try:
         with progress_bar(total, description, progress) as bar, _WriterThread() as background:
             last_producer: Any = None
-            values: torch.Tensor | None = None
+            values: np.ndarray | None = None
             for shard, file_name in zip(shards, file_names):
                 plan = [tensors[i].planned for i in shard]
                 opened.append({})
@@ -96,7 +96,7 @@ def _open(state: dict, path: Path, plan: list[PlannedTensor], block_size: int, m
     state["writer"] = SafetensorsWriter(path, plan, block_size, metadata)
 
 
-def _write(state: dict, planned: PlannedTensor, values: torch.Tensor, bar: Any) -> None:
+def _write(state: dict, planned: PlannedTensor, values: np.ndarray, bar: Any) -> None:
     state["writer"].write(planned.key, values)
     bar.update(planned.nbytes)
 

@@ -13,14 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .. import __version__
 from ..layout import ParamSpec, canonical_dtype
 from . import jsonvalue
 from .checksum import FileRecord
 from .directory import read_json_file
-from .safetensors_io import torch_dtype
 from .source import ModelEntry
 
 FORMAT_NAME = "zeroshard.universal"
@@ -90,14 +87,14 @@ class UniversalManifest:
     version: int = FORMAT_VERSION
     created_by: str = f"zeroshard {__version__}"
 
-    def tensor_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        """Every tensor the shards hold, by key, in the order they are written."""
-        specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    def tensor_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """Every tensor the shards hold, by key, in the order they are written: (dtype name, shape)."""
+        specs: dict[str, tuple[str, tuple[int, ...]]] = {}
         for name, param in self.params.items():
             for key in ("fp32", *param.states):
-                specs[param_key(name, key)] = (torch.float32, param.shape)
+                specs[param_key(name, key)] = ("float32", param.shape)
         for name, entry in self.model_entries.items():
-            specs[model_key(name)] = (torch_dtype(entry.dtype), entry.shape)
+            specs[model_key(name)] = (entry.dtype, entry.shape)
         return specs
 
     def param_specs(self) -> list[list[ParamSpec]]:

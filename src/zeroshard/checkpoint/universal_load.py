@@ -16,13 +16,14 @@ import os
 import warnings
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 
 from ..layout import Layout
 from ..state import ParamGroupState, ShardedState
 from .compat import Mismatch, compare_params, compare_shapes
 from .reshard import plan_reads
-from .safetensors_io import torch_dtype
+from .dtypes import arrays_to_torch, cast, to_torch, torch_dtype
 from .source import ShardSource
 from .universal_read import UniversalCheckpoint, open_universal
 
@@ -59,31 +60,31 @@ def load_universal(
     model_state: dict[str, torch.Tensor] = {}
     for group in layout.groups:
         fragments = _fragments_by_param(layout, rank, group.index, loadable)
-        partition = torch.zeros(group.partition_numel, dtype=torch.float32)
+        partition = np.zeros(group.partition_numel, dtype=np.float32)
         for slot in group.params:
             if slot.name not in loadable:
                 continue
             master = ckpt.read_param(slot.name, "fp32")
-            model_state[slot.name] = master.to(torch_dtype(group.dtype)).reshape(slot.spec.shape)
+            model_state[slot.name] = to_torch(cast(master, group.dtype).reshape(slot.spec.shape))
             for fragment in fragments.get(slot.name, ()):
                 end = fragment.param_start + fragment.length
                 partition[fragment.partition_start : fragment.partition_start + fragment.length] = master[fragment.param_start : end]
             del master
-        fp32.append(partition)
+        fp32.append(to_torch(partition))
         names = _state_names(group.index, [manifest.params[s.name].states for s in group.params if s.name in loadable])
         group_states: dict[str, torch.Tensor] = {}
         for name in names if full else ():
-            tensor = torch.zeros(group.partition_numel, dtype=torch.float32)
+            tensor = np.zeros(group.partition_numel, dtype=np.float32)
             for param_fragments in fragments.values():
                 for f in param_fragments:
                     tensor[f.partition_start : f.partition_start + f.length] = ckpt.read_param(
                         f.name, name, f.param_start, f.param_start + f.length
                     )
-            group_states[name] = tensor
+            group_states[name] = to_torch(tensor)
         states.append(group_states)
-        scalars.append(ckpt.scalars(owners[group.index]) if full and owners[group.index] is not None else {})
+        scalars.append(_torch_scalars(ckpt.scalars(owners[group.index])) if full and owners[group.index] is not None else {})
     for name in manifest.model_entries:
-        model_state[name] = ckpt.model_tensor(name)
+        model_state[name] = to_torch(ckpt.model_tensor(name))
     _add_empty_params(model_state, layout, loadable)
     _add_aliases(model_state, manifest.aliases)
     return _state(
@@ -119,21 +120,21 @@ def load_from_source(
         numel = layout.groups[plan.group].partition_numel
 
         def fill(key: str) -> torch.Tensor:
-            tensor = torch.zeros(numel, dtype=torch.float32)
+            tensor = np.zeros(numel, dtype=np.float32)
             for copy in plan.copies:
                 end = copy.source_start + copy.length
                 tensor[copy.dest_start : copy.dest_start + copy.length] = source.read(
                     copy.source_rank, copy.source_group, key, copy.source_start, end
                 )
-            return tensor
+            return to_torch(tensor)
 
         fp32.append(fill("fp32"))
         names = _state_names(plan.group, [tuple(info.state_keys[g]) for g in plan.source_groups])
         states.append({name: fill(name) for name in names} if full else {})
         group_scalars = source.scalars(plan.source_groups[0]) if full and plan.source_groups else {}
-        scalars.append({k: v if torch.is_tensor(v) else torch.tensor(v) for k, v in group_scalars.items()})
-    model_state = {name: source.model_tensor(name) for name in layout.param_names if name in loadable}
-    model_state.update({entry.name: source.model_tensor(entry.name) for entry in info.model_entries})
+        scalars.append(_torch_scalars(group_scalars))
+    model_state = {name: to_torch(source.model_tensor(name)) for name in layout.param_names if name in loadable}
+    model_state.update({entry.name: to_torch(source.model_tensor(entry.name)) for entry in info.model_entries})
     _add_empty_params(model_state, layout, loadable)
     _add_aliases(model_state, info.aliases)
     return _state(
@@ -166,6 +167,11 @@ def _loadable(mismatch: Mismatch, layout: Layout, strict: bool, where: str, dtyp
     if mismatch:
         warnings.warn(mismatch.describe(label) + "; loading the rest (strict=False)", stacklevel=3)
     return set(layout.param_names) - mismatch.skipped() - absent_empty
+
+
+def _torch_scalars(scalars: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Scalars as the engine keeps them: tensors (a plain number becomes a 0-d tensor)."""
+    return {name: to_torch(v) if isinstance(v, np.ndarray) else torch.tensor(v) for name, v in scalars.items()}
 
 
 def _add_empty_params(model_state: dict[str, torch.Tensor], layout: Layout, loadable: set[str]) -> None:
@@ -240,9 +246,9 @@ def _state(
         fp32_partitions=fp32,
         optimizer_states=states,
         optimizer_scalars=scalars,
-        param_groups=[] if module_only else param_groups,
+        param_groups=[] if module_only else [dataclasses.replace(g, hyperparameters=arrays_to_torch(g.hyperparameters)) for g in param_groups],
         optimizer_class="" if module_only else optimizer_class,
         model_state=model_state,
-        extra={} if module_only else dict(extra),
+        extra={} if module_only else arrays_to_torch(dict(extra)),
     )
 

@@ -10,14 +10,15 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-import torch
+from typing import Any
+
+import numpy as np
 
 from ..layout import Layout, LayoutPolicy, build_layout
-from .block_reader import RangeReader, tensor_view
+from .block_reader import RangeReader, array_view
+from .dtypes import itemsize_of
 from .directory import check_files_present
-from .manifest import dtype_name
-from .model_file import check_entries
-from .safetensors_io import ReadStats, TensorEntry, read_header
+from .safetensors_io import ReadStats, TensorEntry, check_entries, read_header
 from .universal_format import UniversalManifest, model_key, param_key, read_universal_manifest
 
 
@@ -32,9 +33,9 @@ class UniversalCheckpoint:
         self._headers: dict[str, dict[str, TensorEntry]] = {}
         self._specs = manifest.tensor_specs()
 
-    def read_param(self, name: str, key: str = "fp32", start: int = 0, end: int | None = None) -> torch.Tensor:
+    def read_param(self, name: str, key: str = "fp32", start: int = 0, end: int | None = None) -> np.ndarray:
         """Elements [start, end) of parameter ``name``'s ``key`` ("fp32" or an optimizer
-        state), flattened in the parameter's own shape, as a new fp32 tensor."""
+        state), flattened in the parameter's own shape, as a new fp32 array."""
         param = self.manifest.params.get(name)
         if param is None:
             raise KeyError(f"{self.directory}: no trained parameter {name!r}")
@@ -43,22 +44,23 @@ class UniversalCheckpoint:
         end = param.numel if end is None else end
         if not 0 <= start <= end <= param.numel:
             raise ValueError(f"range [{start}, {end}) is outside parameter {name!r}'s {param.numel} elements")
-        return self._read(param_key(name, key), start * 4, end * 4, torch.float32)
+        return self._read(param_key(name, key), start * 4, end * 4, "float32")
 
-    def model_tensor(self, name: str) -> torch.Tensor:
+    def model_tensor(self, name: str) -> np.ndarray:
         """A buffer or frozen parameter in its own dtype and shape (aliases followed)."""
         stored = self.manifest.aliases.get(name, name)
         entry = self.manifest.model_entries.get(stored)
         if entry is None:
             raise KeyError(f"{self.directory}: no buffer or frozen parameter {name!r}")
         dtype, shape = self._specs[model_key(stored)]
-        size = torch.empty(0, dtype=dtype).element_size() * math.prod(shape)
+        size = itemsize_of(dtype) * math.prod(shape)
         return self._read(model_key(stored), 0, size, dtype).reshape(shape)
 
-    def scalars(self, group: int) -> dict[str, torch.Tensor]:
-        """Non-partitioned optimizer state of param group ``group`` (``step``), as tensors."""
+    def scalars(self, group: int) -> dict[str, Any]:
+        """Non-partitioned optimizer state of param group ``group`` (``step``): numpy arrays
+        (new ones, the caller's to keep) or plain values, as the run saved them."""
         return {
-            name: value.clone() if torch.is_tensor(value) else torch.tensor(value)
+            name: value.copy() if isinstance(value, np.ndarray) else value
             for name, value in self.manifest.param_groups[group].scalars.items()
         }
 
@@ -76,12 +78,12 @@ class UniversalCheckpoint:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _read(self, key: str, begin: int, end: int, dtype: torch.dtype) -> torch.Tensor:
-        """Bytes [begin, end) of tensor ``key``'s data as a 1-D ``dtype`` tensor the caller owns."""
+    def _read(self, key: str, begin: int, end: int, dtype: str) -> np.ndarray:
+        """Bytes [begin, end) of tensor ``key``'s data as a 1-D ``dtype`` array the caller owns."""
         shard = self.manifest.weight_map[key]
         entry = self._header(shard)[key]
         data = self._reader.read(self.directory / shard, self.manifest.shards[shard], entry.begin + begin, entry.begin + end)
-        return tensor_view(data, dtype)
+        return array_view(data, dtype)
 
     def _header(self, shard: str) -> dict[str, TensorEntry]:
         header = self._headers.get(shard)
@@ -89,8 +91,8 @@ class UniversalCheckpoint:
             path = self.directory / shard
             header = read_header(path, self.manifest.shards[shard].size, self._stats)
             expected = {
-                key: (dtype_name(dtype), shape)
-                for key, (dtype, shape) in self._specs.items()
+                key: spec
+                for key, spec in self._specs.items()
                 if self.manifest.weight_map[key] == shard
             }
             check_entries(path, header, expected)

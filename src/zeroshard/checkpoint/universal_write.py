@@ -16,13 +16,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 
 from .directory import write_file_durably
 from .format import DEFAULT_BLOCK_SIZE
 from .native_source import open_source
 from .output_dir import staged_output
-from .safetensors_io import PlannedTensor, torch_dtype
+from .dtypes import dtype_of
+from .safetensors_io import PlannedTensor
 from .source import ShardSource, read_param
 from .streaming import OutputTensor, plan_shards, write_shards
 from .universal_format import (
@@ -124,15 +125,15 @@ def output_tensors(source: ShardSource, manifest: UniversalManifest) -> list[Out
     for group in layout.groups:
         for slot in group.params:
             for key in ("fp32", *source.info.state_keys[group.index]):
-                planned = PlannedTensor(param_key(slot.name, key), torch.float32, slot.spec.shape)
+                planned = PlannedTensor(param_key(slot.name, key), "float32", slot.spec.shape)
                 tensors.append(OutputTensor(planned, functools.partial(read_whole_param, source, slot.name, key)))
     for name, entry in manifest.model_entries.items():
-        planned = PlannedTensor(model_key(name), torch_dtype(entry.dtype), entry.shape)
+        planned = PlannedTensor(model_key(name), entry.dtype, entry.shape)
         tensors.append(OutputTensor(planned, functools.partial(_model_tensor, source, name, planned)))
     return tensors
 
 
-def read_whole_param(source: ShardSource, name: str, key: str) -> torch.Tensor:
+def read_whole_param(source: ShardSource, name: str, key: str) -> np.ndarray:
     """:func:`read_param` of a whole parameter, without its copy when one rank holds all of it."""
     group, slot = source.info.layout.param(name)
     pieces = group.pieces(slot.index)
@@ -142,11 +143,12 @@ def read_whole_param(source: ShardSource, name: str, key: str) -> torch.Tensor:
     return read_param(source, name, key)
 
 
-def _model_tensor(source: ShardSource, name: str, planned: PlannedTensor) -> torch.Tensor:
+def _model_tensor(source: ShardSource, name: str, planned: PlannedTensor) -> np.ndarray:
     tensor = source.model_tensor(name)
-    if tensor.dtype != planned.dtype or tuple(tensor.shape) != planned.shape:
+    dtype = dtype_of(tensor).name
+    if dtype != planned.dtype or tuple(tensor.shape) != planned.shape:
         raise ValueError(
-            f"{source.path}: module tensor {name!r} is {tensor.dtype} {list(tensor.shape)}, "
+            f"{source.path}: module tensor {name!r} is {dtype} {list(tensor.shape)}, "
             f"the checkpoint describes it as {planned.dtype} {list(planned.shape)}"
         )
     return tensor
@@ -182,9 +184,14 @@ def _same_scalars(a: dict[str, Any], b: dict[str, Any]) -> bool:
         return False
     for key in a:
         x, y = a[key], b[key]
-        if torch.is_tensor(x) or torch.is_tensor(y):
-            if not (torch.is_tensor(x) and torch.is_tensor(y) and x.dtype == y.dtype and torch.equal(x, y)):
+        if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+            if not (isinstance(x, np.ndarray) and isinstance(y, np.ndarray) and _same_array(x, y)):
                 return False
         elif x != y:
             return False
     return True
+
+
+def _same_array(x: np.ndarray, y: np.ndarray) -> bool:
+    """Same dtype, shape and bytes (so NaN equals NaN, and -0.0 differs from 0.0)."""
+    return x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()

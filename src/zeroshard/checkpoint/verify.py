@@ -6,9 +6,8 @@ import os
 from pathlib import Path
 
 from .format import MODEL_FILE
-from .load import Checkpoint
-from .model_file import check_entries
-from .safetensors_io import read_header, verify_file
+from .handle import Checkpoint
+from .safetensors_io import check_entries, read_header, verify_file
 
 
 def verify_checkpoint(ckpt: Checkpoint) -> list[str]:

@@ -7,10 +7,11 @@ from pathlib import Path
 
 from ..checkpoint.directory import resolve_checkpoint
 from ..checkpoint.format import MANIFEST_FILE, MODEL_FILE, rank_file_name, scalar_key
-from ..checkpoint.load import Checkpoint, open_checkpoint
+from ..checkpoint.handle import Checkpoint, open_checkpoint
 from ..checkpoint.manifest import read_manifest
 from ..checkpoint.model_file import tensor_from_bytes
-from ..checkpoint.safetensors_io import VerifiedRanges, read_header, torch_dtype
+from ..checkpoint.dtypes import torch_dtype
+from ..checkpoint.safetensors_io import VerifiedRanges, read_header
 from ..checkpoint.verify import verify_checkpoint
 
 _STEP_KEYS = ("global_step", "global_steps", "step", "iteration")

@@ -16,8 +16,10 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from ..checkpoint.dtypes import to_numpy
 from ..checkpoint.source import ModelEntry, SourceInfo
 from ..layout import GroupLayout, Layout, LayoutPolicy, ParamSpec, build_layout, canonical_dtype
 from ..state import ParamGroupState
@@ -67,9 +69,9 @@ class DeepSpeedSource:
         """Ranks whose optimizer file is open now, least recently used first."""
         return tuple(self._cache)
 
-    def read(self, rank: int, group: int, key: str, start: int, end: int) -> torch.Tensor:
+    def read(self, rank: int, group: int, key: str, start: int, end: int) -> np.ndarray:
         """Elements [start, end) of ``rank``'s partition of ``key`` ("fp32" or an optimizer
-        state name) in layout group ``group``, as a new fp32 tensor."""
+        state name) in layout group ``group``, as a new fp32 array."""
         partition_numel = self._group(group).partition_numel
         if not 0 <= start <= end <= partition_numel:
             raise ValueError(
@@ -80,19 +82,19 @@ class DeepSpeedSource:
             return _read_zero_extended(shard.fp32[group], start, end)
         if key not in shard.states[group]:
             raise KeyError(f"group {group} has no optimizer state {key!r} (it has {sorted(shard.states[group])})")
-        return shard.states[group][key][start:end].to(torch.float32, copy=True)
+        return to_numpy(shard.states[group][key][start:end].to(torch.float32, copy=True))
 
-    def scalars(self, group: int) -> dict[str, torch.Tensor]:
+    def scalars(self, group: int) -> dict[str, Any]:
         """Non-partitioned optimizer state of ``group`` (``step``), as saved by rank 0."""
         self._group(group)
-        return {key: value.clone() for key, value in self._scalars[group].items()}
+        return {key: to_numpy(value.clone()) if torch.is_tensor(value) else value for key, value in self._scalars[group].items()}
 
-    def model_tensor(self, name: str) -> torch.Tensor:
+    def model_tensor(self, name: str) -> np.ndarray:
         """A tensor of the module state_dict (bf16/fp16 weights, buffers, frozen params)."""
         name = self.info.aliases.get(name, name)
         if name not in self._model.module:
             raise KeyError(f"{self._model.path.name} has no module tensor {name!r}")
-        return self._model.module[name].clone()
+        return to_numpy(self._model.module[name].clone())
 
     def close(self) -> None:
         self._cache.clear()
@@ -233,12 +235,12 @@ def _config_dtype(ds_config: dict[str, Any], rank_file: Path) -> str:
     return "bfloat16" if rank_file.name.startswith("bf16_") else "float32"
 
 
-def _read_zero_extended(saved: torch.Tensor, start: int, end: int) -> torch.Tensor:
+def _read_zero_extended(saved: torch.Tensor, start: int, end: int) -> np.ndarray:
     """[start, end) of a partition saved without its tail padding; the tail reads as zeros."""
-    out = torch.zeros(end - start, dtype=torch.float32)
+    out = np.zeros(end - start, dtype=np.float32)
     stop = min(end, saved.numel())
     if start < stop:
-        out[: stop - start] = saved[start:stop]
+        out[: stop - start] = to_numpy(saved[start:stop].float())
     return out
 
 
