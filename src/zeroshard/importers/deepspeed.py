@@ -6,8 +6,10 @@ against what every rank's optimizer file says (partition sizes, paddings, slice 
 before anything is read. A disagreement is a :class:`DeepSpeedFormatError` naming the file,
 group and rank: a misread layout would silently scramble weights.
 
-Rank files are opened lazily and memory-mapped; at most ``cache_size`` stay open, so a
-conversion that walks the ranks in order holds one or two at a time whatever the world size.
+Rank files are opened lazily: opening one unpickles its structure, and tensor bytes are read
+range by range with ``pread`` when asked for (nothing is memory-mapped, so a conversion's
+resident memory is what it holds, not what it has read). At most ``cache_size`` parsed rank
+files are kept, whatever the world size. Neither torch nor DeepSpeed is imported.
 """
 
 from __future__ import annotations
@@ -17,9 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from ..checkpoint.dtypes import to_numpy
+from ..checkpoint.dtypes import to_float32
 from ..checkpoint.source import ModelEntry, SourceInfo
 from ..layout import GroupLayout, Layout, LayoutPolicy, ParamSpec, build_layout, canonical_dtype
 from ..state import ParamGroupState
@@ -34,6 +35,7 @@ from .deepspeed_files import (
     refuse_unsupported,
 )
 from .deepspeed_pickle import DeepSpeedFormatError
+from .torch_file import StoredTensor
 
 
 def open_deepspeed(path: str | Path, *, cache_size: int = 2) -> DeepSpeedSource:
@@ -82,19 +84,19 @@ class DeepSpeedSource:
             return _read_zero_extended(shard.fp32[group], start, end)
         if key not in shard.states[group]:
             raise KeyError(f"group {group} has no optimizer state {key!r} (it has {sorted(shard.states[group])})")
-        return to_numpy(shard.states[group][key][start:end].to(torch.float32, copy=True))
+        return to_float32(shard.states[group][key].read(start, end))
 
     def scalars(self, group: int) -> dict[str, Any]:
         """Non-partitioned optimizer state of ``group`` (``step``), as saved by rank 0."""
         self._group(group)
-        return {key: to_numpy(value.clone()) if torch.is_tensor(value) else value for key, value in self._scalars[group].items()}
+        return {key: value.copy() if isinstance(value, np.ndarray) else value for key, value in self._scalars[group].items()}
 
     def model_tensor(self, name: str) -> np.ndarray:
         """A tensor of the module state_dict (bf16/fp16 weights, buffers, frozen params)."""
         name = self.info.aliases.get(name, name)
         if name not in self._model.module:
             raise KeyError(f"{self._model.path.name} has no module tensor {name!r}")
-        return to_numpy(self._model.module[name].clone())
+        return self._model.module[name].numpy()
 
     def close(self) -> None:
         self._cache.clear()
@@ -185,6 +187,8 @@ def _check_group(group: GroupLayout, shard: RankShard) -> None:
     tail = group.partition_numel - stored
     if shard.fp32[index].numel() != stored:
         raise mismatch(f"saved fp32 partition has {shard.fp32[index].numel()} elements, the layout gives {stored}")
+    if shard.fp32[index].dtype != "float32":
+        raise mismatch(f"saved fp32 partition is {shard.fp32[index].dtype}, not float32")
     if shard.group_paddings[index] != tail:
         raise mismatch(f"group_paddings says {shard.group_paddings[index]}, the layout gives {tail}")
     for key, tensor in shard.states[index].items():
@@ -235,12 +239,14 @@ def _config_dtype(ds_config: dict[str, Any], rank_file: Path) -> str:
     return "bfloat16" if rank_file.name.startswith("bf16_") else "float32"
 
 
-def _read_zero_extended(saved: torch.Tensor, start: int, end: int) -> np.ndarray:
+def _read_zero_extended(saved: StoredTensor, start: int, end: int) -> np.ndarray:
     """[start, end) of a partition saved without its tail padding; the tail reads as zeros."""
-    out = np.zeros(end - start, dtype=np.float32)
     stop = min(end, saved.numel())
+    if stop >= end:
+        return to_float32(saved.read(start, end))
+    out = np.zeros(end - start, dtype=np.float32)
     if start < stop:
-        out[: stop - start] = to_numpy(saved[start:stop].float())
+        out[: stop - start] = saved.read(start, stop)
     return out
 
 
@@ -315,8 +321,18 @@ def optimizer_class(ds_config: dict[str, Any], param_groups: list[dict[str, Any]
         if decoupled is not None and "betas" in param_groups[0]:
             return "torch.optim.adamw.AdamW" if decoupled else "torch.optim.adam.Adam"
         return "deepspeed:client optimizer"
-    torch_class = getattr(torch.optim, str(name), None)
-    if isinstance(torch_class, type) and not str(name).lower().startswith("muon"):
-        # Names DeepSpeed has no optimizer of its own for are looked up in torch.optim.
-        return f"{torch_class.__module__}.{torch_class.__qualname__}"
-    return f"deepspeed:{name}"
+    # Names DeepSpeed has no optimizer of its own for are torch.optim's.
+    return TORCH_OPTIMIZERS.get(str(name), f"deepspeed:{name}")
+
+
+# torch.optim's optimizers (torch 2.13) by name, as import paths, so that reading a
+# checkpoint needs no torch import. Muon is left out: DeepSpeed has a Muon of its own.
+TORCH_OPTIMIZERS = {
+    name: f"torch.optim.{module}{name}"
+    for name, module in (
+        ("ASGD", "asgd."), ("Adadelta", "adadelta."), ("Adafactor", ""), ("Adagrad", "adagrad."),
+        ("Adam", "adam."), ("AdamW", "adamw."), ("Adamax", "adamax."), ("LBFGS", "lbfgs."), ("NAdam", "nadam."),
+        ("RAdam", "radam."), ("RMSprop", "rmsprop."), ("Rprop", "rprop."), ("SGD", "sgd."),
+        ("SparseAdam", "sparse_adam."),
+    )
+}

@@ -19,9 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .deepspeed_pickle import DeepSpeedFormatError, FragmentAddress, LossScaler, ZeroStageEnum, load_checkpoint_file
+from .torch_file import StoredTensor
 
 MODEL_STATES_FILE = "mp_rank_00_model_states.pt"
 LATEST_FILE = "latest"
@@ -78,7 +77,7 @@ class ModelStates:
     """The model-states file, reduced to what an importer needs."""
 
     path: Path
-    module: dict[str, torch.Tensor]  # full state_dict; empty when DeepSpeed stored None
+    module: dict[str, StoredTensor]  # full state_dict; empty when DeepSpeed stored None
     param_shapes: list[dict[str, tuple[int, ...]]]  # per group, flat-buffer order
     buffer_names: list[str]
     shared_params: dict[str, str]  # alias -> canonical name
@@ -95,9 +94,9 @@ class RankShard:
     path: Path
     rank: int
     zero_stage: int
-    fp32: list[torch.Tensor]  # per group; tail padding stripped
-    states: list[dict[str, torch.Tensor]]  # per group; partition-shaped optimizer state
-    scalars: list[dict[str, torch.Tensor]]  # per group; the rest (step)
+    fp32: list[StoredTensor]  # per group; tail padding stripped
+    states: list[dict[str, StoredTensor]]  # per group; partition-shaped optimizer state
+    scalars: list[dict[str, Any]]  # per group; the rest (step): numpy arrays or plain values
     param_groups: list[dict[str, Any]]  # the inner optimizer's hyperparameters, per group
     group_paddings: list[int]
     param_alignment_paddings: list[list[int]] | None  # None: written before DeepSpeed had the key
@@ -112,6 +111,9 @@ class RankShard:
 def read_model_states(path: Path) -> ModelStates:
     raw = load_checkpoint_file(path)
     module = raw.get("module") or {}
+    strays = [name for name, value in module.items() if not isinstance(value, StoredTensor)]
+    if strays:
+        raise DeepSpeedFormatError(f"{path}: module entries {strays[:3]} are not tensors")
     param_shapes = _require(raw, "param_shapes", list, path)
     try:
         shapes = [{str(name): tuple(int(d) for d in shape) for name, shape in group.items()} for group in param_shapes]
@@ -169,10 +171,10 @@ def read_rank_shard(path: Path, rank: int) -> RankShard:
 
 def _split_optimizer_state(
     state: dict[Any, Any], param_groups: list[dict[str, Any]], path: Path
-) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
+) -> tuple[list[dict[str, StoredTensor]], list[dict[str, Any]]]:
     """Per group: 1-D state (one value per partition element) and everything else."""
-    vectors: list[dict[str, torch.Tensor]] = []
-    scalars: list[dict[str, torch.Tensor]] = []
+    vectors: list[dict[str, StoredTensor]] = []
+    scalars: list[dict[str, Any]] = []
     for index, group in enumerate(param_groups):
         ids = group.get("params") if isinstance(group, dict) else None
         if not isinstance(ids, list) or len(ids) != 1:
@@ -180,8 +182,8 @@ def _split_optimizer_state(
                 f"{path}: optimizer group {index} should hold one flat partition, found params={ids!r}"
             )
         entries = state.get(ids[0], {})
-        vectors.append({k: v for k, v in entries.items() if torch.is_tensor(v) and v.dim() == 1})
-        scalars.append({k: _as_tensor(v) for k, v in entries.items() if not (torch.is_tensor(v) and v.dim() == 1)})
+        vectors.append({k: v for k, v in entries.items() if _is_vector(v)})
+        scalars.append({k: _as_value(v) for k, v in entries.items() if not _is_vector(v)})
     return vectors, scalars
 
 
@@ -212,8 +214,13 @@ def _loss_scaler(value: Any) -> dict[str, Any]:
     return {}
 
 
-def _as_tensor(value: Any) -> torch.Tensor:
-    return value.clone() if torch.is_tensor(value) else torch.tensor(value)
+def _is_vector(value: Any) -> bool:
+    return isinstance(value, StoredTensor) and len(value.shape) == 1
+
+
+def _as_value(value: Any) -> Any:
+    """A small tensor read into a numpy array; anything else as it is."""
+    return value.numpy() if isinstance(value, StoredTensor) else value
 
 
 def _require(container: dict[str, Any], key: str, kind: type | tuple[type, ...], path: Path) -> Any:
@@ -225,8 +232,8 @@ def _require(container: dict[str, Any], key: str, kind: type | tuple[type, ...],
     return value
 
 
-def _require_vector(value: Any, what: str, path: Path) -> torch.Tensor:
-    if not torch.is_tensor(value) or value.dim() != 1:
+def _require_vector(value: Any, what: str, path: Path) -> StoredTensor:
+    if not _is_vector(value) or not value.is_contiguous():
         raise DeepSpeedFormatError(f"{path}: {what} is not a 1-D tensor")
     return value
 

@@ -1,0 +1,528 @@
+"""The torch-free torch.save reader (zeroshard.importers.torch_file), checked against
+torch.load(weights_only=True): values bit for bit, views and shared storages, the unpickling
+allowlist, and one-line errors for damaged files."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import io
+import math
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zeroshard.importers import torch_file
+from zeroshard.importers.torch_file import StoredTensor, TorchFileError, load_torch_file
+
+DTYPES = ("float32", "bfloat16", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
+          "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64")  # fmt: skip
+
+
+# ---- making files and comparing with torch.load ------------------------------------------------
+
+
+def random_tensor(dtype: str, *shape: int, seed: int = 0) -> torch.Tensor:
+    """Random bytes (every bit pattern, NaNs included); 0/1 for bool."""
+    generator = torch.Generator().manual_seed(seed)
+    if dtype == "bool":
+        return torch.randint(0, 2, shape, generator=generator).bool()
+    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    raw = torch.randint(0, 256, (math.prod(shape) * itemsize,), dtype=torch.uint8, generator=generator)
+    return raw.view(getattr(torch, dtype)).reshape(shape)
+
+
+def raw_bytes(tensor: torch.Tensor) -> bytes:
+    # Not contiguous(): it keeps odd strides of size-1 and empty dims, and view() refuses them.
+    dense = torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor.detach())
+    return dense.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def assert_same(mine: Any, ref: Any, pairs: list | None = None, where: str = "root") -> None:
+    """``mine`` (our loader) holds what ``ref`` (torch.load) holds; tensor pairs go to ``pairs``."""
+    if isinstance(ref, torch.Tensor):
+        assert isinstance(mine, StoredTensor), where
+        assert_same_tensor(mine, ref, where)
+        if pairs is not None:
+            pairs.append((mine, ref))
+    elif isinstance(ref, torch.Size):
+        assert type(mine) is tuple and mine == tuple(ref), where
+    elif isinstance(ref, dict):
+        assert type(mine) is type(ref) and list(mine) == list(ref), where
+        for key in ref:
+            assert_same(mine[key], ref[key], pairs, f"{where}[{key!r}]")
+    elif isinstance(ref, (list, tuple)):
+        assert type(mine) is type(ref) and len(mine) == len(ref), where
+        for index, (a, b) in enumerate(zip(mine, ref)):
+            assert_same(a, b, pairs, f"{where}[{index}]")
+    elif isinstance(ref, enum.Enum):
+        assert mine is ref, where
+    elif isinstance(ref, float):
+        assert type(mine) is float and (mine == ref or (math.isnan(mine) and math.isnan(ref))), where
+    elif hasattr(ref, "__dict__"):  # DeepSpeed stand-ins
+        assert type(mine) is type(ref), where
+        assert_same(vars(mine), vars(ref), pairs, f"{where}.__dict__")
+    else:
+        assert type(mine) is type(ref) and mine == ref, where
+
+
+def assert_same_tensor(mine: StoredTensor, ref: torch.Tensor, where: str) -> None:
+    assert mine.dtype == str(ref.dtype).removeprefix("torch."), where
+    assert (mine.shape, mine.stride, mine.storage_offset) == (tuple(ref.shape), ref.stride(), ref.storage_offset())
+    assert mine.requires_grad == ref.requires_grad and mine.numel() == ref.numel(), where
+    assert mine.is_contiguous() == ref.is_contiguous(), where
+    array = mine.numpy()
+    assert array.shape == tuple(ref.shape) and array.dtype.name == mine.dtype, where
+    assert array.flags.writeable and array.flags.c_contiguous, where
+    assert array.tobytes() == raw_bytes(ref), where
+    if mine.is_contiguous():
+        flat = raw_bytes(ref)
+        size = array.itemsize
+        for start, end in ((0, mine.numel()), (0, mine.numel() // 2), (mine.numel() // 3, mine.numel())):
+            assert mine.read(start, end).tobytes() == flat[start * size : end * size], (where, start, end)
+
+
+def assert_storages_shared_like_torch(pairs: list) -> None:
+    """Two tensors share our storage record exactly when torch gives them one storage."""
+    allocated = [(mine, ref.untyped_storage().data_ptr()) for mine, ref in pairs if ref.untyped_storage().nbytes()]
+    for mine_a, pointer_a in allocated:
+        for mine_b, pointer_b in allocated:
+            assert (mine_a.storage is mine_b.storage) == (pointer_a == pointer_b)
+
+
+def check_against_torch(path: Path, allowed: dict | None = None) -> Any:
+    mine = load_torch_file(path, allowed)
+    with torch.serialization.safe_globals([(cls, name) for name, cls in (allowed or {}).items()]):
+        ref = torch.load(path, weights_only=True)
+    pairs: list = []
+    assert_same(mine, ref, pairs)
+    assert_storages_shared_like_torch(pairs)
+    return mine
+
+
+def sample_object() -> dict:
+    base = random_tensor("float32", 4, 6, seed=1)
+    flat = random_tensor("bfloat16", 40, seed=2)
+    return {
+        "dtypes": {name: random_tensor(name, 3, 5, seed=i) for i, name in enumerate(DTYPES)},
+        "transposed": {name: random_tensor(name, 3, 5, seed=i).t() for i, name in enumerate(DTYPES)},
+        "scalar": random_tensor("float64", seed=3),
+        "empty": torch.empty(0, 3),
+        "empty_middle": torch.zeros(2, 0, 4, dtype=torch.int16),
+        "base": base,
+        "views": [base.t(), base[1:3, 2:5], base[:, ::2], base[2], base[3, 5], base.reshape(2, 12)],
+        "tied": [base, base],
+        "permuted": random_tensor("float16", 2, 3, 4, seed=4).permute(2, 0, 1),
+        "expanded": torch.arange(3.0).expand(4, 3),
+        "flat_views": OrderedDict(a=flat[:10].view(2, 5), b=flat[10:34].view(4, 6), c=flat[34:]),
+        "param": torch.nn.Parameter(random_tensor("bfloat16", 2, 3, seed=5)),
+        "frozen_param": torch.nn.Parameter(torch.ones(3), requires_grad=False),
+        "grad_leaf": torch.ones(2, requires_grad=True),
+        "values": OrderedDict(
+            ints=[0, -1, 2**70, -(2**65)],
+            floats=(1.5, float("inf"), float("nan"), -0.0),
+            strings=["", "héllo ✓"],
+            none=None,
+            flags=(True, False),
+            sets=[{1, 2, 3}, {"a", "b"}, set()],
+            sizes=[torch.Size([2, 3]), torch.Size([])],
+            nested={"a": [{"b": ({"c": [1, (2,)]},)}]},
+        ),
+    }
+
+
+def write_archive(path: Path, data: bytes, records: dict[str, bytes] | None = None, byteorder: bytes | None = b"little",
+                  compression: int = zipfile.ZIP_STORED) -> Path:  # fmt: skip
+    """A torch.save-like zip written by hand."""
+    with zipfile.ZipFile(path, "w", compression) as archive:
+        archive.writestr("archive/data.pkl", data)
+        if byteorder is not None:
+            archive.writestr("archive/byteorder", byteorder)
+        for key, value in (records or {}).items():
+            archive.writestr(f"archive/data/{key}", value)
+        archive.writestr("archive/version", b"3\n")
+    return path
+
+
+def rewrite(source: Path, target: Path, change: Any) -> Path:
+    """Copy a zip, replacing each record's bytes with ``change(name, data)`` (None drops it)."""
+    with zipfile.ZipFile(source) as old, zipfile.ZipFile(target, "w") as new:
+        for info in old.infolist():
+            data = change(info.filename, old.read(info))
+            if data is not None:
+                new.writestr(info.filename, data, compress_type=info.compress_type)
+    return target
+
+
+@dataclasses.dataclass
+class FakeStorage:
+    """Pickled by TorchLikePickler as a storage persistent id."""
+
+    key: Any
+    storage_type: Any
+    numel: Any
+
+
+@dataclasses.dataclass
+class FakeTensor:
+    """Pickles as torch's tensor rebuild call, with whatever arguments a test wants."""
+
+    storage: FakeStorage
+    offset: Any
+    shape: Any
+    stride: Any
+
+    def __reduce__(self):
+        return torch._utils._rebuild_tensor_v2, (
+            self.storage,
+            self.offset,
+            self.shape,
+            self.stride,
+            False,
+            OrderedDict(),
+        )
+
+
+class TorchLikePickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, FakeStorage):
+            return ("storage", obj.storage_type, obj.key, "cpu", obj.numel)
+        return None
+
+
+def torch_like_pickle(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    TorchLikePickler(buffer, protocol=2).dump(obj)
+    return buffer.getvalue()
+
+
+def expect_error(path: Path, *words: str, allowed: dict | None = None) -> str:
+    with pytest.raises(TorchFileError) as caught:
+        load_torch_file(path, allowed)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: ") and "\n" not in message, message
+    for word in words:
+        assert word in message, message
+    return message
+
+
+@pytest.fixture
+def saved(tmp_path) -> Path:
+    path = tmp_path / "saved.pt"
+    torch.save({"a": random_tensor("float32", 50, 10), "b": [random_tensor("bfloat16", 7), 3]}, path)
+    return path
+
+
+# ---- values ------------------------------------------------------------------------------------
+
+
+def test_every_value_matches_torch_load(tmp_path):
+    path = tmp_path / "sample.pt"
+    torch.save(sample_object(), path)
+    mine = check_against_torch(path)
+    assert mine["tied"][0] is mine["tied"][1]
+    assert all(view.storage is mine["base"].storage for view in mine["views"])
+    assert mine["expanded"].stride == (0, 1) and mine["expanded"].numpy().shape == (4, 3)
+    assert mine["param"].requires_grad and not mine["frozen_param"].requires_grad
+
+
+@settings(max_examples=100, deadline=None)
+@given(dtype=st.sampled_from(DTYPES), shape=st.lists(st.integers(0, 5), max_size=3), data=st.data())
+def test_random_views_match_torch_load(dtype, shape, data):
+    base = random_tensor(dtype, *shape, seed=data.draw(st.integers(0, 1000)))
+    slices = []
+    for dim, size in enumerate(shape):
+        start = data.draw(st.integers(0, size), label=f"start{dim}")
+        stop = data.draw(st.integers(start, size), label=f"stop{dim}")
+        slices.append(slice(start, stop, data.draw(st.integers(1, 3), label=f"step{dim}")))
+    view = base[tuple(slices)]
+    if len(shape) >= 2 and data.draw(st.booleans(), label="transpose"):
+        view = view.transpose(0, -1)
+    if data.draw(st.booleans(), label="expand"):
+        view = view.unsqueeze(0).expand(2, *view.shape)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "view.pt"
+        torch.save({"base": base, "view": view}, path)
+        mine = check_against_torch(path)
+        flat = mine["view"]
+        if flat.is_contiguous() and flat.numel():
+            start = data.draw(st.integers(0, flat.numel()), label="read start")
+            end = data.draw(st.integers(start, flat.numel()), label="read end")
+            assert flat.read(start, end).tobytes() == flat.numpy().reshape(-1)[start:end].tobytes()
+
+
+def test_tensor_bytes_are_read_when_asked_not_at_load(saved):
+    tensor = load_torch_file(saved)["a"]
+    replacement = np.arange(tensor.numel(), dtype=np.float32)
+    with open(saved, "r+b") as file:  # same size, so the zip stays valid
+        file.seek(tensor.data_offset + tensor.storage_offset * 4)
+        file.write(replacement.tobytes())
+    assert np.array_equal(tensor.numpy().reshape(-1), replacement)
+    assert tensor.data_offset % 64 == 0  # torch aligns storage records
+    assert pickle.loads(pickle.dumps(tensor)) == tensor  # e.g. to hand it to a worker process
+
+
+def test_read_refuses_bad_ranges_and_views(saved):
+    tensor = load_torch_file(saved)["a"]
+    with pytest.raises(IndexError):
+        tensor.read(10, 5)
+    with pytest.raises(IndexError):
+        tensor.read(0, tensor.numel() + 1)
+    transposed = dataclasses.replace(tensor, shape=(10, 50), stride=(1, 10))
+    with pytest.raises(ValueError, match="contiguous"):
+        transposed.read()
+    assert transposed.numpy().tobytes() == np.ascontiguousarray(tensor.numpy().T).tobytes()  # NaNs: bytes
+
+
+def test_importing_and_loading_does_not_import_torch(tmp_path):
+    path = tmp_path / "sample.pt"
+    torch.save(sample_object(), path)
+    # The module is loaded from its file: the zeroshard.importers package __init__ imports
+    # the DeepSpeed readers, which import torch.
+    code = f"""
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("torch_file", {torch_file.__file__!r})
+module = importlib.util.module_from_spec(spec)
+sys.modules["torch_file"] = module
+spec.loader.exec_module(module)
+obj = module.load_torch_file({str(path)!r})
+arrays = [t.numpy() for t in [*obj["dtypes"].values(), *obj["transposed"].values(), *obj["views"]]]
+assert "torch" not in sys.modules, sorted(name for name in sys.modules if "torch" in name)
+print("read", len(arrays), "tensors")
+"""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env, timeout=60
+    )
+    assert done.returncode == 0 and "read 36 tensors" in done.stdout, done.stderr
+
+
+# ---- what the unpickler refuses and allows ---------------------------------------------------------
+
+
+class RunsCommand:
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def test_os_system_is_refused_and_nothing_runs(tmp_path):
+    marker = tmp_path / "ran"
+    path = tmp_path / "evil.pt"
+    torch.save({"x": torch.ones(2), "payload": RunsCommand(f"touch {marker}")}, path)
+    expect_error(path, "refused to unpickle", f"global '{os.system.__module__}.system' is not allowed")
+    assert not marker.exists()
+    torch.load(path, weights_only=False)  # the payload is live: an unrestricted load runs it
+    assert marker.exists()
+
+
+def test_os_system_by_hand_is_refused(tmp_path):
+    marker = tmp_path / "ran"
+    command = f"touch {marker}".encode()
+    data = b"\x80\x02cos\nsystem\nX" + len(command).to_bytes(4, "little") + command + b"\x85R."
+    path = write_archive(tmp_path / "evil.pt", data)
+    expect_error(path, "refused to unpickle data.pkl: global 'os.system' is not allowed")
+    assert not marker.exists()
+
+
+@dataclasses.dataclass
+class Point:
+    x: int
+    y: int
+
+
+class Stage(int, enum.Enum):
+    off = 0
+    on = 2
+
+
+class PointStandIn:
+    """Data only, like deepspeed_pickle's stand-ins."""
+
+
+class StageStandIn(int, enum.Enum):
+    off = 0
+    on = 2
+
+
+class StatefulStandIn:
+    def __setstate__(self, state: dict) -> None:
+        self.seen = state
+
+
+def test_unknown_class_is_refused_and_a_stand_in_is_built(tmp_path):
+    path = tmp_path / "classes.pt"
+    torch.save({"point": Point(1, 2), "stage": Stage.on, "t": torch.ones(3)}, path)
+    expect_error(path, "refused to unpickle", f"global '{__name__}.Point' is not allowed")
+    allowed = {f"{__name__}.Point": PointStandIn, f"{__name__}.Stage": StageStandIn,
+               "torch._utils._rebuild_tensor_v2": PointStandIn}  # fmt: skip
+    loaded = load_torch_file(path, allowed)
+    assert type(loaded["point"]) is PointStandIn and vars(loaded["point"]) == {"x": 1, "y": 2}  # NEWOBJ + BUILD
+    assert loaded["stage"] is StageStandIn.on  # REDUCE
+    assert isinstance(loaded["t"], StoredTensor)  # the built-in entries stay
+    stateful = load_torch_file(path, {f"{__name__}.Point": StatefulStandIn, f"{__name__}.Stage": StageStandIn})
+    assert stateful["point"].seen == {"x": 1, "y": 2}
+    with pytest.raises(TypeError):
+        load_torch_file(path, {f"{__name__}.Point": os.system})
+
+
+@pytest.mark.parametrize(
+    "target, state",
+    [
+        (f"{__name__}\nPointStandIn", b"N}X\x04\x00\x00\x00evilK\x01s\x86"),  # slot state: setattr
+        (f"{__name__}\nPointStandIn", b"}X\x04\x00\x00\x00evilK\x01s"),  # state: __dict__ update
+        ("torch._utils\n_rebuild_tensor_v2", b"N}X\x0c\x00\x00\x00__defaults__K\x01\x85s\x86"),
+    ],
+)
+def test_a_pickle_cannot_set_attributes_of_a_global(tmp_path, target, state):
+    path = write_archive(tmp_path / "build.pt", b"\x80\x02c" + target.encode() + b"\n" + state + b"b.")
+    before = dict(vars(PointStandIn))
+    expect_error(path, allowed={f"{__name__}.PointStandIn": PointStandIn})
+    assert dict(vars(PointStandIn)) == before
+    assert torch_file._rebuild_tensor_v2.__defaults__ == (None,)
+
+
+@pytest.mark.parametrize(
+    "data, words",
+    [
+        (b"\x80\x02Nr\xff\xff\xff\xff.", "memo index 4294967295"),  # would make the C unpickler allocate 64 GiB
+        (b"\x80\x02(ios\nsystem\n.", "opcode INST is not allowed"),
+        (b"\x80\x02\x82\x01.", "opcode EXT1 is not allowed"),
+        (b"\x80\x02\x8a\x05\x01.", "corrupt pickle data.pkl"),
+        (b"\x80\x02}q\x00(X\x01\x00\x00\x00a", "corrupt pickle data.pkl"),
+    ],
+)
+def test_unexpected_opcodes_and_broken_pickles_are_refused(tmp_path, data, words):
+    expect_error(write_archive(tmp_path / "ops.pt", data), words)
+
+
+# ---- damaged and unsupported files ----------------------------------------------------------------
+
+
+def test_missing_file_and_non_zip(tmp_path):
+    expect_error(tmp_path / "absent.pt", "file is missing")
+    expect_error(tmp_path, "not a file")
+    (tmp_path / "text.pt").write_text("hello")
+    expect_error(tmp_path / "text.pt", "not a torch.save file")
+    (tmp_path / "empty.pt").write_bytes(b"")
+    expect_error(tmp_path / "empty.pt", "empty file")
+
+
+def test_legacy_format_is_named(tmp_path):
+    path = tmp_path / "legacy.pt"
+    torch.save({"a": torch.ones(2)}, path, _use_new_zipfile_serialization=False)
+    expect_error(path, "legacy torch.save format", "unsupported", "re-save")
+
+
+def test_truncated_files(saved, tmp_path):
+    data = saved.read_bytes()
+    for cut in (2, 30, 100, len(data) // 3, len(data) // 2, len(data) - 100, len(data) - 22, len(data) - 1):
+        path = tmp_path / f"cut{cut}.pt"
+        path.write_bytes(data[:cut])
+        expect_error(path, "truncated or corrupt zip archive")
+
+
+def test_corrupted_pickle_fails_its_crc(saved, tmp_path):
+    with zipfile.ZipFile(saved) as archive:
+        info = archive.getinfo("saved/data.pkl")
+    data = bytearray(saved.read_bytes())
+    data[info.header_offset + 30 + len(info.filename) + len(info.extra) + info.file_size // 2] ^= 0x40
+    path = tmp_path / "flipped.pt"
+    path.write_bytes(bytes(data))
+    expect_error(path, "record saved/data.pkl is corrupt", "CRC")
+
+
+def test_missing_and_short_storage_records(saved, tmp_path):
+    missing = rewrite(saved, tmp_path / "missing.pt", lambda name, data: None if name == "saved/data/0" else data)
+    expect_error(missing, "storage record saved/data/0 is missing")
+    short = rewrite(saved, tmp_path / "short.pt", lambda name, data: data[:-4] if name == "saved/data/1" else data)
+    expect_error(short, "storage record saved/data/1 has 10 bytes", "needs 14")
+
+
+def test_compressed_records_and_big_endian_are_refused(saved, tmp_path):
+    with zipfile.ZipFile(saved) as old, zipfile.ZipFile(tmp_path / "deflated.pt", "w", zipfile.ZIP_DEFLATED) as new:
+        for info in old.infolist():
+            new.writestr(info.filename, old.read(info))
+    expect_error(tmp_path / "deflated.pt", "is compressed")
+    big = rewrite(saved, tmp_path / "big.pt", lambda name, data: b"big" if name.endswith("/byteorder") else data)
+    expect_error(big, "byte order b'big' is unsupported")
+
+
+@pytest.mark.parametrize(
+    "tensor, words",
+    [
+        (FakeTensor(FakeStorage("0", torch.FloatStorage, 4), 0, (3,), (1,)), None),
+        (
+            FakeTensor(FakeStorage("0", torch.FloatStorage, 4), 2, (3,), (1,)),
+            "needs 20 bytes of storage 0, which has 16",
+        ),
+        (FakeTensor(FakeStorage("0", torch.FloatStorage, 4), 0, (2, 2), (3, 1)), "needs 20 bytes"),
+        (FakeTensor(FakeStorage("0", torch.FloatStorage, 4), 0, (2,), (-1,)), "malformed tensor"),
+        (FakeTensor(FakeStorage("0", torch.FloatStorage, 4), 0, (2, 2), (1,)), "malformed tensor"),
+        (FakeTensor(FakeStorage("0", torch.FloatStorage, 4), True, (2,), (1,)), "malformed tensor"),
+        (FakeTensor(FakeStorage("0", torch.FloatStorage, 5), 0, (2,), (1,)), "has 16 bytes, its 5-element float32"),
+        (FakeTensor(FakeStorage(0, torch.FloatStorage, 4), 0, (2,), (1,)), "unexpected persistent id"),
+        (FakeTensor(FakeStorage("0", torch.ComplexFloatStorage, 2), 0, (2,), (1,)), "'torch.ComplexFloatStorage'"),
+        (FakeTensor("0", 0, (2,), (1,)), "malformed tensor"),
+    ],
+)
+def test_tensor_arguments_are_checked(tmp_path, tensor, words):
+    path = write_archive(tmp_path / "fake.pt", torch_like_pickle([tensor]), {"0": bytes(range(16))})
+    if words is None:
+        assert load_torch_file(path)[0].numpy().tobytes() == bytes(range(12))
+    else:
+        expect_error(path, words)
+
+
+def test_one_storage_declared_two_ways_is_refused(tmp_path):
+    tensors = [FakeTensor(FakeStorage("0", torch.FloatStorage, 4), 0, (2,), (1,)),
+               FakeTensor(FakeStorage("0", torch.IntStorage, 4), 0, (2,), (1,))]  # fmt: skip
+    expect_error(write_archive(tmp_path / "fake.pt", torch_like_pickle(tensors), {"0": bytes(16)}), "two types")
+
+
+# ---- real DeepSpeed checkpoints -----------------------------------------------------------------
+
+
+def test_every_deepspeed_file_matches_torch_load(deepspeed_runs):
+    from zeroshard.importers.deepspeed_pickle import ALLOWED_GLOBALS
+
+    allowed = dict(ALLOWED_GLOBALS)
+    files = [path for run in deepspeed_runs.values() for path in sorted(run.tag_dir.glob("*.pt"))]
+    assert len(files) >= 2 * len(deepspeed_runs)
+    for path in files:
+        check_against_torch(path, allowed)
+
+
+def text(value: str) -> bytes:
+    """A BINUNICODE opcode."""
+    return b"X" + len(value.encode()).to_bytes(4, "little") + value.encode()
+
+
+def test_a_pickle_cannot_rewrite_a_checked_record(tmp_path, saved):
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"not yours")
+    # BINPERSID gives a checked StorageRecord, then BUILD would point it at another file,
+    # and a tensor over it would read that file.
+    storage = b"(" + text("storage") + b"ctorch\nByteStorage\n" + text("0") + text("cpu") + b"K\x04tQq\x00"
+    state = b"(" + text(str(secret)) + text("0") + b"K\x00K\x09" + text("uint8") + b"tb"
+    tensor = b"ctorch._utils\n_rebuild_tensor_v2\n(h\x00K\x00K\x09\x85K\x01\x85\x89}tR"
+    path = write_archive(tmp_path / "rewrite.pt", b"\x80\x02" + storage + state + b"0" + tensor + b".", {"0": b"abcd"})
+    expect_error(path)
+    # the storage type markers are shared by every load: BUILD must not change one either
+    marker = write_archive(tmp_path / "marker.pt", b"\x80\x02ctorch\nFloatStorage\n(" + text("float64") + b"tb.")
+    expect_error(marker)
+    check_against_torch(saved)
