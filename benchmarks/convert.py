@@ -12,7 +12,8 @@ reports the wall time and ``getrusage(RUSAGE_CHILDREN).ru_maxrss``: the peak res
 of exactly that command. The page cache is warmed by one untimed ``cp -r`` of the source
 first, so every timed command reads a cached checkpoint; the converters fsync what they
 write, so ``cp -r`` is also timed followed by ``sync``. Peak memory is also given above the
-resident set of a process that only imports zeroshard (torch and all).
+resident set of a process that only imports the converter (``zeroshard.cli.convert_cmd``:
+numpy, no torch).
 
     .venv/bin/python benchmarks/convert.py [--dir /tmp] [--skip-768]
 """
@@ -127,7 +128,7 @@ def bench(name: str, checkpoint: Path, work: Path, baseline_mb: float) -> list[s
         rows.append(
             f"  {label:12s} {wall:6.2f} s = {wall / median['cp -r']:.2f} x cp, {wall / median['cp -r + sync']:.2f} x cp+sync "
             f"(conversion alone {inner:.2f} s = {inner / median['cp -r + sync']:.2f} x cp+sync; the rest is starting "
-            f"Python and importing torch); wrote {runs[label][0]['written'] / 1e9:.2f} GB; "
+            f"Python and importing the converter); wrote {runs[label][0]['written'] / 1e9:.2f} GB; "
             f"peak RSS {peak_mb:.0f} MB ({peak_mb - baseline_mb:.0f} MB above import) = "
             f"{peak_mb * 2**20 / size:.3f} x the checkpoint"
         )
@@ -139,7 +140,7 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: the system temp dir)")
     parser.add_argument("--skip-768", action="store_true")
     args = parser.parse_args()
-    baseline = measure([sys.executable, "-c", "import zeroshard.checkpoint.universal, zeroshard.checkpoint.fp32_export"])
+    baseline = measure([sys.executable, "-c", "import zeroshard.cli.convert_cmd"])
     baseline_mb = baseline["peak_kb"] / 1024
     print(f"a process importing zeroshard: peak RSS {baseline_mb:.0f} MB", flush=True)
     cases = [("D=4 native, 180M params", gpt_layout(4))]

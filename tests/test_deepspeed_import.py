@@ -331,6 +331,51 @@ def test_dynamic_loss_scaler(copy_of):
         assert scaler == {"cur_scale": 512.0, "cur_iter": 7, "dynamic": True, "scale_window": 1000, "dtype": "float16"}
 
 
+def as_fp16_run(tag_dir: Path) -> None:
+    """Turn a bf16 ZeRO run into what DeepSpeed writes for the same run in fp16 (it refuses
+    fp16 on the CPU): fp16 module weights, an fp16 config, a dynamic loss scaler, and rank
+    files named without the ``bf16_`` prefix. The flat layout is the same (2-byte elements)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    def fp16_config(config: dict) -> dict:
+        return {**config, "bf16": {"enabled": False}, "fp16": {"enabled": True, "loss_scale": 0}}
+
+    model_file = tag_dir / "mp_rank_00_model_states.pt"
+    model = torch.load(model_file, map_location="cpu", weights_only=False)
+    model["module"] = {k: v.half() if v.dtype == torch.bfloat16 else v for k, v in model["module"].items()}
+    model["ds_config"] = fp16_config(model["ds_config"])
+    torch.save(model, model_file)
+    for path in sorted(tag_dir.glob("bf16_zero_pp_rank_*")):
+        raw = torch.load(path, map_location="cpu", weights_only=False)
+        scaler = DynamicLossScaler.__new__(DynamicLossScaler)
+        scaler.__dict__.update(cur_scale=1024.0, cur_iter=3, dynamic=True, scale_window=1000)
+        raw["optimizer_state_dict"]["loss_scaler"] = scaler
+        raw["ds_config"] = fp16_config(raw.get("ds_config") or {})
+        torch.save(raw, tag_dir / path.name.removeprefix("bf16_"))
+        path.unlink()
+
+
+def test_fp16_run(copy_of, deepspeed_runs, tmp_path):
+    """An fp16 run reads as the bf16 run it was made from, but for the weights' dtype."""
+    bf16_run = deepspeed_runs["w4_s2_align"]
+    tag_dir = copy_of("w4_s2_align")
+    as_fp16_run(tag_dir)
+    with open_deepspeed(tag_dir) as fp16, open_deepspeed(bf16_run.tag_dir) as bf16:
+        assert [g.dtype for g in fp16.layout.groups] == ["float16", "float16"]
+        assert fp16.layout.with_policy(bf16.layout.policy) == fp16.layout
+        for name in fp16.layout.param_names:
+            for key in ("fp32", "exp_avg", "exp_avg_sq"):
+                assert read_param(fp16, name, key).tobytes() == read_param(bf16, name, key).tobytes(), (key, name)
+        assert fp16.model_tensor("embed.weight").dtype == np.float16
+        assert fp16.info.extra["loss_scaler"]["dynamic"] and fp16.info.extra["loss_scaler"]["cur_scale"] == 1024.0
+    from zeroshard.checkpoint.fp32_export import to_fp32
+
+    exported = load_file(to_fp32(tag_dir, tmp_path / "fp32", progress=False) / "model.safetensors")
+    reference = load_file(str(bf16_run.zero_to_fp32))
+    for name in ("embed.weight", "fc1.weight", "fc1.bias"):
+        assert torch.equal(exported[name], reference[name]), name
+
+
 def test_unknown_class_in_file_is_refused(copy_of):
     tag_dir = copy_of("w2_s2")
     rewrite_rank_file(rank_file(tag_dir, 0), lambda state: state.update(extra=Smuggled()))
