@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,16 @@ def test_summary(saved, capsys):
         "... 4 more (--files lists them all)",
     ):
         assert expected in out, expected
+
+
+def test_summary_reads_the_optimizer_step_when_extra_has_none(tmp_path, capsys):
+    def save(coordinator):
+        state = dataclasses.replace(synthesize_state(LAYOUT, coordinator.rank), extra={})
+        return save_sharded(tmp_path, "t", state, coordinator=coordinator, block_size=64)
+
+    run_ranks(12, save)
+    assert main(["inspect", str(tmp_path)]) == 0
+    assert "step: 7 (optimizer step of group 0)" in capsys.readouterr().out
 
 
 def test_verify_passes_on_an_intact_checkpoint(saved, capsys):

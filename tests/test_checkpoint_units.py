@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import zlib
 
 import numpy as np
 import pytest
 import torch
 
 from zeroshard.checkpoint import RankFailedError, plan_reads, run_ranks
+from zeroshard.checkpoint import checksum
 from zeroshard.checkpoint.checksum import BlockHasher
 from zeroshard.checkpoint.dtypes import to_torch
 from zeroshard.checkpoint.jsonvalue import decode, encode
@@ -93,3 +95,12 @@ def test_block_hasher_is_independent_of_how_the_stream_is_cut():
     for start in range(0, len(data), 37):
         many.update(data[start : start + 37])
     assert one.record() == many.record() and len(one.record().crc32) == 13
+    # the block CRCs are zlib's CRC-32, whichever implementation computes them
+    assert list(one.record().crc32) == [zlib.crc32(data[i : i + 100]) for i in range(0, len(data), 100)]
+
+
+def test_block_crc_is_zlibs_crc32():
+    data = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
+    assert checksum.crc32 is not zlib.crc32  # zlib-ng is a dependency: the fast one is in use
+    for cut in (0, 1, 4095, 1 << 20, len(data)):
+        assert checksum.block_crc(data[:cut]) == zlib.crc32(data[:cut])

@@ -79,8 +79,8 @@ def test_unknown_dtypes_are_refused():
 
 
 def test_conversions_run_without_importing_torch(tmp_path):
-    """to-universal and to-fp32 from the command line, and reading the result, in a process
-    where importing torch is made to fail."""
+    """to-universal, to-fp32 and inspect from the command line, and reading the result, in a
+    process where importing torch is made to fail."""
     from universal_helpers import save_synthetic
 
     from zeroshard.checkpoint.testing import pattern
@@ -97,6 +97,7 @@ def test_conversions_run_without_importing_torch(tmp_path):
         assert main(["to-universal", r"{checkpoint}", r"{tmp_path / 'u'}", "--no-progress"]) == 0
         assert main(["to-fp32", r"{tmp_path / 'u'}", r"{tmp_path / 'f'}", "--dtype", "bf16", "--no-progress"]) == 0
         assert main(["to-fp32", r"{checkpoint}", r"{tmp_path / 'g'}", "--no-progress"]) == 0
+        assert main(["inspect", r"{checkpoint}"]) == 0 and main(["inspect", r"{checkpoint}", "--verify"]) == 0
         from zeroshard.checkpoint.universal_read import open_universal
         with open_universal(r"{tmp_path / 'u'}") as ckpt:
             ckpt.read_param("w", "exp_avg").tofile(r"{tmp_path / 'exp_avg.bin'}")
@@ -104,6 +105,7 @@ def test_conversions_run_without_importing_torch(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+    assert "step: 7" in done.stdout and "every checksum matches" in done.stdout, done.stdout
     from safetensors.torch import load_file
 
     assert torch.equal(torch.from_numpy(np.fromfile(tmp_path / "exp_avg.bin", dtype=np.float32)), pattern("w", "exp_avg", 120))

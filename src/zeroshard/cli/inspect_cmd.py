@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..checkpoint.block_reader import array_view
 from ..checkpoint.directory import resolve_checkpoint
 from ..checkpoint.format import MANIFEST_FILE, MODEL_FILE, rank_file_name, scalar_key
 from ..checkpoint.handle import Checkpoint, open_checkpoint
 from ..checkpoint.manifest import read_manifest
-from ..checkpoint.model_file import tensor_from_bytes
-from ..checkpoint.dtypes import torch_dtype
 from ..checkpoint.safetensors_io import VerifiedRanges, read_header
 from ..checkpoint.verify import verify_checkpoint
 
@@ -122,6 +121,6 @@ def _optimizer_step(ckpt: Checkpoint) -> str:
     entry = read_header(ckpt.path(name), record.size)[scalar_key(0, "step")]
     data = VerifiedRanges(ckpt.path(name), record, [(entry.begin, entry.end)], None)
     dtype, shape = manifest.groups[0].scalars["step"]
-    value = tensor_from_bytes(data.view(entry.begin, entry.end), torch_dtype(dtype), shape)
+    value = array_view(data.view(entry.begin, entry.end), dtype).reshape(shape)
     return f"{value.item():g} (optimizer step of group 0)"
 

@@ -1,0 +1,185 @@
+"""What a torch.save file's pickle describes, without torch: storages and tensor views of them.
+
+:class:`StoredTensor` is a tensor not yet read: a view (shape, stride, offset) of a
+:class:`StorageRecord`, a run of bytes in the file. Its bytes are read with ``os.pread`` when
+asked for, into a fresh numpy array (``ml_dtypes`` for bfloat16 and float8).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+
+class TorchFileError(ValueError):
+    """A torch.save file is missing, damaged, unsafe to unpickle or of an unsupported kind."""
+
+
+class FileProblem(Exception):
+    """What is wrong with the file; load_torch_file puts the path in front."""
+
+
+# Canonical dtype name: (numpy dtype, torch's storage class name; None where torch stores
+# the dtype with an untyped storage and _rebuild_tensor_v3).
+DTYPES: dict[str, tuple[np.dtype, str | None]] = {
+    "float64": (np.dtype("<f8"), "DoubleStorage"),
+    "float32": (np.dtype("<f4"), "FloatStorage"),
+    "float16": (np.dtype("<f2"), "HalfStorage"),
+    "bfloat16": (np.dtype(ml_dtypes.bfloat16), "BFloat16Storage"),
+    "int64": (np.dtype("<i8"), "LongStorage"),
+    "int32": (np.dtype("<i4"), "IntStorage"),
+    "int16": (np.dtype("<i2"), "ShortStorage"),
+    "int8": (np.dtype("i1"), "CharStorage"),
+    "uint8": (np.dtype("u1"), "ByteStorage"),
+    "bool": (np.dtype("?"), "BoolStorage"),
+    "float8_e4m3fn": (np.dtype(ml_dtypes.float8_e4m3fn), None),
+    "float8_e5m2": (np.dtype(ml_dtypes.float8_e5m2), None),
+    "uint16": (np.dtype("<u2"), None),
+    "uint32": (np.dtype("<u4"), None),
+    "uint64": (np.dtype("<u8"), None),
+}
+_READ_CHUNK = 1 << 30
+
+
+def unbuildable(cls: type) -> type:
+    """For the records the unpickler makes. ``dataclass(frozen=True, slots=True)`` gives them a
+    ``__setstate__`` that sets every field, which a pickle's BUILD opcode would call to rewrite
+    a checked record (its path, offset or size): refuse that, and pickle them (to hand them to
+    another process) through the constructor instead."""
+
+    def __setstate__(self: Any, state: Any) -> None:
+        raise FileProblem(f"refused to unpickle data.pkl: it sets the state of a {cls.__name__}")
+
+    def __reduce__(self: Any) -> tuple[type, tuple[Any, ...]]:
+        return cls, tuple(getattr(self, field.name) for field in fields(self))
+
+    cls.__setstate__ = __setstate__  # type: ignore[attr-defined]
+    cls.__reduce__ = __reduce__  # type: ignore[method-assign,assignment]
+    return cls
+
+
+@unbuildable
+@dataclass(frozen=True, slots=True)
+class StorageRecord:
+    """One storage's bytes: ``nbytes`` bytes at absolute offset ``data_offset`` of ``path``;
+    ``dtype`` is its element type as saved ("uint8" for an untyped storage)."""
+
+    path: Path
+    key: str
+    data_offset: int
+    nbytes: int
+    dtype: str
+
+
+@unbuildable
+@dataclass(frozen=True, slots=True)
+class StoredTensor:
+    """A tensor of a torch.save file, not yet read: a view (shape, stride, offset in
+    elements) of a storage that other tensors of the file may share."""
+
+    storage: StorageRecord
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    requires_grad: bool = False
+
+    @property
+    def path(self) -> Path:
+        return self.storage.path
+
+    @property
+    def data_offset(self) -> int:
+        """Absolute file offset of the storage's first byte (not of this view's)."""
+        return self.storage.data_offset
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the storage in bytes."""
+        return self.storage.nbytes
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def is_contiguous(self) -> bool:
+        """Row-major without gaps, as torch decides it (strides of size-1 dims do not count)."""
+        if self.numel() == 0:
+            return True
+        expected = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+    def read(self, start: int = 0, end: int | None = None) -> np.ndarray:
+        """Elements ``[start, end)`` of the flattened tensor as a fresh 1-D array
+        (contiguous tensors only)."""
+        numel = self.numel()
+        end = numel if end is None else end
+        if not self.is_contiguous():
+            raise ValueError(
+                f"{self.path}: read() needs a contiguous tensor, not shape {self.shape} "
+                f"with stride {self.stride}; use numpy()"
+            )
+        if not 0 <= start <= end <= numel:
+            raise IndexError(f"elements [{start}, {end}) are outside a tensor of {numel} elements")
+        return _read(self.storage, self.dtype, self.storage_offset + start, end - start)
+
+    def numpy(self) -> np.ndarray:
+        """The whole tensor in its shape, a fresh array the caller owns."""
+        if self.is_contiguous():
+            return self.read().reshape(self.shape)
+        covered = _read(self.storage, self.dtype, self.storage_offset, span(self.shape, self.stride))
+        strides = tuple(step * covered.itemsize for step in self.stride)
+        # np.ndarray over the bytes, not as_strided: that cannot handle ml_dtypes' dtypes.
+        return np.ndarray(self.shape, covered.dtype, covered.view(np.uint8), 0, strides).copy()
+
+
+def span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    """Elements from a view's first to its last, inclusive."""
+    if math.prod(shape) == 0:
+        return 0
+    return 1 + sum((size - 1) * step for size, step in zip(shape, stride))
+
+
+# ---- reading tensor bytes ----------------------------------------------------------------
+
+
+def _read(storage: StorageRecord, dtype: str, first: int, count: int) -> np.ndarray:
+    """``count`` elements of ``dtype`` from element ``first`` of a storage, via pread."""
+    out = np.empty(count, DTYPES[dtype][0])
+    buffer = memoryview(out.view(np.uint8))
+    offset = storage.data_offset + first * out.itemsize
+    try:
+        with open(storage.path, "rb", buffering=0) as file:
+            done = 0
+            while done < len(buffer):
+                got = _pread_into(file.fileno(), buffer[done : done + _READ_CHUNK], offset + done)
+                if not got:
+                    raise TorchFileError(
+                        f"{storage.path}: file ends inside storage record {storage.key} (changed since it was loaded?)"
+                    )
+                done += got
+    except OSError as err:
+        raise TorchFileError(f"{storage.path}: cannot be read: {err.strerror or err}") from None
+    return out
+
+
+def _pread_into(fd: int, buffer: memoryview, offset: int) -> int:
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [buffer], offset)
+    data = os.pread(fd, len(buffer), offset)
+    buffer[: len(data)] = data
+    return len(data)
+
+
+def one_line(value: Any) -> str:
+    text = " ".join(str(value).split()) or type(value).__name__
+    return text if len(text) <= 200 else text[:197] + "..."

@@ -1,0 +1,173 @@
+"""The restricted unpickler for torch.save pickles: an allowlist of globals, nothing else.
+
+A pickle names globals and calls them, so unpickling an arbitrary file runs code the file
+chooses. This unpickler resolves only an explicit allowlist of names, to our own torch-free
+rebuild functions and markers and to the caller's data-only stand-in classes, and refuses
+every other global by name, as ``torch.load(weights_only=True)`` does. Before unpickling,
+the opcodes are checked against the set a torch.save pickle uses.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import pickletools
+import reprlib
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from .torch_records import DTYPES, FileProblem, StorageRecord, StoredTensor, one_line, span, unbuildable
+
+
+class _SealedGlobal(type):
+    """The type of what find_class hands out for a callable global. Calling it calls the
+    target (REDUCE) and NEWOBJ gets ``target.__new__(target, *args)``, as with the target
+    itself, but a BUILD on the global fails: the targets are shared by every load, and a file
+    must not set their attributes (torch's weights-only unpickler refuses that too)."""
+
+    def __call__(cls, *args: Any) -> Any:
+        return cls.target(*args)  # type: ignore[attr-defined]
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        raise FileProblem(f"refused to unpickle data.pkl: it sets attribute {name!r} of global {cls.__name__!r}")
+
+
+def seal(qualname: str, target: Callable[..., Any]) -> type:
+    def new(cls: type, *args: Any) -> Any:
+        if not isinstance(target, type):
+            raise FileProblem(f"refused to unpickle data.pkl: NEWOBJ of {qualname!r}, which is not a class")
+        return target.__new__(target, *args)
+
+    return _SealedGlobal(qualname, (), {"__slots__": (), "target": staticmethod(target), "__new__": new})
+
+
+@unbuildable
+@dataclass(frozen=True, slots=True)
+class StorageType:
+    """What a storage class global (``torch.FloatStorage``) unpickles to."""
+
+    dtype: str
+
+
+# The opcodes a torch.save pickle (protocol 2 to 4) uses for data; no buffers, INST/OBJ, EXT.
+_OPCODES = frozenset((
+    "PROTO", "FRAME", "STOP", "MARK", "POP", "POP_MARK", "DUP", "NONE", "NEWTRUE", "NEWFALSE", "BININT",
+    "BININT1", "BININT2", "LONG1", "LONG4", "BINFLOAT", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8",
+    "SHORT_BINBYTES", "BINBYTES", "BINBYTES8", "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "EMPTY_LIST",
+    "APPEND", "APPENDS", "EMPTY_DICT", "SETITEM", "SETITEMS", "EMPTY_SET", "ADDITEMS", "FROZENSET", "GLOBAL",
+    "STACK_GLOBAL", "REDUCE", "NEWOBJ", "BUILD", "BINPERSID", "BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT",
+    "MEMOIZE",
+))  # fmt: skip
+
+
+def _check_opcodes(data: bytes) -> None:
+    """Refuse opcodes outside _OPCODES. Also bound memo indices: the C unpickler sizes its
+    memo by the largest index, so a tiny pickle could make it allocate gigabytes."""
+    try:
+        for opcode, arg, _ in pickletools.genops(data):
+            if opcode.name not in _OPCODES:
+                raise FileProblem(f"refused to unpickle data.pkl: opcode {opcode.name} is not allowed")
+            if opcode.name in ("BINPUT", "LONG_BINPUT") and arg > len(data):
+                raise FileProblem(f"corrupt pickle data.pkl: memo index {arg} in a pickle of {len(data)} bytes")
+    except ValueError as err:
+        raise FileProblem(f"corrupt pickle data.pkl: {one_line(err)}") from None
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, globals_: Mapping[str, Any], storage: Callable[[Any], StorageRecord]) -> None:
+        super().__init__(io.BytesIO(data))
+        self._globals = globals_
+        self._storage = storage
+
+    def find_class(self, module: str, name: str) -> Any:
+        qualname = f"{'builtins' if module == '__builtin__' else module}.{name}"
+        if qualname not in self._globals:
+            raise FileProblem(f"refused to unpickle data.pkl: global {qualname!r} is not allowed")
+        return self._globals[qualname]
+
+    def persistent_load(self, pid: Any) -> StorageRecord:
+        return self._storage(pid)
+
+
+def unpickle(data: bytes, globals_: Mapping[str, Any], storage: Callable[[Any], StorageRecord]) -> Any:
+    _check_opcodes(data)
+    try:
+        return _Unpickler(data, globals_, storage).load()
+    except FileProblem:
+        raise
+    except Exception as err:  # noqa: BLE001 - whatever a malformed stream makes the unpickler or a stand-in raise
+        raise FileProblem(f"corrupt pickle data.pkl: {one_line(err)}") from None
+
+
+# The rebuild functions take what the file passes, anything: _tensor checks it. Hooks are
+# ignored (torch.save writes an empty OrderedDict; a pickle cannot make a callable hook).
+def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad, hooks, metadata=None):
+    dtype = storage.dtype if isinstance(storage, StorageRecord) else None
+    return _tensor(storage, dtype, storage_offset, size, stride, requires_grad, metadata)
+
+
+def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, hooks, dtype, metadata=None):
+    return _tensor(storage, dtype, storage_offset, size, stride, requires_grad, metadata)
+
+
+def _rebuild_parameter(data: Any, requires_grad: Any, hooks: Any) -> StoredTensor:
+    if not isinstance(data, StoredTensor) or type(requires_grad) is not bool:
+        raise FileProblem("corrupt pickle data.pkl: malformed parameter")
+    return replace(data, requires_grad=requires_grad)
+
+
+def _tensor(
+    storage: Any, dtype: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any, metadata: Any
+) -> StoredTensor:
+    """A StoredTensor from rebuild arguments, once they are checked to describe a view that
+    lies inside its storage."""
+    shape, steps = _sizes(size), _sizes(stride)
+    if (
+        not isinstance(storage, StorageRecord)
+        or dtype not in DTYPES
+        or shape is None
+        or steps is None
+        or len(shape) != len(steps)
+        or type(storage_offset) is not int
+        or storage_offset < 0
+        or type(requires_grad) is not bool
+    ):
+        raise FileProblem("corrupt pickle data.pkl: malformed tensor")
+    if metadata:  # the conjugate or negative bit: values would need a transformation
+        raise FileProblem(f"tensor metadata {one_line(reprlib.repr(metadata))} is unsupported")
+    tensor = StoredTensor(storage, dtype, shape, steps, storage_offset, requires_grad)
+    if tensor.numel():
+        needed = (storage_offset + span(shape, steps)) * DTYPES[dtype][0].itemsize
+        if needed > storage.nbytes:
+            raise FileProblem(
+                f"a {dtype} tensor of shape {shape}, stride {steps}, offset {storage_offset} "
+                f"needs {needed} bytes of storage {storage.key}, which has {storage.nbytes}"
+            )
+    return tensor
+
+
+def _sizes(value: Any) -> tuple[int, ...] | None:
+    ok = isinstance(value, (tuple, list)) and all(type(item) is int and item >= 0 for item in value)
+    return tuple(value) if ok else None
+
+
+ALLOWED_GLOBALS: dict[str, Any] = {
+    **{f"torch.{storage}": StorageType(name) for name, (_, storage) in DTYPES.items() if storage},
+    "torch.storage.UntypedStorage": StorageType("uint8"),
+    **{f"torch.{name}": name for name in DTYPES},  # dtypes (_rebuild_tensor_v3's argument)
+    **{
+        name: seal(name, target)
+        for name, target in {
+            "torch._utils._rebuild_tensor_v2": _rebuild_tensor_v2,
+            "torch._utils._rebuild_tensor_v3": _rebuild_tensor_v3,
+            "torch._utils._rebuild_parameter": _rebuild_parameter,
+            "torch.Size": tuple,
+            "collections.OrderedDict": OrderedDict,
+            "builtins.set": set,
+        }.items()
+    },
+}
+
+
