@@ -32,7 +32,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .torch_records import DTYPES, FileProblem, StorageRecord, StoredTensor, TorchFileError, one_line
+from ..checkpoint.dtypes import dtype_info
+from .torch_records import FileProblem, StorageRecord, StoredTensor, TorchFileError, one_line
 from .torch_unpickler import ALLOWED_GLOBALS, StorageType, seal, unpickle
 
 __all__ = ["StorageRecord", "StoredTensor", "TorchFileError", "load_torch_file"]
@@ -139,7 +140,7 @@ class _Archive:
         ):
             raise FileProblem(f"corrupt pickle data.pkl: unexpected persistent id {one_line(reprlib.repr(pid))}")
         _, kind, key, _location, numel = pid
-        nbytes = numel * DTYPES[kind.dtype][0].itemsize
+        nbytes = numel * dtype_info(kind.dtype).itemsize
         record = self.storages.get(key)
         if record is None:
             info = self.info(f"data/{key}")

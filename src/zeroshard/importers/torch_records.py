@@ -13,8 +13,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
+
+from ..checkpoint.dtypes import dtype_info
 
 
 class TorchFileError(ValueError):
@@ -25,24 +26,24 @@ class FileProblem(Exception):
     """What is wrong with the file; load_torch_file puts the path in front."""
 
 
-# Canonical dtype name: (numpy dtype, torch's storage class name; None where torch stores
-# the dtype with an untyped storage and _rebuild_tensor_v3).
-DTYPES: dict[str, tuple[np.dtype, str | None]] = {
-    "float64": (np.dtype("<f8"), "DoubleStorage"),
-    "float32": (np.dtype("<f4"), "FloatStorage"),
-    "float16": (np.dtype("<f2"), "HalfStorage"),
-    "bfloat16": (np.dtype(ml_dtypes.bfloat16), "BFloat16Storage"),
-    "int64": (np.dtype("<i8"), "LongStorage"),
-    "int32": (np.dtype("<i4"), "IntStorage"),
-    "int16": (np.dtype("<i2"), "ShortStorage"),
-    "int8": (np.dtype("i1"), "CharStorage"),
-    "uint8": (np.dtype("u1"), "ByteStorage"),
-    "bool": (np.dtype("?"), "BoolStorage"),
-    "float8_e4m3fn": (np.dtype(ml_dtypes.float8_e4m3fn), None),
-    "float8_e5m2": (np.dtype(ml_dtypes.float8_e5m2), None),
-    "uint16": (np.dtype("<u2"), None),
-    "uint32": (np.dtype("<u4"), None),
-    "uint64": (np.dtype("<u8"), None),
+# torch's storage class of each dtype; None where torch saves the dtype with an untyped
+# storage and _rebuild_tensor_v3. Element types come from zeroshard.checkpoint.dtypes.
+STORAGE_CLASSES: dict[str, str | None] = {
+    "float64": "DoubleStorage",
+    "float32": "FloatStorage",
+    "float16": "HalfStorage",
+    "bfloat16": "BFloat16Storage",
+    "int64": "LongStorage",
+    "int32": "IntStorage",
+    "int16": "ShortStorage",
+    "int8": "CharStorage",
+    "uint8": "ByteStorage",
+    "bool": "BoolStorage",
+    "float8_e4m3fn": None,
+    "float8_e5m2": None,
+    "uint16": None,
+    "uint32": None,
+    "uint64": None,
 }
 _READ_CHUNK = 1 << 30
 
@@ -154,7 +155,7 @@ def span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
 
 def _read(storage: StorageRecord, dtype: str, first: int, count: int) -> np.ndarray:
     """``count`` elements of ``dtype`` from element ``first`` of a storage, via pread."""
-    out = np.empty(count, DTYPES[dtype][0])
+    out = np.empty(count, dtype_info(dtype).numpy)
     buffer = memoryview(out.view(np.uint8))
     offset = storage.data_offset + first * out.itemsize
     try:

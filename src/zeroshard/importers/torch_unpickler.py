@@ -18,7 +18,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .torch_records import DTYPES, FileProblem, StorageRecord, StoredTensor, one_line, span, unbuildable
+from ..checkpoint.dtypes import dtype_info
+from .torch_records import STORAGE_CLASSES, FileProblem, StorageRecord, StoredTensor, one_line, span, unbuildable
 
 
 class _SealedGlobal(type):
@@ -126,7 +127,7 @@ def _tensor(
     shape, steps = _sizes(size), _sizes(stride)
     if (
         not isinstance(storage, StorageRecord)
-        or dtype not in DTYPES
+        or dtype not in STORAGE_CLASSES
         or shape is None
         or steps is None
         or len(shape) != len(steps)
@@ -139,7 +140,7 @@ def _tensor(
         raise FileProblem(f"tensor metadata {one_line(reprlib.repr(metadata))} is unsupported")
     tensor = StoredTensor(storage, dtype, shape, steps, storage_offset, requires_grad)
     if tensor.numel():
-        needed = (storage_offset + span(shape, steps)) * DTYPES[dtype][0].itemsize
+        needed = (storage_offset + span(shape, steps)) * dtype_info(dtype).itemsize
         if needed > storage.nbytes:
             raise FileProblem(
                 f"a {dtype} tensor of shape {shape}, stride {steps}, offset {storage_offset} "
@@ -154,9 +155,9 @@ def _sizes(value: Any) -> tuple[int, ...] | None:
 
 
 ALLOWED_GLOBALS: dict[str, Any] = {
-    **{f"torch.{storage}": StorageType(name) for name, (_, storage) in DTYPES.items() if storage},
+    **{f"torch.{storage}": StorageType(name) for name, storage in STORAGE_CLASSES.items() if storage},
     "torch.storage.UntypedStorage": StorageType("uint8"),
-    **{f"torch.{name}": name for name in DTYPES},  # dtypes (_rebuild_tensor_v3's argument)
+    **{f"torch.{name}": name for name in STORAGE_CLASSES},  # dtypes (_rebuild_tensor_v3's argument)
     **{
         name: seal(name, target)
         for name, target in {
