@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from universal_helpers import (
@@ -461,3 +462,37 @@ def test_range_reader_reads_a_shared_block_once(tmp_path):
     path.write_bytes(payload[:700] + b"x" + payload[701:])
     with pytest.raises(ValueError, match="checksum mismatch in block 7"):
         reader.read(path, record, 650, 720)
+
+
+def test_range_reader_maps_big_ranges(tmp_path, monkeypatch):
+    """Ranges of MAP_BYTES or more come from a mapping: same bytes and checks, no copy."""
+    from zeroshard.checkpoint import block_reader
+    from zeroshard.checkpoint.block_reader import RangeReader
+    from zeroshard.checkpoint.checksum import BlockHasher
+
+    monkeypatch.setattr(block_reader, "MAP_BYTES", 3000)
+    path = tmp_path / "f"
+    payload = np.random.default_rng(1).integers(0, 256, 10_000, dtype=np.uint8).tobytes()
+    path.write_bytes(payload)
+    hasher = BlockHasher(1000)
+    hasher.update(payload)
+    record = hasher.record()
+    stats = ReadStats()
+    reader = RangeReader(stats)
+    small = reader.read(path, record, 100, 1500)  # copied; keeps its edge block 1
+    big = reader.read(path, record, 1500, 8200)  # mapped; block 1 was checked already
+    assert bytes(small) == payload[100:1500] and bytes(big) == payload[1500:8200]
+    assert big.readonly and not small.readonly
+    assert bytes(reader.read(path, record, 8200, 9000)) == payload[8200:9000]  # block 8 from the cache
+    assert stats.total == 10_000 - 1000  # every block read and checked once; block 9 never
+    array = np.frombuffer(reader.read(path, record, 0, 10_000), dtype=np.uint8)
+    del reader
+    assert array.tobytes() == payload  # the mapping outlives the reader while a view holds it
+
+    flipped = payload[:5000] + bytes([payload[5000] ^ 1]) + payload[5001:]
+    path.write_bytes(flipped)
+    with pytest.raises(ValueError, match="checksum mismatch in block 5"):
+        RangeReader().read(path, record, 0, 9000)
+    path.write_bytes(payload[:6000])
+    with pytest.raises(ValueError, match="truncated: expected 9000 bytes, the file ends at 6000"):
+        RangeReader().read(path, record, 0, 8500)

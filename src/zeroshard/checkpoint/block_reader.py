@@ -6,10 +6,15 @@ blocks, checks each against the file's :class:`FileRecord`, and keeps the partly
 blocks at the ends of each range in a small cache shared by all files, so a block under two
 neighbouring ranges is read and checked once. Interior blocks are used whole and never
 cached, so the cache stays a few blocks big whatever the range sizes.
+
+Big ranges (whole tensors of a large model) are memory-mapped instead of read: the checksum
+is computed on the file's cached pages and a converter writes them out from there, so the
+bytes are copied once (into the output) rather than twice.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections import OrderedDict
 from pathlib import Path
@@ -21,6 +26,8 @@ from .dtypes import from_bytes
 from .safetensors_io import ReadStats, check_blocks, pread_into
 
 DEFAULT_CACHE_BYTES = 32 << 20
+MAP_BYTES = 8 << 20  # spans at least this big are memory-mapped, not copied in
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # fault the pages in with the mmap call (Linux)
 
 
 class RangeReader:
@@ -35,7 +42,9 @@ class RangeReader:
     def read(self, path: Path, record: FileRecord, begin: int, end: int) -> memoryview:
         """Bytes [begin, end) of ``path``, every block under them checked against ``record``.
 
-        The view is of a new buffer that the caller may keep."""
+        The view is the caller's to keep: of a new buffer, or, for a range of at least
+        MAP_BYTES, a read-only view of a private mapping of the file, so that big reads cost
+        no copy (the mapping goes when the last view of it does)."""
         if not 0 <= begin <= end <= record.size:
             raise ValueError(f"{path}: byte range [{begin}, {end}) is outside its {record.size} bytes")
         blocks = record.blocks_covering(begin, end)
@@ -43,6 +52,20 @@ class RangeReader:
             return memoryview(b"")
         first, last = blocks[0], blocks[-1]
         span_start, span_end = record.block_range(first)[0], record.block_range(last)[1]
+        key = str(path)
+        if span_end - span_start >= MAP_BYTES:
+            view = self._map(path, record, first, last, span_start, span_end)
+        else:
+            view = self._copy(path, record, first, last, span_start, span_end)
+        if begin > span_start or (first == last and end < span_end):
+            self._keep(key, first, record, view, span_start)
+        if last != first and end < span_end:
+            self._keep(key, last, record, view, span_start)
+        return view[begin - span_start : end - span_start]
+
+    def _copy(self, path: Path, record: FileRecord, first: int, last: int, span_start: int, span_end: int) -> memoryview:
+        """Blocks first..last of ``path`` read into a new buffer and checked, the edge
+        blocks taken from the cache where they are."""
         # np.empty, not bytearray: no zero-filling of memory the read overwrites anyway.
         view = memoryview(np.empty(span_end - span_start, dtype=np.uint8))
         key = str(path)
@@ -52,11 +75,7 @@ class RangeReader:
         read_last = last - 1 if tail else last
         if read_first <= read_last:
             self._read_blocks(path, record, read_first, read_last, view, span_start)
-        if begin > span_start or (first == last and end < span_end):
-            self._keep(key, first, record, view, span_start)
-        if last != first and end < span_end:
-            self._keep(key, last, record, view, span_start)
-        return view[begin - span_start : end - span_start]
+        return view
 
     def _read_blocks(
         self, path: Path, record: FileRecord, first: int, last: int, view: memoryview, span_start: int
@@ -71,6 +90,28 @@ class RangeReader:
         if self.stats is not None:
             self.stats.add(path.name, end - begin)
         check_blocks(path, record, first, last, begin, target)
+
+    def _map(self, path: Path, record: FileRecord, first: int, last: int, span_start: int, span_end: int) -> memoryview:
+        """Blocks first..last of ``path``, mapped and checked (those in the edge cache were
+        checked when they were read)."""
+        with open(path, "rb", buffering=0) as file:
+            size = os.fstat(file.fileno()).st_size
+            if size < span_end:  # a mapping past the end of a file faults (SIGBUS) when read
+                raise ValueError(f"{path}: truncated: expected {span_end} bytes, the file ends at {size}")
+            offset = span_start - span_start % mmap.ALLOCATIONGRANULARITY
+            mapped = mmap.mmap(
+                file.fileno(), span_end - offset, flags=mmap.MAP_PRIVATE | _POPULATE, prot=mmap.PROT_READ, offset=offset
+            )
+        view = memoryview(mapped)[span_start - offset :]
+        key = str(path)
+        for index in range(first, last + 1):
+            if (key, index) in self._cache:
+                continue
+            begin, end = record.block_range(index)
+            check_blocks(path, record, index, index, span_start, view[: end - span_start])
+            if self.stats is not None:
+                self.stats.add(path.name, end - begin)
+        return view
 
     def _take(self, key: str, index: int, record: FileRecord, view: memoryview, span_start: int) -> bool:
         data = self._cache.get((key, index))
