@@ -66,12 +66,16 @@ def seeds_layout(world_size: int = 768) -> Layout:
 
 def synthesize(root: Path, layout: Layout) -> Path:
     started = time.perf_counter()
-    states = [synthesize_state(layout, rank) for rank in range(layout.world_size)]
-    path = run_ranks(layout.world_size, lambda c: save_sharded(root, "ckpt", states[c.rank], coordinator=c, buffer_names=["positions"]))[0]
-    del states
+    path = _save_pattern(root, layout)  # its states are freed on return
     pattern.cache_clear()
     print(f"  synthesised and saved in {time.perf_counter() - started:.1f} s", flush=True)
     return path
+
+
+def _save_pattern(root: Path, layout: Layout) -> Path:
+    states = [synthesize_state(layout, rank) for rank in range(layout.world_size)]
+    save = lambda c: save_sharded(root, "ckpt", states[c.rank], coordinator=c, buffer_names=["positions"])  # noqa: E731
+    return run_ranks(layout.world_size, save)[0]
 
 
 def measure(command: list[str]) -> dict:

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from zeroshard.checkpoint import RankFailedError, plan_reads, run_ranks
-from zeroshard.checkpoint import checksum
+from zeroshard.checkpoint import RankFailedError, checksum, plan_reads, run_ranks
 from zeroshard.checkpoint.checksum import BlockHasher
 from zeroshard.checkpoint.dtypes import to_torch
 from zeroshard.checkpoint.jsonvalue import decode, encode

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dist_helpers import RunConfig, build_model, make_engine, run_checks, torch_param_groups
 from torch import nn
 
-from dist_helpers import RunConfig, build_model, make_engine, run_checks, torch_param_groups
 from zeroshard.engine import ZeroOptimizer
 from zeroshard.launch import spawn
 from zeroshard.models import OddSizedModel

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 
+import checkpoint_workers as workers
 import pytest
 import torch
 
@@ -12,8 +13,6 @@ from zeroshard.checkpoint import resolve_checkpoint
 from zeroshard.checkpoint.engine_io import load_checkpoint, save_checkpoint
 from zeroshard.launch import spawn
 from zeroshard.layout import LayoutPolicy
-
-import checkpoint_workers as workers
 
 SAVE_POLICY = workers.SAVE_POLICY
 # Tolerances after a resharded resume: the same global batches, but summed in another order

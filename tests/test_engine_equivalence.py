@@ -11,8 +11,8 @@ so the runs drift apart a little."""
 from __future__ import annotations
 
 import pytest
-
 from dist_helpers import RunConfig, run_equivalence
+
 from zeroshard.launch import spawn
 
 WORLD_SIZES = (1, 2, 3, 4)

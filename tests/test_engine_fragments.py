@@ -3,9 +3,9 @@ state, on parameters that span ranks and sit next to padding (3 gloo ranks)."""
 
 from __future__ import annotations
 
+import fragment_workers
 import pytest
 
-import fragment_workers
 from zeroshard.launch import spawn
 
 

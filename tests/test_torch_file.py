@@ -274,6 +274,22 @@ def test_tensor_bytes_are_read_when_asked_not_at_load(saved):
     assert pickle.loads(pickle.dumps(tensor)) == tensor  # e.g. to hand it to a worker process
 
 
+def test_big_reads_are_mapped(saved, monkeypatch):
+    from zeroshard.importers import torch_records
+
+    expected = torch.load(saved, weights_only=True)["a"]
+    monkeypatch.setattr(torch_records, "MAP_BYTES", 1000)
+    tensor = load_torch_file(saved)["a"]
+    mapped, copied = tensor.read(10, 400), tensor.read(0, 100)  # 1560 and 400 bytes
+    assert not mapped.flags.writeable and copied.flags.writeable
+    assert mapped.tobytes() == expected.reshape(-1)[10:400].numpy().tobytes()
+    assert tensor.numpy().tobytes() == expected.numpy().tobytes()
+    with open(saved, "r+b") as file:
+        file.truncate(tensor.data_offset + 800)
+    with pytest.raises(TorchFileError, match="file ends inside storage record"):
+        tensor.read(0, 400)
+
+
 def test_read_refuses_bad_ranges_and_views(saved):
     tensor = load_torch_file(saved)["a"]
     with pytest.raises(IndexError):

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from .checksum import FileRecord
-
 from .format import LATEST_FILE, MANIFEST_FILE, OLD_MARKER, TEMP_MARKER, check_tag, old_dir_name, temp_dir_name
 
 log = logging.getLogger(__name__)

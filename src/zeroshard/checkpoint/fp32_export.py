@@ -22,10 +22,10 @@ import numpy as np
 
 from ..layout import canonical_dtype
 from .directory import write_file_durably
+from .dtypes import cast, dtype_info, to_torch
 from .format import DEFAULT_BLOCK_SIZE
 from .native_source import open_source
 from .output_dir import staged_output
-from .dtypes import cast, dtype_info, to_torch
 from .safetensors_io import PlannedTensor
 from .source import ModelEntry, ShardSource, iter_params
 from .streaming import OutputTensor, plan_shards, write_shards

@@ -27,12 +27,12 @@ import torch
 from ..layout import Layout
 from ..state import ShardedState
 from .compat import compare_module, compare_params
+from .dtypes import arrays_to_torch, torch_dtype
 from .format import MODEL_FILE, fp32_key, rank_file_name, scalar_key, state_key
+from .handle import Checkpoint, open_checkpoint
 from .manifest import GroupRecord, Manifest
 from .model_file import load_model_state, tensor_from_bytes
 from .reshard import GroupPlan, plan_reads
-from .dtypes import arrays_to_torch, torch_dtype
-from .handle import Checkpoint, open_checkpoint
 from .safetensors_io import ReadStats, TensorEntry, VerifiedRanges, check_entries, read_header
 
 

@@ -15,8 +15,8 @@ from typing import Collection, Mapping
 import torch
 
 from .checksum import FileRecord
-from .manifest import ModelTensorRecord, dtype_name
 from .dtypes import dtype_of_code, torch_dtype
+from .manifest import ModelTensorRecord, dtype_name
 from .safetensors_io import ReadStats, VerifiedRanges, check_entries, read_header, write_safetensors
 
 

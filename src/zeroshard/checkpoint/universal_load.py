@@ -22,8 +22,8 @@ import torch
 from ..layout import Layout
 from ..state import ParamGroupState, ShardedState
 from .compat import Mismatch, compare_params, compare_shapes
-from .reshard import plan_reads
 from .dtypes import arrays_to_torch, cast, to_torch, torch_dtype
+from .reshard import plan_reads
 from .source import ShardSource
 from .universal_read import UniversalCheckpoint, open_universal
 

@@ -16,8 +16,8 @@ import numpy as np
 
 from ..layout import Layout, LayoutPolicy, build_layout
 from .block_reader import RangeReader, array_view
-from .dtypes import itemsize_of
 from .directory import check_files_present
+from .dtypes import itemsize_of
 from .safetensors_io import ReadStats, TensorEntry, check_entries, read_header
 from .universal_format import UniversalManifest, model_key, param_key, read_universal_manifest
 

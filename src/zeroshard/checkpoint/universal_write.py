@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 
 from .directory import write_file_durably
+from .dtypes import dtype_of
 from .format import DEFAULT_BLOCK_SIZE
 from .native_source import open_source
 from .output_dir import staged_output
-from .dtypes import dtype_of
 from .safetensors_io import PlannedTensor
 from .source import ShardSource, read_param
 from .streaming import OutputTensor, plan_shards, write_shards

@@ -21,8 +21,8 @@ from torch import nn
 from ..buffers import FlatParamBuffer, bind_flat_buffer
 from ..comm import Collectives
 from ..layout import Layout, LayoutPolicy, build_layout
-from . import state_io
 from ..state import ShardedState
+from . import state_io
 from .fragments import FragmentAccess
 from .gradients import GradientReducer
 from .grouping import Grouping, resolve_groups

@@ -8,6 +8,7 @@ asked for, into a fresh numpy array (``ml_dtypes`` for bfloat16 and float8).
 from __future__ import annotations
 
 import math
+import mmap
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -46,6 +47,8 @@ STORAGE_CLASSES: dict[str, str | None] = {
     "uint64": None,
 }
 _READ_CHUNK = 1 << 30
+MAP_BYTES = 8 << 20  # reads at least this big are memory-mapped, not copied in
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # fault the pages in with the mmap call (Linux)
 
 
 def unbuildable(cls: type) -> type:
@@ -120,8 +123,9 @@ class StoredTensor:
         return True
 
     def read(self, start: int = 0, end: int | None = None) -> np.ndarray:
-        """Elements ``[start, end)`` of the flattened tensor as a fresh 1-D array
-        (contiguous tensors only)."""
+        """Elements ``[start, end)`` of the flattened tensor as a 1-D array the caller owns
+        (contiguous tensors only): a new one, or for MAP_BYTES or more a read-only view of a
+        private mapping of the file (no copy; unmapped when the last view goes)."""
         numel = self.numel()
         end = numel if end is None else end
         if not self.is_contiguous():
@@ -134,7 +138,7 @@ class StoredTensor:
         return _read(self.storage, self.dtype, self.storage_offset + start, end - start)
 
     def numpy(self) -> np.ndarray:
-        """The whole tensor in its shape, a fresh array the caller owns."""
+        """The whole tensor in its shape, an array the caller owns (as :meth:`read`)."""
         if self.is_contiguous():
             return self.read().reshape(self.shape)
         covered = _read(self.storage, self.dtype, self.storage_offset, span(self.shape, self.stride))
@@ -154,12 +158,16 @@ def span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
 
 
 def _read(storage: StorageRecord, dtype: str, first: int, count: int) -> np.ndarray:
-    """``count`` elements of ``dtype`` from element ``first`` of a storage, via pread."""
-    out = np.empty(count, dtype_info(dtype).numpy)
-    buffer = memoryview(out.view(np.uint8))
-    offset = storage.data_offset + first * out.itemsize
+    """``count`` elements of ``dtype`` from element ``first`` of a storage: mapped when big,
+    else read with pread."""
+    numpy_dtype = dtype_info(dtype).numpy
+    offset = storage.data_offset + first * numpy_dtype.itemsize
     try:
         with open(storage.path, "rb", buffering=0) as file:
+            if count * numpy_dtype.itemsize >= MAP_BYTES:
+                return _mapped(file.fileno(), storage, numpy_dtype, offset, count)
+            out = np.empty(count, numpy_dtype)
+            buffer = memoryview(out.view(np.uint8))
             done = 0
             while done < len(buffer):
                 got = _pread_into(file.fileno(), buffer[done : done + _READ_CHUNK], offset + done)
@@ -171,6 +179,16 @@ def _read(storage: StorageRecord, dtype: str, first: int, count: int) -> np.ndar
     except OSError as err:
         raise TorchFileError(f"{storage.path}: cannot be read: {err.strerror or err}") from None
     return out
+
+
+def _mapped(fd: int, storage: StorageRecord, dtype: np.dtype, offset: int, count: int) -> np.ndarray:
+    end = offset + count * dtype.itemsize
+    size = os.fstat(fd).st_size
+    if size < end:  # a mapping past the end of a file faults (SIGBUS) when read
+        raise TorchFileError(f"{storage.path}: file ends inside storage record {storage.key} (changed since it was loaded?)")
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    mapped = mmap.mmap(fd, end - start, flags=mmap.MAP_PRIVATE | _POPULATE, prot=mmap.PROT_READ, offset=start)
+    return np.frombuffer(mapped, dtype, count, offset - start)
 
 
 def _pread_into(fd: int, buffer: memoryview, offset: int) -> int:
