@@ -444,16 +444,21 @@ def test_streaming_writer_checks_the_plan_and_writes_standard_safetensors(tmp_pa
             writer.write("a", a)
 
 
-def test_range_reader_reads_a_shared_block_once(tmp_path):
-    from zeroshard.checkpoint.block_reader import RangeReader
+def write_with_record(path, payload: bytes, block_size: int):
+    """Write ``payload`` to ``path``; its FileRecord with ``block_size``-byte blocks."""
     from zeroshard.checkpoint.checksum import BlockHasher
 
-    path = tmp_path / "f"
-    payload = bytes(range(256)) * 4
     path.write_bytes(payload)
-    hasher = BlockHasher(100)
+    hasher = BlockHasher(block_size)
     hasher.update(payload)
-    record = hasher.record()
+    return hasher.record()
+
+
+def test_range_reader_reads_a_shared_block_once(tmp_path):
+    from zeroshard.checkpoint.block_reader import RangeReader
+
+    path, payload = tmp_path / "f", bytes(range(256)) * 4
+    record = write_with_record(path, payload, 100)
     stats = ReadStats()
     reader = RangeReader(stats)
     assert bytes(reader.read(path, record, 10, 250)) == payload[10:250]
@@ -468,15 +473,10 @@ def test_range_reader_maps_big_ranges(tmp_path, monkeypatch):
     """Ranges of MAP_BYTES or more come from a mapping: same bytes and checks, no copy."""
     from zeroshard.checkpoint import block_reader
     from zeroshard.checkpoint.block_reader import RangeReader
-    from zeroshard.checkpoint.checksum import BlockHasher
 
     monkeypatch.setattr(block_reader, "MAP_BYTES", 3000)
-    path = tmp_path / "f"
-    payload = np.random.default_rng(1).integers(0, 256, 10_000, dtype=np.uint8).tobytes()
-    path.write_bytes(payload)
-    hasher = BlockHasher(1000)
-    hasher.update(payload)
-    record = hasher.record()
+    path, payload = tmp_path / "f", np.random.default_rng(1).integers(0, 256, 10_000, dtype=np.uint8).tobytes()
+    record = write_with_record(path, payload, 1000)
     stats = ReadStats()
     reader = RangeReader(stats)
     small = reader.read(path, record, 100, 1500)  # copied; keeps its edge block 1

@@ -14,7 +14,6 @@ bytes are copied once (into the output) rather than twice.
 
 from __future__ import annotations
 
-import mmap
 import os
 from collections import OrderedDict
 from pathlib import Path
@@ -23,11 +22,10 @@ import numpy as np
 
 from .checksum import FileRecord
 from .dtypes import from_bytes
-from .safetensors_io import ReadStats, check_blocks, pread_into
+from .safetensors_io import ReadStats, check_blocks, map_range, pread_into
 
 DEFAULT_CACHE_BYTES = 32 << 20
 MAP_BYTES = 8 << 20  # spans at least this big are memory-mapped, not copied in
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # fault the pages in with the mmap call (Linux)
 
 
 class RangeReader:
@@ -95,14 +93,10 @@ class RangeReader:
         """Blocks first..last of ``path``, mapped and checked (those in the edge cache were
         checked when they were read)."""
         with open(path, "rb", buffering=0) as file:
-            size = os.fstat(file.fileno()).st_size
-            if size < span_end:  # a mapping past the end of a file faults (SIGBUS) when read
+            view = map_range(file.fileno(), span_start, span_end)
+            if view is None:
+                size = os.fstat(file.fileno()).st_size
                 raise ValueError(f"{path}: truncated: expected {span_end} bytes, the file ends at {size}")
-            offset = span_start - span_start % mmap.ALLOCATIONGRANULARITY
-            mapped = mmap.mmap(
-                file.fileno(), span_end - offset, flags=mmap.MAP_PRIVATE | _POPULATE, prot=mmap.PROT_READ, offset=offset
-            )
-        view = memoryview(mapped)[span_start - offset :]
         key = str(path)
         for index in range(first, last + 1):
             if (key, index) in self._cache:

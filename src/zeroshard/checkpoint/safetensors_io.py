@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
 import sys
@@ -25,6 +26,7 @@ from .dtypes import as_array, dtype_info, dtype_of, dtype_of_code
 _MAX_HEADER_BYTES = 100 << 20  # the limit safetensors itself enforces
 _WRITE_CHUNK = 1 << 20  # hashed and written while still in the CPU cache
 _WRITEBACK_CHUNK = 64 << 20  # start writing this much to disk while the rest is produced
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault a mapping's pages in with the mmap call
 
 if sys.byteorder != "little":  # safetensors is little-endian and tensors are written raw
     raise ImportError("zeroshard checkpoints need a little-endian machine")
@@ -309,6 +311,18 @@ def pread_exact(fd: int, offset: int, count: int, path: Path) -> bytearray:
     data = bytearray(count)
     pread_into(fd, memoryview(data), offset, path)
     return data
+
+
+def map_range(fd: int, begin: int, end: int) -> memoryview | None:
+    """A read-only view of bytes [begin, end) of the open file ``fd`` through a private
+    mapping (pages faulted in up front where the OS can), or None if the file ends before
+    ``end``: reading a mapping past the end of a file faults (SIGBUS) instead of raising.
+    The mapping lives as long as any view of it."""
+    if os.fstat(fd).st_size < end:
+        return None
+    start = begin - begin % mmap.ALLOCATIONGRANULARITY
+    mapped = mmap.mmap(fd, end - start, flags=mmap.MAP_PRIVATE | _POPULATE, prot=mmap.PROT_READ, offset=start)
+    return memoryview(mapped)[begin - start :]
 
 
 def pread_into(fd: int, view: memoryview, offset: int, path: Path) -> None:

@@ -8,7 +8,6 @@ asked for, into a fresh numpy array (``ml_dtypes`` for bfloat16 and float8).
 from __future__ import annotations
 
 import math
-import mmap
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..checkpoint.dtypes import dtype_info
+from ..checkpoint.safetensors_io import map_range
 
 
 class TorchFileError(ValueError):
@@ -48,7 +48,6 @@ STORAGE_CLASSES: dict[str, str | None] = {
 }
 _READ_CHUNK = 1 << 30
 MAP_BYTES = 8 << 20  # reads at least this big are memory-mapped, not copied in
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # fault the pages in with the mmap call (Linux)
 
 
 def unbuildable(cls: type) -> type:
@@ -161,34 +160,30 @@ def _read(storage: StorageRecord, dtype: str, first: int, count: int) -> np.ndar
     """``count`` elements of ``dtype`` from element ``first`` of a storage: mapped when big,
     else read with pread."""
     numpy_dtype = dtype_info(dtype).numpy
-    offset = storage.data_offset + first * numpy_dtype.itemsize
+    begin = storage.data_offset + first * numpy_dtype.itemsize
+    end = begin + count * numpy_dtype.itemsize
     try:
         with open(storage.path, "rb", buffering=0) as file:
-            if count * numpy_dtype.itemsize >= MAP_BYTES:
-                return _mapped(file.fileno(), storage, numpy_dtype, offset, count)
+            if end - begin >= MAP_BYTES:
+                view = map_range(file.fileno(), begin, end)
+                if view is None:
+                    raise _ends_early(storage)
+                return np.frombuffer(view, numpy_dtype)
             out = np.empty(count, numpy_dtype)
             buffer = memoryview(out.view(np.uint8))
             done = 0
             while done < len(buffer):
-                got = _pread_into(file.fileno(), buffer[done : done + _READ_CHUNK], offset + done)
+                got = _pread_into(file.fileno(), buffer[done : done + _READ_CHUNK], begin + done)
                 if not got:
-                    raise TorchFileError(
-                        f"{storage.path}: file ends inside storage record {storage.key} (changed since it was loaded?)"
-                    )
+                    raise _ends_early(storage)
                 done += got
     except OSError as err:
         raise TorchFileError(f"{storage.path}: cannot be read: {err.strerror or err}") from None
     return out
 
 
-def _mapped(fd: int, storage: StorageRecord, dtype: np.dtype, offset: int, count: int) -> np.ndarray:
-    end = offset + count * dtype.itemsize
-    size = os.fstat(fd).st_size
-    if size < end:  # a mapping past the end of a file faults (SIGBUS) when read
-        raise TorchFileError(f"{storage.path}: file ends inside storage record {storage.key} (changed since it was loaded?)")
-    start = offset - offset % mmap.ALLOCATIONGRANULARITY
-    mapped = mmap.mmap(fd, end - start, flags=mmap.MAP_PRIVATE | _POPULATE, prot=mmap.PROT_READ, offset=start)
-    return np.frombuffer(mapped, dtype, count, offset - start)
+def _ends_early(storage: StorageRecord) -> TorchFileError:
+    return TorchFileError(f"{storage.path}: file ends inside storage record {storage.key} (changed since it was loaded?)")
 
 
 def _pread_into(fd: int, buffer: memoryview, offset: int) -> int:
