@@ -274,6 +274,16 @@ def test_garbage_model_states_file(copy_of):
         open_deepspeed(tag_dir)
 
 
+def test_module_entry_that_is_not_a_tensor(copy_of):
+    tag_dir = copy_of("w2_s2")
+    path = tag_dir / "mp_rank_00_model_states.pt"
+    model = torch.load(path, map_location="cpu", weights_only=False)
+    model["module"]["fc1.weight"] = 3
+    torch.save(model, path)
+    with pytest.raises(DeepSpeedFormatError, match=r"model_states.pt: module entries \['fc1.weight'\] are not tensors"):
+        open_deepspeed(tag_dir)
+
+
 def test_rank_file_from_another_run(copy_of, deepspeed_runs):
     """Same model and world size, other alignment: the layouts differ, and the check says where."""
     tag_dir = copy_of("w2_s2_align_rr")
