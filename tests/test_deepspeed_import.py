@@ -411,6 +411,11 @@ def shorter(tensor):
 def mismatches(tag_dir: Path):
     """(description, mutation of a parsed RankShard, expected message part)."""
     yield "fp32 length", lambda s: s.fp32.__setitem__(0, shorter(s.fp32[0])), "saved fp32 partition has"
+    yield (
+        "fp32 dtype",
+        lambda s: s.fp32.__setitem__(0, dataclasses.replace(s.fp32[0], dtype="bfloat16")),
+        "saved fp32 partition is bfloat16, not float32",
+    )
     yield "tail padding", lambda s: s.group_paddings.__setitem__(0, s.group_paddings[0] + 2), "group_paddings says"
     yield (
         "state length",

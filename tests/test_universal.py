@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -442,6 +443,22 @@ def test_streaming_writer_checks_the_plan_and_writes_standard_safetensors(tmp_pa
     with pytest.raises(ValueError, match="1 planned tensors were never written"):
         with SafetensorsWriter(tmp_path / "u.safetensors", plan, block_size=16) as writer:
             writer.write("a", a)
+
+
+def test_writer_starts_writeback_as_it_goes(tmp_path, monkeypatch):
+    from safetensors.numpy import load_file
+
+    from zeroshard.checkpoint import safetensors_io
+
+    hinted = []
+    monkeypatch.setattr(safetensors_io, "_WRITEBACK_CHUNK", 3 << 20)
+    monkeypatch.setattr(safetensors_io.os, "posix_fadvise", lambda fd, offset, length, advice: hinted.append((offset, length, advice)))
+    values = np.arange(5 << 20, dtype=np.float32)  # 20 MiB, written in 1 MiB pieces
+    record = safetensors_io.write_safetensors(tmp_path / "big.safetensors", [("v", values)], block_size=1 << 20)
+    assert [advice for _, _, advice in hinted] == [os.POSIX_FADV_DONTNEED] * len(hinted) and len(hinted) >= 5
+    assert [offset for offset, _, _ in hinted[1:]] == [o + n for o, n, _ in hinted[:-1]]  # consecutive ranges
+    assert hinted[-1][0] + hinted[-1][1] <= record.size
+    assert np.array_equal(load_file(tmp_path / "big.safetensors")["v"], values)
 
 
 def write_with_record(path, payload: bytes, block_size: int):

@@ -7,8 +7,9 @@ before anything is read. A disagreement is a :class:`DeepSpeedFormatError` namin
 group and rank: a misread layout would silently scramble weights.
 
 Rank files are opened lazily: opening one unpickles its structure, and tensor bytes are read
-range by range with ``pread`` when asked for (nothing is memory-mapped, so a conversion's
-resident memory is what it holds, not what it has read). At most ``cache_size`` parsed rank
+range by range when asked for (with ``pread``, or through a mapping of just that range when it
+is 8 MiB or more; no file is held mapped, so a conversion's resident memory is what it holds,
+not what it has read). At most ``cache_size`` parsed rank
 files are kept, whatever the world size. Neither torch nor DeepSpeed is imported.
 """
 
@@ -73,7 +74,8 @@ class DeepSpeedSource:
 
     def read(self, rank: int, group: int, key: str, start: int, end: int) -> np.ndarray:
         """Elements [start, end) of ``rank``'s partition of ``key`` ("fp32" or an optimizer
-        state name) in layout group ``group``, as a new fp32 array."""
+        state name) in layout group ``group``, as an fp32 array the caller may keep (read-only
+        when big: a view of a mapping)."""
         partition_numel = self._group(group).partition_numel
         if not 0 <= start <= end <= partition_numel:
             raise ValueError(
