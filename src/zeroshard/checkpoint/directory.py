@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping
 
 from .checksum import FileRecord
 from .format import LATEST_FILE, MANIFEST_FILE, OLD_MARKER, TEMP_MARKER, check_tag, old_dir_name, temp_dir_name
+from .members import member_path, open_member
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,8 @@ def resolve_checkpoint(path: Path) -> Path:
             check_tag(tag)
         except ValueError:
             raise ValueError(f"{path / LATEST_FILE}: holds {tag!r}, not a checkpoint tag") from None
+        if (path / tag).is_symlink():
+            raise ValueError(f"{path / LATEST_FILE}: names tag {tag!r}, a symbolic link; a tag must be a directory in the root")
         target = _existing_or_moved_aside(path / tag)
         if target is None:
             raise FileNotFoundError(f"{path / LATEST_FILE}: names tag {tag!r} but {path / tag} does not exist")
@@ -149,23 +152,25 @@ def _existing_or_moved_aside(target: Path) -> Path | None:
 
 
 def read_json_file(path: Path, what: str) -> Any:
-    """The JSON in ``path``; one-line errors for a missing file or invalid JSON."""
+    """The JSON in ``path`` (a regular file, not a link); one-line errors for a missing file or invalid JSON."""
     try:
-        text = path.read_text()
+        fd = open_member(path)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: missing: not a complete {what}") from None
+    with open(fd, "rb") as handle:
+        raw = handle.read()
     try:
-        return json.loads(text)
+        return json.loads(raw)
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: corrupted: not valid JSON ({err.msg} at line {err.lineno})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: corrupted: not UTF-8 text") from None
 
 
 def check_files_present(directory: Path, records: Mapping[str, FileRecord]) -> None:
-    """Every file a manifest lists exists with its recorded size (one stat each)."""
+    """Every file a manifest lists is a regular file in ``directory`` (see :mod:`.members`)
+    with its recorded size (one lstat each)."""
     for name, record in records.items():
-        try:
-            size = (directory / name).stat().st_size
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{directory / name}: missing; the manifest lists it") from None
+        size = member_path(directory, name).lstat().st_size
         if size != record.size:
             raise ValueError(f"{directory / name}: truncated or altered: {size} bytes, the manifest says {record.size}")
