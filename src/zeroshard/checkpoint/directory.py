@@ -1,6 +1,6 @@
-"""The checkpoint root on disk: staging, atomic publication, the ``latest`` pointer.
+"""The checkpoint root on disk: its writer lock, staging, atomic publication, ``latest``.
 
-A save writes into ``<root>/.<tag>.tmp-<id>`` and becomes visible with one rename to
+A save holds the root's lock (``<root>/.lock``, see :mod:`.writer_lock`) throughout, writes into ``<root>/.<tag>.tmp-<id>`` and becomes visible with one rename to
 ``<root>/<tag>``; ``latest`` is replaced after that. Saving over an existing tag first moves
 the old directory aside to ``<root>/.<tag>.old-<id>``; if a crash falls between the two
 renames, :func:`resolve_checkpoint` finds the old one there, and the next save puts it back.
@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from .checksum import FileRecord
-from .format import LATEST_FILE, MANIFEST_FILE, OLD_MARKER, TEMP_MARKER, check_tag, old_dir_name, temp_dir_name
+from .format import LATEST_FILE, LOCK_FILE, MANIFEST_FILE, OLD_MARKER, TEMP_MARKER, check_tag, old_dir_name, temp_dir_name
 from .members import member_path, open_member
+from .writer_lock import WriterLock
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +49,22 @@ def replace_file_atomically(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
-def prepare_staging(root: Path, tag: str) -> Path:
-    """Clean up after earlier interrupted saves, then create a fresh staging directory."""
+def root_lock(root: Path, tag: str) -> WriterLock:
+    """The writer lock of ``root`` (created if absent) for saving ``tag``, not yet acquired.
+
+    Hold it from :func:`prepare_staging` until :func:`publish` returns: a second writer then
+    gets a WriterLockedError naming the holder instead of deleting the first one's staging.
+    """
     root.mkdir(parents=True, exist_ok=True)
-    clean_interrupted_saves(root)
+    return WriterLock(root / LOCK_FILE, f"saving tag {tag!r}")
+
+
+def prepare_staging(root: Path, tag: str, *, clean: bool = True) -> Path:
+    """Clean up after earlier interrupted saves (unless ``clean`` is False: the root could
+    not be locked), then create a fresh staging directory."""
+    root.mkdir(parents=True, exist_ok=True)
+    if clean:
+        clean_interrupted_saves(root)
     staging = root / temp_dir_name(tag, uuid.uuid4().hex[:12])
     staging.mkdir()
     return staging
@@ -60,8 +73,8 @@ def prepare_staging(root: Path, tag: str) -> Path:
 def clean_interrupted_saves(root: Path) -> None:
     """Delete staging directories; put back an old tag a crash left moved aside, else delete it.
 
-    One root is written by one job at a time, so every staging directory found here belongs
-    to a save that died.
+    Call it holding the root's lock (:func:`root_lock`): every writer takes it, so every
+    staging directory found then belongs to a save that died.
     """
     for entry in sorted(root.iterdir()):
         if not entry.name.startswith(".") or not entry.is_dir():
