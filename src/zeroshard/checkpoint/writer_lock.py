@@ -82,7 +82,7 @@ class WriterLock:
             return
         fd, self._fd, self.held = self._fd, None, False
         try:
-            os.unlink(self.path)  # while still locked, so no one locks this file after us
+            os.unlink(self.path)  # while locked: whoever locks this file next sees it gone and retries
         except FileNotFoundError:
             pass
         finally:
