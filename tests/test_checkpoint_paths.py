@@ -23,7 +23,10 @@ from zeroshard.checkpoint.universal import load_universal, open_universal, to_un
 from zeroshard.cli.main import main
 from zeroshard.layout import ParamSpec, build_layout
 
-SPECS = [[ParamSpec.of("embed", (13, 7), "bf16"), ParamSpec.of("proj", (7, 5), "bf16")], [ParamSpec.of("norm", (5,), "bf16")]]
+SPECS = [
+    [ParamSpec.of("embed", (13, 7), "bf16"), ParamSpec.of("proj", (7, 5), "bf16")],
+    [ParamSpec.of("norm", (5,), "bf16")],
+]
 LAYOUT = build_layout(SPECS, 2)
 RANK1 = "rank-00001-of-00002.safetensors"
 LINK_MESSAGE = "a symbolic link; files of a checkpoint must be regular files in its directory"

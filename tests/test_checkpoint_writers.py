@@ -24,7 +24,14 @@ import pytest
 from universal_helpers import save_synthetic
 
 import zeroshard
-from zeroshard.checkpoint import list_tags, open_checkpoint, resolve_checkpoint, run_ranks, save_sharded, verify_checkpoint
+from zeroshard.checkpoint import (
+    list_tags,
+    open_checkpoint,
+    resolve_checkpoint,
+    run_ranks,
+    save_sharded,
+    verify_checkpoint,
+)
 from zeroshard.checkpoint.fp32_export import to_fp32
 from zeroshard.checkpoint.output_dir import output_lock
 from zeroshard.checkpoint.testing import synthesize_state
@@ -57,7 +64,8 @@ def test_a_held_lock_refuses_a_second_writer_naming_the_holder(tmp_path):
         with pytest.raises(WriterLockedError) as info:
             WriterLock(path, "saving tag 'b'").acquire()
         message = str(info.value)
-        assert message.startswith(f"{path}: {HOLDER}") and "(saving tag 'a'); refusing to start saving tag 'b'" in message
+        assert message.startswith(f"{path}: {HOLDER}")
+        assert "(saving tag 'a'); refusing to start saving tag 'b': one writer at a time" in message
     assert not path.exists(), "the lock file goes with its holder"
     with WriterLock(path, "saving tag 'b'") as again:
         assert again.held

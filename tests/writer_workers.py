@@ -3,9 +3,10 @@
     python writer_workers.py save ROOT NAME SECONDS GO_FILE
     python writer_workers.py convert SOURCE OUT_DIR SECONDS GO_FILE
 
-Each says it is ready (GO_FILE.ready-PID) and waits for GO_FILE, so both start together, then writes in a loop for SECONDS (at
-most MAX_ATTEMPTS tries, MAX_PUBLISHED successes) and prints one JSON line: its pid, what it published, the
-refusals (WriterLockedError) it met and every other error.
+Each says it is ready (GO_FILE.ready-PID) and waits for GO_FILE, so both start together,
+then writes in a loop for SECONDS (at most MAX_ATTEMPTS tries, MAX_PUBLISHED successes) and
+prints one JSON line: its pid, what it published, the refusals (WriterLockedError) it met
+and every other error.
 """
 
 from __future__ import annotations

@@ -18,7 +18,16 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from .checksum import FileRecord
-from .format import LATEST_FILE, LOCK_FILE, MANIFEST_FILE, OLD_MARKER, TEMP_MARKER, check_tag, old_dir_name, temp_dir_name
+from .format import (
+    LATEST_FILE,
+    LOCK_FILE,
+    MANIFEST_FILE,
+    OLD_MARKER,
+    TEMP_MARKER,
+    check_tag,
+    old_dir_name,
+    temp_dir_name,
+)
 from .members import member_path, open_member
 from .writer_lock import WriterLock
 
@@ -124,7 +133,7 @@ def resolve_checkpoint(path: Path) -> Path:
         except ValueError:
             raise ValueError(f"{path / LATEST_FILE}: holds {tag!r}, not a checkpoint tag") from None
         if (path / tag).is_symlink():
-            raise ValueError(f"{path / LATEST_FILE}: names tag {tag!r}, a symbolic link; a tag must be a directory in the root")
+            raise ValueError(f"{path / LATEST_FILE}: names tag {tag!r}, a symbolic link; a tag must be a directory")
         target = _existing_or_moved_aside(path / tag)
         if target is None:
             raise FileNotFoundError(f"{path / LATEST_FILE}: names tag {tag!r} but {path / tag} does not exist")

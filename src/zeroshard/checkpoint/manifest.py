@@ -211,7 +211,8 @@ def _model_tensor_kind_problem(tensors: dict[str, ModelTensorRecord], trained: s
     """A module tensor's ``kind`` must be known, and "trainable" exactly for the layout's parameters."""
     for name, record in tensors.items():
         if record.kind not in TENSOR_KINDS:
-            return f"module tensor {name!r} has unknown kind {record.kind!r} (expected one of {', '.join(TENSOR_KINDS)})"
+            expected = ", ".join(TENSOR_KINDS)
+            return f"module tensor {name!r} has unknown kind {record.kind!r} (expected one of {expected})"
         if (record.kind == "trainable") != (name in trained):
             state = "is" if name in trained else "is not"
             return f"module tensor {name!r} has kind {record.kind!r} but {state} a trained parameter of the layout"

@@ -178,7 +178,8 @@ class UniversalManifest:
                 return f"alias {alias!r} -> {target!r} does not name a stored tensor"
         for name, entry in self.model_entries.items():
             if entry.kind not in MODEL_ENTRY_KINDS:
-                return f"module tensor {name!r} has unknown kind {entry.kind!r} (expected one of {', '.join(MODEL_ENTRY_KINDS)})"
+                expected = ", ".join(MODEL_ENTRY_KINDS)
+                return f"module tensor {name!r} has unknown kind {entry.kind!r} (expected one of {expected})"
             if name in self.params:
                 return f"module tensor {name!r} is also a trained parameter"
         specs = self.tensor_specs()

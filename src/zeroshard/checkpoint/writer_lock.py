@@ -107,7 +107,8 @@ class WriterLock:
         if holder is None:
             who = "another process (not recorded yet)"
         else:
-            who = f"pid {holder.get('pid')} on host {holder.get('host')} since {holder.get('since')} ({holder.get('what')})"
+            pid, host, since, what = (holder.get(key) for key in ("pid", "host", "since", "what"))
+            who = f"pid {pid} on host {host} since {since} ({what})"
         return f"{self.path}: held by {who}; refusing to start {self.what}: one writer at a time"
 
 
