@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .format import MODEL_FILE
 from .handle import Checkpoint
+from .members import member_path
 from .safetensors_io import check_entries, read_header, verify_file
 
 
@@ -15,11 +16,12 @@ def verify_checkpoint(ckpt: Checkpoint) -> list[str]:
     problems: list[str] = []
     manifest = ckpt.manifest
     for name, record in sorted(manifest.files.items()):
-        path = ckpt.path(name)
-        if not path.is_file():
-            problems.append(f"{path}: missing; the manifest lists it")
+        try:
+            path = member_path(ckpt.directory, name)
+            file_problems = verify_file(path, record)
+        except (OSError, ValueError) as err:
+            problems.append(str(err))
             continue
-        file_problems = verify_file(path, record)
         if not file_problems:
             file_problems = _header_problems(ckpt, name)
         problems += file_problems
