@@ -13,6 +13,7 @@ import pickle
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
@@ -545,3 +546,111 @@ def test_a_pickle_cannot_rewrite_a_checked_record(tmp_path, saved):
     marker = write_archive(tmp_path / "marker.pt", b"\x80\x02ctorch\nFloatStorage\n(" + text("float64") + b"tb.")
     expect_error(marker)
     check_against_torch(saved)
+
+
+# ---- resource bombs, flipped bits, shared state ------------------------------------------------
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def expect_refused_cheaply(path: Path, *words: str, allowed: dict | None = None, load=None) -> None:
+    """Refused in under a second, the process growing by less than 50 MB."""
+    before, started = resident_bytes(), time.perf_counter()
+    try:
+        if load is None:
+            expect_error(path, *words, allowed=allowed)
+        else:
+            with pytest.raises(ValueError) as caught:
+                load(path)
+            assert all(word in str(caught.value) for word in words), caught.value
+    finally:
+        elapsed, grown = time.perf_counter() - started, resident_bytes() - before
+    assert elapsed < 1.0 and grown < 50 << 20, (elapsed, grown)
+
+
+@pytest.mark.parametrize("shape", [(50000, 40000), (10**6, 10**6), (2, 3)])
+def test_an_expanded_view_past_its_storage_is_refused_before_any_read(tmp_path, shape):
+    path = tmp_path / "bomb.pt"
+    torch.save({"weight": torch.zeros(1, dtype=torch.bfloat16).expand(*shape)}, path)
+    assert path.stat().st_size < 2000
+    expect_refused_cheaply(path, "tensor of shape", "stride (0, 0)", "storage", "expanded view is refused")
+
+
+@pytest.mark.parametrize(
+    "tensor, words",
+    [
+        (FakeTensor(FakeStorage("0", torch.FloatStorage, 4), 0, (2**62, 2**62), (0, 0)), "expanded view is refused"),
+        (FakeTensor(FakeStorage("0", torch.FloatStorage, 4), 0, (4, 4), (1, 0)), "expanded view is refused"),
+        (FakeTensor(FakeStorage("0", torch.FloatStorage, 4), 0, (2**63,), (1,)), "malformed tensor"),
+        (FakeTensor(FakeStorage("0", torch.FloatStorage, 4), 2**63, (1,), (1,)), "malformed tensor"),
+        (FakeTensor(FakeStorage("0", torch.FloatStorage, 4), 0, (1,) * 65, (1,) * 65), "malformed tensor"),
+        (FakeTensor(FakeStorage("0", torch.FloatStorage, 2**62), 0, (2,), (1,)), "has 16 bytes, its 4611686018427387904"),
+    ],
+)
+def test_declared_sizes_cannot_outgrow_the_file(tmp_path, tensor, words):
+    path = write_archive(tmp_path / "fake.pt", torch_like_pickle([tensor]), {"0": bytes(16)})
+    expect_refused_cheaply(path, words)
+
+
+def test_a_flipped_bit_in_tensor_data_fails_the_record_crc(saved, tmp_path):
+    expected = torch.load(saved, weights_only=True)
+    with zipfile.ZipFile(saved) as archive:
+        info = archive.getinfo("saved/data/1")
+    for byte in (0, info.file_size // 2, info.file_size - 1):
+        data = bytearray(saved.read_bytes())
+        loaded = load_torch_file(saved)
+        data[loaded["b"][0].data_offset + byte] ^= 0x08
+        path = tmp_path / f"flipped{byte}.pt"
+        path.write_bytes(bytes(data))
+        flipped = load_torch_file(path)  # lazy: the pickle is intact
+        assert flipped["a"].numpy().tobytes() == expected["a"].numpy().tobytes()  # another record, intact
+        for read in (flipped["b"][0].numpy, lambda: flipped["b"][0].read(0, 1)):
+            with pytest.raises(TorchFileError) as caught:
+                read()
+            assert str(caught.value).startswith(f"{path}: record saved/data/1 is corrupt: its CRC-32 is ")
+
+
+def test_records_are_checked_once_and_with_flat_memory(tmp_path, monkeypatch):
+    from zeroshard.importers import torch_records
+
+    path = tmp_path / "big.pt"
+    torch.save({"big": torch.ones(6 << 20)}, path)  # 24 MiB: several CRC chunks
+    calls = []
+    original = torch_records._record_crc
+    monkeypatch.setattr(torch_records, "_record_crc", lambda *args: calls.append(1) or original(*args))
+    tensor = load_torch_file(path)["big"]
+    before = resident_bytes()
+    assert float(tensor.read(5, 6)[0]) == 1.0
+    assert resident_bytes() - before < 12 << 20 and len(calls) == 1
+    tensor.read(0, 10)
+    load_torch_file(path)["big"].read(7, 9)
+    assert len(calls) == 1  # same file, unchanged: not checked again
+    os.utime(path, ns=(1, 1))
+    tensor.read(0, 1)
+    assert len(calls) == 2  # touched since: checked again
+
+
+@pytest.mark.parametrize("call", [b"\x85R", b"\x85\x81"], ids=["REDUCE", "NEWOBJ"])
+@pytest.mark.parametrize("state", [{"_value_": 3, "_name_": "weights"}, {"evil": 1}], ids=["value", "new"])
+def test_a_file_cannot_change_an_allowed_enum_member(tmp_path, call, state):
+    from zeroshard.importers.deepspeed_pickle import ALLOWED_GLOBALS, ZeroStageEnum
+
+    member = ZeroStageEnum.gradients
+    before = dict(vars(member))
+    pickled_state = pickle.dumps(state, protocol=2)[2:-1]  # the dict, without PROTO and STOP
+    data = b"\x80\x02cdeepspeed.runtime.zero.config\nZeroStageEnum\nK\x02" + call + pickled_state + b"b."
+    path = write_archive(tmp_path / "enum.pt", data)
+    expect_error(path, "refused to unpickle data.pkl", "sets the state of a ZeroStageEnum", allowed=ALLOWED_GLOBALS)
+    assert dict(vars(member)) == before and member.value == 2 and member.name == "gradients"
+    assert ZeroStageEnum(2) is member
+
+
+def test_an_allowed_enum_must_refuse_state(tmp_path, saved):
+    class Shared(int, enum.Enum):
+        one = 1
+
+    with pytest.raises(TypeError, match="refuses_state"):
+        load_torch_file(saved, {"x.Shared": Shared})
