@@ -32,6 +32,7 @@ cannot expand into gigabytes).
 from __future__ import annotations
 
 import enum
+import itertools
 import os
 import reprlib
 import struct
@@ -48,6 +49,7 @@ __all__ = ["StorageRecord", "StoredTensor", "TorchFileError", "load_torch_file"]
 
 _LEGACY_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")  # first pickle of pre-1.6 files
 _READ_CHUNK = 1 << 30
+_loads = itertools.count(1)  # numbers the loads of this process (StorageRecord.load)
 
 
 def load_torch_file(path: Path, allowed: Mapping[str, type] | None = None) -> Any:
@@ -120,6 +122,7 @@ class _Archive:
             raise FileProblem(f"not a torch.save archive: {len(pickles)} <archive>/data.pkl records")
         self.prefix = pickles[0].removesuffix("data.pkl")
         self.storages: dict[str, StorageRecord] = {}
+        self.load = next(_loads)
 
     def info(self, name: str) -> zipfile.ZipInfo | None:
         try:
@@ -165,7 +168,8 @@ class _Archive:
                     f"its {numel}-element {kind.dtype} storage needs {nbytes}"
                 )
             record = StorageRecord(
-                self.path, key, self._data_offset(info), nbytes, kind.dtype, info.filename, info.file_size, info.CRC
+                self.path, key, self._data_offset(info), nbytes, kind.dtype, info.filename, info.file_size, info.CRC,
+                self.load,
             )
             self.storages[key] = record
         elif (record.dtype, record.nbytes) != (kind.dtype, nbytes):

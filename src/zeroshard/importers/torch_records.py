@@ -94,7 +94,8 @@ class StorageRecord:
     """One storage's bytes: ``nbytes`` bytes at absolute offset ``data_offset`` of ``path``;
     ``dtype`` is its element type as saved ("uint8" for an untyped storage). The zip record
     ``record_name`` holding them is ``record_size`` bytes (at least ``nbytes``) with CRC-32
-    ``crc32``."""
+    ``crc32``. ``load`` tells apart the loads of one process: a record's CRC is checked once
+    per load (and again if the file is replaced or modified)."""
 
     path: Path
     key: str
@@ -104,6 +105,7 @@ class StorageRecord:
     record_name: str
     record_size: int
     crc32: int
+    load: int = 0
 
 
 @unbuildable
@@ -219,11 +221,11 @@ _verified_lock = threading.Lock()
 
 
 def verify_record(storage: StorageRecord, fd: int) -> None:
-    """Check the zip CRC-32 of ``storage``'s whole record, unless this process already has
-    for the same file (same inode, size and mtime). Reads the record in chunks, so memory
-    stays flat; raises TorchFileError naming the file and the record on a mismatch."""
+    """Check the zip CRC-32 of ``storage``'s whole record, unless it was checked already in
+    the same load, in the same file (same inode, size and mtime). Reads the record in chunks,
+    so memory stays flat; raises TorchFileError naming the file and the record on a mismatch."""
     stat = os.fstat(fd)
-    key = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, storage.data_offset, storage.record_size)
+    key = (storage.load, storage.record_name, stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
     if key in _verified:
         return
     found = _record_crc(storage, fd)
