@@ -582,11 +582,12 @@ def test_an_expanded_view_past_its_storage_is_refused_before_any_read(tmp_path, 
 @pytest.mark.parametrize(
     "tensor, words",
     [
-        (FakeTensor(FakeStorage("0", torch.FloatStorage, 4), 0, (2**62, 2**62), (0, 0)), "expanded view is refused"),
+        (FakeTensor(FakeStorage("0", torch.FloatStorage, 4), 0, (2**30, 2**30), (0, 0)), "expanded view is refused"),
         (FakeTensor(FakeStorage("0", torch.FloatStorage, 4), 0, (4, 4), (1, 0)), "expanded view is refused"),
         (FakeTensor(FakeStorage("0", torch.FloatStorage, 4), 0, (2**63,), (1,)), "malformed tensor"),
         (FakeTensor(FakeStorage("0", torch.FloatStorage, 4), 2**63, (1,), (1,)), "malformed tensor"),
         (FakeTensor(FakeStorage("0", torch.FloatStorage, 4), 0, (1,) * 65, (1,) * 65), "malformed tensor"),
+        (FakeTensor(FakeStorage("0", torch.FloatStorage, 4), 0, (0, 2**62), (1, 1)), "too big for any memory"),
         (FakeTensor(FakeStorage("0", torch.FloatStorage, 2**62), 0, (2,), (1,)), "has 16 bytes, its 4611686018427387904"),
     ],
 )

@@ -147,10 +147,12 @@ def _check_view_fits(storage: StorageRecord, dtype: str, offset: int, shape: tup
     """Refuse a view that reaches past its storage, or that has more elements than the
     storage holds: reading one (a stride-0 ``expand`` of a 2-byte storage, say) would
     allocate far more than the file holds. Checked before anything is read."""
+    itemsize = dtype_info(dtype).itemsize
+    if math.prod(size for size in shape if size) * itemsize >= _INT64_LIMIT:  # numpy refuses it even when empty
+        raise FileProblem(f"corrupt pickle data.pkl: a tensor of shape {shape} is too big for any memory")
     numel = math.prod(shape)
     if not numel:
         return
-    itemsize = dtype_info(dtype).itemsize
     what = f"a {dtype} tensor of shape {shape}, stride {stride}, offset {offset}"
     needed = (offset + span(shape, stride)) * itemsize
     if needed > storage.nbytes:
