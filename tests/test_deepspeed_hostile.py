@@ -92,6 +92,11 @@ FIELD_CASES = {
         lambda raw: raw["ds_config"].update(bf16=True),
         "ds_config['bf16'] is a bool, expected a dict",
     ),
+    "zero_optimization is 2": (
+        MODEL,
+        lambda raw: raw["ds_config"].update(zero_optimization=2),
+        "ds_config['zero_optimization'] is a int, expected a dict",
+    ),
     "param_shapes is None": (MODEL, lambda raw: raw.update(param_shapes=None), "param_shapes is None, expected a list"),
     "a shape is a string": (
         MODEL,
@@ -298,5 +303,6 @@ def test_fuzzed_files_convert_identically_or_are_refused(tag_dir):
             outcomes["same"] += 1
         finally:
             path.write_bytes(originals[path])
+    print(f"fuzz: {outcomes} in {time.perf_counter() - started:.1f} s")
     assert outcomes["refused"] > 200, outcomes  # flips in bytes never read (zip padding) may pass
     assert time.perf_counter() - started < 60

@@ -238,7 +238,8 @@ def _uses_parameter_alignment(first: RankShard, ds_config: dict[str, Any]) -> bo
     if any(pad for group in first.param_alignment_paddings for pad in group):
         return True
     # All zero: both policies give the same offsets; follow the config for the record.
-    return bool((ds_config.get("zero_optimization") or {}).get("parameter_alignment", False))
+    zero = ds_config.get("zero_optimization")  # a dict, or DeepSpeed's legacy bool
+    return isinstance(zero, dict) and bool(zero.get("parameter_alignment", False))
 
 
 def _param_dtype(model: ModelStates, name: str, shape: tuple[int, ...], fallback: str) -> str:

@@ -187,14 +187,17 @@ def _param_shapes(value: Any, path: Path) -> list[dict[str, tuple[int, ...]]]:
     return groups
 
 
-# Sections of ds_config the importer reads, which must be dicts where present.
-_CONFIG_SECTIONS = ("bf16", "bfloat16", "fp16", "zero_optimization", "optimizer")
+# Sections of ds_config the importer reads, which must be dicts where present
+# (zero_optimization may also be DeepSpeed's legacy bool).
+_CONFIG_SECTIONS = ("bf16", "bfloat16", "fp16", "optimizer")
 
 
 def _ds_config(value: Any, path: Path) -> dict[str, Any]:
     config = fields.plain(fields.optional_mapping(value, "ds_config", path), "ds_config", path)
     for section in _CONFIG_SECTIONS:
         fields.optional_mapping(config.get(section), f"ds_config[{section!r}]", path)
+    if not isinstance(config.get("zero_optimization"), bool):
+        fields.optional_mapping(config.get("zero_optimization"), "ds_config['zero_optimization']", path)
     optimizer = config.get("optimizer") or {}
     fields.optional_mapping(optimizer.get("params"), "ds_config['optimizer']['params']", path)
     fields.optional_text(optimizer.get("type"), "ds_config['optimizer']['type']", path)

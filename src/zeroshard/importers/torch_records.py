@@ -186,7 +186,7 @@ def span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
 
 def _read(storage: StorageRecord, dtype: str, first: int, count: int) -> np.ndarray:
     """``count`` elements of ``dtype`` from element ``first`` of a storage: mapped when big,
-    else read with pread. The record's CRC is checked first (once per process)."""
+    else read with pread. The record's CRC is checked first (once per load)."""
     numpy_dtype = dtype_info(dtype).numpy
     begin = storage.data_offset + first * numpy_dtype.itemsize
     end = begin + count * numpy_dtype.itemsize
@@ -216,14 +216,14 @@ def _read(storage: StorageRecord, dtype: str, first: int, count: int) -> np.ndar
 
 _CRC_WINDOW = 16 << 20
 _VERIFIED_LIMIT = 1 << 14
-_verified: dict[tuple[Any, ...], None] = {}  # records checked in this process, by file identity
+_verified: dict[tuple[Any, ...], None] = {}  # records checked: by load, record and file identity
 _verified_lock = threading.Lock()
 
 
 def verify_record(storage: StorageRecord, fd: int) -> None:
     """Check the zip CRC-32 of ``storage``'s whole record, unless it was checked already in
-    the same load, in the same file (same inode, size and mtime). Reads the record in chunks,
-    so memory stays flat; raises TorchFileError naming the file and the record on a mismatch."""
+    the same load, in the same file (same inode, size and mtime). Reads the record window by
+    window, so memory stays flat; raises TorchFileError naming the file and the record on a mismatch."""
     stat = os.fstat(fd)
     key = (storage.load, storage.record_name, stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
     if key in _verified:
