@@ -132,7 +132,11 @@ FIELD_CASES = {
     "global_steps is a float": (MODEL, lambda raw: raw.update(global_steps=3.5), "global_steps is a float"),
     "ds_version is a float": (MODEL, lambda raw: raw.update(ds_version=0.19), "ds_version is a float"),
     "zero_stage is None": (RANK1, optimizer_state(lambda s: s.update(zero_stage=None)), "zero_stage is None"),
-    "group_paddings is None": (RANK1, optimizer_state(lambda s: s.update(group_paddings=None)), "group_paddings is None"),
+    "group_paddings is None": (
+        RANK1,
+        optimizer_state(lambda s: s.update(group_paddings=None)),
+        "group_paddings is None",
+    ),
     "a group padding is a string": (
         RANK1,
         optimizer_state(lambda s: s["group_paddings"].__setitem__(1, "0")),
@@ -171,7 +175,7 @@ FIELD_CASES = {
     "unhashable param id": (
         RANK1,
         optimizer_state(lambda s: s["base_optimizer_state"]["param_groups"][0].update(params=[[0]])),
-        "optimizer group 0 should hold one flat partition, found params=[[0]]",
+        "optimizer group 0 should hold one flat partition: params=[[0]]",
     ),
     "optimizer state entry is a list": (
         RANK1,
@@ -259,9 +263,11 @@ def everything(tag_dir: Path) -> dict[str, bytes]:
             for key in ("fp32", *source.info.state_keys[0]):
                 out[f"{key}/{name}"] = read_param(source, name, key).tobytes()
         for group in range(len(source.layout.groups)):
-            out[f"scalars/{group}"] = repr({k: np.asarray(v).tobytes() for k, v in source.scalars(group).items()}).encode()
+            scalars = {key: np.asarray(value).tobytes() for key, value in source.scalars(group).items()}
+            out[f"scalars/{group}"] = repr(scalars).encode()
         info = source.info
-        out["info"] = json.dumps([info.extra, [g.hyperparameters for g in info.param_groups], info.aliases], default=repr).encode()
+        described = [info.extra, [group.hyperparameters for group in info.param_groups], info.aliases]
+        out["info"] = json.dumps(described, default=repr).encode()
         out["entries"] = repr(info.model_entries).encode()
     return out
 

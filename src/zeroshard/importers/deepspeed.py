@@ -157,7 +157,8 @@ def rebuild_layout(model: ModelStates, first: RankShard, world_size: int) -> Lay
     saved_world = model.counters.get("dp_world_size")  # an int: read_model_states checked it
     if saved_world is not None and saved_world != world_size:
         raise DeepSpeedFormatError(
-            f"{model.path}: dp_world_size is {saved_world}, but there are {world_size} rank files in {model.path.parent}"
+            f"{model.path}: dp_world_size is {saved_world}, "
+            f"but there are {world_size} rank files in {model.path.parent}"
         )
     if len(model.param_shapes) != len(first.fp32):
         raise DeepSpeedFormatError(

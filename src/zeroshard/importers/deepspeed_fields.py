@@ -119,7 +119,8 @@ def plain(value: Any, field: str, path: Path) -> Any:
         if budget[0] < 0:
             raise field_error(path, field, f"holds more than {MAX_ITEMS} values")
         if depth > MAX_DEPTH:
-            raise field_error(path, field, f"is nested more than {MAX_DEPTH} deep (at {where}; does it contain itself?)")
+            problem = f"is nested more than {MAX_DEPTH} deep (at {where}; does it contain itself?)"
+            raise field_error(path, field, problem)
         if item is None or isinstance(item, (bool, int, float, str)):
             return
         if isinstance(item, (list, tuple)):

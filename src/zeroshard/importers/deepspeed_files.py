@@ -152,7 +152,8 @@ def read_rank_shard(path: Path, rank: int) -> RankShard:
     if isinstance(base, list):
         raise DeepSpeedFormatError(f"{path}: elastic_checkpoint optimizer state is not supported")
     base = fields.mapping(base, "base_optimizer_state", path)
-    fp32 = fields.sequence(_require(state, "single_partition_of_fp32_groups", path), "single_partition_of_fp32_groups", path)
+    fp32_key = "single_partition_of_fp32_groups"
+    fp32 = fields.sequence(_require(state, fp32_key, path), fp32_key, path)
     param_groups = [
         fields.mapping(group, f"base_optimizer_state['param_groups'][{index}]", path)
         for index, group in enumerate(fields.sequence(_require(base, "param_groups", path), "param_groups", path))
@@ -163,7 +164,7 @@ def read_rank_shard(path: Path, rank: int) -> RankShard:
         path=path,
         rank=rank,
         zero_stage=stage,
-        fp32=[fields.vector(t, f"single_partition_of_fp32_groups[{i}]", path) for i, t in enumerate(fp32)],
+        fp32=[fields.vector(t, f"{fp32_key}[{i}]", path) for i, t in enumerate(fp32)],
         states=states,
         scalars=scalars,
         param_groups=[_hyperparameters(group, index, path) for index, group in enumerate(param_groups)],
@@ -218,8 +219,9 @@ def _split_optimizer_state(
     for index, group in enumerate(param_groups):
         ids = group.get("params")
         if not isinstance(ids, list) or len(ids) != 1 or not isinstance(ids[0], int):
+            found = one_line(reprlib.repr(ids))
             raise DeepSpeedFormatError(
-                f"{path}: optimizer group {index} should hold one flat partition, found params={one_line(reprlib.repr(ids))}"
+                f"{path}: optimizer group {index} should hold one flat partition: params={found}"
             )
         where = f"base_optimizer_state['state'][{ids[0]}]"
         entries = fields.optional_mapping(state.get(ids[0]), where, path)
@@ -232,7 +234,8 @@ def _alignment_paddings(value: Any, path: Path) -> list[list[int]] | None:
     if value is None:
         return None
     field = "param_alignment_paddings"
-    return [fields.integers(group, f"{field}[{i}]", path) for i, group in enumerate(fields.sequence(value, field, path))]
+    groups = fields.sequence(value, field, path)
+    return [fields.integers(group, f"{field}[{i}]", path) for i, group in enumerate(groups)]
 
 
 def _slice_mappings(value: Any, path: Path) -> list[dict[str, tuple[int, int]]]:
@@ -241,9 +244,10 @@ def _slice_mappings(value: Any, path: Path) -> list[dict[str, tuple[int, int]]]:
         where = f"param_slice_mappings[{index}]"
         group: dict[str, tuple[int, int]] = {}
         for name, address in fields.mapping(mapping, where, path).items():
+            field = f"{where}[{name!r}]"
             if not isinstance(address, FragmentAddress):
-                raise DeepSpeedFormatError(f"{path}: {where}[{name!r}] is {type(address).__name__}, expected a fragment_address")
-            numel, start = (fields.integer(vars(address).get(key), f"{where}[{name!r}].{key}", path) for key in ("numel", "start"))
+                raise fields.field_error(path, field, f"is {type(address).__name__}, expected a fragment_address")
+            numel, start = (fields.integer(vars(address).get(k), f"{field}.{k}", path) for k in ("numel", "start"))
             group[name] = (numel, start)
         parsed.append(group)
     return parsed

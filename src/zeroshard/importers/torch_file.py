@@ -70,7 +70,9 @@ def load_torch_file(path: Path, allowed: Mapping[str, type] | None = None) -> An
         if not isinstance(cls, type):
             raise TypeError(f"allowed[{name!r}] must be a class, not {type(cls).__name__}")
         if issubclass(cls, enum.Enum) and not refuses_state_of(cls):
-            raise TypeError(f"allowed[{name!r}] is an Enum, whose members every load shares: decorate it with refuses_state")
+            raise TypeError(
+                f"allowed[{name!r}] is an Enum, whose members every load shares: decorate it with refuses_state"
+            )
         globals_.setdefault(name, seal(name, cls))
     try:
         with _open_zip(path) as zip_file, open(path, "rb", buffering=0) as file:

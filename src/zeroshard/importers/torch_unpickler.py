@@ -143,7 +143,9 @@ def _tensor(
     return StoredTensor(storage, dtype, shape, steps, storage_offset, requires_grad)
 
 
-def _check_view_fits(storage: StorageRecord, dtype: str, offset: int, shape: tuple[int, ...], stride: tuple[int, ...]) -> None:
+def _check_view_fits(
+    storage: StorageRecord, dtype: str, offset: int, shape: tuple[int, ...], stride: tuple[int, ...]
+) -> None:
     """Refuse a view that reaches past its storage, or that has more elements than the
     storage holds: reading one (a stride-0 ``expand`` of a 2-byte storage, say) would
     allocate far more than the file holds. Checked before anything is read."""
