@@ -53,7 +53,7 @@ class MoEFeedForward(nn.Module):
         order = choices.argsort(stable=True)
         counts = torch.bincount(choices, minlength=self.num_experts)
         outputs = self._run_experts(tokens[order // self.top_k], counts)
-        outputs = outputs[order.argsort()].view(tokens.shape[0], self.top_k, -1)
+        outputs = outputs[order.argsort()].view(tokens.shape[0], self.top_k, tokens.shape[1])
         mixed = (outputs * weights.unsqueeze(-1).to(outputs.dtype)).sum(dim=1)
         return mixed.view_as(x)
 
