@@ -135,6 +135,22 @@ def test_grouped_mm_reads_16_byte_aligned_views_of_the_flat_buffer(monkeypatch):
     assert copy(idx, idx).item() == loss.item()
 
 
+def test_expert_views_pass_the_cuda_kernel_checks_on_meta_tensors():
+    """torch's meta registration of _grouped_mm mirrors the CUDA checks (bf16, 16-byte row
+    strides): MoEConfig's expert views pass them; a width of 12 bf16 (24-byte rows) fails."""
+    model = MoEGPT(MoEConfig(vocab_size=31)).to(torch.bfloat16)
+    bind_model(model, ExpertMesh(1, 1))
+    offsets = torch.empty(4, dtype=torch.int32, device="meta")
+    for name, view in model.named_parameters():
+        if ".experts." in name:
+            weight = torch.empty_strided(view.shape, view.stride(), dtype=view.dtype, device="meta")
+            tokens = torch.empty(10, view.shape[1], dtype=view.dtype, device="meta")
+            assert torch._grouped_mm(tokens, weight, offs=offsets).shape == (10, view.shape[2])
+    narrow = torch.empty(4, 32, 12, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(RuntimeError, match="multiple of 16 bytes"):
+        torch._grouped_mm(torch.empty(10, 32, dtype=torch.bfloat16, device="meta"), narrow, offs=offsets)
+
+
 def test_expert_partitions_at_ep_2_are_aligned_on_every_expert_dp_rank():
     mesh = ExpertMesh(4, 2)
     experts = GroupedExperts(32, 48, (2, 3), 4).to(torch.bfloat16)
