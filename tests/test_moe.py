@@ -66,7 +66,10 @@ def test_experts_with_no_tokens_get_zero_gradients():
     output = experts(rows, counts)
     bounds = [0, 3, 3, 5, 5]
     expected = torch.cat(
-        [(F.silu(rows[a:b] @ experts.w1[e]) * (rows[a:b] @ experts.w3[e])) @ experts.w2[e] for e, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+        [
+            (F.silu(rows[a:b] @ experts.w1[e]) * (rows[a:b] @ experts.w3[e])) @ experts.w2[e]
+            for e, (a, b) in enumerate(zip(bounds, bounds[1:]))
+        ]
     )
     assert relative_diff(output, expected) < 1e-6
     output.backward(torch.randn_like(output))
