@@ -82,6 +82,15 @@ def compare_with_full_layer(rank: int, world_size: int, ep_size: int, dtype_name
     return result
 
 
-def run_cases(rank: int, world_size: int, cases: list[tuple[int, str, int | None]]) -> list[dict]:
-    """Several (ep_size, dtype, empty_rank) comparisons in one process group."""
-    return [compare_with_full_layer(rank, world_size, *case) for case in cases]
+def bad_ep_size_error(world_size: int) -> str:
+    """The error every rank gets for an EP that does not divide W (before any group exists)."""
+    try:
+        new_expert_groups(world_size + 1)
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+def run_cases(rank: int, world_size: int, cases: list[tuple[int, str, int | None]]) -> tuple[str, list[dict]]:
+    """The bad-EP error, then several (ep_size, dtype, empty_rank) comparisons in one process group."""
+    return bad_ep_size_error(world_size), [compare_with_full_layer(rank, world_size, *case) for case in cases]
