@@ -32,6 +32,8 @@ class MoEFeedForward(nn.Module):
         self.ep_group = ep_group
         ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
         ep_rank = dist.get_rank(ep_group) if ep_group is not None else 0
+        if ep_rank < 0:
+            raise ValueError(f"rank {dist.get_rank()} is not in the expert-parallel group it was given")
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.experts = GroupedExperts(dim, hidden, contiguous_expert_map(num_experts, ep_size)[ep_rank], num_experts)
 
