@@ -42,7 +42,7 @@ class MoEFeedForward(nn.Module):
         return self.experts.num_experts
 
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token's ``top_k`` experts [T, k] and their renormalised weights [T, k] (fp32)."""
+        """Each token's renormalised expert weights [T, k] (fp32) and its ``top_k`` experts [T, k]."""
         probabilities = F.softmax(self.gate(tokens).float(), dim=-1)
         weights, experts = probabilities.topk(self.top_k, dim=-1)
         return weights / weights.sum(dim=-1, keepdim=True), experts
@@ -50,7 +50,7 @@ class MoEFeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
         weights, experts = self.route(tokens)
-        # One row per (token, choice), sorted by expert; `order` undoes the sort.
+        # One row per (token, choice), sorted by expert; order.argsort() undoes the sort.
         choices = experts.flatten()
         order = choices.argsort(stable=True)
         counts = torch.bincount(choices, minlength=self.num_experts)
