@@ -1,20 +1,27 @@
 """Pure layout math: where every element of every parameter lives, and which rank owns it.
 
 No torch, no process group, no allocation: parameter specs, a world size and a policy in,
-a frozen, comparable, JSON-serialisable :class:`Layout` out.
+a frozen, comparable, JSON-serialisable :class:`Layout` out. Each group is partitioned over
+its own shard group (all ranks, or the ranks holding the same experts); :mod:`.experts`
+holds the rank arithmetic of expert parallelism.
 """
 
 from .dtypes import canonical_dtype, itemsize
 from .group import Bucket, Fragment, GroupLayout, LogicalPiece, LogicalRange, ParamSlot, Piece
 from .layout import FORMAT_VERSION, Layout, PaddingStats, build_layout
 from .policy import LayoutPolicy
-from .specs import ParamSpec
+from .experts import ExpertMesh, contiguous_expert_map
+from .specs import DENSE_SHARD_GROUP, EXPERT_SHARD_GROUP, GroupSpec, ParamSpec
 
 __all__ = [
+    "DENSE_SHARD_GROUP",
+    "EXPERT_SHARD_GROUP",
     "FORMAT_VERSION",
     "Bucket",
+    "ExpertMesh",
     "Fragment",
     "GroupLayout",
+    "GroupSpec",
     "Layout",
     "LayoutPolicy",
     "LogicalPiece",
@@ -25,5 +32,6 @@ __all__ = [
     "Piece",
     "build_layout",
     "canonical_dtype",
+    "contiguous_expert_map",
     "itemsize",
 ]

@@ -19,7 +19,7 @@ import bisect
 import functools
 from dataclasses import dataclass
 
-from .specs import ParamSpec
+from .specs import DENSE_SHARD_GROUP, ParamSpec
 
 
 @dataclass(frozen=True)
@@ -116,13 +116,22 @@ class LogicalPiece:
 
 @dataclass(frozen=True)
 class GroupLayout:
-    """The flat buffer of one group of same-dtype parameters at one world size."""
+    """The flat buffer of one group of same-dtype parameters, partitioned over one process group.
+
+    ``world_size`` is the size of the process group named ``shard_group``: all ranks for a
+    dense group, the W / EP ranks holding the same experts for an expert group. Per-rank
+    queries take the rank within that process group. An expert group lays out the local
+    experts of one expert-parallel rank; ``expert_map[e]`` names the global expert ids that
+    expert-parallel rank ``e`` holds, in the order of the stacked weights' first dimension.
+    """
 
     index: int
     dtype: str
     world_size: int
     params: tuple[ParamSlot, ...]
     buckets: tuple[Bucket, ...]
+    shard_group: str = DENSE_SHARD_GROUP
+    expert_map: tuple[tuple[int, ...], ...] = ()
 
     @property
     def numel(self) -> int:
@@ -142,6 +151,10 @@ class GroupLayout:
     @property
     def param_numel(self) -> int:
         return sum(slot.numel for slot in self.params)
+
+    @property
+    def is_expert_group(self) -> bool:
+        return bool(self.expert_map)
 
     @property
     def inter_param_padding(self) -> int:

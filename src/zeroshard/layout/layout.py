@@ -1,6 +1,11 @@
 """Build a Layout: parameter specs + world size + policy -> every offset and partition.
 
 This is the only place where offsets, padding and partition boundaries are computed.
+
+A group is partitioned over its own process group (its shard group): dense groups over all
+W ranks, expert groups over the W / EP ranks that hold the same experts. A layout whose
+groups are all dense is written as version 1 JSON, byte for byte as before shard groups
+existed; a layout with other shard groups is version 2, which older readers refuse.
 """
 
 from __future__ import annotations
@@ -13,10 +18,13 @@ from typing import Any, Iterable, Sequence
 from .dtypes import itemsize
 from .group import Bucket, GroupLayout, ParamSlot
 from .policy import LayoutPolicy
-from .specs import ParamSpec
+from .specs import DENSE_SHARD_GROUP, GroupSpec, ParamSpec
 
 FORMAT_NAME = "zeroshard.layout"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest written; version 1 (dense groups only) is still written and read
+_DENSE_ONLY_VERSION = 1
+
+GroupInput = GroupSpec | Sequence[ParamSpec | tuple[str, Sequence[int], object]]
 
 
 @dataclass(frozen=True)
@@ -41,7 +49,11 @@ class PaddingStats:
 
 @dataclass(frozen=True)
 class Layout:
-    """Every group's flat buffer at one world size under one policy. A comparable value."""
+    """Every group's flat buffer at one world size under one policy. A comparable value.
+
+    ``world_size`` is the number of ranks W; each group carries the size of the process
+    group it is partitioned over (W for dense groups).
+    """
 
     world_size: int
     policy: LayoutPolicy
@@ -70,26 +82,52 @@ class Layout:
         )
         return PaddingStats(param_numel, param_bytes, inter, tail, padding_bytes)
 
+    @property
+    def is_dense(self) -> bool:
+        """Whether every group is partitioned over all ranks."""
+        return all(group.shard_group == DENSE_SHARD_GROUP for group in self.groups)
+
+    @property
+    def shard_groups(self) -> dict[str, int]:
+        """The world size of each shard group the groups name, in order of first use."""
+        return {group.shard_group: group.world_size for group in self.groups}
+
     def specs(self) -> list[list[ParamSpec]]:
-        """The inputs this layout was built from."""
+        """The parameters of each group, in order."""
         return [[slot.spec for slot in group.params] for group in self.groups]
 
+    def group_specs(self) -> list[GroupSpec]:
+        """The inputs this layout was built from, shard groups included."""
+        return [
+            GroupSpec(tuple(slot.spec for slot in group.params), group.shard_group, group.world_size, group.expert_map)
+            for group in self.groups
+        ]
+
     def with_world_size(self, world_size: int) -> Layout:
-        """The same parameters and policy at another world size."""
+        """The same parameters and policy at another world size (dense layouts only: an
+        expert group's shapes and shard group depend on the expert parallelism too)."""
+        if not self.is_dense:
+            raise ValueError(
+                f"layout has shard groups {self.shard_groups}; rebuild it with build_layout for the new world size and EP"
+            )
         return build_layout(self.specs(), world_size, self.policy)
 
     def with_policy(self, policy: LayoutPolicy) -> Layout:
-        return build_layout(self.specs(), self.world_size, policy)
+        return build_layout(self.group_specs(), self.world_size, policy)
 
     # ---- JSON ----------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready; the lowest version that can express the layout."""
+        return self._to_dict(_DENSE_ONLY_VERSION if self.is_dense else FORMAT_VERSION)
+
+    def _to_dict(self, version: int) -> dict[str, Any]:
         return {
             "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
+            "version": version,
             "world_size": self.world_size,
             "policy": self.policy.to_dict(),
-            "groups": [_group_to_dict(group) for group in self.groups],
+            "groups": [_group_to_dict(group, with_shard_group=version > _DENSE_ONLY_VERSION) for group in self.groups],
         }
 
     def to_json(self, indent: int | None = None) -> str:
@@ -101,17 +139,17 @@ class Layout:
         if data.get("format") != FORMAT_NAME:
             raise ValueError(f"not a zeroshard layout (format {data.get('format')!r})")
         version = data.get("version")
-        if version != FORMAT_VERSION:
-            raise ValueError(f"layout format version {version!r} is not supported (this zeroshard reads {FORMAT_VERSION})")
+        if version not in (_DENSE_ONLY_VERSION, FORMAT_VERSION):
+            raise ValueError(
+                f"layout format version {version!r} is not supported (this zeroshard reads versions "
+                f"{_DENSE_ONLY_VERSION} to {FORMAT_VERSION})"
+            )
         try:
-            specs = [
-                [ParamSpec.of(param["name"], param["shape"], group["dtype"]) for param in group["params"]]
-                for group in data["groups"]
-            ]
-            layout = build_layout(specs, data["world_size"], LayoutPolicy.from_dict(data["policy"]))
+            groups = [_group_from_dict(group, with_shard_group=version > _DENSE_ONLY_VERSION) for group in data["groups"]]
+            layout = build_layout(groups, data["world_size"], LayoutPolicy.from_dict(data["policy"]))
         except (KeyError, TypeError) as err:
             raise ValueError(f"layout JSON is malformed: {type(err).__name__}: {err}") from None
-        if layout.to_dict() != data:
+        if layout._to_dict(version) != data:
             raise ValueError("layout JSON is inconsistent: its offsets differ from those its parameters give")
         return layout
 
@@ -124,25 +162,25 @@ class Layout:
         return {slot.name: (group.index, slot.index) for group in self.groups for slot in group.params}
 
 
-def build_layout(
-    groups: Sequence[Sequence[ParamSpec | tuple[str, Sequence[int], object]]],
-    world_size: int,
-    policy: LayoutPolicy | None = None,
-) -> Layout:
+def build_layout(groups: Sequence[GroupInput], world_size: int, policy: LayoutPolicy | None = None) -> Layout:
     """Lay out ``groups`` (ordered params of one dtype each) over ``world_size`` ranks.
 
-    Params may be ParamSpec or (name, shape, dtype) tuples. Raises ValueError naming the
-    parameter (or group) and the problem for any bad input.
+    A group is a :class:`GroupSpec` or a plain sequence of params (a dense group); params
+    may be ParamSpec or (name, shape, dtype) tuples. Raises ValueError naming the parameter
+    (or group) and the problem for any bad input.
     """
     policy = policy or LayoutPolicy()
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+    if not _is_int(world_size) or world_size < 1:
         raise ValueError(f"world size must be an integer >= 1, got {world_size!r}")
-    checked = [_check_group(index, group, policy) for index, group in enumerate(groups)]
-    _check_unique_names(checked)
-    return Layout(world_size, policy, tuple(_lay_out_group(i, specs, world_size, policy) for i, specs in enumerate(checked)))
+    checked = [_check_group(index, group, world_size, policy) for index, group in enumerate(groups)]
+    _check_unique_names([group.params for group in checked])
+    _check_shard_group_sizes(checked)
+    return Layout(world_size, policy, tuple(_lay_out_group(i, group, policy) for i, group in enumerate(checked)))
 
 
-def _check_group(index: int, params: Iterable[Any], policy: LayoutPolicy) -> list[ParamSpec]:
+def _check_group(index: int, group: GroupInput, world_size: int, policy: LayoutPolicy) -> GroupSpec:
+    shard = group if isinstance(group, GroupSpec) else GroupSpec(())
+    params: Iterable[Any] = group.params if isinstance(group, GroupSpec) else group
     specs = [param if isinstance(param, ParamSpec) else ParamSpec.of(*param) for param in params]
     if not specs:
         raise ValueError(f"group {index} has no parameters")
@@ -153,10 +191,67 @@ def _check_group(index: int, params: Iterable[Any], policy: LayoutPolicy) -> lis
     problem = policy.check_dtype(dtype)
     if problem:
         raise ValueError(f"parameter {specs[0].name!r} (group {index}): {problem}")
-    return specs
+    return _check_shard(index, specs, shard, world_size)
 
 
-def _check_unique_names(groups: list[list[ParamSpec]]) -> None:
+def _check_shard(index: int, specs: list[ParamSpec], shard: GroupSpec, world_size: int) -> GroupSpec:
+    """The group with its shard group checked and its world size filled in."""
+    name = shard.shard_group
+    try:
+        expert_map = tuple(tuple(experts) for experts in shard.expert_map)
+    except TypeError:
+        raise ValueError(f"group {index}: the expert map must be a list of lists of expert ids") from None
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"group {index}: shard group name must be a non-empty string, got {name!r}")
+    parallel = len(expert_map) or 1
+    size = shard.world_size if shard.world_size is not None else world_size // parallel
+    if not _is_int(size) or size < 1 or world_size % size:
+        raise ValueError(f"group {index}: shard group {name!r} of {size!r} ranks does not divide the world size {world_size}")
+    if name == DENSE_SHARD_GROUP and (size != world_size or expert_map):
+        raise ValueError(f"group {index}: shard group {name!r} is all {world_size} ranks, without experts")
+    if expert_map:
+        _check_expert_map(index, specs, expert_map, size, world_size)
+    return GroupSpec(tuple(specs), name, size, expert_map)
+
+
+def _check_expert_map(
+    index: int, specs: list[ParamSpec], expert_map: tuple[tuple[int, ...], ...], size: int, world_size: int
+) -> None:
+    local = len(expert_map[0])
+    if local < 1 or any(len(experts) != local for experts in expert_map):
+        raise ValueError(f"group {index}: the expert map must give every expert-parallel rank the same number (>= 1) of experts")
+    ids = [expert for experts in expert_map for expert in experts]
+    if not all(_is_int(expert) for expert in ids) or sorted(ids) != list(range(len(ids))):
+        raise ValueError(f"group {index}: the expert map must hold each of experts 0..{len(ids) - 1} exactly once")
+    if size * len(expert_map) != world_size:
+        raise ValueError(
+            f"group {index}: {len(expert_map)} expert-parallel ranks x {size} ranks per shard group "
+            f"is not the world size {world_size}"
+        )
+    for spec in specs:
+        if not spec.shape or spec.shape[0] != local:
+            raise ValueError(
+                f"parameter {spec.name!r} (group {index}): expert weights stack {local} local experts "
+                f"in their first dimension, got shape {list(spec.shape)}"
+            )
+
+
+def _check_shard_group_sizes(groups: list[GroupSpec]) -> None:
+    sizes: dict[str, int] = {}
+    for index, group in enumerate(groups):
+        size = sizes.setdefault(group.shard_group, group.world_size)
+        if size != group.world_size:
+            raise ValueError(
+                f"group {index}: shard group {group.shard_group!r} has {group.world_size} ranks here "
+                f"but {size} in an earlier group"
+            )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_unique_names(groups: list[tuple[ParamSpec, ...]]) -> None:
     seen: set[str] = set()
     for spec in (spec for group in groups for spec in group):
         if spec.name in seen:
@@ -185,7 +280,9 @@ def _split_into_buckets(specs: list[ParamSpec], policy: LayoutPolicy) -> list[li
     return buckets
 
 
-def _lay_out_group(index: int, specs: list[ParamSpec], world_size: int, policy: LayoutPolicy) -> GroupLayout:
+def _lay_out_group(index: int, group: GroupSpec, policy: LayoutPolicy) -> GroupLayout:
+    specs, world_size = list(group.params), group.world_size
+    assert world_size is not None  # filled in by _check_shard
     dtype = specs[0].dtype
     param_align = policy.param_alignment(dtype)
     tail_multiple = world_size * policy.partition_alignment(dtype)
@@ -220,11 +317,24 @@ def _lay_out_group(index: int, specs: list[ParamSpec], world_size: int, policy: 
         flat = bucket.end
         logical += content
         partition += bucket.partition_numel
-    return GroupLayout(index, dtype, world_size, tuple(slots), tuple(buckets))
+    return GroupLayout(index, dtype, world_size, tuple(slots), tuple(buckets), group.shard_group, group.expert_map)
 
 
-def _group_to_dict(group: GroupLayout) -> dict[str, Any]:
+def _group_from_dict(data: dict[str, Any], *, with_shard_group: bool) -> GroupSpec:
+    params = tuple(ParamSpec.of(param["name"], param["shape"], data["dtype"]) for param in data["params"])
+    if not with_shard_group:
+        return GroupSpec(params)
+    return GroupSpec(params, data["shard_group"], data["world_size"], data.get("expert_map", ()))
+
+
+def _group_to_dict(group: GroupLayout, *, with_shard_group: bool) -> dict[str, Any]:
+    shard: dict[str, Any] = {}
+    if with_shard_group:
+        shard = {"shard_group": group.shard_group, "world_size": group.world_size}
+        if group.expert_map:
+            shard["expert_map"] = [list(experts) for experts in group.expert_map]
     return {
+        **shard,
         "dtype": group.dtype,
         "numel": group.numel,
         "partition_numel": group.partition_numel,

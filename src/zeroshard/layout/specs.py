@@ -40,3 +40,24 @@ class ParamSpec:
         except ValueError as err:
             raise ValueError(f"parameter {name!r}: {err}") from None
         return cls(name, dims, dtype_name)
+
+
+DENSE_SHARD_GROUP = "dp"  # the process group of all ranks; dense groups are partitioned over it
+EXPERT_SHARD_GROUP = "expert_dp"  # the ranks that hold the same experts
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """A group of same-dtype parameters and the process group it is partitioned over.
+
+    A plain list of parameters is a dense group: partitioned over all ranks (``"dp"``). An
+    expert group is partitioned over the ranks that hold the same experts: ``world_size`` is
+    the world size of that group (W / EP), and ``expert_map[e]`` lists the global expert ids
+    that expert-parallel rank ``e`` holds, in local order. Its parameters are stacked expert
+    weights whose first dimension counts the local experts.
+    """
+
+    params: tuple[ParamSpec, ...]
+    shard_group: str = DENSE_SHARD_GROUP
+    world_size: int | None = None  # None: all ranks of the layout
+    expert_map: tuple[tuple[int, ...], ...] = ()

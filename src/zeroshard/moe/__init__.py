@@ -1,0 +1,32 @@
+"""Mixture of experts with expert parallelism: EP x DP process groups, a routed feed-forward
+layer whose stacked experts run on ``torch._grouped_mm``, and a small MoE GPT.
+
+The rank arithmetic (:class:`~zeroshard.layout.ExpertMesh`) is pure and lives with the layout;
+this package holds the torch side.
+"""
+
+from ..layout import ExpertMesh, contiguous_expert_map
+from .dispatch import Route, combine, dispatch
+from .experts import GroupedExperts, per_expert_name, per_expert_state_dict
+from .groups import ExpertGroups, new_expert_groups
+from .layer import MoEFeedForward
+from .model import MoEBlock, MoEConfig, MoEGPT, expert_param_names, layout_groups
+
+__all__ = [
+    "ExpertGroups",
+    "ExpertMesh",
+    "GroupedExperts",
+    "MoEBlock",
+    "MoEConfig",
+    "MoEFeedForward",
+    "MoEGPT",
+    "Route",
+    "combine",
+    "contiguous_expert_map",
+    "dispatch",
+    "expert_param_names",
+    "layout_groups",
+    "new_expert_groups",
+    "per_expert_name",
+    "per_expert_state_dict",
+]

@@ -1,0 +1,102 @@
+"""MoEGPT: TinyGPT with a mixture-of-experts feed-forward in every block (demo and tests),
+and the split of its parameters into dense ones and expert ones."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from ..layout import ExpertMesh, GroupSpec, ParamSpec
+from ..models import CausalSelfAttention, GPTConfig
+from .experts import GroupedExperts
+from .layer import MoEFeedForward
+
+
+@dataclass(frozen=True)
+class MoEConfig(GPTConfig):
+    """TinyGPT's shape with experts. Widths are multiples of 8, so a bf16 expert row is a
+    multiple of 16 bytes, as CUDA's grouped GEMM needs."""
+
+    n_head: int = 4
+    n_embd: int = 32
+    num_experts: int = 4
+    top_k: int = 2
+    expert_hidden: int = 48
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, config: MoEConfig, ep_group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.moe = MoEFeedForward(config.n_embd, config.expert_hidden, config.num_experts, config.top_k, ep_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.moe(self.ln_2(x))
+
+
+class MoEGPT(nn.Module):
+    """A GPT-2 style decoder with tied embeddings whose blocks' MLPs are MoE layers.
+
+    With ``ep_group`` each rank holds E / EP of every layer's experts (by the contiguous
+    expert map); all other parameters are the same on every rank.
+    """
+
+    def __init__(self, config: MoEConfig = MoEConfig(), ep_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.blocks = nn.ModuleList(MoEBlock(config, ep_group) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight
+        self.register_buffer("positions", torch.arange(config.block_size), persistent=True)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(self.positions[: idx.shape[1]])
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def expert_param_names(model: nn.Module) -> tuple[list[str], list[str]]:
+    """Names of (dense, expert) trainable parameters, each shared parameter once.
+
+    Expert parameters are those of :class:`GroupedExperts` modules: they differ between EP
+    ranks and are reduced over the expert-data-parallel group; all others over all ranks.
+    """
+    experts = {id(p) for module in model.modules() if isinstance(module, GroupedExperts) for p in module.parameters()}
+    dense, expert, seen = [], [], set()
+    for name, param in model.named_parameters():
+        if param.requires_grad and id(param) not in seen:
+            seen.add(id(param))
+            (expert if id(param) in experts else dense).append(name)
+    return dense, expert
+
+
+def layout_groups(model: nn.Module, mesh: ExpertMesh, dtype: object | None = None) -> list[list[ParamSpec] | GroupSpec]:
+    """Layout groups of a model with GroupedExperts: the dense parameters over all ranks,
+    the stacked expert weights over the expert-data-parallel group (one dtype each)."""
+    params = dict(model.named_parameters())
+    dense, expert = expert_param_names(model)
+    num_experts = {m.num_experts for m in model.modules() if isinstance(m, GroupedExperts)}
+    if len(num_experts) != 1:
+        raise ValueError(f"expected one expert count across the model's MoE layers, got {sorted(num_experts)}")
+
+    def specs(names: list[str]) -> list[ParamSpec]:
+        return [ParamSpec.of(name, tuple(params[name].shape), dtype or params[name].dtype) for name in names]
+
+    return [specs(dense), mesh.expert_group(specs(expert), num_experts.pop())]
