@@ -666,6 +666,42 @@ def check_different_models(rank: int, world_size: int) -> str:
     return "no error"
 
 
+def check_shard_state_dict(rank: int, world_size: int) -> dict[str, Any]:
+    """ZeroOptimizer.state_dict() / load_state_dict() at D > 1: a rank's own shard resumes
+    the run bit for bit; another rank's shard, given to one rank only or to all, is refused
+    on every rank (no rank left blocked in the re-gather) and changes nothing."""
+    import copy
+
+    config = RunConfig("shard-state-dict", model="gpt", stage=2, bucket_numel=500, steps=2)
+    model = build_model(config)
+    engine = make_engine(model, config)
+    train_engine(engine, model, config, rank)
+    saved = copy.deepcopy(engine.state_dict())
+    continued = replace(config, seed=1)  # other batches for the steps after the save
+    train_engine(engine, model, continued, rank)
+
+    resumed_model = build_model(config)
+    resumed = make_engine(resumed_model, config)
+    errors = {}
+    others = engine.comm.all_gather_object(saved)
+    for label, given in (("rank 1 given rank 0's", others[0] if rank == 1 else saved), ("swapped", others[1 - rank])):
+        masters = [m.detach().clone() for m in resumed.masters]
+        try:
+            resumed.load_state_dict(given)
+            errors[label] = "loaded"
+        except ValueError as error:
+            errors[label] = str(error)
+        errors[label + " unchanged"] = all(torch.equal(a, b) for a, b in zip(masters, resumed.masters))
+    resumed.load_state_dict(saved)
+    train_engine(resumed, resumed_model, continued, rank)
+    return {
+        "errors": errors,
+        "masters_max_error": max(float((a - b).abs().max()) for a, b in zip(engine.masters, resumed.masters)),
+        "params_equal": all(torch.equal(a.data, b.data) for a, b in zip(engine.buffers, resumed.buffers)),
+        "global_steps": resumed.global_steps,
+    }
+
+
 def run_checks(rank: int, world_size: int, checks: list[tuple[str, str, tuple]]) -> dict[str, Any]:
     """Spawn target: run (label, check name, extra args) in order on every rank; results by label."""
     functions: dict[str, Callable[..., Any]] = {
@@ -675,6 +711,7 @@ def run_checks(rank: int, world_size: int, checks: list[tuple[str, str, tuple]])
         "overflow": check_overflow_on_one_rank,
         "frozen_and_tied": check_frozen_and_tied,
         "different_models": check_different_models,
+        "shard_state_dict": check_shard_state_dict,
         "equivalence": run_equivalence,
     }
     return {label: functions[name](rank, world_size, *args) for label, name, args in checks}

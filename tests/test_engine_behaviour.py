@@ -26,6 +26,7 @@ CHECKS = [
     ("overflow-stage2", "overflow", (2,)),
     ("frozen-tied", "frozen_and_tied", ()),
     ("different-models", "different_models", ()),
+    ("shard-state-dict", "shard_state_dict", ()),
 ]
 
 
@@ -134,6 +135,22 @@ def test_frozen_params_stay_out_and_tied_params_count_once(per_rank):
 def test_ranks_with_different_models_are_refused_naming_the_ranks(per_rank):
     for result in (ranks["different-models"] for ranks in per_rank):
         assert "ranks [1]" in result and "rank 0" in result, result
+
+
+# ---- state_dict of a rank's shard ----------------------------------------------------------------
+
+
+def test_state_dict_shard_resumes_on_its_rank_and_is_refused_on_another_by_every_rank(per_rank):
+    for rank, result in enumerate(ranks["shard-state-dict"] for ranks in per_rank):
+        assert result["masters_max_error"] == 0.0 and result["params_equal"]
+        assert result["global_steps"] == 4
+        errors = result["errors"]
+        # Only rank 1 got a wrong shard: rank 0 refuses too, naming rank 1's problem.
+        assert "rank 1: the shard is rank 0's, this is rank 1" in errors["rank 1 given rank 0's"]
+        assert "rank 0:" not in errors["rank 1 given rank 0's"]
+        assert "rank 0: the shard is rank 1's, this is rank 0" in errors["swapped"]
+        assert "rank 1: the shard is rank 0's, this is rank 1" in errors["swapped"]
+        assert errors["rank 1 given rank 0's unchanged"] and errors["swapped unchanged"]
 
 
 def _config() -> RunConfig:
