@@ -22,11 +22,13 @@ CHECKS = [
     ("alignment", "alignment", ()),
     ("memory", "gradient_memory", ()),
     ("peak-memory", "stage2_peak_gradient_memory", ()),
+    ("peak-memory-bf16-reduce", "stage2_peak_gradient_memory", ("bfloat16",)),
     ("overflow-stage1", "overflow", (1,)),
     ("overflow-stage2", "overflow", (2,)),
     ("frozen-tied", "frozen_and_tied", ()),
     ("different-models", "different_models", ()),
     ("shard-state-dict", "shard_state_dict", ()),
+    ("reduce-dtype", "reduce_dtype", ()),
 ]
 
 
@@ -80,18 +82,39 @@ def test_stage1_holds_full_size_gradients(per_rank):
         assert result["grads_none"]
 
 
-def test_stage2_peak_gradient_memory_during_backward_is_bounded_by_buckets(per_rank):
+@pytest.mark.parametrize("label", ["peak-memory", "peak-memory-bf16-reduce"])
+def test_stage2_peak_gradient_memory_during_backward_is_bounded_by_buckets(per_rank, label):
     """Stage 2 exists to avoid holding a full-size gradient. Allowing one bucket filling and
     two in flight, the peak while backward runs must stay below partitions + 3 buckets.
-    (It once held every bucket's reduction until backward ended: stage 1's peak.)
+    (It once held every bucket's reduction until backward ended: stage 1's peak.) A bf16
+    reduction stages buckets in bf16 but receives every rank's part of it: the same bound.
     """
-    for result in (ranks["peak-memory"] for ranks in per_rank):
+    for result in (ranks[label] for ranks in per_rank):
         assert result["num_buckets"] > 4
         bound = result["partition_bytes"] + 3 * result["largest_bucket_bytes"]
         assert result["peak_bytes"] <= bound, (
             f"peak {result['peak_bytes']} B > partitions + 3 buckets {bound} B "
             f"(full fp32 gradient {result['full_gradient_bytes']} B, {result['num_buckets']} buckets)"
         )
+
+
+# ---- reduce dtype ----------------------------------------------------------------------------------
+
+
+def test_low_precision_reduction_equals_the_reference_that_rounds_the_same_way(per_rank):
+    """With bf16/fp16 reduction the reduced gradient is bit for bit the reference's that
+    divides, rounds each rank's part once and sums in fp32 in rank order; the reduce-scatter
+    payload is half the fp32 run's."""
+    for result in (ranks["reduce-dtype"] for ranks in per_rank):
+        for name, report in result.items():
+            assert report["vs_rounding_reference"] == 0.0, (name, report)
+            assert report["fp32_run_vs_fp32_reference"] == 0.0, (name, report)
+            assert report["reduce_scatter_bytes"] * 2 == report["fp32_reduce_scatter_bytes"] > 0, (name, report)
+        # Where rounding loses bits (stage 1's sum over micro-batches, fp32 gradients), the
+        # fp32 reference is visibly different: the comparison above can tell them apart.
+        for name in ("reduce-bf16-stage1", "reduce-bf16-stage2-fp32-params", "reduce-param-dtype-bf16-stage1"):
+            report = result[name]
+            assert report["vs_fp32_reference"] > 2**-12 * report["largest_gradient"], (name, report)
 
 
 # ---- fp16 overflow ---------------------------------------------------------------------------------

@@ -11,7 +11,17 @@ the reduce-scatter runs and what stays allocated:
   its partition has been added to the rank's fp32 gradient partition.
 
 Either way the result is ``partition_grads[g]``: this rank's partition of the sum over ranks
-of the accumulated (loss-scaled) gradients divided by the world size. Buckets are reduced in
+of the accumulated (loss-scaled) gradients divided by the world size.
+
+The reduction dtype is chosen per group (``reduce_dtypes``). In float32 the summed fp32
+gradient is divided by the world size afterwards, as always. In a lower precision (bf16,
+fp16) each rank divides first, in fp32, then rounds once to that dtype: the values on the
+wire are then no larger than the largest local gradient, so an fp16 reduction cannot
+overflow where the gradients themselves did not (bf16 has fp32's range; dividing by D costs
+it nothing but in the subnormals). Stage 1 rounds its fp32 local sum over micro-batches;
+stage 2, which reduces every micro-batch, stages each bucket directly in that dtype (half
+the bytes of an fp32 bucket) and adds the reduced partitions up in fp32. The sum over ranks
+is widened to fp32 (``Collectives.reduce_scatter_widened``) before it is added in. Buckets are reduced in
 a fixed order on every rank, so the collectives match even when hooks fire in another order:
 the order backward usually completes them, latest-registered parameters first. At most
 ``MAX_IN_FLIGHT`` bucket reductions are outstanding; launching another first folds the
@@ -47,10 +57,14 @@ class GradientReducer:
     comm: Collectives
     stage: int
     param_positions: dict[str, int]  # each parameter's place in module registration order
+    reduce_dtypes: list[torch.dtype] | None = None  # per group; None: float32 everywhere
     partition_grads: list[torch.Tensor] = field(init=False)
 
     def __post_init__(self) -> None:
         device = self.buffers[0].data.device
+        if self.reduce_dtypes is None:
+            self.reduce_dtypes = [torch.float32] * len(self.buffers)
+        self._widened = [dtype != torch.float32 for dtype in self.reduce_dtypes]
         self.partition_grads = [torch.zeros(b.group.partition_numel, dtype=torch.float32, device=device) for b in self.buffers]
         # Stage 1: persistent full-size accumulators. Stage 2: bucket buffers made on demand.
         self._full: list[torch.Tensor | None] = [
@@ -102,7 +116,10 @@ class GradientReducer:
             key = (group_index, slot.bucket)
             staging = self._bucket_staging(key)
             start = slot.offset - buffer.group.buckets[slot.bucket].start
-            staging[start : start + slot.numel].add_(grad)
+            if self._widened[group_index]:  # pre-divided and rounded once (see the module doc)
+                torch.div(grad, self.comm.world_size, out=staging[start : start + slot.numel])
+            else:
+                staging[start : start + slot.numel].add_(grad)
             self._pending[key] -= 1
             if not self._callback_queued:
                 self._callback_queued = True
@@ -114,7 +131,8 @@ class GradientReducer:
         if key not in self._staging:
             group_index, bucket_index = key
             bucket = self.buffers[group_index].group.buckets[bucket_index]
-            self._staging[key] = torch.zeros(bucket.numel, dtype=torch.float32, device=self.partition_grads[0].device)
+            dtype = self.reduce_dtypes[group_index]
+            self._staging[key] = torch.zeros(bucket.numel, dtype=dtype, device=self.partition_grads[0].device)
             self._pending[key] = self.buffers[group_index].group.buckets[bucket_index].num_params
         return self._staging[key]
 
@@ -141,12 +159,16 @@ class GradientReducer:
             reduction.handle.wait()
             self._accumulate(key, reduction.output)
 
-    def _reduce_bucket(self, key: tuple[int, int], full: torch.Tensor, async_op: bool) -> _BucketReduction:
+    def _reduce_bucket(self, key: tuple[int, int], payload: torch.Tensor, async_op: bool) -> _BucketReduction:
+        """Reduce-scatter one bucket's gradient, in fp32 or (already divided) in the reduce dtype."""
         group_index, bucket_index = key
         bucket = self.buffers[group_index].group.buckets[bucket_index]
-        output = torch.empty(bucket.partition_numel, dtype=torch.float32, device=full.device)
-        handle = self.comm.reduce_scatter_sum(output, full, async_op=async_op)
-        return _BucketReduction(full, output, handle)
+        output = torch.empty(bucket.partition_numel, dtype=torch.float32, device=payload.device)
+        if self._widened[group_index]:
+            handle = self.comm.reduce_scatter_widened(output, payload, async_op=async_op)
+        else:
+            handle = self.comm.reduce_scatter_sum(output, payload, async_op=async_op)
+        return _BucketReduction(payload, output, handle)
 
     def finish_backward(self) -> None:
         """Stage 2, end of a backward pass: reduce what is left and wait for everything."""
@@ -159,7 +181,7 @@ class GradientReducer:
         group_index, bucket_index = key
         bucket = self.buffers[group_index].group.buckets[bucket_index]
         target = self.partition_grads[group_index][bucket.partition_start : bucket.partition_start + bucket.partition_numel]
-        target.add_(reduced_sum.div_(self.comm.world_size))
+        target.add_(reduced_sum if self._widened[group_index] else reduced_sum.div_(self.comm.world_size))
 
     # ---- step side ------------------------------------------------------------------------
 
@@ -169,18 +191,24 @@ class GradientReducer:
             # Every rank runs the same backward passes, so this local flag agrees across ranks.
             if not self._dirty:
                 return
-            reductions = []
             for group_index, buffer in enumerate(self.buffers):
                 full = self._full[group_index]
                 for bucket in buffer.group.buckets:
                     key = (group_index, bucket.index)
-                    reductions.append((key, self._reduce_bucket(key, full[bucket.start : bucket.end], async_op=True)))
-            for key, reduction in reductions:
-                reduction.handle.wait()
-                self._accumulate(key, reduction.output)
+                    payload = self._stage1_payload(group_index, full[bucket.start : bucket.end])
+                    self._retire_in_flight(keep=MAX_IN_FLIGHT - 1)
+                    self._in_flight.append((key, self._reduce_bucket(key, payload, async_op=True)))
+            self._retire_in_flight(keep=0)
             for full in self._full:
                 full.zero_()
             self._dirty = False
+
+    def _stage1_payload(self, group_index: int, local_sum: torch.Tensor) -> torch.Tensor:
+        """The fp32 local sum itself, or it divided by the world size and rounded once."""
+        if not self._widened[group_index]:
+            return local_sum
+        payload = torch.empty(local_sum.numel(), dtype=self.reduce_dtypes[group_index], device=local_sum.device)
+        return torch.div(local_sum, self.comm.world_size, out=payload)
 
     def zero_grad(self) -> None:
         for grad in self.partition_grads:
@@ -193,7 +221,8 @@ class GradientReducer:
     def held_tensors(self) -> list[torch.Tensor]:
         """Every gradient tensor the reducer holds right now (for memory checks)."""
         held = list(self.partition_grads) + list(self._staging.values())
-        held += [tensor for _, reduction in self._in_flight for tensor in (reduction.input, reduction.output)]
+        for _, reduction in self._in_flight:
+            held += [reduction.input, reduction.output, *getattr(reduction.handle, "buffers", ())]
         return held + [t for t in self._full if t is not None]
 
     def remove_hooks(self) -> None:

@@ -18,7 +18,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from ..buffers import FlatParamBuffer, bind_flat_buffer
+from ..buffers import FlatParamBuffer, bind_flat_buffer, torch_dtype
 from ..comm import Collectives
 from ..layout import Layout, LayoutPolicy, build_layout
 from ..state import ShardedState
@@ -30,6 +30,7 @@ from .scaler import LossScaler
 from .shard_state import load_shard, shard_mismatch, shard_state_dict
 
 DEFAULT_STAGE2_BUCKET_NUMEL = 1 << 25  # 128 MiB of fp32 gradient per bucket in flight
+REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,14 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         stage: 1 (shard master weights and optimizer state) or 2 (also gradients).
         param_dtype: cast floating-point parameters to this dtype (bf16, fp16); the fp32
             master weights start from the values before the cast. None keeps their dtypes.
+        reduce_dtype: the dtype gradients are reduced across ranks in (FSDP2's name,
+            DeepSpeed's ``communication_data_type``): torch.float32 (default), bf16 or
+            fp16, or None for each group's parameter dtype. A lower precision halves the
+            gradient bytes; each rank divides by the world size in fp32 and rounds once
+            before sending, and the sum is taken and accumulated in fp32 (on gloo; other
+            backends sum in the reduce dtype). Stage 1 rounds its fp32 sum over the
+            micro-batches once per step; stage 2 rounds each micro-batch's gradient. At
+            world size 1 nothing is reduced and nothing is rounded.
         policy: the flat-buffer layout policy. Default: 16-byte aligned, and for stage 2
             buckets of ``DEFAULT_STAGE2_BUCKET_NUMEL`` elements.
         layout: a precomputed layout to use; it must match the parameters and world size.
@@ -85,6 +94,7 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         *,
         stage: int = 2,
         param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = torch.float32,
         policy: LayoutPolicy | None = None,
         layout: Layout | None = None,
         process_group: Any = None,
@@ -128,7 +138,8 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         torch.optim.Optimizer.__init__(self, list(self.optimizer.param_groups), self.optimizer.defaults)
         self._groups_fixed = True
         positions = {name: index for index, (name, _) in enumerate(model.named_parameters())}
-        self.reducer = GradientReducer(self.buffers, self.comm, stage, positions)
+        self.reduce_dtypes = self._resolve_reduce_dtypes(reduce_dtype)
+        self.reducer = GradientReducer(self.buffers, self.comm, stage, positions, self.reduce_dtypes)
         has_fp16 = any(group.dtype == "float16" for group in self.layout.groups)
         self.scaler = loss_scaler or (LossScaler() if has_fp16 else LossScaler.disabled())
         self._checks_overflow = has_fp16 or self.scaler.dynamic
@@ -322,6 +333,14 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         if policy is None:
             policy = LayoutPolicy.native(bucket_numel=DEFAULT_STAGE2_BUCKET_NUMEL if self.stage == 2 else None)
         return build_layout(self.grouping.layout_specs, self.comm.world_size, policy)
+
+    def _resolve_reduce_dtypes(self, reduce_dtype: torch.dtype | None) -> list[torch.dtype]:
+        """Each layout group's reduction dtype; float32 means today's fp32 reduction."""
+        if reduce_dtype not in (None, *REDUCE_DTYPES):
+            raise ValueError(f"reduce_dtype must be None or one of {', '.join(map(str, REDUCE_DTYPES))}, got {reduce_dtype!r}")
+        if self.world_size == 1:
+            return [torch.float32] * len(self.layout.groups)
+        return [reduce_dtype or torch_dtype(group.dtype) for group in self.layout.groups]
 
     def _check_same_layout_on_every_rank(self) -> None:
         self.layout_digest = digest = hashlib.sha256(self.layout.to_json().encode()).hexdigest()
