@@ -272,3 +272,43 @@ def test_param_groups_stay_fixed():
     engine = _engine(_model())
     with pytest.raises(NotImplementedError, match="fixed when it is built"):
         engine.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+
+
+# ---- stage 2 staging: unwritten slots and padding reduce as zeros ------------------------------------
+
+
+class SometimesUnused(torch.nn.Module):
+    """``extra`` takes part in the forward only when ``use_extra`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(13, 7)
+        self.extra = torch.nn.Parameter(torch.randn(7, 7))
+        self.head = torch.nn.Linear(7, 13)
+        self.use_extra = True
+
+    def forward(self, idx, targets):
+        x = self.embed(idx)
+        if self.use_extra:
+            x = x @ self.extra
+        return torch.nn.functional.cross_entropy(self.head(x).view(-1, 13), targets.view(-1))
+
+
+def test_stage2_parameter_without_gradient_and_padding_reduce_as_zeros():
+    """Stage 2 writes each gradient into an uninitialised bucket buffer; a parameter the
+    backward skipped and the padding must still be reduced as zeros, also when the buffer
+    reuses memory that held the previous step's gradients."""
+    model = SometimesUnused()
+    policy = LayoutPolicy.native(64, bucket_numel=200)
+    engine = ZeroOptimizer(model, torch.optim.SGD, stage=2, policy=policy, lr=0.1)
+    tokens = _batches(1)[0]
+    for use_extra in (True, True, False):
+        model.use_extra = use_extra
+        engine.backward(model(tokens, tokens))
+        extra = engine.get_full_grad("extra")
+        assert bool(extra.any()) == use_extra
+        for group, grad in zip(engine.layout.groups, engine.reducer.partition_grads):
+            assert all(not grad[begin:end].any() for begin, end in group.padding_ranges(0))
+        engine.step()
+        engine.zero_grad()

@@ -71,7 +71,8 @@ class GradientReducer:
             torch.zeros(b.group.numel, dtype=torch.float32, device=device) if self.stage == 1 else None for b in self.buffers
         ]
         self._staging: dict[tuple[int, int], torch.Tensor] = {}
-        self._pending: dict[tuple[int, int], int] = {}
+        self._pending: dict[tuple[int, int], set[int]] = {}  # params of a staged bucket yet to report
+        self._gaps = {key: self._gaps_of(*key) for key in self._all_buckets()}
         self._order = self._reduction_order()
         self._next_launch = 0
         self._in_flight: list[tuple[tuple[int, int], _BucketReduction]] = []
@@ -92,8 +93,23 @@ class GradientReducer:
             members = group.params[bucket.first_param : bucket.first_param + bucket.num_params]
             return (max(self.param_positions[slot.name] for slot in members), key[0], key[1])
 
-        keys = [(g, b) for g, buf in enumerate(self.buffers) for b in range(len(buf.group.buckets))]
-        return sorted(keys, key=last_position, reverse=True)
+        return sorted(self._all_buckets(), key=last_position, reverse=True)
+
+    def _all_buckets(self) -> list[tuple[int, int]]:
+        return [(g, b) for g, buffer in enumerate(self.buffers) for b in range(len(buffer.group.buckets))]
+
+    def _gaps_of(self, group_index: int, bucket_index: int) -> list[tuple[int, int]]:
+        """The bucket's ranges outside every parameter (padding), relative to its start."""
+        group = self.buffers[group_index].group
+        bucket = group.buckets[bucket_index]
+        gaps, position = [], bucket.start
+        for slot in group.params[bucket.first_param : bucket.first_param + bucket.num_params]:
+            if slot.offset > position:
+                gaps.append((position - bucket.start, slot.offset - bucket.start))
+            position = max(position, slot.end)
+        if bucket.end > position:
+            gaps.append((position - bucket.start, bucket.end - bucket.start))
+        return gaps
 
     # ---- backward -------------------------------------------------------------------------
 
@@ -116,11 +132,13 @@ class GradientReducer:
             key = (group_index, slot.bucket)
             staging = self._bucket_staging(key)
             start = slot.offset - buffer.group.buckets[slot.bucket].start
+            target = staging[start : start + slot.numel]
+            first = param_index in self._pending[key]  # else a second gradient for this bucket: add it
             if self._widened[group_index]:  # pre-divided and rounded once (see the module doc)
-                torch.div(grad, self.comm.world_size, out=staging[start : start + slot.numel])
+                torch.div(grad, self.comm.world_size, out=target) if first else target.add_(grad / self.comm.world_size)
             else:
-                staging[start : start + slot.numel].add_(grad)
-            self._pending[key] -= 1
+                target.copy_(grad) if first else target.add_(grad)
+            self._pending[key].discard(param_index)
             if not self._callback_queued:
                 self._callback_queued = True
                 Variable._execution_engine.queue_callback(self.finish_backward)
@@ -128,26 +146,35 @@ class GradientReducer:
         param.grad = None
 
     def _bucket_staging(self, key: tuple[int, int]) -> torch.Tensor:
+        """The bucket's staging buffer, uninitialised: each parameter's first gradient is
+        written, not added, and what stays unwritten is zeroed at launch (``_zero_unwritten``)."""
         if key not in self._staging:
             group_index, bucket_index = key
             bucket = self.buffers[group_index].group.buckets[bucket_index]
             dtype = self.reduce_dtypes[group_index]
-            self._staging[key] = torch.zeros(bucket.numel, dtype=dtype, device=self.partition_grads[0].device)
-            self._pending[key] = self.buffers[group_index].group.buckets[bucket_index].num_params
+            self._staging[key] = torch.empty(bucket.numel, dtype=dtype, device=self.partition_grads[0].device)
+            self._pending[key] = set(range(bucket.first_param, bucket.first_param + bucket.num_params))
         return self._staging[key]
+
+    def _zero_unwritten(self, key: tuple[int, int], staging: torch.Tensor, unreported: set[int]) -> None:
+        """Zero the padding and the slots of parameters that got no gradient."""
+        group = self.buffers[key[0]].group
+        bucket_start = group.buckets[key[1]].start
+        ranges = self._gaps[key] + [
+            (group.params[i].offset - bucket_start, group.params[i].end - bucket_start) for i in unreported
+        ]
+        for begin, end in ranges:
+            staging[begin:end].zero_()
 
     def _launch_ready(self, force: bool) -> None:
         """Reduce-scatter buckets in the fixed order, as far as they are complete (or all)."""
         while self._next_launch < len(self._order):
             key = self._order[self._next_launch]
-            if not force and (key not in self._pending or self._pending[key] > 0):
+            if not force and (key not in self._pending or self._pending[key]):
                 return
-            staging = self._staging.pop(key, None)
-            self._pending.pop(key, None)
-            if staging is None:  # no parameter of this bucket got a gradient: reduce zeros
-                self._bucket_staging(key)
-                staging = self._staging.pop(key)
-                self._pending.pop(key)
+            staging = self._bucket_staging(key)  # made here if no parameter of it got a gradient
+            del self._staging[key]
+            self._zero_unwritten(key, staging, self._pending.pop(key))
             self._retire_in_flight(keep=MAX_IN_FLIGHT - 1)
             self._in_flight.append((key, self._reduce_bucket(key, staging, async_op=True)))
             self._next_launch += 1
