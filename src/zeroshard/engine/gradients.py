@@ -1,14 +1,17 @@
 """Gradient reduction for stages 1 and 2.
 
-Both stages take each parameter's gradient in a post-accumulate-grad hook, add it in fp32 to
-a flat buffer laid out like the parameters, and drop ``param.grad``. What differs is when
+Both stages take each parameter's gradient in a post-accumulate-grad hook, put it into a
+flat buffer laid out like the parameters, and drop ``param.grad``. What differs is when
 the reduce-scatter runs and what stays allocated:
 
-* stage 1 keeps a full-size fp32 gradient buffer per group and reduce-scatters it at the
-  step (or when a reduced gradient is first asked for);
+* stage 1 adds it in fp32 to a full-size gradient buffer per group, kept across steps, and
+  reduce-scatters that at the step (or when a reduced gradient is first asked for);
 * stage 2 fills one bucket at a time and reduce-scatters each as soon as all its
   parameters have their gradient, while backward goes on; the bucket's buffer is freed once
-  its partition has been added to the rank's fp32 gradient partition.
+  its partition has been added to the rank's fp32 gradient partition. A bucket buffer is
+  not zero-filled: each parameter's gradient is written into it (a second one in the same
+  backward is added), and at launch the padding and any parameter that got no gradient are
+  zeroed.
 
 Either way the result is ``partition_grads[g]``: this rank's partition of the sum over ranks
 of the accumulated (loss-scaled) gradients divided by the world size.
@@ -21,12 +24,13 @@ overflow where the gradients themselves did not (bf16 has fp32's range; dividing
 it nothing but in the subnormals). Stage 1 rounds its fp32 local sum over micro-batches;
 stage 2, which reduces every micro-batch, stages each bucket directly in that dtype (half
 the bytes of an fp32 bucket) and adds the reduced partitions up in fp32. The sum over ranks
-is widened to fp32 (``Collectives.reduce_scatter_widened``) before it is added in. Buckets are reduced in
-a fixed order on every rank, so the collectives match even when hooks fire in another order:
-the order backward usually completes them, latest-registered parameters first. At most
-``MAX_IN_FLIGHT`` bucket reductions are outstanding; launching another first folds the
-oldest into the partition and frees its buffers, so stage 2 never holds more than a few
-buckets of full-size gradient.
+is widened to fp32 (``Collectives.reduce_scatter_widened``) before it is added in.
+
+Buckets are reduced in a fixed order on every rank, so the collectives match even when
+hooks fire in another order: the order backward usually completes them, latest-registered
+parameters first. At most ``MAX_IN_FLIGHT`` bucket reductions are outstanding; launching
+another first folds the oldest into the partition and frees its buffers, so stage 2 never
+holds more than a few buckets of full-size gradient.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ MAX_IN_FLIGHT = 2
 
 @dataclass
 class _BucketReduction:
-    input: torch.Tensor  # the bucket's fp32 gradient, full size
+    input: torch.Tensor  # the bucket's gradient, full size, in the reduce dtype
     output: torch.Tensor  # this rank's partition of it
     handle: object
 
