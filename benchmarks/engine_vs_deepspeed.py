@@ -229,7 +229,8 @@ def launch(world_size: int, rounds: int, steps: int, warmup: int) -> dict:
         ]  # fmt: skip
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
         if not out.is_file():
-            raise RuntimeError(f"D={world_size} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+            output = f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+            raise RuntimeError(f"D={world_size} failed ({done.returncode}):\n{output}")
         return json.loads(out.read_text())
 
 

@@ -80,7 +80,9 @@ def main() -> None:
     args = parser.parse_args()
     start = time.perf_counter()
     per_rank = spawn(train, args.world_size, (args.steps,), timeout_s=3600)
-    curves = {name: [statistics.fmean(ranks[name][s] for ranks in per_rank) for s in range(args.steps)] for name in RUNS}
+    curves = {
+        name: [statistics.fmean(ranks[name][step] for ranks in per_rank) for step in range(args.steps)] for name in RUNS
+    }
     print(
         f"demo TinyGPT, D = {args.world_size}, {ACCUMULATION} micro-batches of {BATCH} per rank and step, bf16 params, "
         f"AdamW lr {LR}, clip {CLIP}; mean loss over ranks and micro-batches"
@@ -94,7 +96,8 @@ def main() -> None:
         noise = statistics.fmean(abs(a - b) for a, b in zip(fp32[1:], fp32[:-1]))
         tail = max(1, args.steps // 10)
         print(
-            f"stage {stage}: |bf16 - fp32 reduce loss| max {max(differences):.4f}, mean {statistics.fmean(differences):.4f}; "
+            f"stage {stage}: |bf16 - fp32 reduce loss| max {max(differences):.4f}, "
+            f"mean {statistics.fmean(differences):.4f}; "
             f"last {tail} steps mean loss fp32 {statistics.fmean(fp32[-tail:]):.4f} vs bf16 "
             f"{statistics.fmean(bf16[-tail:]):.4f} (fp32 step-to-step |change| {noise:.4f})"
         )

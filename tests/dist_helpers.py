@@ -746,7 +746,9 @@ REDUCE_DTYPE_CONFIGS = (
     # stage 1 rounds its fp32 sum of two bf16 micro-batch gradients
     RunConfig("reduce-bf16-stage1", stage=1, reduce_dtype="bfloat16"),
     # fp32 gradients rounded to bf16, several buckets
-    RunConfig("reduce-bf16-stage2-fp32-params", model="gpt", param_dtype=None, reduce_dtype="bfloat16", bucket_numel=500),
+    RunConfig(
+        "reduce-bf16-stage2-fp32-params", model="gpt", param_dtype=None, reduce_dtype="bfloat16", bucket_numel=500
+    ),
     # None: the parameter dtype, here fp16 under a loss scale
     RunConfig("reduce-param-dtype-fp16-stage2", param_dtype="float16", reduce_dtype=None, bucket_numel=128),
     RunConfig("reduce-param-dtype-bf16-stage1", model="gpt", stage=1, reduce_dtype=None),

@@ -337,7 +337,8 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
     def _resolve_reduce_dtypes(self, reduce_dtype: torch.dtype | None) -> list[torch.dtype]:
         """Each layout group's reduction dtype; float32 means today's fp32 reduction."""
         if reduce_dtype not in (None, *REDUCE_DTYPES):
-            raise ValueError(f"reduce_dtype must be None or one of {', '.join(map(str, REDUCE_DTYPES))}, got {reduce_dtype!r}")
+            allowed = ", ".join(map(str, REDUCE_DTYPES))
+            raise ValueError(f"reduce_dtype must be None or one of {allowed}, got {reduce_dtype!r}")
         if self.world_size == 1:
             return [torch.float32] * len(self.layout.groups)
         return [reduce_dtype or torch_dtype(group.dtype) for group in self.layout.groups]

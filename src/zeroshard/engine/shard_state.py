@@ -83,7 +83,8 @@ def _partitions_mismatch(engine: ZeroOptimizer, zero: dict[str, Any]) -> str | N
 
 def _torch_part_mismatch(engine: ZeroOptimizer, state_dict: dict[str, Any]) -> str | None:
     groups, state = state_dict.get("param_groups"), state_dict.get("state")
-    if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+    well_formed = isinstance(groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
+    if not well_formed:
         return "'param_groups' must be a list of dicts with 'params' lists"
     if [len(g["params"]) for g in groups] != [len(g["params"]) for g in engine.param_groups]:
         return f"it has {len(groups)} param groups of other sizes than the engine's {len(engine.param_groups)}"
@@ -95,5 +96,6 @@ def _torch_part_mismatch(engine: ZeroOptimizer, state_dict: dict[str, Any]) -> s
             return f"'state' entry {index!r} is not a partition of this engine"
         for key, value in entry.items():
             if torch.is_tensor(value) and value.dim() > 0 and value.shape != ordered[index].shape:
-                return f"optimizer state {key!r} of partition {index} has shape {tuple(value.shape)}, expected {tuple(ordered[index].shape)}"
+                expected = tuple(ordered[index].shape)
+                return f"optimizer state {key!r} of partition {index} has shape {tuple(value.shape)}, expected {expected}"
     return None
