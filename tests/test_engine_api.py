@@ -312,3 +312,8 @@ def test_stage2_parameter_without_gradient_and_padding_reduce_as_zeros():
             assert all(not grad[begin:end].any() for begin, end in group.padding_ranges(0))
         engine.step()
         engine.zero_grad()
+
+
+def test_reduce_dtype_other_than_a_float_dtype_is_refused():
+    with pytest.raises(ValueError, match="reduce_dtype must be None or one of torch.float32, torch.bfloat16"):
+        ZeroOptimizer(_model(), torch.optim.AdamW, reduce_dtype=torch.int8)
