@@ -7,7 +7,9 @@ about 1.5 s of torch import) and returns plain Python values: numbers, booleans,
 The reference mirrors the engine's arithmetic on one process: each (rank, micro-batch)
 gradient in the parameter dtype is added in fp32 to an accumulator, micro-batch 1 first;
 ranks are summed in rank order and divided by the world size (per micro-batch for stage 2,
-which reduces every backward, once per step for stage 1); the loss scale is divided out;
+which reduces every backward, once per step for stage 1); with a lower-precision reduce
+dtype each rank's part is divided first and rounded to it, and the sum is in fp32; the
+loss scale is divided out;
 an inf/nan anywhere skips the step and halves the scale; clip_grad_norm_ clips; the torch
 optimizer steps on fp32 masters; the model's parameters are the masters cast back.
 """
@@ -67,6 +69,7 @@ class RunConfig:
     model: str = "odd"  # "odd" (OddSizedModel), "gpt" (small TinyGPT), "nine" (NineBiasModel)
     stage: int = 2
     param_dtype: str | None = "bfloat16"  # None keeps the model's fp32
+    reduce_dtype: str | None = "float32"  # None: the parameter dtype
     optimizer: str = "AdamW"
     optimizer_options: tuple[tuple[str, Any], ...] = (("betas", (0.9, 0.95)),)
     decay_options: tuple[tuple[str, Any], ...] = (("lr", 3e-3), ("weight_decay", 0.1))
@@ -89,6 +92,15 @@ class RunConfig:
 
     def dtype(self) -> torch.dtype | None:
         return getattr(torch, self.param_dtype) if self.param_dtype else None
+
+    def reduce_torch_dtype(self) -> torch.dtype | None:
+        return getattr(torch, self.reduce_dtype) if self.reduce_dtype else None
+
+    def effective_reduce_dtype(self, world_size: int) -> torch.dtype:
+        """What the engine reduces in: nothing is rounded at world size 1."""
+        if world_size == 1:
+            return torch.float32
+        return self.reduce_torch_dtype() or self.dtype() or torch.float32
 
 
 # ---- model, data and param groups (identical for engine and reference) ------------------------
@@ -144,6 +156,7 @@ def make_engine(model: nn.Module, config: RunConfig, **overrides: Any) -> ZeroOp
     options = dict(
         stage=config.stage,
         param_dtype=config.dtype(),
+        reduce_dtype=config.reduce_torch_dtype(),
         policy=config.policy(),
         gradient_accumulation_steps=config.accumulation,
         max_grad_norm=config.max_grad_norm,
@@ -331,6 +344,14 @@ def _reference_gradients(
     model: nn.Module, names: list[str], config: RunConfig, step: int, world_size: int, scale: float
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """The reduced fp32 gradient of one step (still scaled) and every (rank, micro) loss."""
+    per_rank_micro, losses = _per_rank_micro_gradients(model, names, config, step, world_size, scale)
+    return reduce_like_the_engine(per_rank_micro, names, config, world_size), losses
+
+
+def _per_rank_micro_gradients(
+    model: nn.Module, names: list[str], config: RunConfig, step: int, world_size: int, scale: float
+) -> tuple[dict[tuple[int, int], dict[str, torch.Tensor]], list[float]]:
+    """Every (rank, micro) gradient of one step in fp32 (still scaled), and the losses."""
     params = dict(model.named_parameters())
     per_rank_micro = {}
     losses = []
@@ -343,12 +364,31 @@ def _reference_gradients(
             losses.append(loss.item())
             per_rank_micro[rank, micro] = {name: _fp32_grad(params[name]) for name in names}
     model.zero_grad(set_to_none=True)
-    total = {name: torch.zeros_like(params[name], dtype=torch.float32) for name in names}
+    return per_rank_micro, losses
+
+
+def reduce_like_the_engine(
+    per_rank_micro: dict[tuple[int, int], dict[str, torch.Tensor]],
+    names: list[str],
+    config: RunConfig,
+    world_size: int,
+    reduce_dtype: torch.dtype | None = None,
+) -> dict[str, torch.Tensor]:
+    """The reduced fp32 gradient from every (rank, micro) fp32 gradient, in the engine's order
+    and, for a lower-precision ``reduce_dtype`` (default: the config's), its rounding."""
+    reduce_dtype = reduce_dtype or config.effective_reduce_dtype(world_size)
+    first = per_rank_micro[0, 0]
+    total = {name: torch.zeros_like(first[name]) for name in names}
+
+    def reduce(parts: list[torch.Tensor]) -> torch.Tensor:
+        if reduce_dtype == torch.float32:
+            return _sum_in_rank_order(parts).div_(world_size)
+        return _sum_in_rank_order([part.div(world_size).to(reduce_dtype).float() for part in parts])
+
     if config.stage == 2:  # stage 2 reduces every backward: average over ranks per micro-batch
         for micro in range(config.accumulation):
             for name in names:
-                per_rank = [per_rank_micro[rank, micro][name] for rank in range(world_size)]
-                total[name].add_(_sum_in_rank_order(per_rank).div_(world_size))
+                total[name].add_(reduce([per_rank_micro[rank, micro][name] for rank in range(world_size)]))
     else:  # stage 1 accumulates locally and reduces once at the step
         for name in names:
             local = []
@@ -357,8 +397,8 @@ def _reference_gradients(
                 for micro in range(config.accumulation):
                     accumulator.add_(per_rank_micro[rank, micro][name])
                 local.append(accumulator)
-            total[name].add_(_sum_in_rank_order(local).div_(world_size))
-    return total, losses
+            total[name].add_(reduce(local))
+    return total
 
 
 def _fp32_grad(param: nn.Parameter) -> torch.Tensor:
@@ -568,9 +608,9 @@ def check_gradient_memory(rank: int, world_size: int) -> dict[str, Any]:
     return result
 
 
-def check_stage2_peak_gradient_memory(rank: int, world_size: int) -> dict[str, Any]:
-    """Peak fp32 gradient bytes while one stage-2 backward runs, with many small buckets."""
-    config = RunConfig("stage2-peak", model="gpt", stage=2, bucket_numel=1000)
+def check_stage2_peak_gradient_memory(rank: int, world_size: int, reduce_dtype: str = "float32") -> dict[str, Any]:
+    """Peak gradient bytes while one stage-2 backward runs, with many small buckets."""
+    config = RunConfig("stage2-peak", model="gpt", stage=2, bucket_numel=1000, reduce_dtype=reduce_dtype)
     model = build_model(config)
     engine = make_engine(model, config)
     probe = GradientMemoryProbe(engine, model)
@@ -666,6 +706,93 @@ def check_different_models(rank: int, world_size: int) -> str:
     return "no error"
 
 
+def check_shard_state_dict(rank: int, world_size: int) -> dict[str, Any]:
+    """ZeroOptimizer.state_dict() / load_state_dict() at D > 1: a rank's own shard resumes
+    the run bit for bit; another rank's shard, given to one rank only or to all, is refused
+    on every rank (no rank left blocked in the re-gather) and changes nothing."""
+    import copy
+
+    config = RunConfig("shard-state-dict", model="gpt", stage=2, bucket_numel=500, steps=2)
+    model = build_model(config)
+    engine = make_engine(model, config)
+    train_engine(engine, model, config, rank)
+    saved = copy.deepcopy(engine.state_dict())
+    continued = replace(config, seed=1)  # other batches for the steps after the save
+    train_engine(engine, model, continued, rank)
+
+    resumed_model = build_model(config)
+    resumed = make_engine(resumed_model, config)
+    errors = {}
+    others = engine.comm.all_gather_object(saved)
+    for label, given in (("rank 1 given rank 0's", others[0] if rank == 1 else saved), ("swapped", others[1 - rank])):
+        masters = [m.detach().clone() for m in resumed.masters]
+        try:
+            resumed.load_state_dict(given)
+            errors[label] = "loaded"
+        except ValueError as error:
+            errors[label] = str(error)
+        errors[label + " unchanged"] = all(torch.equal(a, b) for a, b in zip(masters, resumed.masters))
+    resumed.load_state_dict(saved)
+    train_engine(resumed, resumed_model, continued, rank)
+    return {
+        "errors": errors,
+        "masters_max_error": max(float((a - b).abs().max()) for a, b in zip(engine.masters, resumed.masters)),
+        "params_equal": all(torch.equal(a.data, b.data) for a, b in zip(engine.buffers, resumed.buffers)),
+        "global_steps": resumed.global_steps,
+    }
+
+
+REDUCE_DTYPE_CONFIGS = (
+    # stage 1 rounds its fp32 sum of two bf16 micro-batch gradients
+    RunConfig("reduce-bf16-stage1", stage=1, reduce_dtype="bfloat16"),
+    # fp32 gradients rounded to bf16, several buckets
+    RunConfig(
+        "reduce-bf16-stage2-fp32-params", model="gpt", param_dtype=None, reduce_dtype="bfloat16", bucket_numel=500
+    ),
+    # None: the parameter dtype, here fp16 under a loss scale
+    RunConfig("reduce-param-dtype-fp16-stage2", param_dtype="float16", reduce_dtype=None, bucket_numel=128),
+    RunConfig("reduce-param-dtype-bf16-stage1", model="gpt", stage=1, reduce_dtype=None),
+)
+
+
+def check_reduce_dtype(rank: int, world_size: int) -> dict[str, Any]:
+    """One step's reduced gradient with a low-precision reduce dtype, against the reference
+    that rounds the same way (the engine sums in fp32 in rank order, as it does) and the
+    fp32 one; the reduce-scatter bytes against the same run reducing in fp32."""
+    results = {}
+    for config in REDUCE_DTYPE_CONFIGS:
+        moved, grads = {}, {}
+        for reduce_dtype in (config.reduce_dtype, "float32"):
+            run = replace(config, reduce_dtype=reduce_dtype)
+            model = build_model(run)
+            engine = make_engine(model, run)
+            for micro in range(run.accumulation):
+                engine.backward(model(*batch_for(run, 0, rank, micro)))
+            grads[reduce_dtype] = {name: engine.get_full_grad(name) for name in engine.layout.param_names}
+            moved[reduce_dtype] = engine.comm.bytes_moved["reduce_scatter"]
+            engine.reducer.remove_hooks()
+        model = build_model(config)
+        names = trainable_names(model)
+        if config.dtype() is not None:
+            for param in model.parameters():
+                param.data = param.data.to(config.dtype())
+        scale = FP16_INITIAL_SCALE if config.dtype() == torch.float16 else 1.0
+        per_rank_micro, _ = _per_rank_micro_gradients(model, names, config, 0, world_size, scale)
+        rounded = reduce_like_the_engine(per_rank_micro, names, config, world_size)
+        exact = reduce_like_the_engine(per_rank_micro, names, config, world_size, torch.float32)
+        unscale = lambda grads: {name: grad / scale for name, grad in grads.items()}  # noqa: E731
+        engine_grads = grads[config.reduce_dtype]
+        results[config.name] = {
+            "vs_rounding_reference": max_abs_difference(engine_grads, unscale(rounded)),
+            "vs_fp32_reference": max_abs_difference(engine_grads, unscale(exact)),
+            "fp32_run_vs_fp32_reference": max_abs_difference(grads["float32"], unscale(exact)),
+            "largest_gradient": max(float(grad.abs().max()) for grad in engine_grads.values()),
+            "reduce_scatter_bytes": moved[config.reduce_dtype],
+            "fp32_reduce_scatter_bytes": moved["float32"],
+        }
+    return results
+
+
 def run_checks(rank: int, world_size: int, checks: list[tuple[str, str, tuple]]) -> dict[str, Any]:
     """Spawn target: run (label, check name, extra args) in order on every rank; results by label."""
     functions: dict[str, Callable[..., Any]] = {
@@ -675,6 +802,8 @@ def run_checks(rank: int, world_size: int, checks: list[tuple[str, str, tuple]])
         "overflow": check_overflow_on_one_rank,
         "frozen_and_tied": check_frozen_and_tied,
         "different_models": check_different_models,
+        "shard_state_dict": check_shard_state_dict,
+        "reduce_dtype": check_reduce_dtype,
         "equivalence": run_equivalence,
     }
     return {label: functions[name](rank, world_size, *args) for label, name, args in checks}

@@ -22,10 +22,13 @@ CHECKS = [
     ("alignment", "alignment", ()),
     ("memory", "gradient_memory", ()),
     ("peak-memory", "stage2_peak_gradient_memory", ()),
+    ("peak-memory-bf16-reduce", "stage2_peak_gradient_memory", ("bfloat16",)),
     ("overflow-stage1", "overflow", (1,)),
     ("overflow-stage2", "overflow", (2,)),
     ("frozen-tied", "frozen_and_tied", ()),
     ("different-models", "different_models", ()),
+    ("shard-state-dict", "shard_state_dict", ()),
+    ("reduce-dtype", "reduce_dtype", ()),
 ]
 
 
@@ -79,18 +82,39 @@ def test_stage1_holds_full_size_gradients(per_rank):
         assert result["grads_none"]
 
 
-def test_stage2_peak_gradient_memory_during_backward_is_bounded_by_buckets(per_rank):
+@pytest.mark.parametrize("label", ["peak-memory", "peak-memory-bf16-reduce"])
+def test_stage2_peak_gradient_memory_during_backward_is_bounded_by_buckets(per_rank, label):
     """Stage 2 exists to avoid holding a full-size gradient. Allowing one bucket filling and
     two in flight, the peak while backward runs must stay below partitions + 3 buckets.
-    (It once held every bucket's reduction until backward ended: stage 1's peak.)
+    (It once held every bucket's reduction until backward ended: stage 1's peak.) A bf16
+    reduction stages buckets in bf16 but receives every rank's part of it: the same bound.
     """
-    for result in (ranks["peak-memory"] for ranks in per_rank):
+    for result in (ranks[label] for ranks in per_rank):
         assert result["num_buckets"] > 4
         bound = result["partition_bytes"] + 3 * result["largest_bucket_bytes"]
         assert result["peak_bytes"] <= bound, (
             f"peak {result['peak_bytes']} B > partitions + 3 buckets {bound} B "
             f"(full fp32 gradient {result['full_gradient_bytes']} B, {result['num_buckets']} buckets)"
         )
+
+
+# ---- reduce dtype ----------------------------------------------------------------------------------
+
+
+def test_low_precision_reduction_equals_the_reference_that_rounds_the_same_way(per_rank):
+    """With bf16/fp16 reduction the reduced gradient is bit for bit the reference's that
+    divides, rounds each rank's part once and sums in fp32 in rank order; the reduce-scatter
+    payload is half the fp32 run's."""
+    for result in (ranks["reduce-dtype"] for ranks in per_rank):
+        for name, report in result.items():
+            assert report["vs_rounding_reference"] == 0.0, (name, report)
+            assert report["fp32_run_vs_fp32_reference"] == 0.0, (name, report)
+            assert report["reduce_scatter_bytes"] * 2 == report["fp32_reduce_scatter_bytes"] > 0, (name, report)
+        # Where rounding loses bits (stage 1's sum over micro-batches, fp32 gradients), the
+        # fp32 reference is visibly different: the comparison above can tell them apart.
+        for name in ("reduce-bf16-stage1", "reduce-bf16-stage2-fp32-params", "reduce-param-dtype-bf16-stage1"):
+            report = result[name]
+            assert report["vs_fp32_reference"] > 2**-12 * report["largest_gradient"], (name, report)
 
 
 # ---- fp16 overflow ---------------------------------------------------------------------------------
@@ -134,6 +158,22 @@ def test_frozen_params_stay_out_and_tied_params_count_once(per_rank):
 def test_ranks_with_different_models_are_refused_naming_the_ranks(per_rank):
     for result in (ranks["different-models"] for ranks in per_rank):
         assert "ranks [1]" in result and "rank 0" in result, result
+
+
+# ---- state_dict of a rank's shard ----------------------------------------------------------------
+
+
+def test_state_dict_shard_resumes_on_its_rank_and_is_refused_on_another_by_every_rank(per_rank):
+    for rank, result in enumerate(ranks["shard-state-dict"] for ranks in per_rank):
+        assert result["masters_max_error"] == 0.0 and result["params_equal"]
+        assert result["global_steps"] == 4
+        errors = result["errors"]
+        # Only rank 1 got a wrong shard: rank 0 refuses too, naming rank 1's problem.
+        assert "rank 1: the shard is rank 0's, this is rank 1" in errors["rank 1 given rank 0's"]
+        assert "rank 0:" not in errors["rank 1 given rank 0's"]
+        assert "rank 0: the shard is rank 1's, this is rank 0" in errors["swapped"]
+        assert "rank 1: the shard is rank 0's, this is rank 1" in errors["swapped"]
+        assert errors["rank 1 given rank 0's unchanged"] and errors["swapped unchanged"]
 
 
 def _config() -> RunConfig:

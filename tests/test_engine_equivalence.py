@@ -81,16 +81,28 @@ def schedule_configs() -> list[RunConfig]:
     ]
 
 
+def reduce_dtype_configs() -> list[RunConfig]:
+    """Gradients reduced in bf16; the reference rounds the same way (at world size 1 nothing
+    is reduced, so nothing is rounded and the plain reference must match bit for bit)."""
+    return [
+        RunConfig("reduce-bf16-stage1", stage=1, reduce_dtype="bfloat16", steps=STEPS),
+        RunConfig("reduce-bf16-stage2-gpt", model="gpt", reduce_dtype="bfloat16", bucket_numel=2000, steps=STEPS),
+        RunConfig(
+            "reduce-bf16-stage2-fp32-params", param_dtype=None, reduce_dtype="bfloat16", bucket_numel=128, steps=STEPS
+        ),
+    ]
+
+
 # A 9-element no-decay group at D=4 with 64-byte alignment: rank 0 holds 9 real elements and
 # 7 padding, ranks 1-3 hold only padding.
 PADDING_ONLY = RunConfig("padding-only-ranks", model="nine", param_dtype=None, alignment_bytes=64, steps=STEPS)
 OFFLOAD = RunConfig("offload-stage2", stage=2, bucket_numel=128, offload=True, steps=STEPS)
 
 CONFIGS = {
-    1: matrix() + optimizer_configs() + schedule_configs(),
-    2: matrix() + optimizer_configs() + schedule_configs() + [OFFLOAD],
+    1: matrix() + optimizer_configs() + schedule_configs() + reduce_dtype_configs(),
+    2: matrix() + optimizer_configs() + schedule_configs() + [OFFLOAD] + reduce_dtype_configs(),
     3: [config for config in matrix() if config.model == "gpt"],  # odd world size; halved to keep the suite short
-    4: matrix() + [PADDING_ONLY],
+    4: matrix() + [PADDING_ONLY] + reduce_dtype_configs(),
 }
 CONFIG_BY_NAME = {config.name: config for configs in CONFIGS.values() for config in configs}
 
@@ -173,6 +185,15 @@ def test_lr_scheduler_on_engine_param_groups_changes_effective_lr(reports, world
     assert decay_lrs[0] == dict(config.decay_options)["lr"]
     assert len(set(decay_lrs)) > 2 and decay_lrs == sorted(decay_lrs, reverse=True)
     assert_matches_reference(report, config)
+
+
+def bf16_reduction(world: int) -> list[RunConfig]:
+    return [config for config in CONFIGS[world] if config.reduce_dtype == "bfloat16"]
+
+
+@pytest.mark.parametrize("world_size, name", cases(bf16_reduction))
+def test_bf16_reduction_matches_the_reference_that_rounds_the_same_way(reports, world_size, name):
+    assert_matches_reference(reports(world_size)[name], CONFIG_BY_NAME[name])
 
 
 def test_offloaded_masters_match_reference(reports):

@@ -27,6 +27,29 @@ class _Done:
         return True
 
 
+class _Widening:
+    """Handle of ``reduce_scatter_widened``: on wait, output <- the float32 sum of the rows
+    of ``partials`` (one per rank, or one already summed), in row order."""
+
+    def __init__(self, work: Any, partials: torch.Tensor, output: torch.Tensor) -> None:
+        self._work, self._partials, self._output = work, partials, output
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """The temporaries it holds until waited on (for memory accounting)."""
+        return [] if self._partials is None else [self._partials]
+
+    def wait(self) -> bool:
+        if self._partials is None:
+            return True
+        self._work.wait()
+        self._output.copy_(self._partials[0])
+        for row in self._partials[1:]:
+            self._output.add_(row)
+        self._work = self._partials = None
+        return True
+
+
 @dataclass
 class Collectives:
     """The collectives a ZeRO rank needs, over one process group."""
@@ -52,6 +75,32 @@ class Collectives:
             output.copy_(input)
             return _Done()
         return _reduce_scatter(output, input, group=self.group, async_op=async_op) or _Done()
+
+    def reduce_scatter_widened(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        """output (float32, one partition) <- sum over ranks of this rank's partition of input.
+
+        The payload moves in ``input``'s lower precision (bf16, fp16). On gloo, whose
+        reduce-scatter is an all-reduce (2(D-1)/D of the buffer sent per rank), it is an
+        all-to-all ((D-1)/D) and the D received partitions are summed here in float32, in
+        rank order, once the handle is waited on. Other backends reduce-scatter in input's
+        dtype (summing in it) and the result is widened on wait.
+        """
+        self.bytes_moved["reduce_scatter"] += input.numel() * input.element_size()
+        if self.world_size == 1:
+            output.copy_(input)
+            return _Done()
+        if self.backend == "gloo":
+            received = torch.empty_like(input)
+            work = dist.all_to_all_single(received, input, group=self.group, async_op=True)
+            handle = _Widening(work, received.view(self.world_size, -1), output)
+        else:
+            partial = torch.empty(output.numel(), dtype=input.dtype, device=input.device)
+            work = _reduce_scatter(partial, input, group=self.group, async_op=True)
+            handle = _Widening(work, partial.view(1, -1), output)
+        if not async_op:
+            handle.wait()
+            return _Done()
+        return handle
 
     def all_gather_into(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """output <- concatenation of every rank's input (input may be a slice of output)."""

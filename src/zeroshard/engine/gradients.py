@@ -1,22 +1,36 @@
 """Gradient reduction for stages 1 and 2.
 
-Both stages take each parameter's gradient in a post-accumulate-grad hook, add it in fp32 to
-a flat buffer laid out like the parameters, and drop ``param.grad``. What differs is when
+Both stages take each parameter's gradient in a post-accumulate-grad hook, put it into a
+flat buffer laid out like the parameters, and drop ``param.grad``. What differs is when
 the reduce-scatter runs and what stays allocated:
 
-* stage 1 keeps a full-size fp32 gradient buffer per group and reduce-scatters it at the
-  step (or when a reduced gradient is first asked for);
+* stage 1 adds it in fp32 to a full-size gradient buffer per group, kept across steps, and
+  reduce-scatters that at the step (or when a reduced gradient is first asked for);
 * stage 2 fills one bucket at a time and reduce-scatters each as soon as all its
   parameters have their gradient, while backward goes on; the bucket's buffer is freed once
-  its partition has been added to the rank's fp32 gradient partition.
+  its partition has been added to the rank's fp32 gradient partition. A bucket buffer is
+  not zero-filled: each parameter's gradient is written into it (a second one in the same
+  backward is added), and at launch the padding and any parameter that got no gradient are
+  zeroed.
 
 Either way the result is ``partition_grads[g]``: this rank's partition of the sum over ranks
-of the accumulated (loss-scaled) gradients divided by the world size. Buckets are reduced in
-a fixed order on every rank, so the collectives match even when hooks fire in another order:
-the order backward usually completes them, latest-registered parameters first. At most
-``MAX_IN_FLIGHT`` bucket reductions are outstanding; launching another first folds the
-oldest into the partition and frees its buffers, so stage 2 never holds more than a few
-buckets of full-size gradient.
+of the accumulated (loss-scaled) gradients divided by the world size.
+
+The reduction dtype is chosen per group (``reduce_dtypes``). In float32 the summed fp32
+gradient is divided by the world size afterwards, as always. In a lower precision (bf16,
+fp16) each rank divides first, in fp32, then rounds once to that dtype: the values on the
+wire are then no larger than the largest local gradient, so an fp16 reduction cannot
+overflow where the gradients themselves did not (bf16 has fp32's range; dividing by D costs
+it nothing but in the subnormals). Stage 1 rounds its fp32 local sum over micro-batches;
+stage 2, which reduces every micro-batch, stages each bucket directly in that dtype (half
+the bytes of an fp32 bucket) and adds the reduced partitions up in fp32. The sum over ranks
+is widened to fp32 (``Collectives.reduce_scatter_widened``) before it is added in.
+
+Buckets are reduced in a fixed order on every rank, so the collectives match even when
+hooks fire in another order: the order backward usually completes them, latest-registered
+parameters first. At most ``MAX_IN_FLIGHT`` bucket reductions are outstanding; launching
+another first folds the oldest into the partition and frees its buffers, so stage 2 never
+holds more than a few buckets of full-size gradient.
 """
 
 from __future__ import annotations
@@ -34,7 +48,7 @@ MAX_IN_FLIGHT = 2
 
 @dataclass
 class _BucketReduction:
-    input: torch.Tensor  # the bucket's fp32 gradient, full size
+    input: torch.Tensor  # the bucket's gradient, full size, in the reduce dtype
     output: torch.Tensor  # this rank's partition of it
     handle: object
 
@@ -47,17 +61,22 @@ class GradientReducer:
     comm: Collectives
     stage: int
     param_positions: dict[str, int]  # each parameter's place in module registration order
+    reduce_dtypes: list[torch.dtype] | None = None  # per group; None: float32 everywhere
     partition_grads: list[torch.Tensor] = field(init=False)
 
     def __post_init__(self) -> None:
         device = self.buffers[0].data.device
+        if self.reduce_dtypes is None:
+            self.reduce_dtypes = [torch.float32] * len(self.buffers)
+        self._widened = [dtype != torch.float32 for dtype in self.reduce_dtypes]
         self.partition_grads = [torch.zeros(b.group.partition_numel, dtype=torch.float32, device=device) for b in self.buffers]
         # Stage 1: persistent full-size accumulators. Stage 2: bucket buffers made on demand.
         self._full: list[torch.Tensor | None] = [
             torch.zeros(b.group.numel, dtype=torch.float32, device=device) if self.stage == 1 else None for b in self.buffers
         ]
         self._staging: dict[tuple[int, int], torch.Tensor] = {}
-        self._pending: dict[tuple[int, int], int] = {}
+        self._pending: dict[tuple[int, int], set[int]] = {}  # params of a staged bucket yet to report
+        self._gaps = {key: self._gaps_of(*key) for key in self._all_buckets()}
         self._order = self._reduction_order()
         self._next_launch = 0
         self._in_flight: list[tuple[tuple[int, int], _BucketReduction]] = []
@@ -78,8 +97,23 @@ class GradientReducer:
             members = group.params[bucket.first_param : bucket.first_param + bucket.num_params]
             return (max(self.param_positions[slot.name] for slot in members), key[0], key[1])
 
-        keys = [(g, b) for g, buf in enumerate(self.buffers) for b in range(len(buf.group.buckets))]
-        return sorted(keys, key=last_position, reverse=True)
+        return sorted(self._all_buckets(), key=last_position, reverse=True)
+
+    def _all_buckets(self) -> list[tuple[int, int]]:
+        return [(g, b) for g, buffer in enumerate(self.buffers) for b in range(len(buffer.group.buckets))]
+
+    def _gaps_of(self, group_index: int, bucket_index: int) -> list[tuple[int, int]]:
+        """The bucket's ranges outside every parameter (padding), relative to its start."""
+        group = self.buffers[group_index].group
+        bucket = group.buckets[bucket_index]
+        gaps, position = [], bucket.start
+        for slot in group.params[bucket.first_param : bucket.first_param + bucket.num_params]:
+            if slot.offset > position:
+                gaps.append((position - bucket.start, slot.offset - bucket.start))
+            position = max(position, slot.end)
+        if bucket.end > position:
+            gaps.append((position - bucket.start, bucket.end - bucket.start))
+        return gaps
 
     # ---- backward -------------------------------------------------------------------------
 
@@ -102,8 +136,13 @@ class GradientReducer:
             key = (group_index, slot.bucket)
             staging = self._bucket_staging(key)
             start = slot.offset - buffer.group.buckets[slot.bucket].start
-            staging[start : start + slot.numel].add_(grad)
-            self._pending[key] -= 1
+            target = staging[start : start + slot.numel]
+            first = param_index in self._pending[key]  # else a second gradient for this bucket: add it
+            if self._widened[group_index]:  # pre-divided and rounded once (see the module doc)
+                torch.div(grad, self.comm.world_size, out=target) if first else target.add_(grad / self.comm.world_size)
+            else:
+                target.copy_(grad) if first else target.add_(grad)
+            self._pending[key].discard(param_index)
             if not self._callback_queued:
                 self._callback_queued = True
                 Variable._execution_engine.queue_callback(self.finish_backward)
@@ -111,25 +150,35 @@ class GradientReducer:
         param.grad = None
 
     def _bucket_staging(self, key: tuple[int, int]) -> torch.Tensor:
+        """The bucket's staging buffer, uninitialised: each parameter's first gradient is
+        written, not added, and what stays unwritten is zeroed at launch (``_zero_unwritten``)."""
         if key not in self._staging:
             group_index, bucket_index = key
             bucket = self.buffers[group_index].group.buckets[bucket_index]
-            self._staging[key] = torch.zeros(bucket.numel, dtype=torch.float32, device=self.partition_grads[0].device)
-            self._pending[key] = self.buffers[group_index].group.buckets[bucket_index].num_params
+            dtype = self.reduce_dtypes[group_index]
+            self._staging[key] = torch.empty(bucket.numel, dtype=dtype, device=self.partition_grads[0].device)
+            self._pending[key] = set(range(bucket.first_param, bucket.first_param + bucket.num_params))
         return self._staging[key]
+
+    def _zero_unwritten(self, key: tuple[int, int], staging: torch.Tensor, unreported: set[int]) -> None:
+        """Zero the padding and the slots of parameters that got no gradient."""
+        group = self.buffers[key[0]].group
+        bucket_start = group.buckets[key[1]].start
+        ranges = self._gaps[key] + [
+            (group.params[i].offset - bucket_start, group.params[i].end - bucket_start) for i in unreported
+        ]
+        for begin, end in ranges:
+            staging[begin:end].zero_()
 
     def _launch_ready(self, force: bool) -> None:
         """Reduce-scatter buckets in the fixed order, as far as they are complete (or all)."""
         while self._next_launch < len(self._order):
             key = self._order[self._next_launch]
-            if not force and (key not in self._pending or self._pending[key] > 0):
+            if not force and (key not in self._pending or self._pending[key]):
                 return
-            staging = self._staging.pop(key, None)
-            self._pending.pop(key, None)
-            if staging is None:  # no parameter of this bucket got a gradient: reduce zeros
-                self._bucket_staging(key)
-                staging = self._staging.pop(key)
-                self._pending.pop(key)
+            staging = self._bucket_staging(key)  # made here if no parameter of it got a gradient
+            del self._staging[key]
+            self._zero_unwritten(key, staging, self._pending.pop(key))
             self._retire_in_flight(keep=MAX_IN_FLIGHT - 1)
             self._in_flight.append((key, self._reduce_bucket(key, staging, async_op=True)))
             self._next_launch += 1
@@ -141,12 +190,16 @@ class GradientReducer:
             reduction.handle.wait()
             self._accumulate(key, reduction.output)
 
-    def _reduce_bucket(self, key: tuple[int, int], full: torch.Tensor, async_op: bool) -> _BucketReduction:
+    def _reduce_bucket(self, key: tuple[int, int], payload: torch.Tensor, async_op: bool) -> _BucketReduction:
+        """Reduce-scatter one bucket's gradient, in fp32 or (already divided) in the reduce dtype."""
         group_index, bucket_index = key
         bucket = self.buffers[group_index].group.buckets[bucket_index]
-        output = torch.empty(bucket.partition_numel, dtype=torch.float32, device=full.device)
-        handle = self.comm.reduce_scatter_sum(output, full, async_op=async_op)
-        return _BucketReduction(full, output, handle)
+        output = torch.empty(bucket.partition_numel, dtype=torch.float32, device=payload.device)
+        if self._widened[group_index]:
+            handle = self.comm.reduce_scatter_widened(output, payload, async_op=async_op)
+        else:
+            handle = self.comm.reduce_scatter_sum(output, payload, async_op=async_op)
+        return _BucketReduction(payload, output, handle)
 
     def finish_backward(self) -> None:
         """Stage 2, end of a backward pass: reduce what is left and wait for everything."""
@@ -159,7 +212,7 @@ class GradientReducer:
         group_index, bucket_index = key
         bucket = self.buffers[group_index].group.buckets[bucket_index]
         target = self.partition_grads[group_index][bucket.partition_start : bucket.partition_start + bucket.partition_numel]
-        target.add_(reduced_sum.div_(self.comm.world_size))
+        target.add_(reduced_sum if self._widened[group_index] else reduced_sum.div_(self.comm.world_size))
 
     # ---- step side ------------------------------------------------------------------------
 
@@ -169,18 +222,24 @@ class GradientReducer:
             # Every rank runs the same backward passes, so this local flag agrees across ranks.
             if not self._dirty:
                 return
-            reductions = []
             for group_index, buffer in enumerate(self.buffers):
                 full = self._full[group_index]
                 for bucket in buffer.group.buckets:
                     key = (group_index, bucket.index)
-                    reductions.append((key, self._reduce_bucket(key, full[bucket.start : bucket.end], async_op=True)))
-            for key, reduction in reductions:
-                reduction.handle.wait()
-                self._accumulate(key, reduction.output)
+                    payload = self._stage1_payload(group_index, full[bucket.start : bucket.end])
+                    self._retire_in_flight(keep=MAX_IN_FLIGHT - 1)
+                    self._in_flight.append((key, self._reduce_bucket(key, payload, async_op=True)))
+            self._retire_in_flight(keep=0)
             for full in self._full:
                 full.zero_()
             self._dirty = False
+
+    def _stage1_payload(self, group_index: int, local_sum: torch.Tensor) -> torch.Tensor:
+        """The fp32 local sum itself, or it divided by the world size and rounded once."""
+        if not self._widened[group_index]:
+            return local_sum
+        payload = torch.empty(local_sum.numel(), dtype=self.reduce_dtypes[group_index], device=local_sum.device)
+        return torch.div(local_sum, self.comm.world_size, out=payload)
 
     def zero_grad(self) -> None:
         for grad in self.partition_grads:
@@ -193,7 +252,8 @@ class GradientReducer:
     def held_tensors(self) -> list[torch.Tensor]:
         """Every gradient tensor the reducer holds right now (for memory checks)."""
         held = list(self.partition_grads) + list(self._staging.values())
-        held += [tensor for _, reduction in self._in_flight for tensor in (reduction.input, reduction.output)]
+        for _, reduction in self._in_flight:
+            held += [reduction.input, reduction.output, *getattr(reduction.handle, "buffers", ())]
         return held + [t for t in self._full if t is not None]
 
     def remove_hooks(self) -> None:

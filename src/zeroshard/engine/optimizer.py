@@ -18,7 +18,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from ..buffers import FlatParamBuffer, bind_flat_buffer
+from ..buffers import FlatParamBuffer, bind_flat_buffer, torch_dtype
 from ..comm import Collectives
 from ..layout import Layout, LayoutPolicy, build_layout
 from ..state import ShardedState
@@ -27,8 +27,10 @@ from .fragments import FragmentAccess
 from .gradients import GradientReducer
 from .grouping import Grouping, resolve_groups
 from .scaler import LossScaler
+from .shard_state import load_shard, shard_mismatch, shard_state_dict
 
 DEFAULT_STAGE2_BUCKET_NUMEL = 1 << 25  # 128 MiB of fp32 gradient per bucket in flight
+REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -49,11 +51,12 @@ class MemoryReport:
 class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
     """Shards fp32 master weights, optimizer state (stage 1) and gradients (stage 2).
 
-    It is a ``torch.optim.Optimizer`` as far as schedulers and tools are concerned
-    (``param_groups``, ``state``, ``defaults``, ``step``, ``zero_grad``), so
-    ``torch.optim.lr_scheduler.LambdaLR(engine, ...)`` works. It does not run
-    Optimizer.__init__: its param groups are those of the wrapped optimizer over the fp32
-    master partitions. Save and load go through ``zeroshard.checkpoint``, not state_dict.
+    It is a full ``torch.optim.Optimizer``: lr schedulers take the engine itself, and step,
+    state_dict and load_state_dict hooks fire as on any torch optimizer. Its
+    ``param_groups``, ``state`` and ``defaults`` are those of the wrapped optimizer over
+    this rank's fp32 master partitions (one tensor per layout group), so a scheduler that
+    changes the engine's lr changes the lr the wrapped optimizer uses. ``state_dict()`` is
+    this rank's shard (see there); checkpoints that reshard go through ``zeroshard.checkpoint``.
 
     Args:
         model: the module to train; its trainable parameters become views into flat buffers.
@@ -63,6 +66,14 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         stage: 1 (shard master weights and optimizer state) or 2 (also gradients).
         param_dtype: cast floating-point parameters to this dtype (bf16, fp16); the fp32
             master weights start from the values before the cast. None keeps their dtypes.
+        reduce_dtype: the dtype gradients are reduced across ranks in (FSDP2's name,
+            DeepSpeed's ``communication_data_type``): torch.float32 (default), bf16 or
+            fp16, or None for each group's parameter dtype. A lower precision halves the
+            gradient bytes; each rank divides by the world size in fp32 and rounds once
+            before sending, and the sum is taken and accumulated in fp32 (on gloo; other
+            backends sum in the reduce dtype). Stage 1 rounds its fp32 sum over the
+            micro-batches once per step; stage 2 rounds each micro-batch's gradient. At
+            world size 1 nothing is reduced and nothing is rounded.
         policy: the flat-buffer layout policy. Default: 16-byte aligned, and for stage 2
             buckets of ``DEFAULT_STAGE2_BUCKET_NUMEL`` elements.
         layout: a precomputed layout to use; it must match the parameters and world size.
@@ -83,6 +94,7 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         *,
         stage: int = 2,
         param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = torch.float32,
         policy: LayoutPolicy | None = None,
         layout: Layout | None = None,
         process_group: Any = None,
@@ -120,8 +132,14 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         del initial
 
         self.optimizer = optimizer_class(self._torch_param_groups(), **defaults)
+        # torch's own set-up (hooks, profiling, the param-group checks) over the wrapped
+        # optimizer's groups; param_groups, state and defaults write through to it.
+        self._groups_fixed = False
+        torch.optim.Optimizer.__init__(self, list(self.optimizer.param_groups), self.optimizer.defaults)
+        self._groups_fixed = True
         positions = {name: index for index, (name, _) in enumerate(model.named_parameters())}
-        self.reducer = GradientReducer(self.buffers, self.comm, stage, positions)
+        self.reduce_dtypes = self._resolve_reduce_dtypes(reduce_dtype)
+        self.reducer = GradientReducer(self.buffers, self.comm, stage, positions, self.reduce_dtypes)
         has_fp16 = any(group.dtype == "float16" for group in self.layout.groups)
         self.scaler = loss_scaler or (LossScaler() if has_fp16 else LossScaler.disabled())
         self._checks_overflow = has_fp16 or self.scaler.dynamic
@@ -131,30 +149,83 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
 
     # ---- torch-like API ---------------------------------------------------------------------
 
+    # The wrapped optimizer's, read and assigned through (its load_state_dict replaces them).
+
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         """The wrapped optimizer's param groups (lr schedulers change these)."""
         return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = groups
 
     @property
     def state(self) -> dict:
         """The wrapped optimizer's state: this rank's partitions only."""
         return self.optimizer.state
 
+    @state.setter
+    def state(self, state: dict) -> None:
+        self.optimizer.state = state
+
     @property
     def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
 
+    @defaults.setter
+    def defaults(self, defaults: dict[str, Any]) -> None:
+        self.optimizer.defaults = defaults
+
     def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError(
-            "a ZeroOptimizer's state is sharded: save it with zeroshard.checkpoint.save_checkpoint"
-        )
+        """This rank's shard: the wrapped optimizer's state_dict plus a ``"zero"`` entry.
+
+        ``"state"`` and ``"param_groups"`` are torch's form over this rank's partitions;
+        ``"zero"`` holds the fp32 master partitions, the step count, the loss scaler and
+        what the shard belongs to (layout digest, world size, rank, optimizer class). As
+        with torch optimizers the tensors are the live ones: copy the dict to keep a
+        snapshot. State-dict pre and post hooks fire as in ``torch.optim.Optimizer``.
+        It loads back only into the same rank of an engine with the same layout; to save
+        once and load at another world size or layout use ``zeroshard.checkpoint``.
+        """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict = shard_state_dict(self)
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        raise NotImplementedError("load a ZeroOptimizer with zeroshard.checkpoint.load_checkpoint")
+        """Collective. Load what ``state_dict()`` gave on this rank of an identical engine.
+
+        Every rank checks its own dict (after the load-state-dict pre hooks) and the ranks
+        agree before anything changes: a dict from another rank, layout, world size or
+        optimizer raises ValueError on every rank. Afterwards the masters, optimizer state,
+        step count and loss scale are the saved ones, the accumulated gradients are
+        cleared and the model's parameters are the masters in their dtype.
+        """
+        try:
+            for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+                result = pre_hook(self, state_dict)
+                if result is not None:
+                    state_dict = result
+        except Exception as error:  # a hook failing on one rank must not leave the others blocked
+            problem = f"a load_state_dict pre hook raised {type(error).__name__}: {error}"
+        else:
+            problem = shard_mismatch(self, state_dict)
+        self._raise_if_any_rank_failed(problem)
+        load_shard(self, state_dict)
+        self.reducer.zero_grad()
+        self._write_back_and_gather()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise NotImplementedError("a ZeroOptimizer's param groups are fixed when it is built")
+        if self._groups_fixed:
+            raise NotImplementedError("a ZeroOptimizer's param groups are fixed when it is built")
+        super().add_param_group(param_group)  # torch's __init__ re-adding the wrapped optimizer's groups
 
     def __repr__(self) -> str:
         return (
@@ -174,8 +245,13 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         """Backward of ``loss`` divided by the accumulation steps and times the loss scale."""
         (loss * (self.scaler.scale / self.gradient_accumulation_steps)).backward()
 
-    def step(self) -> bool:
-        """Update the parameters from the gradients so far. Returns False if skipped (fp16 overflow)."""
+    def step(self, closure: None = None) -> bool:
+        """Update the parameters from the gradients so far. Returns False if skipped (fp16 overflow).
+
+        Step pre and post hooks fire on every call, skipped or not, as on torch optimizers.
+        """
+        if closure is not None:
+            raise ValueError("ZeroOptimizer.step takes no closure: run forward and engine.backward before it")
         self.reducer.reduce()
         grads = self.reducer.partition_grads
         if self.scaler.scale != 1.0:
@@ -258,8 +334,17 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
             policy = LayoutPolicy.native(bucket_numel=DEFAULT_STAGE2_BUCKET_NUMEL if self.stage == 2 else None)
         return build_layout(self.grouping.layout_specs, self.comm.world_size, policy)
 
+    def _resolve_reduce_dtypes(self, reduce_dtype: torch.dtype | None) -> list[torch.dtype]:
+        """Each layout group's reduction dtype; float32 means today's fp32 reduction."""
+        if reduce_dtype not in (None, *REDUCE_DTYPES):
+            allowed = ", ".join(map(str, REDUCE_DTYPES))
+            raise ValueError(f"reduce_dtype must be None or one of {allowed}, got {reduce_dtype!r}")
+        if self.world_size == 1:
+            return [torch.float32] * len(self.layout.groups)
+        return [reduce_dtype or torch_dtype(group.dtype) for group in self.layout.groups]
+
     def _check_same_layout_on_every_rank(self) -> None:
-        digest = hashlib.sha256(self.layout.to_json().encode()).hexdigest()
+        self.layout_digest = digest = hashlib.sha256(self.layout.to_json().encode()).hexdigest()
         digests = self.comm.all_gather_object(digest)
         differing = [rank for rank, other in enumerate(digests) if other != digests[0]]
         if differing:
@@ -287,6 +372,16 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
             {**user.options, "params": [self.masters[g] for g in user.layout_groups]}
             for user in self.grouping.user_groups
         ]
+
+    def _raise_if_any_rank_failed(self, problem: str | None) -> None:
+        """Collective: raise the same ValueError on every rank if any rank has a problem."""
+        problems = self.comm.all_gather_object(problem)
+        failed = [f"rank {rank}: {text}" for rank, text in enumerate(problems) if text is not None]
+        if failed:
+            raise ValueError(
+                f"load_state_dict refused ({'; '.join(failed)}); a ZeroOptimizer state_dict loads only into the "
+                "same rank of an identical engine: use zeroshard.checkpoint to change world size or layout"
+            )
 
     def _overflow_on_any_rank(self) -> bool:
         local = torch.zeros(1, device=self.device)

@@ -1,10 +1,11 @@
 """GradientMemoryProbe: the peak gradient memory of an engine, observed from outside.
 
 For tests and benchmarks. It counts the reducer's ``held_tensors()`` plus every buffer
-handed to a reduce-scatter that is still alive (in flight, or an output not yet folded in),
-each storage once, sampled after every reduce-scatter call and after every parameter's
-gradient hook. It wraps the engine's Collectives instance and reads no private state, so it
-also catches buffers the engine's own accounting would miss.
+handed to a reduce-scatter that is still alive (in flight, or an output not yet folded in)
+and the temporaries its handle holds (a widening reduce-scatter's receive buffer), each
+storage once, sampled after every reduce-scatter call and after every parameter's gradient
+hook. It wraps the engine's Collectives instance and reads no private state, so it also
+catches buffers the engine's own accounting would miss.
 """
 
 from __future__ import annotations
@@ -23,17 +24,21 @@ class GradientMemoryProbe:
         self.engine = engine
         self.peak_bytes = 0
         self._collective_buffers: list[weakref.ref] = []
-        reduce_scatter = engine.comm.reduce_scatter_sum
+        for method in ("reduce_scatter_sum", "reduce_scatter_widened"):
+            setattr(engine.comm, method, self._sampling(getattr(engine.comm, method)))
+        for param in model.parameters():  # registered after the engine's hooks, so runs after them
+            param.register_post_accumulate_grad_hook(lambda _: self.sample())
 
+    def _sampling(self, reduce_scatter):
         def reduce_scatter_and_sample(output, input, async_op=False):
             handle = reduce_scatter(output, input, async_op=async_op)
-            self._collective_buffers += [weakref.ref(output), weakref.ref(input)]
+            # With the handle's own temporaries (a widening reduction's receive buffer).
+            buffers = [output, input, *getattr(handle, "buffers", ())]
+            self._collective_buffers += [weakref.ref(tensor) for tensor in buffers]
             self.sample()
             return handle
 
-        engine.comm.reduce_scatter_sum = reduce_scatter_and_sample
-        for param in model.parameters():  # registered after the engine's hooks, so runs after them
-            param.register_post_accumulate_grad_hook(lambda _: self.sample())
+        return reduce_scatter_and_sample
 
     def sample(self) -> None:
         alive = [ref() for ref in self._collective_buffers]
