@@ -3,8 +3,8 @@
 An asynchronous save must not read tensors the next step will change, so it first copies
 them: the fp32 master partitions, the optimizer state, and on rank 0 the module's state
 (the flat parameter buffers and the other entries; rank 0 alone writes model.safetensors).
-The buffers are allocated at the first save and reused while the state keeps its shapes
-and dtypes (optimizer state appears after the first step: then they are allocated anew).
+The buffers are allocated at the first save and reused while each tensor keeps its shape
+and dtype (optimizer state appears after the first step: only its buffers are added).
 They are pinned when the state lives on a GPU, so the device-to-host copies run at full
 speed and asynchronously, with one synchronisation at the end.
 """
@@ -27,7 +27,6 @@ class HostSnapshot:
     def __init__(self, pin_memory: bool = False) -> None:
         self.pin_memory = pin_memory
         self._buffers: dict[Key, torch.Tensor] = {}
-        self._signature: list[tuple[Key, tuple[int, ...], torch.dtype]] = []
 
     @property
     def nbytes(self) -> int:
@@ -35,27 +34,27 @@ class HostSnapshot:
         return sum(t.numel() * t.element_size() for t in self._buffers.values())
 
     def release(self) -> None:
-        self._buffers, self._signature = {}, []
+        self._buffers = {}
 
     def take(self, views: ShardedState, with_model: bool) -> ShardedState:
         """A copy of ``views`` in the host buffers (valid until the next ``take``); its
         model state is empty unless ``with_model``. Returns once the copy is complete."""
         sources, model_keys = _tensors_of(views, with_model)
-        signature = [(key, tuple(t.shape), t.dtype) for key, t in sources.items()]
-        if signature != self._signature:
-            self._allocate(signature)
+        self._allocate({key: (tuple(t.shape), t.dtype) for key, t in sources.items()})
         for key, tensor in sources.items():
             self._buffers[key].copy_(tensor, non_blocking=True)
         if any(t.is_cuda for t in sources.values()):
             torch.cuda.synchronize()
         return self._state_like(views, model_keys)
 
-    def _allocate(self, signature: list[tuple[Key, tuple[int, ...], torch.dtype]]) -> None:
-        self._buffers = {}  # drop the old buffers before allocating the new ones
+    def _allocate(self, wanted: dict[Key, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        """Keep the buffers that fit; free the others before allocating what is missing."""
         self._buffers = {
-            key: torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory) for key, shape, dtype in signature
+            key: buffer for key, buffer in self._buffers.items() if wanted.get(key) == (tuple(buffer.shape), buffer.dtype)
         }
-        self._signature = signature
+        for key, (shape, dtype) in wanted.items():
+            if key not in self._buffers:
+                self._buffers[key] = torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)
 
     def _state_like(self, views: ShardedState, model_keys: dict[str, Key]) -> ShardedState:
         groups = range(len(views.fp32_partitions))
