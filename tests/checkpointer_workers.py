@@ -143,6 +143,7 @@ def crash_during_async_save(rank: int, world: int, out: str, point: str, victim:
     for step in range(3):
         train(model, engine, step, 1)
         if step in (1, 2):
+            ckpt.wait()  # so that the fault below cannot fire in step 1's save
             saving[0] = step
             ckpt.save(step)
     train(model, engine, 3, 1)

@@ -154,7 +154,7 @@ def test_async_equals_sync_errors_reach_every_rank_retention_and_resume_at_anoth
         assert result["start"] == 9 and result["extra"] == {"note": 8}
         assert result["scheduler_epoch"] == 6  # six sched.step() calls before the save of step 8
         assert result["same_keys"] and result["max_abs_diff"] == 0.0
-    assert resumed[0]["tags"] == [step_tag(s) for s in (0, 4, 8, 9)]  # keep_last=3 by default
+    assert resumed[0]["tags"] == [step_tag(s) for s in (5, 8, 9)]  # keep_last=3, no keep_every
 
 
 CRASH_POINTS = [("before_rank_file", 1), ("before_manifest", 0), ("before_rename", 0), ("before_latest", 0)]
