@@ -181,6 +181,11 @@ class Checkpointer:
         return stats
 
     @property
+    def snapshot_bytes(self) -> int:
+        """Host memory the reusable snapshot buffer holds (0 before the first async save)."""
+        return self._snapshot.nbytes
+
+    @property
     def in_flight(self) -> bool:
         """A background save is still being written."""
         return self._in_flight is not None and not self._done.is_set()
