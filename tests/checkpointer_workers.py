@@ -87,6 +87,12 @@ def async_sync_errors_retention(rank: int, world: int, out: str) -> dict[str, An
     with _DiskFull(rank, failing_rank=1):
         ckpt.save(7)
         result["save_error"] = _error_of(lambda: ckpt.save(8))  # raises step 7's error
+    if rank == 1:  # this rank cannot take its snapshot: every rank's save fails, none hangs
+        engine.state_views = lambda: (_ for _ in ()).throw(MemoryError("no host memory"))
+    ckpt.save(8)
+    result["snapshot_error"] = _error_of(ckpt.wait)
+    if rank == 1:
+        del engine.state_views  # back to the method
     ckpt.save(8, extra={"note": 8})
     ckpt.wait()
     dump(engine, out_dir / "state-at-8.safetensors")

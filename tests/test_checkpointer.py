@@ -143,6 +143,7 @@ def test_async_equals_sync_errors_reach_every_rank_retention_and_resume_at_anoth
             assert message is not None, (rank, key)
             assert f"step-0000000{step} not saved" in message and "rank 1" in message, (rank, key, message)
             assert "No space left on device" in message
+        assert "rank 1: taking the state failed: MemoryError: no host memory" in result["snapshot_error"]
         assert result["latest_after_error"] == step_tag(5)
         assert result["latest_after_recovery"] == step_tag(8) and result["hidden_after_recovery"] == []
         assert result["final_tags"] == [step_tag(s) for s in (0, 4, 5, 8)]  # 6, 7, 9 never appeared
