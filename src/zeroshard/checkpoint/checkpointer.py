@@ -163,7 +163,7 @@ class Checkpointer:
             try:
                 self._run_save(stats, state, problem)
             except (OSError, ValueError) as err:
-                raise CheckpointSaveError(f"checkpoint {self.root / stats.tag} not saved: {err}") from err
+                raise CheckpointSaveError(_not_saved(self.root / stats.tag, err)) from err
         stats.stall_s = time.perf_counter() - started
         return stats
 
@@ -177,7 +177,7 @@ class Checkpointer:
         self._in_flight = self._error = None
         if error is not None:
             assert stats is not None
-            raise CheckpointSaveError(f"checkpoint {self.root / stats.tag} not saved: {error}") from error
+            raise CheckpointSaveError(_not_saved(self.root / stats.tag, error)) from error
         return stats
 
     @property
@@ -278,6 +278,12 @@ class Checkpointer:
         if kind == "error":
             raise ValueError(f"checkpoint root {self.root}: {value}")
         return value
+
+
+def _not_saved(path: Path, error: BaseException) -> str:
+    prefix = f"checkpoint {path} not saved: "
+    text = f"{error}" if isinstance(error, (OSError, ValueError)) else f"{type(error).__name__}: {error}"
+    return text if text.startswith(prefix) else prefix + text
 
 
 def _copied(value: Any) -> Any:

@@ -140,7 +140,7 @@ def write_rank_files(
 
 
 def commit_save(
-    plan: SavePlan, state: ShardedState | None, written: WrittenFiles | str, coord: Coordinator, fault: FaultHook | None = None
+    plan: SavePlan, state: ShardedState, written: WrittenFiles | str, coord: Coordinator, fault: FaultHook | None = None
 ) -> Path:
     """Collective: once every rank's files are durable, rank 0 writes the manifest, publishes
     the directory and points ``latest`` at it. Every rank returns the path, or raises."""
@@ -152,7 +152,6 @@ def commit_save(
         raise OSError(f"checkpoint {plan.root / plan.tag} not saved: {failures[0]}")
 
     def commit() -> str:
-        assert state is not None
         _fire(fault, "before_manifest", coord.rank)
         manifest = _manifest(plan, state, outcomes)
         write_file_durably(plan.staging / MANIFEST_FILE, manifest.to_json())
