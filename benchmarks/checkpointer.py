@@ -140,7 +140,7 @@ def measure(rank: int, world: int, kind: str, root: str, saves: int) -> dict[str
 
     rss_before = _rss()
     sampler = _PeakRss()
-    idle, busy, stalls, writes = [], [], [], []
+    idle, busy, stalls, copies_in_save, writes = [], [], [], [], []
     with Checkpointer(engine, Path(root) / "async", keep_last=1) as ckpt:
         for i in range(saves + 1):
             idle += [_step(engine, loss) for _ in range(2)]
@@ -151,10 +151,12 @@ def measure(rank: int, world: int, kind: str, root: str, saves: int) -> dict[str
             ckpt.wait()
             if i > 0:  # the first save allocates the snapshot buffer
                 stalls.append(stats.stall_s)
+                copies_in_save.append(stats.snapshot_s)
                 writes.append(stats.write_s)
         result["snapshot_bytes"] = ckpt.snapshot_bytes
     result["rss_added"] = sampler.stop() - rss_before
     result["stall_s"] = statistics.median(stalls)
+    result["snapshot_s"] = statistics.median(copies_in_save)
     result["write_s"] = statistics.median(writes)
     result["idle_step_s"] = statistics.median(idle)
     result["busy_step_s"] = statistics.median(busy) if busy else float("nan")
@@ -170,10 +172,13 @@ def report(kind: str, saves: int) -> None:
         shutil.rmtree(root, ignore_errors=True)
     worst = {key: max(r[key] for r in ranks) for key in ranks[0]}
     ms = lambda seconds: f"{1e3 * seconds:,.1f} ms"  # noqa: E731
-    print(f"\n{kind} model at D=2: {worst['state_bytes'] / 1e6:,.1f} MB of state on the larger rank")
+    load = os.getloadavg()[0]
+    print(f"\n{kind} model at D=2: {worst['state_bytes'] / 1e6:,.1f} MB of state on the larger rank"
+          f" ({os.cpu_count()} cores, load average {load:.1f})")
     print(f"  floor: copy of the rank's state into the host buffer   {ms(worst['floor_s'])}")
     print(f"  async save: training stall                            {ms(worst['stall_s'])}"
           f"  = {worst['stall_s'] / worst['floor_s']:.2f}x the floor, {worst['stall_s'] / worst['sync_s']:.3f}x the sync save")
+    print(f"    of which the snapshot copy                          {ms(worst['snapshot_s'])}")
     print(f"  async save: written in the background in              {ms(worst['write_s'])}")
     print(f"  sync save                                             {ms(worst['sync_s'])}")
     print(f"  step time, no save in flight / save being written     {ms(worst['idle_step_s'])} / {ms(worst['busy_step_s'])}"
