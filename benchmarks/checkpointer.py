@@ -120,44 +120,47 @@ def _state_bytes(engine: ZeroOptimizer) -> int:
 
 
 def measure(rank: int, world: int, kind: str, root: str, saves: int) -> dict[str, float]:
+    """Rounds of: a floor copy, a sync save, an async save followed by steps. Interleaved,
+    so that each ratio compares figures taken moments apart (the load of a shared machine
+    swings by several times within minutes); medians of the per-round ratios."""
     engine, loss = _build(kind)
     for _ in range(2):  # optimizer state exists from the first step on
         _step(engine, loss)
-    result: dict[str, float] = {"state_bytes": _state_bytes(engine)}
-
     floor = HostSnapshot(pin_memory=engine.device.type == "cuda")
-    copies = []
-    for _ in range(saves + 1):
+    rows = []
+    idle, busy = [], []
+    sync = Checkpointer(engine, Path(root) / "sync", keep_last=1, async_save=False)
+    ckpt = Checkpointer(engine, Path(root) / "async", keep_last=1)
+    floor.take(engine.state_views(), with_model=rank == 0)  # allocated before the idle peak
+    idle_sampler = _PeakRss()
+    idle += [_step(engine, loss) for _ in range(2)]
+    idle_peak = idle_sampler.stop()
+    async_peak = 0
+    for i in range(saves + 1):  # round 0 allocates the buffers
         start = time.perf_counter()
         floor.take(engine.state_views(), with_model=rank == 0)
-        copies.append(time.perf_counter() - start)
-    result["floor_s"] = statistics.median(copies[1:])  # the first one allocates
-    floor.release()
-
-    with Checkpointer(engine, Path(root) / "sync", keep_last=1, async_save=False) as ckpt:
-        sync = [ckpt.save(i).stall_s for i in range(saves)]
-    result["sync_s"] = statistics.median(sync)
-
-    rss_before = _rss()
-    sampler = _PeakRss()
-    idle, busy, stalls, copies_in_save, writes = [], [], [], [], []
-    with Checkpointer(engine, Path(root) / "async", keep_last=1) as ckpt:
-        for i in range(saves + 1):
-            idle += [_step(engine, loss) for _ in range(2)]
-            stats = ckpt.save(i)
-            for _ in range(STEPS_AFTER_SAVE):
-                in_flight = ckpt.in_flight
-                (busy if in_flight else idle).append(_step(engine, loss))
-            ckpt.wait()
-            if i > 0:  # the first save allocates the snapshot buffer
-                stalls.append(stats.stall_s)
-                copies_in_save.append(stats.snapshot_s)
-                writes.append(stats.write_s)
-        result["snapshot_bytes"] = ckpt.snapshot_bytes
-    result["rss_added"] = sampler.stop() - rss_before
-    result["stall_s"] = statistics.median(stalls)
-    result["snapshot_s"] = statistics.median(copies_in_save)
-    result["write_s"] = statistics.median(writes)
+        floor_s = time.perf_counter() - start
+        sync_s = sync.save(i).stall_s
+        sampler = _PeakRss()
+        stats = ckpt.save(i)
+        for _ in range(STEPS_AFTER_SAVE):
+            in_flight = ckpt.in_flight
+            (busy if in_flight else idle).append(_step(engine, loss))
+        ckpt.wait()
+        peak = sampler.stop()
+        if i > 0:
+            rows.append((floor_s, sync_s, stats.stall_s, stats.snapshot_s, stats.write_s))
+            async_peak = max(async_peak, peak)
+    result = {"state_bytes": _state_bytes(engine), "snapshot_bytes": ckpt.snapshot_bytes}
+    ckpt.close()
+    sync.close()
+    median = lambda column: statistics.median(row[column] for row in rows)  # noqa: E731
+    result.update(floor_s=median(0), sync_s=median(1), stall_s=median(2), snapshot_s=median(3), write_s=median(4))
+    result["stall_per_floor"] = statistics.median(row[2] / row[0] for row in rows)
+    result["stall_per_sync"] = statistics.median(row[2] / row[1] for row in rows)
+    # The floor's buffer is held throughout: the peak while async saves are written and
+    # steps run, against the peak of steps alone (both with it), is what async save adds.
+    result["rss_added"] = async_peak - idle_peak
     result["idle_step_s"] = statistics.median(idle)
     result["busy_step_s"] = statistics.median(busy) if busy else float("nan")
     result["busy_steps"] = len(busy)
@@ -177,7 +180,7 @@ def report(kind: str, saves: int) -> None:
           f" ({os.cpu_count()} cores, load average {load:.1f})")
     print(f"  floor: copy of the rank's state into the host buffer   {ms(worst['floor_s'])}")
     print(f"  async save: training stall                            {ms(worst['stall_s'])}"
-          f"  = {worst['stall_s'] / worst['floor_s']:.2f}x the floor, {worst['stall_s'] / worst['sync_s']:.3f}x the sync save")
+          f"  = {worst['stall_per_floor']:.2f}x the floor, {worst['stall_per_sync']:.3f}x the sync save (per-round ratios)")
     print(f"    of which the snapshot copy                          {ms(worst['snapshot_s'])}")
     print(f"  async save: written in the background in              {ms(worst['write_s'])}")
     print(f"  sync save                                             {ms(worst['sync_s'])}")
