@@ -129,7 +129,7 @@ def train_phase(
             resumed_at = ckpt.load()
             result.load_seconds = time.perf_counter() - start
             if resumed_at != first_step:
-                raise ValueError(f"the latest checkpoint resumes at step {resumed_at}, this phase starts at {first_step}")
+                raise ValueError(f"the latest checkpoint resumes at step {resumed_at}, not at {first_step}")
 
         def save_now(step: int) -> None:
             if (step + 1) % config.save_every == 0 or step == last_step:

@@ -187,7 +187,8 @@ def _agree_on_state(
         problem = "no state to save"
     problem = problem or _problem_with(state, coord)  # type: ignore[arg-type]
     records = None if problem else _group_records(state)  # type: ignore[arg-type]
-    digest = None if problem else hashlib.sha256(state.layout.to_json().encode()).hexdigest()  # type: ignore[union-attr]
+    layout_json = None if problem else state.layout.to_json()  # type: ignore[union-attr]
+    digest = hashlib.sha256(layout_json.encode()).hexdigest() if layout_json else None
     summary = (problem, tag, digest, [r.to_dict() for r in records] if records else None)
     everyone = coord.all_gather_object(summary)
     for rank, (their_problem, their_tag, their_digest, their_records) in enumerate(everyone):

@@ -50,7 +50,9 @@ class HostSnapshot:
     def _allocate(self, wanted: dict[Key, tuple[tuple[int, ...], torch.dtype]]) -> None:
         """Keep the buffers that fit; free the others before allocating what is missing."""
         self._buffers = {
-            key: buffer for key, buffer in self._buffers.items() if wanted.get(key) == (tuple(buffer.shape), buffer.dtype)
+            key: buffer
+            for key, buffer in self._buffers.items()
+            if wanted.get(key) == (tuple(buffer.shape), buffer.dtype)
         }
         for key, (shape, dtype) in wanted.items():
             if key not in self._buffers:
@@ -58,15 +60,16 @@ class HostSnapshot:
 
     def _state_like(self, views: ShardedState, model_keys: dict[str, Key]) -> ShardedState:
         groups = range(len(views.fp32_partitions))
+        buffers = self._buffers
         return ShardedState(
             layout=views.layout,
             rank=views.rank,
-            fp32_partitions=[self._buffers[("fp32", g)] for g in groups],
-            optimizer_states=[{n: self._buffers[("state", g, n)] for n in views.optimizer_states[g]} for g in groups],
-            optimizer_scalars=[{n: self._buffers[("scalar", g, n)] for n in views.optimizer_scalars[g]} for g in groups],
+            fp32_partitions=[buffers[("fp32", g)] for g in groups],
+            optimizer_states=[{n: buffers[("state", g, n)] for n in views.optimizer_states[g]} for g in groups],
+            optimizer_scalars=[{n: buffers[("scalar", g, n)] for n in views.optimizer_scalars[g]} for g in groups],
             param_groups=copy.deepcopy(views.param_groups),  # schedulers change them in place
             optimizer_class=views.optimizer_class,
-            model_state={name: self._buffers[key] for name, key in model_keys.items()},
+            model_state={name: buffers[key] for name, key in model_keys.items()},
             extra=copy.deepcopy(views.extra),
         )
 
@@ -82,7 +85,8 @@ def _tensors_of(views: ShardedState, with_model: bool) -> tuple[dict[Key, torch.
     model_keys: dict[str, Key] = {}
     first_of: dict[tuple, Key] = {}
     for name, tensor in (views.model_state if with_model else {}).items():
-        identity = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        storage = tensor.untyped_storage().data_ptr()
+        identity = (tensor.device, storage, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
         key = first_of.setdefault(identity, ("model", name))
         if key == ("model", name):
             sources[key] = tensor
