@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from zeroshard.checkpoint import FAULT_POINTS, list_tags, load_sharded, open_checkpoint, run_ranks, save_sharded
+from zeroshard.checkpoint.output_dir import staged_output
 from zeroshard.checkpoint.testing import synthesize_state
 from zeroshard.layout import ParamSpec, build_layout
 
@@ -89,3 +90,23 @@ def test_a_staging_directory_is_never_loaded(tmp_path):
     assert (tmp_path / staging / "manifest.json").exists()
     with pytest.raises(ValueError, match="empty directory|no manifest"):
         open_checkpoint(tmp_path)
+
+
+def _convert(out: Path, text: str, overwrite: bool, fault=None) -> None:
+    with staged_output(out, markers=["done"], overwrite=overwrite, what="test output", fault=fault) as staging:
+        (staging / "done").write_text(text)
+
+
+@pytest.mark.parametrize("point", ["before_rename", "mid_replace"])
+def test_a_conversion_crash_keeps_the_previous_output(tmp_path, point):
+    """Conversions publish as saves do: after a crash while replacing an output, the next
+    write puts the previous output back (it used to delete it when moved aside)."""
+    out = tmp_path / "out"
+    _convert(out, "old", overwrite=False)
+    with pytest.raises(SimulatedCrash):
+        _convert(out, "new", overwrite=True, fault=lambda where: crash_at(point, 0)(where, 0))
+    with pytest.raises(FileExistsError, match="already holds a complete test output"):
+        _convert(out, "new", overwrite=False)
+    assert (out / "done").read_text() == "old" and hidden_entries(tmp_path) == []
+    _convert(out, "new", overwrite=True)
+    assert (out / "done").read_text() == "new" and hidden_entries(tmp_path) == []

@@ -181,7 +181,7 @@ def test_two_save_loops_into_one_root_publish_only_intact_checkpoints(tmp_path):
 def test_a_conversion_into_a_locked_output_is_refused_with_one_line(tmp_path):
     source = save_synthetic(tmp_path / "ck", LAYOUT, block_size=64)
     out = tmp_path / "out"
-    live = tmp_path / "out.tmp-0123456789ab"
+    live = tmp_path / ".out.tmp-0123456789ab"  # a live conversion's staging directory
     live.mkdir()
     with output_lock(out, "universal checkpoint"):
         with pytest.raises(WriterLockedError, match=HOLDER):

@@ -21,6 +21,8 @@ def test_demo_trains_resumes_at_another_world_size_and_exports_exactly(tmp_path)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "load it at D=3 (resharded)" in out
+    saves = re.findall(r"saved (step-\d+): training stalled [\d.]+ ms, written in the background in [\d.]+ ms", out)
+    assert saves == ["step-00000003", "step-00000007"]  # the last step of each phase
     assert re.search(r"28 of 28 parameters bit-for-bit equal to the live fp32 masters", out)
     assert "28 of 28 parameters start on a 16-byte boundary" in out
     assert (tmp_path / "universal" / "universal.json").is_file()
@@ -35,4 +37,4 @@ def test_demo_phase_under_torchrun_saves_then_resumes(tmp_path):
     second = _run(command)  # finds the checkpoint and resumes from it
     assert second.returncode == 0, second.stderr[-2000:]
     tags = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-"))
-    assert tags == ["step-00000002", "step-00000004"]
+    assert tags == ["step-00000001", "step-00000003"]  # saved after steps 1 and 3

@@ -275,7 +275,7 @@ def small_checkpoint(tmp_path):
 
 def _assert_nothing_complete(out):
     assert not (out / "universal.json").exists()
-    assert not list(out.parent.glob(f"{out.name}.tmp-*")), "the staging directory must be removed"
+    assert not list(out.parent.glob(f".{out.name}.tmp-*")), "the staging directory must be removed"
 
 
 def _cli(*argv) -> tuple[int, str]:
@@ -352,7 +352,7 @@ def test_existing_output_is_kept_unless_overwrite(small_checkpoint, tmp_path):
     assert code == 2 and "--overwrite" in err
     code, _ = _cli("to-universal", small_checkpoint, out, "--max-shard-size", "500B", "--overwrite")
     assert code == 0 and (out / "universal.json").read_text() != before
-    assert len(_shards(out)) > 1 and not list(tmp_path.glob("u.old-*"))
+    assert len(_shards(out)) > 1 and not list(tmp_path.glob(".u.*"))
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint.engine_io import load_checkpoint, save_checkpoint
+from .checkpoint.checkpointer import Checkpointer, SaveStats
 from .data import markov_chain, sample_batch
 from .engine import ZeroOptimizer
 from .layout import LayoutPolicy
@@ -35,6 +35,7 @@ class DemoConfig:
     max_grad_norm: float = 1.0
     seed: int = 0
     progress: bool = True
+    save_every: int = 10  # an asynchronous save every this many steps, and after the last
 
 
 @dataclass
@@ -55,8 +56,9 @@ class PhaseResult:
     losses: list[float] = field(default_factory=list)
     train_seconds: float = 0.0
     load_seconds: float = 0.0
-    save_seconds: float = 0.0
+    save_seconds: float = 0.0  # the last save, from save() until it was committed
     checkpoint: str = ""
+    saves: list[SaveStats] = field(default_factory=list)
     memory: dict = field(default_factory=dict)
     padding: dict = field(default_factory=dict)
     alignment: list[ParamAlignment] = field(default_factory=list)
@@ -85,8 +87,11 @@ def build_engine(config: DemoConfig) -> tuple[TinyGPT, ZeroOptimizer]:
     return model, engine
 
 
-def train_steps(model: TinyGPT, engine: ZeroOptimizer, config: DemoConfig, first_step: int, steps: int, progress) -> list[float]:
-    """Train ``steps`` steps; the loss of each, averaged over the global batch."""
+def train_steps(
+    model: TinyGPT, engine: ZeroOptimizer, config: DemoConfig, first_step: int, steps: int, progress, after_step=None
+) -> list[float]:
+    """Train ``steps`` steps; the loss of each, averaged over the global batch.
+    ``after_step(step)`` is called after each (the demo saves there)."""
     chain = markov_chain(model.config.vocab_size)
     per_micro = config.global_batch // (engine.world_size * config.micro_batches)
     losses = []
@@ -104,6 +109,8 @@ def train_steps(model: TinyGPT, engine: ZeroOptimizer, config: DemoConfig, first
         total = engine.comm.all_reduce_(total.to(engine.device), op="sum").cpu()
         losses.append(total.item() / (config.micro_batches * engine.world_size))
         progress(step, losses[-1])
+        if after_step is not None:
+            after_step(step)
     return losses
 
 
@@ -115,23 +122,48 @@ def train_phase(
         raise ValueError(f"global batch {config.global_batch} does not split into {world_size} ranks x {config.micro_batches} micro-batches")
     model, engine = build_engine(config)
     result = PhaseResult(world_size, engine.comm.backend, first_step)
-    if resume:
+    last_step = first_step + steps - 1
+    with Checkpointer(engine, Path(out_dir) / "checkpoints", keep_last=3, async_save=True) as ckpt:
+        if resume:
+            start = time.perf_counter()
+            resumed_at = ckpt.load()
+            result.load_seconds = time.perf_counter() - start
+            if resumed_at != first_step:
+                raise ValueError(f"the latest checkpoint resumes at step {resumed_at}, not at {first_step}")
+
+        def save_now(step: int) -> None:
+            if (step + 1) % config.save_every == 0 or step == last_step:
+                ckpt.save(step)
+                _report_saves(ckpt.history[:-1], result.saves, rank, config)  # the earlier ones are done
+
+        bar = _progress_bar(config, rank, first_step, steps)
         start = time.perf_counter()
-        load_checkpoint(engine, Path(out_dir) / "checkpoints")
-        result.load_seconds = time.perf_counter() - start
-    bar = _progress_bar(config, rank, first_step, steps)
-    start = time.perf_counter()
-    result.losses = train_steps(model, engine, config, first_step, steps, bar)
-    result.train_seconds = time.perf_counter() - start
-    bar(None, None)
-    start = time.perf_counter()
-    result.checkpoint = str(save_checkpoint(engine, Path(out_dir) / "checkpoints"))
-    result.save_seconds = time.perf_counter() - start
+        result.losses = train_steps(model, engine, config, first_step, steps, bar, save_now)
+        result.train_seconds = time.perf_counter() - start
+        bar(None, None)
+        start = time.perf_counter()
+        last = ckpt.wait()
+        if last is not None:
+            result.save_seconds = last.stall_s + time.perf_counter() - start
+            result.checkpoint = str(last.path)
+        _report_saves(ckpt.history, result.saves, rank, config)
     _save_live_masters(engine, Path(out_dir) / LIVE_MASTERS_FILE)
     result.memory = asdict(engine.memory_report())
     result.padding = asdict(engine.layout.padding())
     result.alignment = _alignment(engine)
     return result if rank == 0 else None
+
+
+def _report_saves(done: list[SaveStats], reported: list[SaveStats], rank: int, config: DemoConfig) -> None:
+    """Print (rank 0) each finished save not reported yet: its stall next to its write time."""
+    for stats in done[len(reported) :]:
+        reported.append(stats)
+        if rank == 0 and config.progress and stats.write_s is not None:
+            print(
+                f"  saved {stats.tag}: training stalled {1e3 * stats.stall_s:.1f} ms, "
+                f"written in the background in {1e3 * stats.write_s:.1f} ms",
+                flush=True,
+            )
 
 
 def _save_live_masters(engine: ZeroOptimizer, path: Path) -> None:

@@ -1,5 +1,6 @@
 """Sharded checkpoints: a directory of safetensors files and a JSON manifest, no pickle.
 
+* :class:`Checkpointer`: periodic (asynchronous) saves, retention, resume from ``latest``;
 * :func:`save_sharded`: collective save of each rank's :class:`ShardedState`, atomic commit;
 * :func:`load_sharded`: one rank's state for any new layout (world size, policy, buckets),
   reading only the byte ranges it needs;
@@ -20,6 +21,9 @@ _EXPORTS = {
     "ParamGroupState": "..state",
     "ShardedState": "..state",
     "FileRecord": ".checksum",
+    "Checkpointer": ".checkpointer",
+    "CheckpointSaveError": ".checkpointer",
+    "SaveStats": ".checkpointer",
     "Coordinator": ".coordinator",
     "RankFailedError": ".coordinator",
     "SingleProcessCoordinator": ".coordinator",
@@ -71,6 +75,8 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "Checkpoint",
+    "CheckpointSaveError",
+    "Checkpointer",
     "Coordinator",
     "Copy",
     "FaultHook",
@@ -79,6 +85,7 @@ __all__ = [
     "GroupRecord",
     "Manifest",
     "RankFailedError",
+    "SaveStats",
     "ModelTensorRecord",
     "ParamGroupState",
     "ReadStats",

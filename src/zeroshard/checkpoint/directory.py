@@ -1,10 +1,23 @@
-"""The checkpoint root on disk: its writer lock, staging, atomic publication, ``latest``.
+"""The checkpoint root on disk: one atomic-directory protocol, and the ``latest`` pointer.
 
-A save holds the root's lock (``<root>/.lock``, see :mod:`.writer_lock`) throughout, writes into ``<root>/.<tag>.tmp-<id>`` and becomes visible with one rename to
-``<root>/<tag>``; ``latest`` is replaced after that. Saving over an existing tag first moves
-the old directory aside to ``<root>/.<tag>.old-<id>``; if a crash falls between the two
-renames, :func:`resolve_checkpoint` finds the old one there, and the next save puts it back.
-Nothing whose name starts with a dot is ever loaded.
+Every directory zeroshard writes (a save's tag, a conversion's output) appears whole or not
+at all, by one protocol:
+
+1. write everything into ``<parent>/.<name>.tmp-<id>`` and fsync it;
+2. if ``<parent>/<name>`` exists, rename it aside to ``<parent>/.<name>.old-<id>``;
+3. rename the staging directory to ``<parent>/<name>`` and fsync the parent (the commit);
+4. delete the old directory.
+
+Recovery (:func:`recover_target`, :func:`clean_interrupted_saves`), run before the next
+write: staging directories are deleted; an old directory is put back if the crash fell
+between steps 2 and 3 (``<name>`` is missing), else deleted; a directory that retention
+was deleting (``.<name>.del-<id>``) is deleted. A save then replaces ``latest``. Nothing
+whose name starts with a dot is ever loaded, except that :func:`resolve_checkpoint` reads
+an old directory a crash left moved aside.
+
+Every write holds the writer lock of its target throughout (a save: ``<root>/.lock``, see
+:func:`root_lock`; a conversion: ``.<OUT>.lock``), and recovery runs only under that lock, so
+it only ever removes what writers that died left behind.
 """
 
 from __future__ import annotations
@@ -12,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -19,6 +33,7 @@ from typing import Any, Callable, Mapping
 
 from .checksum import FileRecord
 from .format import (
+    DELETE_MARKER,
     LATEST_FILE,
     LOCK_FILE,
     MANIFEST_FILE,
@@ -32,6 +47,10 @@ from .members import member_path, open_member
 from .writer_lock import WriterLock
 
 log = logging.getLogger(__name__)
+
+Fault = Callable[[str], None]
+_UNIQUE = re.compile(r"[0-9a-f]{12}")
+_MARKERS = (TEMP_MARKER, OLD_MARKER, DELETE_MARKER)
 
 
 def fsync_dir(path: Path) -> None:
@@ -58,6 +77,13 @@ def replace_file_atomically(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
+def new_staging(target: Path) -> Path:
+    """Create the empty staging directory ``<parent>/.<name>.tmp-<id>`` of ``target``."""
+    staging = target.parent / temp_dir_name(target.name, uuid.uuid4().hex[:12])
+    staging.mkdir()
+    return staging
+
+
 def root_lock(root: Path, tag: str) -> WriterLock:
     """The writer lock of ``root`` (created if absent) for saving ``tag``, not yet acquired.
 
@@ -74,49 +100,104 @@ def prepare_staging(root: Path, tag: str, *, clean: bool = True) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     if clean:
         clean_interrupted_saves(root)
-    staging = root / temp_dir_name(tag, uuid.uuid4().hex[:12])
-    staging.mkdir()
-    return staging
+    return new_staging(root / tag)
 
 
 def clean_interrupted_saves(root: Path) -> None:
-    """Delete staging directories; put back an old tag a crash left moved aside, else delete it.
+    """Recover every name under ``root`` (see the module docstring).
 
     Call it holding the root's lock (:func:`root_lock`): every writer takes it, so every
     staging directory found then belongs to a save that died.
     """
     for entry in sorted(root.iterdir()):
-        if not entry.name.startswith(".") or not entry.is_dir():
-            continue
-        if TEMP_MARKER in entry.name:
-            shutil.rmtree(entry, ignore_errors=True)
-        elif OLD_MARKER in entry.name:
-            tag = entry.name[1:].rsplit(OLD_MARKER, 1)[0]
-            if not (root / tag).exists() and (entry / MANIFEST_FILE).exists():
-                os.rename(entry, root / tag)
-                log.warning("restored checkpoint %s, moved aside by an interrupted save", root / tag)
-            else:
-                shutil.rmtree(entry, ignore_errors=True)
+        _recover_entry(entry)
     fsync_dir(root)
 
 
-def publish(root: Path, tag: str, staging: Path, fault: Callable[[str], None]) -> Path:
-    """Rename the finished ``staging`` directory to ``root/tag``: the commit point of a save."""
-    target = root / tag
+def recover_target(target: Path) -> None:
+    """Recover ``target`` alone: the leftovers of interrupted writes of that one name.
+
+    Call it holding ``target``'s writer lock, for the same reason as :func:`clean_interrupted_saves`.
+    """
+    if not target.parent.is_dir():
+        return
+    for entry in sorted(target.parent.iterdir()):
+        parsed = _parse_hidden(entry.name)
+        if parsed is not None and parsed[0] == target.name:
+            _recover_entry(entry)
+    fsync_dir(target.parent)
+
+
+def _parse_hidden(name: str) -> tuple[str, str] | None:
+    """(target name, marker) of a hidden directory this protocol made, else None."""
+    if not name.startswith("."):
+        return None
+    for marker in _MARKERS:
+        target, found, unique = name[1:].rpartition(marker)
+        if found and target and _UNIQUE.fullmatch(unique):
+            return target, marker
+    return None
+
+
+def _recover_entry(entry: Path) -> None:
+    parsed = _parse_hidden(entry.name)
+    if parsed is None or not entry.is_dir() or entry.is_symlink():
+        return
+    name, marker = parsed
+    target = entry.parent / name
+    if marker == OLD_MARKER and not target.exists() and not target.is_symlink():
+        os.rename(entry, target)
+        log.warning("restored %s, moved aside by an interrupted write", target)
+    else:
+        shutil.rmtree(entry, ignore_errors=True)
+
+
+def publish_dir(staging: Path, target: Path, fault: Fault | None = None) -> Path:
+    """Rename the finished ``staging`` directory to ``target``, replacing what is there:
+    the commit point of a save or a conversion. Fault points: ``before_rename``, and
+    ``mid_replace`` when ``target`` is replaced."""
+    fire = fault or (lambda point: None)
     moved_aside = None
-    fault("before_rename")
-    if target.exists():
-        moved_aside = root / old_dir_name(tag, staging.name.rsplit(TEMP_MARKER, 1)[1])
+    fire("before_rename")
+    if target.exists() or target.is_symlink():
+        moved_aside = target.parent / old_dir_name(target.name, staging.name.rsplit(TEMP_MARKER, 1)[1])
         os.rename(target, moved_aside)
-        fsync_dir(root)
-        fault("mid_replace")
+        fsync_dir(target.parent)
+        fire("mid_replace")
     os.rename(staging, target)
-    fsync_dir(root)
-    fault("before_latest")
-    replace_file_atomically(root / LATEST_FILE, tag + "\n")
+    fsync_dir(target.parent)
     if moved_aside is not None:
         shutil.rmtree(moved_aside, ignore_errors=True)
     return target
+
+
+def publish(root: Path, tag: str, staging: Path, fault: Fault) -> Path:
+    """Publish a save's staging directory as ``root/tag``, then point ``latest`` at it."""
+    target = publish_dir(staging, root / tag, fault)
+    fault("before_latest")
+    replace_file_atomically(root / LATEST_FILE, tag + "\n")
+    return target
+
+
+def delete_tag(root: Path, tag: str) -> None:
+    """Remove checkpoint ``root/tag``: renamed hidden first, so a crash mid-delete never
+    leaves a partial tag that looks complete."""
+    doomed = root / f".{tag}{DELETE_MARKER}{uuid.uuid4().hex[:12]}"
+    os.rename(root / check_tag(tag), doomed)
+    fsync_dir(root)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def read_latest(root: Path) -> str | None:
+    """The tag ``root/latest`` names, or None when there is no ``latest``."""
+    try:
+        tag = (root / LATEST_FILE).read_text().strip()
+    except FileNotFoundError:
+        return None
+    try:
+        return check_tag(tag)
+    except ValueError:
+        raise ValueError(f"{root / LATEST_FILE}: holds {tag!r}, not a checkpoint tag") from None
 
 
 def resolve_checkpoint(path: Path) -> Path:

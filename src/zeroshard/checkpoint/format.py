@@ -19,6 +19,7 @@ DEFAULT_BLOCK_SIZE = 1 << 20
 
 TEMP_MARKER = ".tmp-"  # staging directory: "." + tag + TEMP_MARKER + id
 OLD_MARKER = ".old-"  # a replaced tag waiting to be deleted: "." + tag + OLD_MARKER + id
+DELETE_MARKER = ".del-"  # a tag being deleted by retention: "." + tag + DELETE_MARKER + id
 
 
 def rank_file_name(rank: int, world_size: int) -> str:

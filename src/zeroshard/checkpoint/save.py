@@ -1,18 +1,20 @@
-"""Collective save: every rank writes its own file, rank 0 commits the directory.
+"""Collective save in three phases: plan, write, commit.
 
-Steps, with the fault-injection points a test can crash at:
+* plan (collective): every rank checks its ShardedState and the ranks agree on the outcome,
+  so all fail or none; rank 0 takes the root's writer lock (WriterLockedError on every rank
+  if another process holds it), removes leftovers of interrupted saves and creates the
+  staging directory ``<root>/.<tag>.tmp-<id>``; the result is a :class:`SavePlan`;
+* write (local, the bulk of the time): every rank writes ``rank-RRRRR-of-DDDDD.safetensors``
+  (rank 0 also ``model.safetensors``), hashing while writing, then fsyncs it;
+* commit (collective): the block checksums are gathered on rank 0 (also the barrier that
+  says every rank's files are durable); rank 0 writes manifest.json and fsyncs, renames the
+  directory to ``<root>/<tag>`` and replaces ``latest``; then it broadcasts the outcome, so
+  every rank returns, or raises, together, and releases the lock.
 
-1. every rank checks its ShardedState; the ranks agree on the outcome, so all fail or none;
-2. rank 0 takes the root's writer lock (WriterLockedError on every rank if another save
-   holds it), removes leftovers of interrupted saves and creates ``<root>/.<tag>.tmp-<id>``;
-3. every rank writes ``rank-RRRRR-of-DDDDD.safetensors`` (rank 0 also ``model.safetensors``),
-   hashing while writing, then fsyncs it; ``after_rank_file``;
-4. the block checksums are gathered on rank 0 (this is also the barrier);
-5. rank 0: ``before_manifest``; writes manifest.json and fsyncs; ``before_rename``; renames
-   the directory to ``<root>/<tag>`` (``mid_replace`` when a tag is overwritten);
-   ``before_latest``; replaces ``latest``;
-6. rank 0 broadcasts the outcome, so every rank returns, or raises, together, and
-   releases the lock.
+:func:`save_sharded` runs the three in a row; the :class:`~.checkpointer.Checkpointer` runs
+them on a background thread from a host snapshot. Fault-injection points a test can crash
+at: ``before_rank_file`` and ``after_rank_file`` (every rank), ``before_manifest``,
+``before_rename``, ``mid_replace`` (when a tag is overwritten) and ``before_latest`` (rank 0).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Collection
 
@@ -45,12 +47,44 @@ from .format import (
 from .manifest import GroupRecord, Manifest, ModelTensorRecord, dtype_name
 from .model_file import save_model_state
 from .safetensors_io import write_safetensors
-from .writer_lock import WriterLockedError
+from .writer_lock import WriterLock, WriterLockedError
 
 FaultHook = Callable[[str, int], None]
 """Called as ``fault(point, rank)`` at each point of FAULT_POINTS; raising there simulates a crash."""
 
-FAULT_POINTS = ("after_rank_file", "before_manifest", "before_rename", "mid_replace", "before_latest")
+FAULT_POINTS = (
+    "before_rank_file",
+    "after_rank_file",
+    "before_manifest",
+    "before_rename",
+    "mid_replace",
+    "before_latest",
+)
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    """What the ranks agreed to save: the result of :func:`plan_save`, the same on every rank."""
+
+    root: Path
+    tag: str
+    staging: Path
+    groups: list[GroupRecord]
+    block_size: int
+    lock: WriterLock | None = field(default=None, compare=False)  # rank 0's, held until the commit ends
+
+    def release(self) -> None:
+        """Give up the root's writer lock (rank 0; idempotent): the save is over."""
+        if self.lock is not None:
+            self.lock.release()
+
+
+@dataclass(frozen=True)
+class WrittenFiles:
+    """What one rank wrote: its files' records, and rank 0's description of the model file."""
+
+    files: dict[str, FileRecord]
+    model: tuple[dict[str, ModelTensorRecord], dict[str, str]] | None = None
 
 
 def save_sharded(
@@ -72,39 +106,91 @@ def save_sharded(
     (an OSError naming the holder) on every rank when another process is saving into
     ``root``: one writer per root at a time.
     """
+    coord = coordinator or default_coordinator()
+    plan = plan_save(root, tag, state, coord, block_size=block_size)
+    try:
+        written = write_rank_files(plan, state, buffer_names, coord, fault)
+        return commit_save(plan, state, written, coord, fault)
+    finally:
+        plan.release()
+
+
+def plan_save(
+    root: str | os.PathLike[str],
+    tag: str,
+    state: ShardedState | None,
+    coord: Coordinator,
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    problem: str | None = None,
+) -> SavePlan:
+    """Collective: check every rank's state and agree; rank 0 prepares the staging directory.
+
+    ``problem`` is this rank's reason not to save (say, its snapshot failed): every rank
+    then raises it, instead of this rank alone leaving the others waiting.
+    """
     root = Path(root)
     check_tag(tag)
-    coord = coordinator or default_coordinator()
+    groups = _agree_on_state(tag, state, coord, problem)
+    lock = root_lock(root, tag) if coord.rank == 0 else None
 
-    def fire(point: str) -> None:
-        if fault is not None:
-            fault(point, coord.rank)
-
-    group_records = _agree_on_state(state, coord)
-    with ExitStack() as held:  # rank 0 holds the root's writer lock from cleanup to publication
-
-        def begin() -> str:
-            lock = held.enter_context(root_lock(root, tag))
+    def begin() -> str:
+        assert lock is not None
+        lock.acquire()
+        try:
             return str(prepare_staging(root, tag, clean=lock.held))
+        except BaseException:
+            lock.release()
+            raise
 
-        staging = Path(_on_rank0_then_broadcast(coord, begin))
-        outcome = _write_own_files(staging, state, block_size, buffer_names)
-        fire("after_rank_file")
-        outcomes = coord.all_gather_object(outcome)
+    staging = Path(_on_rank0_then_broadcast(coord, begin))
+    return SavePlan(root, tag, staging, groups, block_size, lock)
+
+
+def write_rank_files(
+    plan: SavePlan,
+    state: ShardedState,
+    buffer_names: Collection[str] | None,
+    coord: Coordinator,
+    fault: FaultHook | None = None,
+) -> WrittenFiles | str:
+    """Local: write and fsync this rank's files. Returns their records, or a one-line error
+    (never raises for a failed write, so that every rank reaches the commit's collective)."""
+    _fire(fault, "before_rank_file", coord.rank)
+    written = _write_own_files(plan, state, buffer_names)
+    _fire(fault, "after_rank_file", coord.rank)
+    return written
+
+
+def commit_save(
+    plan: SavePlan, state: ShardedState, written: WrittenFiles | str, coord: Coordinator, fault: FaultHook | None = None
+) -> Path:
+    """Collective: once every rank's files are durable, rank 0 writes the manifest, publishes
+    the directory and points ``latest`` at it. Every rank returns the path, or raises.
+    Rank 0 releases the root's writer lock when the commit ends, either way."""
+    try:
+        outcomes = coord.all_gather_object(written)
         failures = [o for o in outcomes if isinstance(o, str)]
         if failures:
             if coord.rank == 0:
-                shutil.rmtree(staging, ignore_errors=True)
-            raise OSError(f"checkpoint {root / tag} not saved: {failures[0]}")
+                shutil.rmtree(plan.staging, ignore_errors=True)
+            raise OSError(f"checkpoint {plan.root / plan.tag} not saved: {failures[0]}")
 
         def commit() -> str:
-            fire("before_manifest")
-            manifest = _manifest(tag, state, group_records, outcomes)
-            write_file_durably(staging / MANIFEST_FILE, manifest.to_json())
-            fsync_dir(staging)
-            return str(publish(root, tag, staging, fire))
+            _fire(fault, "before_manifest", coord.rank)
+            manifest = _manifest(plan, state, outcomes)
+            write_file_durably(plan.staging / MANIFEST_FILE, manifest.to_json())
+            fsync_dir(plan.staging)
+            return str(publish(plan.root, plan.tag, plan.staging, lambda point: _fire(fault, point, coord.rank)))
 
         return Path(_on_rank0_then_broadcast(coord, commit))
+    finally:
+        plan.release()
+
+
+def _fire(fault: FaultHook | None, point: str, rank: int) -> None:
+    if fault is not None:
+        fault(point, rank)
 
 
 def _on_rank0_then_broadcast(coord: Coordinator, action: Callable[[], Any]) -> Any:
@@ -125,18 +211,25 @@ def _on_rank0_then_broadcast(coord: Coordinator, action: Callable[[], Any]) -> A
     return value
 
 
-def _agree_on_state(state: ShardedState, coord: Coordinator) -> list[GroupRecord]:
-    problem = _problem_with(state, coord)
-    records = None if problem else _group_records(state)
-    digest = hashlib.sha256(state.layout.to_json().encode()).hexdigest()
-    summary = (problem, digest, [r.to_dict() for r in records] if records else None)
+def _agree_on_state(
+    tag: str, state: ShardedState | None, coord: Coordinator, problem: str | None
+) -> list[GroupRecord]:
+    if problem is None and state is None:
+        problem = "no state to save"
+    problem = problem or _problem_with(state, coord)  # type: ignore[arg-type]
+    records = None if problem else _group_records(state)  # type: ignore[arg-type]
+    layout_json = None if problem else state.layout.to_json()  # type: ignore[union-attr]
+    digest = hashlib.sha256(layout_json.encode()).hexdigest() if layout_json else None
+    summary = (problem, tag, digest, [r.to_dict() for r in records] if records else None)
     everyone = coord.all_gather_object(summary)
-    for rank, (their_problem, their_digest, their_records) in enumerate(everyone):
+    for rank, (their_problem, their_tag, their_digest, their_records) in enumerate(everyone):
         if their_problem:
             raise ValueError(f"cannot save: rank {rank}: {their_problem}")
-        if their_digest != everyone[0][1]:
+        if their_tag != tag:
+            raise ValueError(f"cannot save: rank {rank} saves tag {their_tag!r}, this rank {tag!r}")
+        if their_digest != everyone[0][2]:
             raise ValueError(f"cannot save: rank {rank}'s layout differs from rank 0's")
-        if their_records != everyone[0][2]:
+        if their_records != everyone[0][3]:
             raise ValueError(f"cannot save: rank {rank}'s optimizer state names or dtypes differ from rank 0's")
     return records  # type: ignore[return-value]
 
@@ -185,21 +278,18 @@ def _group_records(state: ShardedState) -> list[GroupRecord]:
     ]
 
 
-def _write_own_files(
-    staging: Path, state: ShardedState, block_size: int, buffer_names: Collection[str] | None
-) -> dict[str, Any] | str:
+def _write_own_files(plan: SavePlan, state: ShardedState, buffer_names: Collection[str] | None) -> WrittenFiles | str:
     """This rank's file records (and rank 0's model description), or a one-line error."""
-    world = state.layout.world_size
-    name = rank_file_name(state.rank, world)
+    name = rank_file_name(state.rank, state.layout.world_size)
     try:
-        written: dict[str, Any] = {"files": {name: _write_rank_file(staging / name, state, block_size).to_dict()}}
-        if state.rank == 0:
-            trainable = set(state.layout.param_names)
-            model = save_model_state(staging / MODEL_FILE, state.model_state, trainable, buffer_names, block_size)
-            written["files"][MODEL_FILE] = model.record.to_dict()
-            written["model"] = ({k: (list(t.shape), t.dtype, t.kind) for k, t in model.tensors.items()}, model.aliases)
-        return written
-    except (OSError, ValueError) as err:
+        files = {name: _write_rank_file(plan.staging / name, state, plan.block_size)}
+        if state.rank != 0:
+            return WrittenFiles(files)
+        trainable = set(state.layout.param_names)
+        model = save_model_state(plan.staging / MODEL_FILE, state.model_state, trainable, buffer_names, plan.block_size)
+        files[MODEL_FILE] = model.record
+        return WrittenFiles(files, (model.tensors, model.aliases))
+    except Exception as err:  # any error: this rank must still reach the commit's collective
         return f"rank {state.rank}: writing {name}: {type(err).__name__}: {err}"
 
 
@@ -224,21 +314,20 @@ def _block_size_for(data_bytes: int, block_size: int) -> int:
     return smaller
 
 
-def _manifest(tag: str, state: ShardedState, records: list[GroupRecord], outcomes: list[Any]) -> Manifest:
+def _manifest(plan: SavePlan, state: ShardedState, outcomes: list[WrittenFiles]) -> Manifest:
     files: dict[str, FileRecord] = {}
     for outcome in outcomes:
-        files.update({name: FileRecord.from_dict(record) for name, record in outcome["files"].items()})
-    tensors, aliases = outcomes[0]["model"]
+        files.update(outcome.files)
+    assert outcomes[0].model is not None
+    tensors, aliases = outcomes[0].model
     return Manifest(
-        tag=tag,
+        tag=plan.tag,
         layout=state.layout,
         optimizer_class=state.optimizer_class,
         param_groups=list(state.param_groups),
-        groups=tuple(records),
-        model_tensors={
-            name: ModelTensorRecord(tuple(shape), dtype, kind) for name, (shape, dtype, kind) in tensors.items()
-        },
-        aliases=aliases,
+        groups=tuple(plan.groups),
+        model_tensors=dict(tensors),
+        aliases=dict(aliases),
         extra=state.extra,
         files=files,
     )

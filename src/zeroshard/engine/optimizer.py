@@ -302,6 +302,11 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         """This rank's state as a plain value (CPU tensors) for the checkpoint layer."""
         return state_io.export_state(self)
 
+    def state_views(self) -> ShardedState:
+        """This rank's state as views of the live tensors, valid until the next step or load
+        (the Checkpointer copies them into its host snapshot); see ``state_io.state_views``."""
+        return state_io.state_views(self)
+
     def import_state(
         self,
         state: ShardedState,

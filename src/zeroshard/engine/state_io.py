@@ -23,15 +23,19 @@ def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def export_state(engine: ZeroOptimizer) -> ShardedState:
-    """A CPU copy of this rank's share: masters, optimizer state, model, counters."""
+def state_views(engine: ZeroOptimizer) -> ShardedState:
+    """This rank's share as views of the live tensors (on the engine's devices), no copies.
+
+    Valid until the engine changes its state (the next step or load): copy it before that,
+    as :func:`export_state` and the Checkpointer's host snapshot do.
+    """
     states, scalars = [], []
     for master in engine.masters:
         partitioned, scalar = {}, {}
         for key, value in engine.optimizer.state.get(master, {}).items():
-            tensor = value if torch.is_tensor(value) else torch.tensor(value)
+            tensor = value.detach() if torch.is_tensor(value) else torch.tensor(value)
             is_partition = tensor.dim() == 1 and tensor.numel() == master.numel()
-            (partitioned if is_partition else scalar)[key] = tensor.detach().cpu().clone()
+            (partitioned if is_partition else scalar)[key] = tensor
         states.append(partitioned)
         scalars.append(scalar)
     groups = [
@@ -44,14 +48,24 @@ def export_state(engine: ZeroOptimizer) -> ShardedState:
     return ShardedState(
         layout=engine.layout,
         rank=engine.rank,
-        fp32_partitions=[m.detach().cpu().clone() for m in engine.masters],
+        fp32_partitions=[m.detach() for m in engine.masters],
         optimizer_states=states,
         optimizer_scalars=scalars,
         param_groups=groups,
         optimizer_class=optimizer_class_name(engine.optimizer),
-        model_state=_cpu_copy_keeping_ties(engine.model.state_dict()),
+        model_state=engine.model.state_dict(),
         extra={"global_steps": engine.global_steps, "loss_scaler": engine.scaler.state_dict()},
     )
+
+
+def export_state(engine: ZeroOptimizer) -> ShardedState:
+    """A CPU copy of this rank's share: masters, optimizer state, model, counters."""
+    views = state_views(engine)
+    views.fp32_partitions = [t.cpu().clone() for t in views.fp32_partitions]
+    views.optimizer_states = [{k: t.cpu().clone() for k, t in d.items()} for d in views.optimizer_states]
+    views.optimizer_scalars = [{k: t.cpu().clone() for k, t in d.items()} for d in views.optimizer_scalars]
+    views.model_state = _cpu_copy_keeping_ties(views.model_state)
+    return views
 
 
 def _cpu_copy_keeping_ties(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

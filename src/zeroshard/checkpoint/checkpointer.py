@@ -1,0 +1,308 @@
+"""Checkpointer: periodic saves that barely stall training, retention, and resume.
+
+    ckpt = Checkpointer(engine, "runs/ckpt", keep_last=3, async_save=True, lr_scheduler=sched)
+    start = ckpt.load()                    # 0, or the step after the latest checkpoint's
+    for step in range(start, total):
+        ...train...
+        if step % 100 == 0:
+            ckpt.save(step, extra={...})   # returns once the rank's state is snapshotted
+    ckpt.close()                           # waits for the last save, reports its error if any
+
+An asynchronous save copies this rank's state into a reusable host buffer
+(:class:`~.snapshot.HostSnapshot`) and returns; a writer thread then runs the save's plan,
+write and commit (:mod:`.save`). The write (CRC, bytes, fsync) releases the GIL. Every collective
+of a save runs on a gloo process group the Checkpointer makes at construction (collectively)
+and destroys in :meth:`Checkpointer.close`, so none interleaves with training's. One save
+is in flight at a time: the next :meth:`~Checkpointer.save` first waits for the previous
+one. The ranks agree on each save's outcome inside its collectives, so an error on any rank
+is raised on every rank, by the next ``save``, ``wait`` or ``close``; ``latest`` only ever
+names a committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .coordinator import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
+from .directory import read_latest
+from .engine_io import LR_SCHEDULER_KEY, load_checkpoint
+from .retention import apply_retention, step_tag
+from .save import FaultHook, commit_save, plan_save, write_rank_files
+from .snapshot import HostSnapshot
+
+if TYPE_CHECKING:
+    from ..engine import ZeroOptimizer
+    from ..state import ShardedState
+
+log = logging.getLogger(__name__)
+
+STEP_KEY = "step"  # extra: the training loop's step the checkpoint was saved after
+USER_EXTRA_KEY = "user"  # extra: what the training script passed to save(extra=...)
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save failed (on this rank or another); ``latest`` still names the previous checkpoint."""
+
+
+@dataclass
+class SaveStats:
+    """What one save cost. ``stall_s`` is the time :meth:`Checkpointer.save` blocked the
+    training loop: ``waited_s`` for the previous save, then ``snapshot_s`` copying the state
+    (for a synchronous save, the whole save). ``write_s`` (plan, write, commit, retention)
+    is known once the save is done."""
+
+    tag: str
+    step: int
+    waited_s: float = 0.0
+    snapshot_s: float = 0.0
+    stall_s: float = 0.0
+    write_s: float | None = None
+    path: Path | None = None
+    deleted: tuple[str, ...] = ()  # tags retention removed (rank 0)
+
+
+class Checkpointer:
+    """Saves a ZeRO run every so often under ``root``, keeps the newest, resumes from ``latest``.
+
+    Args:
+        engine: the ZeroOptimizer whose state is saved and loaded.
+        root: the directory holding the checkpoints (``step-<step>`` tags and ``latest``).
+        keep_last: keep this many newest checkpoints (None: keep all). Older ones are deleted
+            only after a newer one is committed, never the one ``latest`` names.
+        keep_every: also keep every checkpoint whose step is a multiple of this.
+        async_save: snapshot and write in the background (True), or save before returning.
+        lr_scheduler: saved and restored with the run (its ``state_dict``).
+        timeout_s: how long a save's collectives wait for the other ranks.
+        fault: ``fault(point, rank)`` at the save's fault points (tests simulate crashes).
+
+    Construction and :meth:`close` are collective (they create and destroy the gloo group),
+    as are :meth:`load` and :meth:`save`. Use it as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        engine: ZeroOptimizer,
+        root: str | os.PathLike[str],
+        *,
+        keep_last: int | None = 3,
+        keep_every: int | None = None,
+        async_save: bool = True,
+        lr_scheduler: Any = None,
+        timeout_s: float = 1800.0,
+        fault: FaultHook | None = None,
+    ) -> None:
+        for name, value in (("keep_last", keep_last), ("keep_every", keep_every)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        self.engine = engine
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.async_save = async_save
+        self.lr_scheduler = lr_scheduler
+        self.extra: dict[str, Any] = {}  # the user extra of the checkpoint load() resumed from
+        self.history: list[SaveStats] = []
+        self._fault = fault
+        self._buffer_names = [name for name, _ in engine.model.named_buffers()]
+        self._snapshot = HostSnapshot(pin_memory=engine.device.type == "cuda")
+        self._worker: threading.Thread | None = None  # started by the first asynchronous save
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._done = threading.Event()  # the save in flight finished
+        self._in_flight: SaveStats | None = None
+        self._error: BaseException | None = None
+        self._group, self._coord = _coordination_group(engine, timeout_s)
+        self._closed = False
+
+    # ---- public API ---------------------------------------------------------------------------
+
+    def load(self) -> int:
+        """Collective. Resume from the checkpoint ``latest`` names, resharding to this run's
+        world size and policy. Returns the step to start at: one after the saved step, or 0
+        when there is no checkpoint yet (nothing is changed then). Sets :attr:`extra`."""
+        self._check_open()
+        self.wait()
+        tag = self._agree_on_latest()
+        if tag is None:
+            return 0
+        saved = load_checkpoint(self.engine, self.root / tag, lr_scheduler=self.lr_scheduler)
+        self.extra = dict(saved.get(USER_EXTRA_KEY) or {})
+        if STEP_KEY in saved:
+            return int(saved[STEP_KEY]) + 1
+        return int(saved.get("global_steps", 0))  # saved by save_checkpoint: steps done
+
+    def save(self, step: int, extra: dict[str, Any] | None = None) -> SaveStats:
+        """Collective. Save the run as ``step-<step>`` (the state after training step ``step``).
+
+        Waits for the previous save first (raising its error, if any). Asynchronous: returns
+        once this rank's state is copied to host memory; :meth:`wait` for the outcome.
+        ``extra`` (JSON-able) comes back as :attr:`extra` after :meth:`load`.
+        """
+        started = time.perf_counter()
+        self._check_open()
+        self.wait()
+        stats = SaveStats(step_tag(step), step, waited_s=time.perf_counter() - started)
+        snapshot_start = time.perf_counter()
+        state, problem = self._take_state(step, extra)
+        stats.snapshot_s = time.perf_counter() - snapshot_start
+        self.history.append(stats)
+        if self.async_save:
+            self._start_worker()
+            self._in_flight = stats
+            self._done.clear()
+            self._jobs.put((stats, state, problem))
+        else:
+            try:
+                self._run_save(stats, state, problem)
+            except (OSError, ValueError) as err:
+                raise CheckpointSaveError(_not_saved(self.root / stats.tag, err)) from err
+        stats.stall_s = time.perf_counter() - started
+        return stats
+
+    def wait(self) -> SaveStats | None:
+        """Wait for the save in flight; returns its stats (None if there was none). Raises
+        :class:`CheckpointSaveError` on every rank if it failed on any."""
+        if self._in_flight is None:
+            return None
+        self._done.wait()
+        stats, error = self._in_flight, self._error
+        self._in_flight = self._error = None
+        if error is not None:
+            assert stats is not None
+            raise CheckpointSaveError(_not_saved(self.root / stats.tag, error)) from error
+        return stats
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Host memory the reusable snapshot buffer holds (0 before the first async save)."""
+        return self._snapshot.nbytes
+
+    @property
+    def in_flight(self) -> bool:
+        """A background save is still being written."""
+        return self._in_flight is not None and not self._done.is_set()
+
+    def close(self) -> None:
+        """Collective. Wait for the last save (raising its error), free the host buffer and
+        destroy the gloo group. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            if self._worker is not None:
+                self._jobs.put(None)
+                self._worker.join()
+                self._worker = None
+            self._snapshot.release()
+            if self._group is not None:
+                import torch.distributed as dist
+
+                dist.destroy_process_group(self._group)
+                self._group = None
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, kind: object, error: object, trace: object) -> None:
+        self.close()
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Checkpointer is closed")
+
+    def _take_state(self, step: int, extra: dict[str, Any] | None) -> tuple[ShardedState | None, str | None]:
+        """This rank's state to save, or the reason it has none (then every rank's save
+        fails in the plan's agreement, instead of this rank alone raising here)."""
+        try:
+            if self.async_save:
+                state = self._snapshot.take(self.engine.state_views(), with_model=self.engine.rank == 0)
+            else:
+                state = self.engine.export_state()
+            if self.lr_scheduler is not None:
+                state.extra[LR_SCHEDULER_KEY] = _copied(self.lr_scheduler.state_dict())
+            state.extra[STEP_KEY] = step
+            state.extra[USER_EXTRA_KEY] = _copied(extra or {})
+            return state, None
+        except Exception as err:  # noqa: BLE001 - reported on every rank by the agreement
+            return None, f"taking the state failed: {type(err).__name__}: {err}"
+
+    def _start_worker(self) -> None:
+        # One long-lived thread: starting a thread per save costs the training loop up to
+        # tens of milliseconds of scheduling on a busy machine. A daemon, so that a script
+        # that never closes its Checkpointer still exits; close() joins it.
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._work, name="zeroshard-checkpoint-writer", daemon=True)
+            self._worker.start()
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                self._run_save(*job)
+            except BaseException as err:  # noqa: BLE001 - raised by the next save, wait or close
+                self._error = err
+            finally:
+                self._done.set()
+
+    def _run_save(self, stats: SaveStats, state: ShardedState | None, problem: str | None) -> None:
+        """Plan, write and commit one save (collective on the gloo group), then retention."""
+        started = time.perf_counter()
+        plan = plan_save(self.root, stats.tag, state, self._coord, problem=problem)
+        assert state is not None  # plan_save raised on every rank otherwise
+        try:
+            written = write_rank_files(plan, state, self._buffer_names, self._coord, self._fault)
+            stats.path = commit_save(plan, state, written, self._coord, self._fault)
+        finally:
+            plan.release()
+        if self._coord.rank == 0:
+            stats.deleted = tuple(apply_retention(self.root, stats.tag, self.keep_last, self.keep_every))
+        stats.write_s = time.perf_counter() - started
+
+    def _agree_on_latest(self) -> str | None:
+        """The tag ``latest`` names, read on rank 0 and broadcast, so every rank loads the same."""
+        outcome: tuple[str, str | None] | None = None
+        if self._coord.rank == 0:
+            try:
+                outcome = ("ok", read_latest(self.root) if self.root.is_dir() else None)
+            except (OSError, ValueError) as err:
+                outcome = ("error", f"{type(err).__name__}: {err}")
+        kind, value = self._coord.broadcast_object(outcome)
+        if kind == "error":
+            raise ValueError(f"checkpoint root {self.root}: {value}")
+        return value
+
+
+def _not_saved(path: Path, error: BaseException) -> str:
+    prefix = f"checkpoint {path} not saved: "
+    text = f"{error}" if isinstance(error, (OSError, ValueError)) else f"{type(error).__name__}: {error}"
+    return text if text.startswith(prefix) else prefix + text
+
+
+def _copied(value: Any) -> Any:
+    return copy.deepcopy(value)  # the save reads it later, after training changed the original
+
+
+def _coordination_group(engine: ZeroOptimizer, timeout_s: float) -> tuple[Any, Coordinator]:
+    """A gloo group over the engine's ranks, for the saves' collectives alone."""
+    if engine.world_size == 1:
+        return None, SingleProcessCoordinator()
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if engine.comm.group is None:
+        group = dist.new_group(backend="gloo", timeout=timeout)
+    else:  # a data-parallel subgroup: only its members take part
+        ranks = dist.get_process_group_ranks(engine.comm.group)
+        group = dist.new_group(ranks, backend="gloo", timeout=timeout, use_local_synchronization=True)
+    return group, TorchDistributedCoordinator(group)

@@ -1,0 +1,71 @@
+"""Which checkpoints a run keeps: the last K, every N-th step, and always the ``latest`` one.
+
+The Checkpointer names its checkpoints ``step-<step>`` (:func:`step_tag`) and manages only
+tags of that form; others under the root (say "best") are never deleted. Deletion happens
+after a newer checkpoint is committed, never touches a tag newer than the one committed,
+and renames each tag hidden before removing it (:func:`~.directory.delete_tag`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Collection, Mapping
+
+from .directory import delete_tag, list_tags, read_latest
+
+log = logging.getLogger(__name__)
+
+_STEP_TAG = re.compile(r"step-(\d{8,})")
+
+
+def step_tag(step: int) -> str:
+    """``step-00000100``: the tag of the checkpoint saved after step ``step``."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"a checkpoint step must be a non-negative integer, got {step!r}")
+    return f"step-{step:08d}"
+
+
+def tag_step(tag: str) -> int | None:
+    """The step of a tag :func:`step_tag` made, else None."""
+    match = _STEP_TAG.fullmatch(tag)
+    return int(match.group(1)) if match and step_tag(int(match.group(1))) == tag else None
+
+
+def tags_to_delete(
+    steps: Mapping[str, int],
+    committed: str,
+    keep_last: int | None,
+    keep_every: int | None,
+    protected: Collection[str] = (),
+) -> list[str]:
+    """The tags to delete once ``committed`` is: of the tags older than it (``steps`` maps
+    tag -> step), all but the ``keep_last - 1`` newest, except steps divisible by
+    ``keep_every`` and ``protected`` tags. Pure."""
+    if keep_last is None:
+        return []
+    older = sorted((step, tag) for tag, step in steps.items() if step < steps[committed])
+    kept = {tag for _, tag in older[max(0, len(older) - (keep_last - 1)) :]}
+    return [
+        tag
+        for step, tag in older
+        if tag not in kept and tag not in protected and not (keep_every and step % keep_every == 0)
+    ]
+
+
+def apply_retention(root: Path, committed: str, keep_last: int | None, keep_every: int | None) -> list[str]:
+    """Delete what :func:`tags_to_delete` names under ``root``; returns the deleted tags.
+    A tag that cannot be deleted is logged and kept."""
+    steps = {tag: step for tag in list_tags(root) if (step := tag_step(tag)) is not None}
+    if committed not in steps:
+        return []
+    latest = read_latest(root)
+    deleted = []
+    for tag in tags_to_delete(steps, committed, keep_last, keep_every, protected={latest} if latest else ()):
+        try:
+            delete_tag(root, tag)
+            deleted.append(tag)
+        except OSError as err:
+            log.warning("retention: could not delete checkpoint %s: %s", root / tag, err)
+    return deleted
