@@ -40,7 +40,7 @@ def fixture_model(variant: str = "same") -> torch.nn.Module:
     for param in model.parameters():
         param.data = param.data.to(torch.bfloat16)
     if variant == "plus":
-        model.extra = torch.nn.Parameter(torch.linspace(-1, 1, 5).to(torch.bfloat16))
+        model.extra = torch.nn.Parameter(torch.linspace(0.5, 1.5, 5).to(torch.bfloat16))
     elif variant == "minus":
         model.fc1.bias = None
     return model
@@ -64,7 +64,7 @@ def train_step(engine: ZeroOptimizer, step: int) -> None:
     engine.zero_grad()
 
 
-def snapshot(engine: ZeroOptimizer) -> dict[str, torch.Tensor]:
+def snapshot(engine: ZeroOptimizer, states: tuple[str, ...] = STATES) -> dict[str, torch.Tensor]:
     """Weight, fp32 master and Adam states of every trained parameter with elements."""
     found = {}
     weights = dict(engine.model.named_parameters())
@@ -74,7 +74,7 @@ def snapshot(engine: ZeroOptimizer) -> dict[str, torch.Tensor]:
                 continue
             found[f"weight/{slot.name}"] = weights[slot.name].detach().clone()
             found[f"fp32/{slot.name}"] = engine.get_full_fp32_param(slot.name).clone()
-            for key in STATES:
+            for key in states:
                 found[f"{key}/{slot.name}"] = engine.get_full_optimizer_state(slot.name, key).clone()
     return found
 
@@ -166,7 +166,7 @@ def test_non_strict_module_only_and_weights_only_loads_keep_the_runs_values(chec
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             load_checkpoint(engine, checkpoints[kind], strict=False, **options)
-        after = snapshot(engine)
+        after = snapshot(engine, states=())
         assert torch.equal(after[f"weight/{EXTRA}"], before[f"weight/{EXTRA}"]), options
         assert torch.equal(after[f"fp32/{EXTRA}"], before[f"weight/{EXTRA}"].float()), options
         name = "fc2.weight"

@@ -81,9 +81,9 @@ def open_source(path: str | os.PathLike[str] | ShardSource) -> ShardSource:
     if not isinstance(path, (str, os.PathLike)):
         return path
     path = Path(path)
-    found = recognise(path)
+    found = recognise(path) or next((f for f in registered_formats() if f.kind == NATIVE), None)
     if found is None:
-        found = next(f for f in registered_formats() if f.kind == NATIVE)
+        raise ValueError(f"{path}: no registered checkpoint format recognises it")
     return found.open(path)
 
 

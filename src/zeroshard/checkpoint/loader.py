@@ -77,7 +77,8 @@ def load_state(
         if full:
             group_fp32, group_states, group_scalars = _read_group(source, layout, plan, base)
         else:
-            group_fp32, group_states, group_scalars = _fp32_from_weights(layout, rank, plan.group, weights, loadable, base), {}, {}
+            group_fp32 = _fp32_from_weights(layout, rank, plan.group, weights, loadable, base)
+            group_states, group_scalars = {}, {}
         fp32.append(group_fp32)
         states.append(group_states)
         scalars.append(group_scalars)
@@ -122,25 +123,28 @@ def _read_group(
     source: ShardSource, layout: Layout, plan: GroupPlan, base: ShardedState | None
 ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, torch.Tensor]]:
     """fp32 master, optimizer states and scalars of one new group."""
-    info = source.info
     group = plan.group
     if not plan.source_groups and base is not None:  # the checkpoint has none of its parameters
+        own_states = base.optimizer_states[group]
         return (
             _start(base, layout, group, None, "float32"),
-            {name: _start(base, layout, group, name, dtype_of(t).name) for name, t in base.optimizer_states[group].items()},
+            {name: _start(base, layout, group, name, dtype_of(t).name) for name, t in own_states.items()},
             {name: value.clone() for name, value in base.optimizer_scalars[group].items()},
         )
-    fp32 = _fill(source, plan, "fp32", _start(base, layout, group, None, _stored_dtype(source, plan, "fp32")))
-    names = _state_names(group, [tuple(info.state_keys[g]) for g in plan.source_groups])
-    states = {name: _fill(source, plan, name, _start(base, layout, group, name, _stored_dtype(source, plan, name))) for name in names}
+
+    def read(key: str, name: str | None) -> np.ndarray:
+        return _fill(source, plan, key, _start(base, layout, group, name, _stored_dtype(source, plan, key)))
+
+    names = _state_names(group, [tuple(source.info.state_keys[g]) for g in plan.source_groups])
     scalars = _torch_scalars(source.scalars(plan.source_groups[0])) if plan.source_groups else {}
-    return fp32, states, scalars
+    return read("fp32", None), {name: read(name, name) for name in names}, scalars
 
 
 def _fill(source: ShardSource, plan: GroupPlan, key: str, dest: np.ndarray) -> np.ndarray:
     """Copy the plan's ranges of ``key`` into ``dest``, in place."""
     for copy in plan.copies:
-        values = source.read(copy.source_rank, copy.source_group, key, copy.source_start, copy.source_start + copy.length)
+        end = copy.source_start + copy.length
+        values = source.read(copy.source_rank, copy.source_group, key, copy.source_start, end)
         dest[copy.dest_start : copy.dest_start + copy.length] = values  # cast (exactly) if stored narrower
     return dest
 
