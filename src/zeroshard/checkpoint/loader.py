@@ -136,8 +136,10 @@ def _read_group(
         return _fill(source, plan, key, _start(base, layout, group, name, _stored_dtype(source, plan, key)))
 
     names = _state_names(group, [tuple(source.info.state_keys[g]) for g in plan.source_groups])
+    fp32, states = read("fp32", None), {name: read(name, name) for name in names}
+    # Last: a source may take them from a file it has opened for the partitions.
     scalars = _torch_scalars(source.scalars(plan.source_groups[0])) if plan.source_groups else {}
-    return read("fp32", None), {name: read(name, name) for name in names}, scalars
+    return fp32, states, scalars
 
 
 def _fill(source: ShardSource, plan: GroupPlan, key: str, dest: np.ndarray) -> np.ndarray:
