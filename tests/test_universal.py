@@ -488,6 +488,8 @@ def test_range_reader_reads_a_shared_block_once(tmp_path):
     assert bytes(reader.read(path, record, 10, 250)) == payload[10:250]
     assert bytes(reader.read(path, record, 250, 420)) == payload[250:420]  # block 2 comes from the cache
     assert stats.total == 500
+    within = reader.read(path, record, 405, 415)  # inside cached block 4: a view of it, nothing read
+    assert bytes(within) == payload[405:415] and within.readonly and stats.total == 500
     path.write_bytes(payload[:700] + b"x" + payload[701:])
     with pytest.raises(ValueError, match="checksum mismatch in block 7"):
         reader.read(path, record, 650, 720)

@@ -65,7 +65,7 @@ class ShardSource(Protocol):
         """Elements [start, end) of rank ``rank``'s partition of ``key`` in layout group
         ``group``, as fp32. ``key`` is "fp32" (the master weights) or an optimizer state
         name from ``info.state_keys[group]``. Padding reads as zeros. The array is the
-        caller's to keep, and may be read-only (a view of a mapped file)."""
+        caller's to keep, and may be read-only (a view of a mapped file or a cached block)."""
         ...
 
     def scalars(self, group: int) -> dict[str, Any]:
