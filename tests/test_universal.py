@@ -19,7 +19,8 @@ from universal_helpers import (
 
 from zeroshard.checkpoint import ReadStats, load_sharded, open_checkpoint, run_ranks, save_sharded
 from zeroshard.checkpoint.dtypes import to_torch, torch_dtype
-from zeroshard.checkpoint.native_source import NativeSource, open_source
+from zeroshard.checkpoint.formats import open_source
+from zeroshard.checkpoint.native_source import NativeSource
 from zeroshard.checkpoint.source import read_param
 from zeroshard.checkpoint.testing import ADAM_STATES, expected_partition, pattern, synthesize_state
 from zeroshard.checkpoint.universal import load_from_source, load_universal, open_universal, to_universal
@@ -202,7 +203,12 @@ def test_load_options(tmp_path):
     new = build_layout(SPECS, 3, BUCKETED)
     no_state = load_universal(out, new, 1, load_optimizer_states=False)
     assert no_state.optimizer_states == [{}, {}] and no_state.optimizer_scalars == [{}, {}]
-    assert torch.equal(no_state.fp32_partitions[0], expected_partition(new, 1, 0, "fp32"))
+    # No master is read: the fp32 partition is the weights (the masters cast to bf16), as the engine rebuilds it.
+    weights = {s.name: pattern(s.name, "fp32", s.numel).to(torch.bfloat16).float() for s in new.groups[0].params}
+    expected = torch.zeros(new.groups[0].partition_numel)
+    for f in new.groups[0].fragments(1):
+        expected[f.partition_start : f.partition_start + f.length] = weights[f.name][f.param_start : f.param_start + f.length]
+    assert torch.equal(no_state.fp32_partitions[0], expected)
     assert no_state.param_groups and no_state.extra["global_step"] == 7
     module_only = load_universal(out, new, 1, load_module_only=True)
     assert module_only.param_groups == [] and module_only.optimizer_class == "" and module_only.extra == {}
@@ -381,10 +387,11 @@ def test_a_failure_mid_write_leaves_nothing(small_checkpoint, tmp_path, monkeypa
     _assert_nothing_complete(out)
 
 
-def test_universal_input_is_refused_where_a_sharded_run_is_needed(small_checkpoint, tmp_path):
+def test_universal_input_is_refused_by_to_universal(small_checkpoint, tmp_path):
     universal = to_universal(small_checkpoint, tmp_path / "u", progress=False)
-    with pytest.raises(ValueError, match="universal checkpoint, not a sharded run; open it with open_universal"):
-        open_source(universal)
+    with pytest.raises(ValueError, match="already a universal checkpoint"):
+        to_universal(universal, tmp_path / "again", progress=False)
+    assert not (tmp_path / "again").exists()
     code, err = _cli("to-universal", universal, tmp_path / "again")
     assert code == 2 and "already a universal checkpoint" in err
 
@@ -493,6 +500,8 @@ def test_range_reader_reads_a_shared_block_once(tmp_path):
     assert bytes(reader.read(path, record, 10, 250)) == payload[10:250]
     assert bytes(reader.read(path, record, 250, 420)) == payload[250:420]  # block 2 comes from the cache
     assert stats.total == 500
+    within = reader.read(path, record, 405, 415)  # inside cached block 4: a view of it, nothing read
+    assert bytes(within) == payload[405:415] and within.readonly and stats.total == 500
     path.write_bytes(payload[:700] + b"x" + payload[701:])
     with pytest.raises(ValueError, match="checksum mismatch in block 7"):
         reader.read(path, record, 650, 720)

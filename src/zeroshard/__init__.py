@@ -1,3 +1,13 @@
 """zeroshard: ZeRO stage 1/2 data-parallel training with aligned flat buffers and portable checkpoints."""
 
 __version__ = "0.1.0"
+
+# The checkpoint formats zeroshard reads, as "module:attribute" of a
+# zeroshard.checkpoint.formats.SourceFormat, in the order they are tried on a path. Declared
+# here, above every layer, like packaging entry points: the checkpoint layer loads them by
+# name when a checkpoint is first opened, so it never imports the importers that use it.
+CHECKPOINT_FORMATS = (
+    "zeroshard.checkpoint.universal_source:UNIVERSAL_FORMAT",
+    "zeroshard.importers:DEEPSPEED_FORMAT",
+    "zeroshard.checkpoint.native_source:NATIVE_FORMAT",
+)

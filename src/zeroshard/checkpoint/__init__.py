@@ -4,6 +4,9 @@
 * :func:`save_sharded`: collective save of each rank's :class:`ShardedState`, atomic commit;
 * :func:`load_sharded`: one rank's state for any new layout (world size, policy, buckets),
   reading only the byte ranges it needs;
+* :func:`open_source`: any checkpoint zeroshard reads (native, universal, DeepSpeed) as a
+  ShardSource, its kind recognised by :func:`recognise` from the registered formats;
+  :func:`load_state` loads one rank's state from any of them;
 * :func:`open_checkpoint`, :func:`verify_checkpoint`: inspection and full verification;
 * :class:`WriterLockedError`: another process is saving into the same root.
 
@@ -37,6 +40,16 @@ _EXPORTS = {
     "FORMAT_NAME": ".format",
     "FORMAT_VERSION": ".format",
     "rank_file_name": ".format",
+    "SourceFormat": ".formats",
+    "checkpoint_kind": ".formats",
+    "registered_formats": ".formats",
+    "open_source": ".formats",
+    "recognise": ".formats",
+    "register_format": ".formats",
+    "unregister_format": ".formats",
+    "load_state": ".loader",
+    "ShardSource": ".source",
+    "SourceInfo": ".source",
     "Checkpoint": ".handle",
     "open_checkpoint": ".handle",
     "load_sharded": ".load",
@@ -90,19 +103,29 @@ __all__ = [
     "ParamGroupState",
     "ReadStats",
     "ShardedState",
+    "ShardSource",
     "SingleProcessCoordinator",
+    "SourceFormat",
+    "SourceInfo",
     "ThreadCoordinator",
     "TorchDistributedCoordinator",
     "WriterLock",
     "WriterLockedError",
+    "checkpoint_kind",
     "default_coordinator",
     "list_tags",
     "load_sharded",
+    "load_state",
     "open_checkpoint",
+    "open_source",
     "plan_reads",
     "rank_file_name",
+    "recognise",
+    "register_format",
+    "registered_formats",
     "resolve_checkpoint",
     "run_ranks",
     "save_sharded",
+    "unregister_format",
     "verify_checkpoint",
 ]

@@ -41,9 +41,10 @@ class RangeReader:
     def read(self, path: Path, record: FileRecord, begin: int, end: int) -> memoryview:
         """Bytes [begin, end) of ``path``, every block under them checked against ``record``.
 
-        The view is the caller's to keep: of a new buffer, or, for a range of at least
-        MAP_BYTES, a read-only view of a private mapping of the file, so that big reads cost
-        no copy (the mapping goes when the last view of it does)."""
+        The view is the caller's to keep: of a new buffer; or read-only, of a cached block
+        when the range lies within one, or, for a range of at least MAP_BYTES, of a private
+        mapping of the file, so that small and big reads cost no copy (the mapping goes when
+        the last view of it does)."""
         if not 0 <= begin <= end <= record.size:
             raise ValueError(f"{path}: byte range [{begin}, {end}) is outside its {record.size} bytes")
         blocks = record.blocks_covering(begin, end)
@@ -52,6 +53,10 @@ class RangeReader:
         first, last = blocks[0], blocks[-1]
         span_start, span_end = record.block_range(first)[0], record.block_range(last)[1]
         key = str(path)
+        cached = self._cache.get((key, first)) if first == last else None
+        if cached is not None:  # within one block read before: a view of it, no copy
+            self._cache.move_to_end((key, first))
+            return memoryview(cached)[begin - span_start : end - span_start]
         if span_end - span_start >= MAP_BYTES:
             view = self._map(path, record, first, last, span_start, span_end)
         else:

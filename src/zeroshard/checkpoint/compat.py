@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from ..layout import Layout
-from .manifest import Manifest, dtype_name
+from .manifest import dtype_name
+from .source import SourceInfo
 
 if TYPE_CHECKING:
     import torch
@@ -51,12 +52,26 @@ def compare_params(old: Layout, new: Layout) -> Mismatch:
     )
 
 
-def compare_module(manifest: Manifest, module_state: Mapping[str, torch.Tensor]) -> Mismatch:
-    """The run's full state_dict (frozen parameters and buffers too) against model.safetensors."""
-    saved = {name: (record.shape, record.dtype) for name, record in manifest.model_tensors.items()}
-    saved.update({alias: saved[target] for alias, target in manifest.aliases.items()})
-    run = {name: (tuple(t.shape), dtype_name(t.dtype)) for name, t in module_state.items()}
-    return _compare(saved, run)
+def compare_module(info: SourceInfo, run_layout: Layout, module_state: Mapping[str, torch.Tensor]) -> Mismatch:
+    """The run's state_dict entries that are not its trained parameters (frozen parameters,
+    buffers, tied names) against what the checkpoint holds under those names. Trained
+    parameters are :func:`compare_params`'s, so each difference is reported once."""
+    trained_by_run = set(run_layout.param_names)
+    run = {
+        name: (tuple(t.shape), dtype_name(t.dtype)) for name, t in module_state.items() if name not in trained_by_run
+    }
+    any_dtype = info.weights_from_masters  # trained weights are cast from the fp32 masters
+    trained = {
+        slot.name: (slot.spec.shape, None if any_dtype else slot.spec.dtype)
+        for group in info.layout.groups
+        for slot in group.params
+    }
+    saved = {entry.name: (entry.shape, entry.dtype) for entry in info.model_entries}
+    saved.update({name: spec for name, spec in trained.items() if name in run})  # frozen in the run
+    for alias, target in info.aliases.items():
+        if target in trained or target in saved:
+            saved[alias] = trained.get(target) or saved[target]
+    return _compare({name: spec for name, spec in saved.items() if name not in trained_by_run}, run)
 
 
 def compare_shapes(saved: Mapping[str, tuple[int, ...]], run: Mapping[str, tuple[int, ...]]) -> Mismatch:
@@ -77,6 +92,6 @@ def _compare(saved: Mapping[str, tuple], run: Mapping[str, tuple]) -> Mismatch:
         retyped=tuple(
             f"{name} (checkpoint {saved[name][1]}, run {run[name][1]})"
             for name in both
-            if tuple(saved[name][0]) == tuple(run[name][0]) and saved[name][1] != run[name][1]
+            if tuple(saved[name][0]) == tuple(run[name][0]) and saved[name][1] not in (None, run[name][1])
         ),
     )

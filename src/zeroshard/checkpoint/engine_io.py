@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..state import ShardedState
 from .coordinator import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
-from .load import load_sharded
+from .formats import checkpoint_kind, open_source  # noqa: F401  (checkpoint_kind: re-exported)
+from .loader import load_state
 from .save import FaultHook, save_sharded
 
 if TYPE_CHECKING:
@@ -54,7 +55,10 @@ def load_checkpoint(
 
     ``path`` is a native checkpoint (a tag directory or a root with ``latest``), a
     universal checkpoint or a DeepSpeed ZeRO-1/2 checkpoint, saved at any world size and
-    layout policy. Returns the checkpoint's ``extra`` (step counters and the like).
+    layout policy: whatever :func:`~zeroshard.checkpoint.formats.open_source` opens.
+    ``strict=False`` loads the parameters both have; the run's parameters the checkpoint
+    lacks keep their values (weights, fp32 masters, optimizer state), and the checkpoint's
+    extra ones are ignored. Returns the checkpoint's ``extra`` (step counters and the like).
     """
     coordinator = _coordinator(engine)
     try:
@@ -78,28 +82,17 @@ def load_checkpoint(
 def _read_state(
     engine: ZeroOptimizer, path: Path, load_optimizer_states: bool, load_module_only: bool, strict: bool
 ) -> ShardedState:
-    options = dict(load_optimizer_states=load_optimizer_states, load_module_only=load_module_only, strict=strict)
-    kind = checkpoint_kind(path)
-    if kind == "universal":
-        from .universal import load_universal
-
-        return load_universal(path, engine.layout, engine.rank, **options)
-    if kind == "deepspeed":
-        from ..importers import open_deepspeed
-        from .universal import load_from_source
-
-        return load_from_source(open_deepspeed(path), engine.layout, engine.rank, **options)
-    base = None if strict else engine.export_state()  # what the checkpoint lacks keeps the run's values
-    return load_sharded(path, engine.layout, engine.rank, module_state=engine.model.state_dict(), base=base, **options)
-
-
-def checkpoint_kind(path: Path) -> str:
-    """"native", "universal" or "deepspeed", from the files ``path`` holds."""
-    if (path / "universal.json").is_file():
-        return "universal"
-    from ..importers import is_deepspeed_checkpoint
-
-    return "deepspeed" if is_deepspeed_checkpoint(path) else "native"
+    with open_source(path) as source:
+        return load_state(
+            source,
+            engine.layout,
+            engine.rank,
+            load_optimizer_states=load_optimizer_states,
+            load_module_only=load_module_only,
+            strict=strict,
+            module_state=engine.model.state_dict(),
+            base=None if strict else engine.export_state(),  # what the checkpoint lacks keeps the run's values
+        )
 
 
 def _coordinator(engine: ZeroOptimizer) -> Coordinator:

@@ -24,14 +24,13 @@ from ..layout import canonical_dtype
 from .directory import write_file_durably
 from .dtypes import cast, dtype_info, to_torch
 from .format import DEFAULT_BLOCK_SIZE
-from .native_source import open_source
+from .formats import open_source
 from .output_dir import staged_output
 from .safetensors_io import PlannedTensor
-from .source import ModelEntry, ShardSource, iter_params
+from .source import ModelEntry, ShardSource, iter_params, read_whole_param
 from .streaming import OutputTensor, plan_shards, write_shards
-from .universal_format import is_universal_checkpoint
-from .universal_read import UniversalCheckpoint, open_universal
-from .universal_write import read_whole_param
+from .universal_read import UniversalCheckpoint
+from .universal_source import UniversalSource
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -144,25 +143,10 @@ def _cast(read: Callable[[str], np.ndarray], name: str, dtype: str) -> np.ndarra
 
 def _open(path: Input) -> _ModelView:
     if isinstance(path, UniversalCheckpoint):
-        return _universal_view(path, close=False)
-    if hasattr(path, "read") and hasattr(path, "info"):
-        return _source_view(path, close=False)  # type: ignore[arg-type]
-    path = Path(path)  # type: ignore[arg-type]
-    if is_universal_checkpoint(path):
-        return _universal_view(open_universal(path), close=True)
-    return _source_view(open_source(path), close=True)
-
-
-def _universal_view(ckpt: UniversalCheckpoint, *, close: bool) -> _ModelView:
-    manifest = ckpt.manifest
-    return _ModelView(
-        trained=[(name, param.shape) for name, param in manifest.params.items()],
-        entries=list(manifest.model_entries.values()),
-        aliases=dict(manifest.aliases),
-        master=lambda name: ckpt.read_param(name, "fp32"),
-        model_tensor=ckpt.model_tensor,
-        close=ckpt.close if close else _nothing,
-    )
+        return _source_view(UniversalSource(path), close=False)
+    if isinstance(path, (str, os.PathLike)):
+        return _source_view(open_source(path), close=True)
+    return _source_view(path, close=False)
 
 
 def _source_view(source: ShardSource, *, close: bool) -> _ModelView:

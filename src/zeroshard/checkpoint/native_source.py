@@ -1,4 +1,4 @@
-"""A native zeroshard checkpoint as a :class:`ShardSource`, and :func:`open_source` for any saved run.
+"""A native zeroshard checkpoint as a :class:`ShardSource`.
 
 Reads are range reads of the rank files, every checksum block under them verified (see
 :mod:`.block_reader`); each file's safetensors header is checked against the manifest the
@@ -14,7 +14,8 @@ import numpy as np
 
 from .block_reader import RangeReader, array_view
 from .dtypes import itemsize_of, to_float32
-from .format import MODEL_FILE, fp32_key, rank_file_name, scalar_key, state_key
+from .format import LATEST_FILE, MANIFEST_FILE, MODEL_FILE, fp32_key, rank_file_name, scalar_key, state_key
+from .formats import SourceFormat
 from .handle import Checkpoint, open_checkpoint
 from .safetensors_io import ReadStats, TensorEntry, check_entries, read_header
 from .source import ModelEntry, ShardSource, SourceInfo
@@ -47,6 +48,10 @@ class NativeSource:
             ],
             aliases=dict(manifest.aliases),
             extra=dict(manifest.extra),
+            stored_dtypes=[
+                {key: dtype for key, dtype in {"fp32": record.fp32_dtype, **record.states}.items() if dtype != "float32"}
+                for record in manifest.groups
+            ],
         )
 
     def read(self, rank: int, group: int, key: str, start: int, end: int) -> np.ndarray:
@@ -71,9 +76,10 @@ class NativeSource:
         return to_float32(array_view(data, dtype))
 
     def scalars(self, group: int) -> dict[str, np.ndarray]:
-        """The group's non-partitioned optimizer state, as rank 0 saved it."""
+        """The group's non-partitioned optimizer state: the same in every rank file, so
+        read from one already opened (they sit in its first block, next to the header)."""
         manifest = self.checkpoint.manifest
-        file_name = self._rank_file(0)
+        file_name = next((name for name in self._headers if name != MODEL_FILE), None) or self._rank_file(0)
         header = self._header(file_name)
         found = {}
         for name, (dtype, shape) in manifest.groups[group].scalars.items():
@@ -124,24 +130,9 @@ class NativeSource:
         return self._reader.read(self.checkpoint.path(file_name), record, begin, end)
 
 
-def open_source(path: str | os.PathLike[str]) -> ShardSource:
-    """The saved run at ``path`` as a ShardSource: a native checkpoint (a tag directory or a
-    root with ``latest``) or a DeepSpeed ZeRO-1/2 checkpoint.
+def is_native_checkpoint(path: Path) -> bool:
+    """A tag directory (it has a manifest) or a root whose ``latest`` names one."""
+    return (path / MANIFEST_FILE).is_file() or (path / LATEST_FILE).is_file()
 
-    A universal checkpoint is refused: it has no ranks; open it with ``open_universal``.
-    """
-    from .universal_format import is_universal_checkpoint
 
-    path = Path(path)
-    if is_universal_checkpoint(path):
-        raise ValueError(
-            f"{path}: a zeroshard universal checkpoint, not a sharded run; open it with open_universal / load_universal"
-        )
-    try:
-        from ..importers import is_deepspeed_checkpoint, open_deepspeed
-    except ModuleNotFoundError:  # a build without the importers
-        pass
-    else:
-        if is_deepspeed_checkpoint(path):
-            return open_deepspeed(path)
-    return NativeSource(path)
+NATIVE_FORMAT = SourceFormat("native", is_native_checkpoint, NativeSource)

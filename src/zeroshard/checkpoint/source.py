@@ -39,10 +39,24 @@ class SourceInfo:
     model_entries: list[ModelEntry]  # buffers and frozen parameters
     aliases: dict[str, str] = field(default_factory=dict)  # state_dict name -> trained param it ties to
     extra: dict[str, Any] = field(default_factory=dict)  # global_steps, loss scaler, lr scheduler
+    # per layout group: the dtype a tensor kind ("fp32" or a state name) is stored in, where
+    # it is not float32; a load gives it back in that dtype
+    stored_dtypes: list[dict[str, str]] = field(default_factory=list)
+    # the trained parameters' weights are their fp32 masters cast (no low-precision copy
+    # is stored), so a run may load them in another dtype
+    weights_from_masters: bool = False
+
+    def stored_dtype(self, group: int, key: str) -> str:
+        """The dtype ``key`` ("fp32" or a state name) of layout group ``group`` is stored in."""
+        return self.stored_dtypes[group].get(key, "float32") if group < len(self.stored_dtypes) else "float32"
 
 
 class ShardSource(Protocol):
-    """Read access to a saved run, range by range."""
+    """Read access to a saved run, range by range.
+
+    :func:`~zeroshard.checkpoint.formats.open_source` opens any checkpoint zeroshard reads
+    as one; :func:`~zeroshard.checkpoint.loader.load_state` loads any of them into a run.
+    """
 
     path: Path
     info: SourceInfo
@@ -51,7 +65,7 @@ class ShardSource(Protocol):
         """Elements [start, end) of rank ``rank``'s partition of ``key`` in layout group
         ``group``, as fp32. ``key`` is "fp32" (the master weights) or an optimizer state
         name from ``info.state_keys[group]``. Padding reads as zeros. The array is the
-        caller's to keep, and may be read-only (a view of a mapped file)."""
+        caller's to keep, and may be read-only (a view of a mapped file or a cached block)."""
         ...
 
     def scalars(self, group: int) -> dict[str, Any]:
@@ -80,6 +94,16 @@ def read_param(source: ShardSource, name: str, key: str, start: int = 0, end: in
         offset = piece.partition_start + lo - piece.param_start
         out[lo - start : hi - start] = source.read(piece.rank, group.index, key, offset, offset + hi - lo)
     return out
+
+
+def read_whole_param(source: ShardSource, name: str, key: str) -> np.ndarray:
+    """:func:`read_param` of a whole parameter, without its copy when one rank holds all of it."""
+    group, slot = source.info.layout.param(name)
+    pieces = group.pieces(slot.index)
+    if len(pieces) == 1:
+        start = pieces[0].partition_start
+        return source.read(pieces[0].rank, group.index, key, start, start + slot.numel)
+    return read_param(source, name, key)
 
 
 def iter_params(source: ShardSource) -> Iterator[tuple[str, tuple[int, ...]]]:

@@ -36,7 +36,8 @@ class UniversalCheckpoint:
     def read_param(self, name: str, key: str = "fp32", start: int = 0, end: int | None = None) -> np.ndarray:
         """Elements [start, end) of parameter ``name``'s ``key`` ("fp32" or an optimizer
         state), flattened in the parameter's own shape, as an fp32 array the caller may keep
-        (read-only when big: a view of a mapping of the shard, see :mod:`.block_reader`)."""
+        (possibly read-only: a view of a mapping of the shard or of a cached block, see
+        :mod:`.block_reader`)."""
         param = self.manifest.params.get(name)
         if param is None:
             raise KeyError(f"{self.directory}: no trained parameter {name!r}")

@@ -21,10 +21,10 @@ import numpy as np
 from .directory import write_file_durably
 from .dtypes import dtype_of
 from .format import DEFAULT_BLOCK_SIZE
-from .native_source import open_source
+from .formats import open_source
 from .output_dir import staged_output
 from .safetensors_io import PlannedTensor
-from .source import ShardSource, read_param
+from .source import ShardSource, read_whole_param
 from .streaming import OutputTensor, plan_shards, write_shards
 from .universal_format import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -63,6 +63,8 @@ def to_universal(
             )
         finally:
             opened.close()
+    if source.info.weights_from_masters:
+        raise ValueError(f"{source.path}: already a universal checkpoint")
     manifest = describe(source)
     tensors = output_tensors(source, manifest)
     shards = plan_shards([t.planned.nbytes for t in tensors], max_shard_size)
@@ -131,16 +133,6 @@ def output_tensors(source: ShardSource, manifest: UniversalManifest) -> list[Out
         planned = PlannedTensor(model_key(name), entry.dtype, entry.shape)
         tensors.append(OutputTensor(planned, functools.partial(_model_tensor, source, name, planned)))
     return tensors
-
-
-def read_whole_param(source: ShardSource, name: str, key: str) -> np.ndarray:
-    """:func:`read_param` of a whole parameter, without its copy when one rank holds all of it."""
-    group, slot = source.info.layout.param(name)
-    pieces = group.pieces(slot.index)
-    if len(pieces) == 1:
-        start = pieces[0].partition_start
-        return source.read(pieces[0].rank, group.index, key, start, start + slot.numel)
-    return read_param(source, name, key)
 
 
 def _model_tensor(source: ShardSource, name: str, planned: PlannedTensor) -> np.ndarray:

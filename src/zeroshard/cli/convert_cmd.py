@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from ..checkpoint.fp32_export import to_fp32
-from ..checkpoint.universal_format import DEFAULT_MAX_SHARD_SIZE, is_universal_checkpoint
+from ..checkpoint.universal_format import DEFAULT_MAX_SHARD_SIZE
 from ..checkpoint.universal_write import to_universal
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -58,8 +58,6 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def run_to_universal(args: argparse.Namespace) -> int:
-    if is_universal_checkpoint(args.checkpoint):
-        return _fail(args, f"{args.checkpoint}: already a universal checkpoint")
     return _run(
         args,
         lambda: to_universal(

@@ -1,17 +1,23 @@
 """Readers for checkpoints written by other ZeRO implementations.
 
 Each presents its checkpoint as a :class:`~zeroshard.checkpoint.source.ShardSource`, so
-universal conversion, fp32 export and resharded loading work on it unchanged.
+universal conversion, fp32 export and resharded loading work on it unchanged, and each is a
+:class:`~zeroshard.checkpoint.formats.SourceFormat` that ``zeroshard.CHECKPOINT_FORMATS``
+lists, so :func:`~zeroshard.checkpoint.formats.open_source` recognises it.
 
 * :func:`open_deepspeed`: DeepSpeed ZeRO stage 1/2 (docs/DEEPSPEED.md).
 """
 
+from ..checkpoint.formats import SourceFormat
 from .deepspeed import DeepSpeedSource, open_deepspeed
 from .deepspeed_files import find_tag_dir, is_deepspeed_checkpoint
 from .deepspeed_pickle import ALLOWED_GLOBALS, DeepSpeedFormatError
 
+DEEPSPEED_FORMAT = SourceFormat("deepspeed", is_deepspeed_checkpoint, open_deepspeed)
+
 __all__ = [
     "ALLOWED_GLOBALS",
+    "DEEPSPEED_FORMAT",
     "DeepSpeedFormatError",
     "DeepSpeedSource",
     "find_tag_dir",

@@ -1,0 +1,254 @@
+"""The one loader: one rank's :class:`ShardedState` for any layout, from any checkpoint.
+
+Native, universal and DeepSpeed checkpoints all come in as a :class:`ShardSource`
+(:func:`~zeroshard.checkpoint.formats.open_source`), so every load option (full, module only,
+without optimizer state, strict or not, resharded) behaves the same for each:
+
+* before anything is read, the run's parameters are compared with the checkpoint's (names,
+  shapes, dtypes), and the rest of the run's state_dict too when ``module_state`` is given.
+  ``strict=True``: any difference is a ValueError naming every parameter concerned, in one
+  line. ``strict=False``: the parameters both have are loaded; the checkpoint's extra ones are
+  ignored, and the run's parameters the checkpoint lacks keep their values from ``base``
+  (the run's own state: weights, fp32 masters and optimizer state), or zeros without one.
+  A dtype change is refused either way, except from a universal checkpoint, whose weights
+  are cast from its fp32 masters;
+* the new layout decides everything (world size, policy, bucket size, grouping): each
+  fragment of the new rank's partition is read from the old ranks that hold it, by the runs
+  :func:`plan_reads` computes, so a rank reads about its share, not the checkpoint;
+* without optimizer state the fp32 master partitions are the loaded weights, as the engine
+  rebuilds them, and no master is read.
+
+The result is built in new tensors and returned only when everything passed, so a failed
+load leaves the caller's state as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from ..layout import Layout
+from ..state import ParamGroupState, ShardedState
+from .compat import Mismatch, compare_module, compare_params
+from .dtypes import arrays_to_torch, cast, dtype_info, dtype_of, to_numpy, to_torch
+from .reshard import GroupPlan, plan_reads
+from .source import ShardSource, read_whole_param
+
+
+def load_state(
+    source: ShardSource,
+    layout: Layout,
+    rank: int,
+    *,
+    load_optimizer_states: bool = True,
+    load_module_only: bool = False,
+    strict: bool = True,
+    module_state: Mapping[str, torch.Tensor] | None = None,
+    base: ShardedState | None = None,
+) -> ShardedState:
+    """This rank's state under ``layout`` (the new run's), read from ``source``.
+
+    Args:
+        load_optimizer_states: False leaves optimizer state empty; the fp32 masters are the
+            checkpoint's weights.
+        load_module_only: the module's weights only (masters from them); no optimizer class,
+            param groups or ``extra``.
+        strict: the checkpoint's parameters must be the run's; False loads those both have.
+        module_state: the run's ``module.state_dict()``, to check frozen parameters,
+            buffers and tied names before anything is read.
+        base: the run's current state on this rank: what the checkpoint lacks keeps its
+            values from here (with ``strict=False``) instead of zeros.
+    """
+    info = source.info
+    if not 0 <= rank < layout.world_size:
+        raise ValueError(f"rank {rank} is outside world size {layout.world_size}")
+    if base is not None and (base.layout != layout or base.rank != rank):
+        raise ValueError("base must be this rank's state under the layout being loaded")
+    loadable = _check_match(source, layout, module_state, strict)
+    param_groups = _map_param_groups(source, layout, loadable)
+    weights = _module_weights(source, layout, loadable, None if strict else module_state)
+    full = load_optimizer_states and not load_module_only
+    fp32, states, scalars = [], [], []
+    for plan in plan_reads(info.layout, layout, rank, loadable):
+        if full:
+            group_fp32, group_states, group_scalars = _read_group(source, layout, plan, base)
+        else:
+            group_fp32 = _fp32_from_weights(layout, rank, plan.group, weights, loadable, base)
+            group_states, group_scalars = {}, {}
+        fp32.append(group_fp32)
+        states.append(group_states)
+        scalars.append(group_scalars)
+    return ShardedState(
+        layout=layout,
+        rank=rank,
+        fp32_partitions=[to_torch(array) for array in fp32],
+        optimizer_states=[{name: to_torch(array) for name, array in group.items()} for group in states],
+        optimizer_scalars=scalars,
+        param_groups=[] if load_module_only else param_groups,
+        optimizer_class="" if load_module_only else info.optimizer_class,
+        model_state=_to_torch_keeping_ties(weights, info.aliases),
+        extra={} if load_module_only else arrays_to_torch(dict(info.extra)),
+    )
+
+
+def _check_match(
+    source: ShardSource, layout: Layout, module_state: Mapping[str, torch.Tensor] | None, strict: bool
+) -> set[str]:
+    """Names of the run's parameters to read; raises (strict, or a dtype change) or warns.
+
+    A run's parameter with no elements that the checkpoint lacks is no difference: there is
+    nothing to load (DeepSpeed leaves such parameters out of its buffers)."""
+    info = source.info
+    params = compare_params(info.layout, layout)
+    if info.weights_from_masters:
+        params = dataclasses.replace(params, retyped=())
+    empty = {slot.name for group in layout.groups for slot in group.params if slot.numel == 0}
+    absent_empty = set(params.missing) & empty
+    params = dataclasses.replace(params, missing=tuple(n for n in params.missing if n not in absent_empty))
+    module = compare_module(info, layout, module_state) if module_state is not None else Mismatch()
+    for mismatch, what in ((params, "parameters"), (module, "state_dict")):
+        label = f"{source.path}: checkpoint does not match the run's {what}"
+        if mismatch and (strict or mismatch.retyped):
+            raise ValueError(mismatch.describe(label))
+        if mismatch:
+            warnings.warn(mismatch.describe(label) + "; loading the rest (strict=False)", stacklevel=4)
+    return set(layout.param_names) - params.skipped() - absent_empty
+
+
+def _read_group(
+    source: ShardSource, layout: Layout, plan: GroupPlan, base: ShardedState | None
+) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, torch.Tensor]]:
+    """fp32 master, optimizer states and scalars of one new group."""
+    group = plan.group
+    if not plan.source_groups and base is not None:  # the checkpoint has none of its parameters
+        own_states = base.optimizer_states[group]
+        return (
+            _start(base, layout, group, None, "float32"),
+            {name: _start(base, layout, group, name, dtype_of(t).name) for name, t in own_states.items()},
+            {name: value.clone() for name, value in base.optimizer_scalars[group].items()},
+        )
+
+    def read(key: str, name: str | None) -> np.ndarray:
+        return _fill(source, plan, key, _start(base, layout, group, name, _stored_dtype(source, plan, key)))
+
+    names = _state_names(group, [tuple(source.info.state_keys[g]) for g in plan.source_groups])
+    fp32, states = read("fp32", None), {name: read(name, name) for name in names}
+    # Last: a source may take them from a file it has opened for the partitions.
+    scalars = _torch_scalars(source.scalars(plan.source_groups[0])) if plan.source_groups else {}
+    return fp32, states, scalars
+
+
+def _fill(source: ShardSource, plan: GroupPlan, key: str, dest: np.ndarray) -> np.ndarray:
+    """Copy the plan's ranges of ``key`` into ``dest``, in place."""
+    for copy in plan.copies:
+        end = copy.source_start + copy.length
+        values = source.read(copy.source_rank, copy.source_group, key, copy.source_start, end)
+        dest[copy.dest_start : copy.dest_start + copy.length] = values  # cast (exactly) if stored narrower
+    return dest
+
+
+def _stored_dtype(source: ShardSource, plan: GroupPlan, key: str) -> str:
+    """The dtype ``key`` is stored in by the old groups a new group draws from (they must agree)."""
+    found = {g: source.info.stored_dtype(g, key) for g in plan.source_groups}
+    if len(set(found.values())) > 1:
+        raise ValueError(
+            f"group {plan.group} takes parameters from old groups {list(found)} that store {key!r} in different dtypes "
+            f"({found})"
+        )
+    return next(iter(found.values()), "float32")
+
+
+def _start(base: ShardedState | None, layout: Layout, group: int, name: str | None, dtype: str) -> np.ndarray:
+    """A partition before the checkpoint's ranges land in it: the base's values, or zeros."""
+    if base is not None:
+        tensor = base.fp32_partitions[group] if name is None else base.optimizer_states[group].get(name)
+        if tensor is not None and dtype_of(tensor).name == dtype:
+            return to_numpy(tensor).copy()
+    return np.zeros(layout.groups[group].partition_numel, dtype=dtype_info(dtype).numpy)
+
+
+def _fp32_from_weights(
+    layout: Layout, rank: int, group: int, weights: Mapping[str, np.ndarray], loadable: set[str], base: ShardedState | None
+) -> np.ndarray:
+    partition = _start(base, layout, group, None, "float32")
+    for fragment in layout.groups[group].fragments(rank):
+        if fragment.name in loadable:
+            weight = weights[fragment.name].reshape(-1)[fragment.param_start : fragment.param_start + fragment.length]
+            partition[fragment.partition_start : fragment.partition_start + fragment.length] = cast(weight, "float32")
+    return partition
+
+
+def _module_weights(
+    source: ShardSource, layout: Layout, loadable: set[str], keep_only: Mapping[str, Any] | None
+) -> dict[str, np.ndarray]:
+    """The module state_dict entries to load, tied names left out: the trained parameters'
+    weights in the run's dtype, buffers and frozen parameters as stored (only those
+    ``keep_only`` names, when given)."""
+    info = source.info
+    weights: dict[str, np.ndarray] = {}
+    for group in layout.groups:
+        for slot in group.params:
+            if slot.name in loadable:
+                weights[slot.name] = _weight(source, slot.name, group.dtype).reshape(slot.spec.shape)
+            elif slot.numel == 0:
+                weights[slot.name] = np.empty(slot.spec.shape, dtype=dtype_info(group.dtype).numpy)
+    for entry in info.model_entries:
+        if entry.name not in weights and (keep_only is None or entry.name in keep_only):
+            weights[entry.name] = source.model_tensor(entry.name)
+    return weights
+
+
+def _weight(source: ShardSource, name: str, dtype: str) -> np.ndarray:
+    if source.info.weights_from_masters:
+        return cast(read_whole_param(source, name, "fp32"), dtype)
+    return source.model_tensor(name)  # its dtype is the run's: a change is refused before
+
+
+def _to_torch_keeping_ties(weights: Mapping[str, np.ndarray], aliases: Mapping[str, str]) -> dict[str, torch.Tensor]:
+    state = {name: to_torch(array) for name, array in weights.items()}
+    for alias, target in aliases.items():
+        if target in state:
+            state[alias] = state[target]
+    return state
+
+
+def _torch_scalars(scalars: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Scalars as the engine keeps them: tensors (a plain number becomes a 0-d tensor)."""
+    return {name: to_torch(v) if isinstance(v, np.ndarray) else torch.tensor(v) for name, v in scalars.items()}
+
+
+def _state_names(group: int, per_group: list[tuple[str, ...]]) -> tuple[str, ...]:
+    """The optimizer states of a new group: every old group it draws from must have the same ones."""
+    names = per_group[0] if per_group else ()
+    for other in per_group[1:]:
+        if set(other) != set(names):
+            raise ValueError(
+                f"layout group {group} mixes parameters with optimizer states {sorted(names)} and {sorted(other)}"
+            )
+    return tuple(names)
+
+
+def _map_param_groups(source: ShardSource, layout: Layout, loadable: set[str]) -> list[ParamGroupState]:
+    """The saved param groups that hold the new layout's groups, each listing its new layout
+    groups. Optimizer hyperparameters and scalars follow the parameters."""
+    info = source.info
+    old_owner = {g: index for index, group in enumerate(info.param_groups) for g in group.layout_groups}
+    owner_of_param = {slot.name: old_owner.get(g.index, -1) for g in info.layout.groups for slot in g.params}
+    owners: list[int | None] = []
+    for group in layout.groups:
+        found = {owner_of_param[slot.name] for slot in group.params if slot.name in loadable}
+        if len(found) > 1 or -1 in found:
+            raise ValueError(
+                f"layout group {group.index} holds parameters of saved param groups {sorted(found)}; "
+                "group the run's parameters as the checkpoint does"
+            )
+        owners.append(found.pop() if found else None)
+    states = [
+        ParamGroupState(arrays_to_torch(dict(saved.hyperparameters)), [g for g, owner in enumerate(owners) if owner == index])
+        for index, saved in enumerate(info.param_groups)
+    ]
+    return [state for state in states if state.layout_groups]

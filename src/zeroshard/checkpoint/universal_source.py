@@ -1,0 +1,128 @@
+"""A universal checkpoint as a :class:`ShardSource`: a world of one with parameters back to back.
+
+A universal checkpoint has no ranks and no padding, so it is read as the run of one rank
+that would hold its parameters in the compact layout: one layout group per (param group,
+dtype), parameters in the manifest's order, the only padding at each group's tail. A
+partition range then maps onto the parameters it covers, each read by range. Trained
+weights are the fp32 masters cast to the dtype each parameter trained in (the format keeps
+no low-precision copy), so ``info.weights_from_masters`` is set: a run may load them in
+another dtype.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..layout import Layout, LayoutPolicy, build_layout
+from ..state import ParamGroupState
+from .dtypes import cast
+from .safetensors_io import ReadStats
+from .formats import SourceFormat
+from .source import SourceInfo
+from .universal_format import FORMAT_NAME, is_universal_checkpoint
+from .universal_read import UniversalCheckpoint, open_universal
+
+# Parameters back to back, each group's tail padded to 16 bytes.
+_POLICY = LayoutPolicy.native(compact=True)
+
+
+class UniversalSource:
+    """An opened universal checkpoint, read range by range (the ShardSource protocol)."""
+
+    kind = FORMAT_NAME
+
+    def __init__(self, checkpoint: str | os.PathLike[str] | UniversalCheckpoint, *, stats: ReadStats | None = None) -> None:
+        self.checkpoint = open_universal(checkpoint, stats=stats)
+        self.path: Path = self.checkpoint.directory
+        manifest = self.checkpoint.manifest
+        layout = build_layout(manifest.param_specs(), 1, _POLICY)
+        self._owner = [manifest.params[group.params[0].name].group for group in layout.groups]
+        self.info = SourceInfo(
+            layout=layout,
+            optimizer_class=manifest.optimizer_class,
+            param_groups=[
+                ParamGroupState(dict(group.hyperparameters), [g for g, owner in enumerate(self._owner) if owner == index])
+                for index, group in enumerate(manifest.param_groups)
+            ],
+            state_keys=[_state_keys(layout, g, manifest.params) for g in range(len(layout.groups))],
+            model_entries=list(manifest.model_entries.values()),
+            aliases=dict(manifest.aliases),
+            extra=dict(manifest.extra),
+            weights_from_masters=True,
+        )
+        self._param_ends = [[slot.end for slot in group.params] for group in layout.groups]
+
+    @property
+    def layout(self) -> Layout:
+        return self.info.layout
+
+    def read(self, rank: int, group: int, key: str, start: int, end: int) -> np.ndarray:
+        """Elements [start, end) of layout group ``group``'s only partition of ``key``, as fp32."""
+        if rank != 0:
+            raise ValueError(f"rank {rank} is outside world size 1 (a universal checkpoint has no ranks)")
+        layout_group = self._group(group)
+        if not 0 <= start <= end <= layout_group.partition_numel:
+            raise ValueError(
+                f"range [{start}, {end}) is outside group {group}'s partition of {layout_group.partition_numel} elements"
+            )
+        first = bisect.bisect_right(self._param_ends[group], start)
+        slots = layout_group.params[first:]
+        if slots and slots[0].offset <= start and end <= slots[0].end:  # within one parameter: no copy
+            return self.checkpoint.read_param(slots[0].name, key, start - slots[0].offset, end - slots[0].offset)
+        out = np.zeros(end - start, dtype=np.float32)
+        for slot in slots:
+            if slot.offset >= end:
+                break
+            lo, hi = max(slot.offset, start), min(slot.end, end)
+            if lo < hi:
+                out[lo - start : hi - start] = self.checkpoint.read_param(slot.name, key, lo - slot.offset, hi - slot.offset)
+        return out
+
+    def scalars(self, group: int) -> dict[str, Any]:
+        """The scalars of the param group layout group ``group`` belongs to."""
+        self._group(group)
+        return self.checkpoint.scalars(self._owner[group])
+
+    def model_tensor(self, name: str) -> np.ndarray:
+        """A buffer or frozen parameter as stored; a trained parameter's fp32 master cast to
+        the dtype it trained in."""
+        param = self.checkpoint.manifest.params.get(name)
+        if param is None:
+            return self.checkpoint.model_tensor(name)
+        return cast(self.checkpoint.read_param(name, "fp32"), param.dtype).reshape(param.shape)
+
+    def close(self) -> None:
+        self.checkpoint.close()
+
+    def __enter__(self) -> UniversalSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _group(self, group: int):
+        groups = self.info.layout.groups
+        if not 0 <= group < len(groups):
+            raise ValueError(f"{self.path}: group {group} does not exist (the checkpoint has {len(groups)})")
+        return groups[group]
+
+
+def _state_keys(layout: Layout, group: int, params: dict[str, Any]) -> list[str]:
+    """The optimizer states of a layout group: every parameter in it must have the same ones."""
+    slots = layout.groups[group].params
+    names = params[slots[0].name].states
+    for slot in slots[1:]:
+        if set(params[slot.name].states) != set(names):
+            raise ValueError(
+                f"parameters {slots[0].name!r} and {slot.name!r} share a param group and dtype but have optimizer "
+                f"states {sorted(names)} and {sorted(params[slot.name].states)}"
+            )
+    return list(names)
+
+
+UNIVERSAL_FORMAT = SourceFormat("universal", is_universal_checkpoint, UniversalSource)

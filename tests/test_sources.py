@@ -1,0 +1,141 @@
+"""One way to open a checkpoint (``open_source`` over registered formats) and one loader
+(``load_state``) for every kind: recognition, registration, layering, and equal results
+from a native checkpoint and its universal conversion for every load option."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from universal_helpers import save_synthetic
+
+import zeroshard
+from zeroshard.checkpoint import (
+    SourceFormat,
+    checkpoint_kind,
+    load_state,
+    open_source,
+    recognise,
+    register_format,
+    registered_formats,
+    unregister_format,
+)
+from zeroshard.checkpoint.native_source import NativeSource
+from zeroshard.checkpoint.testing import expected_partition
+from zeroshard.checkpoint.universal import to_universal
+from zeroshard.checkpoint.universal_source import UniversalSource
+from zeroshard.layout import LayoutPolicy, ParamSpec, build_layout
+
+SPECS = [
+    [ParamSpec.of("embed", (13, 7), "bf16"), ParamSpec.of("w", (5, 3), "bf16")],
+    [ParamSpec.of("head.bias", (11,), "bf16"), ParamSpec.of("norm", (4,), "bf16")],
+]
+CHECKPOINT_PACKAGE = Path(zeroshard.__file__).parent / "checkpoint"
+
+
+@pytest.fixture(scope="module")
+def native_and_universal(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sources")
+    native = save_synthetic(root / "native", build_layout(SPECS, 2))
+    return native, to_universal(native, root / "universal", progress=False)
+
+
+def test_the_checkpoint_layer_never_imports_the_importers():
+    """Importers build on the checkpoint layer; the formats table in zeroshard/__init__.py
+    names them instead, so no checkpoint module imports them."""
+    offenders = []
+    for path in sorted(CHECKPOINT_PACKAGE.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [("." * node.level) + (node.module or "")]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            offenders += [f"{path.name}: {n}" for n in names if n.startswith(("..importers", "zeroshard.importers"))]
+    assert offenders == []
+    assert [f.kind for f in registered_formats()] == ["universal", "deepspeed", "native"]
+
+
+def test_each_kind_is_recognised_and_opened(native_and_universal, tmp_path):
+    native, universal = native_and_universal
+    assert checkpoint_kind(native) == checkpoint_kind(native.parent) == "native"  # the tag, or its root
+    assert checkpoint_kind(universal) == "universal" and recognise(tmp_path) is None
+    with open_source(native.parent) as source:
+        assert isinstance(source, NativeSource) and source.path == native
+    with open_source(universal) as source:
+        assert isinstance(source, UniversalSource) and source.info.weights_from_masters
+    with pytest.raises(ValueError, match="empty directory, not a checkpoint"):  # the native reader's words
+        open_source(tmp_path)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+def test_a_deepspeed_checkpoint_is_recognised(deepspeed_runs):
+    from zeroshard.importers import DeepSpeedSource
+
+    run = deepspeed_runs["w2_s2"]
+    assert checkpoint_kind(run.save_dir) == checkpoint_kind(run.tag_dir) == "deepspeed"
+    with open_source(run.save_dir) as source:
+        assert isinstance(source, DeepSpeedSource) and source.info.layout.world_size == 2
+
+
+def test_a_registered_format_is_tried_first_and_can_be_removed(native_and_universal, tmp_path):
+    native, _ = native_and_universal
+    pointer = tmp_path / "pointer"
+    pointer.mkdir()
+    (pointer / "points-to").write_text(str(native))
+    opened = []
+
+    def open_pointer(path: Path) -> NativeSource:
+        opened.append(path)
+        return NativeSource((path / "points-to").read_text())
+
+    register_format(SourceFormat("pointer", lambda path: (path / "points-to").is_file(), open_pointer))
+    try:
+        assert registered_formats()[0].kind == "pointer" and checkpoint_kind(pointer) == "pointer"
+        with open_source(pointer) as source:
+            state = load_state(source, build_layout(SPECS, 1), 0)
+        assert opened == [pointer]
+        assert torch.equal(state.fp32_partitions[1], expected_partition(build_layout(SPECS, 1), 0, 1, "fp32"))
+    finally:
+        unregister_format("pointer")
+    assert checkpoint_kind(pointer) == "native" and "pointer" not in [f.kind for f in registered_formats()]
+
+
+OPTIONS = [
+    {},
+    {"load_optimizer_states": False},
+    {"load_module_only": True},
+    {"strict": False},
+]
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=["full", "no-optimizer-state", "module-only", "non-strict"])
+def test_native_and_universal_load_alike_for_every_option(native_and_universal, options):
+    """The same run, saved natively and converted to universal, loads to the same state at
+    another world size and policy, bit for bit, whatever the options."""
+    native, universal = native_and_universal
+    new = build_layout(SPECS, 3, LayoutPolicy.native(compact=True))
+    for rank in range(3):
+        with open_source(native) as a, open_source(universal) as b:
+            ours, theirs = load_state(a, new, rank, **options), load_state(b, new, rank, **options)
+        assert_same_state(ours, theirs)
+        assert any(torch.count_nonzero(p) for p in ours.fp32_partitions)
+
+
+def assert_same_state(a, b) -> None:
+    assert len(a.fp32_partitions) == len(b.fp32_partitions)
+    for x, y in zip(a.fp32_partitions, b.fp32_partitions):
+        assert x.dtype == y.dtype and torch.equal(x, y)
+    for x, y in zip(a.optimizer_states, b.optimizer_states):
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    for x, y in zip(a.optimizer_scalars, b.optimizer_scalars):
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    assert a.model_state.keys() == b.model_state.keys()
+    for name in a.model_state:
+        assert a.model_state[name].dtype == b.model_state[name].dtype and torch.equal(a.model_state[name], b.model_state[name]), name
+    assert a.param_groups == b.param_groups and a.optimizer_class == b.optimizer_class
+    assert a.extra.keys() == b.extra.keys()
