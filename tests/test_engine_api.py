@@ -35,3 +35,14 @@ def test_torch_state_dict_is_refused_with_a_pointer_to_checkpoints():
         engine.state_dict()
     with pytest.raises(NotImplementedError, match="load_checkpoint"):
         engine.load_state_dict({})
+
+
+def test_a_bad_fragment_call_raises_its_own_error_in_a_single_process():
+    engine = ZeroOptimizer(OddSizedModel(), torch.optim.AdamW, lr=1e-2)
+    name = engine.layout.param_names[0]
+    with pytest.raises(KeyError, match="optimizer has no state 'exp_avg'"):
+        engine.get_full_optimizer_state(name, "exp_avg")
+    with pytest.raises(KeyError, match="no parameter named 'nope'"):
+        engine.set_full_fp32_param("nope", torch.zeros(1))
+    with pytest.raises(ValueError, match=f"parameter {name!r} has shape"):
+        engine.set_full_fp32_param(name, torch.zeros(10**4))
