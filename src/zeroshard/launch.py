@@ -118,7 +118,7 @@ def spawn(
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes; return their results.
 
     ``fn`` must be importable (a module-level function); its return value comes back pickled,
-    tensors by value (CPU tensors; not views into shared memory). Raises RuntimeError with the
+    tensors copied by value (never shared through file descriptors). Raises RuntimeError with the
     failing rank's traceback, or on timeout after killing every process. The rendezvous
     port is picked free but can be taken before rank 0 binds it; then it tries another.
     """
