@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import torch
 
+from zeroshard.checkpoint.engine_io import load_checkpoint, save_checkpoint
 from zeroshard.engine import ZeroOptimizer
 from zeroshard.layout import LayoutPolicy
 from zeroshard.models import OddSizedModel
@@ -77,3 +81,59 @@ def check_fragments(rank: int, world: int) -> dict:
         for start, end in group.padding_ranges(rank)
     )
     return results
+
+
+# ---- collectives called badly: every rank must raise the same error, none may block --------------
+
+
+def _outcome(engine: ZeroOptimizer, call, probe: str, expected_probe: torch.Tensor) -> dict:
+    """Run ``call``; report its error and whether the group still works (and nothing changed)."""
+    start = time.perf_counter()
+    try:
+        call()
+        error = None
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        error = err
+    seconds = time.perf_counter() - start
+    ranks_sum = engine.comm.all_reduce_(torch.tensor([float(engine.rank + 1)]), op="sum").item()
+    unchanged = torch.equal(engine.get_full_fp32_param(probe), expected_probe)
+    return {
+        "type": None if error is None else type(error).__name__,
+        "message": None if error is None else str(error.args[0] if len(error.args) == 1 else error),
+        "seconds": seconds,
+        "group_usable": ranks_sum == engine.world_size * (engine.world_size + 1) / 2,
+        "unchanged": unchanged,
+    }
+
+
+def check_bad_calls(rank: int, world: int, root: str) -> dict:
+    """At D=2, each public collective called so that it fails, on one rank or on both."""
+    torch.manual_seed(0)
+    model = OddSizedModel()
+    engine = ZeroOptimizer(model, torch.optim.AdamW, stage=2, param_dtype=torch.bfloat16, policy=POLICY, lr=1e-2)
+    only_rank0 = next(name for name in engine.layout.param_names if _owners(engine, name) == {0})
+    other = next(name for name in engine.layout.param_names if name != only_rank0)
+    value = engine.get_full_fp32_param(only_rank0)
+    slot = engine.layout.param(only_rank0)[1]
+    checkpoint = save_checkpoint(engine, Path(root), tag="good")
+    mine = engine.export_state()
+    if rank == 1:
+        mine.rank = 0  # rank 1 alone passes another rank's state
+    calls = {
+        "state_before_first_step": lambda: engine.get_full_optimizer_state(only_rank0, "exp_avg"),
+        "set_state_before_first_step": lambda: engine.set_full_optimizer_state(only_rank0, "exp_avg", torch.zeros(slot.spec.shape)),
+        "unknown_parameter": lambda: engine.get_full_fp32_param("no.such.parameter"),
+        "unknown_parameter_grad": lambda: engine.get_full_grad("no.such.parameter"),
+        "ranks_ask_for_different_parameters": lambda: engine.get_full_fp32_param(only_rank0 if rank == 0 else other),
+        "wrong_size_on_one_rank": lambda: engine.set_full_fp32_param(
+            only_rank0, torch.ones(slot.spec.shape) if rank == 0 else torch.ones(slot.numel + 1)
+        ),
+        "not_a_tensor_on_one_rank": lambda: engine.set_full_grad(only_rank0, torch.ones(slot.spec.shape) if rank == 0 else 1.0),
+        "import_another_ranks_state_on_one_rank": lambda: engine.import_state(mine),
+        "load_options_differ": lambda: load_checkpoint(engine, checkpoint, strict=rank == 0),
+        "load_missing_on_one_rank": lambda: load_checkpoint(engine, checkpoint if rank == 0 else Path(root) / "missing"),
+        "save_tags_differ": lambda: save_checkpoint(engine, Path(root), tag=f"tag-of-rank-{rank}"),
+    }
+    outcomes = {label: _outcome(engine, call, only_rank0, value) for label, call in calls.items()}
+    outcomes["published_tags"] = sorted(p.name for p in Path(root).iterdir() if not p.name.startswith("."))
+    return outcomes

@@ -317,3 +317,14 @@ def test_stage2_parameter_without_gradient_and_padding_reduce_as_zeros():
 def test_reduce_dtype_other_than_a_float_dtype_is_refused():
     with pytest.raises(ValueError, match="reduce_dtype must be None or one of torch.float32, torch.bfloat16"):
         ZeroOptimizer(_model(), torch.optim.AdamW, reduce_dtype=torch.int8)
+
+
+def test_a_bad_fragment_call_raises_its_own_error_in_a_single_process():
+    engine = ZeroOptimizer(OddSizedModel(), torch.optim.AdamW, lr=1e-2)
+    name = engine.layout.param_names[0]
+    with pytest.raises(KeyError, match="optimizer has no state 'exp_avg'"):
+        engine.get_full_optimizer_state(name, "exp_avg")
+    with pytest.raises(KeyError, match="no parameter named 'nope'"):
+        engine.set_full_fp32_param("nope", torch.zeros(1))
+    with pytest.raises(ValueError, match=f"parameter {name!r} has shape"):
+        engine.set_full_fp32_param(name, torch.zeros(10**4))

@@ -34,3 +34,44 @@ def test_local_get_returns_this_ranks_run(per_rank):
 
 def test_padding_stays_zero_after_setting_values(per_rank):
     assert all(result["padding_zero"] for result in per_rank)
+
+
+BAD_CALLS = {
+    "state_before_first_step": "KeyError",
+    "set_state_before_first_step": "KeyError",
+    "unknown_parameter": "KeyError",
+    "unknown_parameter_grad": "KeyError",
+    "ranks_ask_for_different_parameters": "ValueError",
+    "wrong_size_on_one_rank": "ValueError",
+    "not_a_tensor_on_one_rank": "TypeError",
+    "import_another_ranks_state_on_one_rank": "ValueError",
+    "load_options_differ": "ValueError",
+    "load_missing_on_one_rank": "ValueError",
+    "save_tags_differ": "ValueError",
+}
+
+
+@pytest.fixture(scope="module")
+def bad_calls(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad-calls")
+    return spawn(fragment_workers.check_bad_calls, 2, (str(root),), timeout_s=240)
+
+
+@pytest.mark.parametrize("label", sorted(BAD_CALLS))
+def test_a_bad_collective_call_raises_the_same_error_on_every_rank(bad_calls, label):
+    rank0, rank1 = bad_calls[0][label], bad_calls[1][label]
+    assert rank0["type"] == rank1["type"] == BAD_CALLS[label], (rank0, rank1)
+    assert rank0["message"] == rank1["message"]
+    assert max(rank0["seconds"], rank1["seconds"]) < 30  # no rank waited for a peer that had given up
+    assert rank0["group_usable"] and rank1["group_usable"]  # a following collective works
+    assert rank0["unchanged"] and rank1["unchanged"]  # and the failed call changed nothing
+
+
+def test_a_bad_collective_call_names_the_failing_rank(bad_calls):
+    message = bad_calls[1]["state_before_first_step"]["message"]
+    assert message.startswith("get_full_optimizer_state(") and "failed on rank 0: optimizer has no state 'exp_avg'" in message
+    assert "rank 1:" in bad_calls[0]["import_another_ranks_state_on_one_rank"]["message"]
+
+
+def test_ranks_that_ask_for_different_tags_save_nothing(bad_calls):
+    assert not [tag for tag in bad_calls[0]["published_tags"] if tag.startswith("tag-of-rank")]

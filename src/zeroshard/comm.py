@@ -4,13 +4,18 @@
 initialised process group it acts as a world of one, so the engine also runs in a plain
 single process. The byte counts record each call's payload (the reduce-scatter input, the
 all-gather output, the all-reduced tensor) so benchmarks can check what a step moves.
+
+``agree`` and ``checked`` make a collective method fail on every rank or on none: each rank
+runs its checks, then one small all-reduce tells every rank whether any rank failed or was
+called with other arguments, and if so every rank raises the same error.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -18,6 +23,21 @@ import torch.distributed as dist
 # torch 2.13 renamed the tensor collectives; older releases only have the first names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+T = TypeVar("T")
+
+# Errors re-raised by type on every rank; any other is raised as a RuntimeError.
+_AGREED_ERRORS: dict[str, type[Exception]] = {
+    cls.__name__: cls
+    for cls in (ValueError, KeyError, TypeError, IndexError, LookupError, FileNotFoundError, OSError)
+}
+
+
+def _error_text(error: BaseException) -> str:
+    if isinstance(error, KeyError) and len(error.args) == 1:
+        return str(error.args[0])  # str(KeyError) would quote the message
+    return str(error)
 
 
 class _Done:
@@ -134,6 +154,52 @@ class Collectives:
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.group)
+
+    def checked(self, call: str, check: Callable[[], T]) -> T:
+        """Collective: run ``check`` (the call's validation) on every rank and agree on it.
+
+        Returns what ``check`` returned, or raises the same error on every rank when it
+        raised on any rank (see ``agree``). ``call`` names the call and its arguments.
+        """
+        try:
+            value, error = check(), None
+        except Exception as err:  # noqa: BLE001 - agreed on, then raised on every rank
+            value, error = None, err
+        self.agree(call, error)
+        return value  # type: ignore[return-value]
+
+    def agree(self, call: str, error: Exception | None = None) -> None:
+        """Collective: raise on every rank if ``error`` is set on any rank, or if the ranks
+        describe their ``call`` differently (say, other parameter names).
+
+        Every rank raises the same exception type (the failing rank's, if it is a common
+        built-in error; else RuntimeError) with the same message, naming the first failing
+        rank. Costs one all-reduce of three integers; a failure costs one all-gather more.
+        """
+        if self.world_size == 1:
+            if error is not None:
+                raise error
+            return
+        fingerprint = zlib.crc32(call.encode())
+        flags = torch.tensor([int(error is not None), fingerprint, -fingerprint], dtype=torch.int64)
+        flags = flags.to(self._flag_device())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        failed, highest, lowest = (int(v) for v in flags.cpu())
+        if not failed and highest == -lowest:
+            return
+        mine = None if error is None else (type(error).__name__, _error_text(error))
+        reports = self.all_gather_object((call, mine))
+        for rank, (their_call, report) in enumerate(reports):
+            if report is not None:
+                kind, text = report
+                raise _AGREED_ERRORS.get(kind, RuntimeError)(f"{their_call} failed on rank {rank}: {text}") from error
+        calls = "; ".join(f"rank {rank}: {their_call}" for rank, (their_call, _) in enumerate(reports))
+        raise ValueError(f"the ranks made different collective calls ({calls})")
+
+    def _flag_device(self) -> torch.device:
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def _global_rank(self, group_rank: int) -> int:
         if self.group is None:

@@ -6,7 +6,9 @@ Used by ``zeroshard demo`` and by the multi-process tests. Under torchrun, call
 
 from __future__ import annotations
 
+import importlib
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -27,10 +29,37 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
+# Modules whose functions take ``group=group.WORLD`` as a default argument, evaluated when
+# the module is first imported. torch.optim imports them (through torch._dynamo) the first
+# time an optimizer is built; if the default group exists by then, those defaults keep it
+# alive after destroy_process_group(), and it is torn down during interpreter shutdown,
+# where gloo sometimes aborts ("terminate called without an active exception").
+# Imported before the group exists, they bind None (the default group at call time).
+_MODULES_BINDING_THE_WORLD_GROUP = (
+    "torch.distributed.nn",
+    "torch.distributed._shard.sharded_tensor",
+    "torch.distributed._shard.sharding_spec.chunk_sharding_spec_ops",
+)
+
+
+def import_group_binding_modules() -> None:
+    """Import the torch modules that capture the default process group at import time.
+
+    Call it before ``init_process_group`` (``init_from_env`` does), so that
+    ``destroy_process_group`` really frees the group. About 0.1 s.
+    """
+    for name in _MODULES_BINDING_THE_WORLD_GROUP:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # another torch release: nothing of that name binds the group
+            pass
+
+
 def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> None:
     """Initialise the default process group from RANK/WORLD_SIZE/MASTER_* (torchrun's)."""
     import datetime
 
+    import_group_binding_modules()
     backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -50,12 +79,27 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, a
     try:
         init_from_env(backend)
         try:
-            value = fn(rank, world_size, *args)
-            results.put((rank, "ok", value))
+            payload = _to_bytes(rank, fn(rank, world_size, *args))
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # fn may have destroyed it itself
+                dist.destroy_process_group()
+        results.put((rank, "ok", payload))
     except BaseException:  # report it to the parent, which raises
         results.put((rank, "error", traceback.format_exc()))
+
+
+def _to_bytes(rank: int, value: Any) -> bytes:
+    """The result as self-contained bytes.
+
+    The queue's own pickler would share tensors through file descriptors that the parent
+    fetches from this process after it has exited (FileNotFoundError, ConnectionResetError),
+    so tensors travel by value instead: plain pickle copies their storage into the bytes.
+    """
+    try:
+        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as err:
+        problem = f"rank {rank}'s result cannot be sent to the parent ({type(err).__name__}: {err})"
+        raise TypeError(f"{problem}; return plain values or tensors") from err
 
 
 class _PortTaken(RuntimeError):
@@ -73,7 +117,8 @@ def spawn(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes; return their results.
 
-    ``fn`` must be importable (a module-level function). Raises RuntimeError with the
+    ``fn`` must be importable (a module-level function); its return value comes back pickled,
+    tensors copied by value (never shared through file descriptors). Raises RuntimeError with the
     failing rank's traceback, or on timeout after killing every process. The rendezvous
     port is picked free but can be taken before rank 0 binds it; then it tries another.
     """
@@ -115,7 +160,7 @@ def _spawn_once(fn: Callable[..., Any], world_size: int, args: tuple, backend: s
                 raise _PortTaken(value)
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            collected[rank] = value
+            collected[rank] = pickle.loads(value)
     finally:
         for process in processes:
             process.join(timeout=max(1.0, deadline - time.monotonic()) if len(collected) == world_size else 1.0)

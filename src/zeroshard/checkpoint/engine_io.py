@@ -34,10 +34,11 @@ def save_checkpoint(
 ) -> Path:
     """Save the run as ``<root>/<tag>`` (default tag ``step-<global step>``) and point
     ``<root>/latest`` at it. Returns the checkpoint directory on every rank."""
+    tag = tag or f"step-{engine.global_steps:08d}"
+    engine.comm.agree(f"save_checkpoint(tag={tag!r})")  # every rank saves the same tag
     state = engine.export_state()
     if lr_scheduler is not None:
         state.extra[LR_SCHEDULER_KEY] = lr_scheduler.state_dict()
-    tag = tag or f"step-{engine.global_steps:08d}"
     buffer_names = [name for name, _ in engine.model.named_buffers()]
     return save_sharded(root, tag, state, coordinator=_coordinator(engine), fault=fault, buffer_names=buffer_names)
 
@@ -61,16 +62,20 @@ def load_checkpoint(
     extra ones are ignored. Returns the checkpoint's ``extra`` (step counters and the like).
     """
     coordinator = _coordinator(engine)
+    options = dict(load_optimizer_states=load_optimizer_states, load_module_only=load_module_only, strict=strict)
     try:
         state = _read_state(engine, Path(path), load_optimizer_states, load_module_only, strict)
         problem = None
-    except (ValueError, FileNotFoundError, KeyError, OSError) as err:
+    except Exception as err:  # noqa: BLE001 - any error on one rank fails the load on every rank
         state, problem = None, f"{type(err).__name__}: {err}"
-    problems = coordinator.all_gather_object(problem)
-    failed = [(rank, text) for rank, text in enumerate(problems) if text]
-    if failed:
-        rank, text = failed[0]
-        raise ValueError(f"checkpoint {path} not loaded (nothing changed): rank {rank}: {text}")
+    reports = coordinator.all_gather_object((problem, options, str(path)))
+    failed = [(rank, text, their_path) for rank, (text, _, their_path) in enumerate(reports) if text]
+    if failed:  # the same error on every rank, with the failing rank's path
+        rank, text, their_path = failed[0]
+        raise ValueError(f"checkpoint {their_path} not loaded (nothing changed): rank {rank}: {text}")
+    if any(their_options != options for _, their_options, _ in reports):
+        per_rank = {rank: their_options for rank, (_, their_options, _) in enumerate(reports)}
+        raise ValueError(f"checkpoint {path} not loaded (nothing changed): the ranks' options differ: {per_rank}")
     engine.import_state(
         state, load_optimizer_states=load_optimizer_states, load_module_only=load_module_only, strict=strict
     )

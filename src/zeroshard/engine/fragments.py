@@ -7,6 +7,11 @@ value on every rank; each rank keeps its own piece, and the fp32 setter also upd
 model's parameter in place. "Local" accessors touch only this rank's piece of the
 parameter (at most one contiguous run, since a parameter never spans buckets); local
 setters leave the model's parameters to the next step or to ``sync_params_from_masters``.
+
+A full accessor first checks its arguments on every rank and agrees on the outcome (one
+small all-reduce, ``Collectives.checked``): a bad name, a missing optimizer state or a
+value of the wrong size raises the same error on every rank, and ranks that asked for
+different parameters all raise, instead of one rank raising while the others block.
 """
 
 from __future__ import annotations
@@ -32,11 +37,15 @@ class FragmentAccess:
     """Mixed into ZeroOptimizer; relies on its layout, masters, optimizer, reducer and comm."""
 
     # ---- full (collective) --------------------------------------------------------------
+    # Each checks its arguments on every rank and agrees on the outcome before it moves any
+    # data, so a bad call raises the same error on every rank and leaves no rank blocked.
 
     def get_full_fp32_param(self: ZeroOptimizer, name: str) -> torch.Tensor:
+        self.comm.checked(f"get_full_fp32_param({name!r})", lambda: self.layout.param(name))
         return self._gather(name, self._master_of)
 
     def set_full_fp32_param(self: ZeroOptimizer, name: str, value: torch.Tensor) -> None:
+        self._check_full_value(f"set_full_fp32_param({name!r})", name, value)
         self._scatter(name, value, self._master_of)
         group, slot = self.layout.param(name)
         with torch.no_grad():
@@ -44,18 +53,43 @@ class FragmentAccess:
 
     def get_full_grad(self: ZeroOptimizer, name: str) -> torch.Tensor:
         """The gradient the next step would use before clipping: reduced, unscaled."""
+        self.comm.checked(f"get_full_grad({name!r})", lambda: self.layout.param(name))
         self.reducer.reduce()
         return self._gather(name, self._grad_of) / self.scaler.scale
 
     def set_full_grad(self: ZeroOptimizer, name: str, value: torch.Tensor) -> None:
+        self._check_full_value(f"set_full_grad({name!r})", name, value)
         self.reducer.reduce()
         self._scatter(name, value * self.scaler.scale, self._grad_of)
 
     def get_full_optimizer_state(self: ZeroOptimizer, name: str, key: str) -> torch.Tensor:
+        self.comm.checked(f"get_full_optimizer_state({name!r}, {key!r})", lambda: self._state_source(name, key))
         return self._gather(name, lambda group_index: self._state_of(group_index, key))
 
     def set_full_optimizer_state(self: ZeroOptimizer, name: str, key: str, value: torch.Tensor) -> None:
+        call = f"set_full_optimizer_state({name!r}, {key!r})"
+        self._check_full_value(call, name, value, lambda: self._state_source(name, key))
         self._scatter(name, value, lambda group_index: self._state_of(group_index, key))
+
+    def _check_full_value(self: ZeroOptimizer, call: str, name: str, value: torch.Tensor, source_check=None) -> None:
+        """Every rank: the parameter exists, its source does, ``value`` is a tensor of its size."""
+
+        def check() -> None:
+            _, slot = self.layout.param(name)
+            if source_check is not None:
+                source_check()
+            if not torch.is_tensor(value):
+                raise TypeError(f"parameter {name!r}: the value must be a tensor, got {type(value).__name__}")
+            if value.numel() != slot.numel:
+                shapes = f"has shape {slot.spec.shape}, got a value of shape {tuple(value.shape)}"
+                raise ValueError(f"parameter {name!r} {shapes}")
+
+        self.comm.checked(call, check)
+
+    def _state_source(self: ZeroOptimizer, name: str, key: str) -> None:
+        """Raises, on every rank alike, unless optimizer state ``key`` of ``name``'s group is readable."""
+        group, _ = self.layout.param(name)
+        self._state_of(group.index, key)
 
     # ---- local ----------------------------------------------------------------------------
 
@@ -113,10 +147,8 @@ class FragmentAccess:
         return full.view(slot.spec.shape)
 
     def _scatter(self: ZeroOptimizer, name: str, value: torch.Tensor, source) -> None:
+        """This rank keeps its piece of ``value`` (checked by ``_check_full_value``)."""
         group, piece = self._own_piece(name)
-        slot = self.layout.param(name)[1]
-        if value.numel() != slot.numel:
-            raise ValueError(f"parameter {name!r} has shape {slot.spec.shape}, got a value of shape {tuple(value.shape)}")
         if piece is not None:
             flat = value.detach().reshape(-1)[piece.param_start : piece.param_start + piece.length]
             source(group.index)[piece.partition_start : piece.partition_start + piece.length].copy_(flat)

@@ -90,13 +90,18 @@ def import_state(
 ) -> None:
     """Collective. Load ``state`` (already laid out for this engine) into the engine.
 
+    Every rank validates its state first and the ranks agree on the outcome: either every
+    rank loads, or every rank raises the same error and nothing changes.
+
     * full: model weights, masters, optimizer state, hyperparameters, counters;
     * ``load_optimizer_states=False``: model weights; masters rebuilt from them; fresh
       optimizer state;
     * ``load_module_only=True``: model weights only (masters rebuilt from them).
     """
     full = load_optimizer_states and not load_module_only
-    _validate(engine, state, full, strict)
+    options = f"load_optimizer_states={load_optimizer_states}, load_module_only={load_module_only}, strict={strict}"
+    call = f"import_state({options})"
+    engine.comm.checked(call, lambda: _validate(engine, state, full, strict))  # every rank loads, or none
     with torch.no_grad():
         engine.model.load_state_dict(_cast_like(engine.model.state_dict(), state.model_state), strict=strict)
     engine.reducer.zero_grad()
@@ -118,6 +123,7 @@ def _validate(engine: ZeroOptimizer, state: ShardedState, full: bool, strict: bo
         raise ValueError("the state's layout differs from the engine's; load it through zeroshard.checkpoint to reshard")
     if state.rank != engine.rank:
         raise ValueError(f"the state is rank {state.rank}'s, this is rank {engine.rank}")
+    _validate_model_state(engine.model.state_dict(), state.model_state, strict)
     if not full:
         return
     expected = optimizer_class_name(engine.optimizer)
@@ -133,6 +139,19 @@ def _validate(engine: ZeroOptimizer, state: ShardedState, full: bool, strict: bo
         for key, tensor in state.optimizer_states[group_index].items():
             if tensor.shape != master.shape:
                 raise ValueError(f"group {group_index}: optimizer state {key!r} has shape {tuple(tensor.shape)}")
+
+
+def _validate_model_state(current: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor], strict: bool) -> None:
+    """What ``load_state_dict`` would refuse, found before anything is loaded."""
+    if strict:
+        missing, unexpected = sorted(current.keys() - loaded.keys()), sorted(loaded.keys() - current.keys())
+        if missing or unexpected:
+            mismatch = f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+            raise ValueError(f"the model state does not match the model: {mismatch}")
+    for name, tensor in loaded.items():
+        if name in current and tuple(tensor.shape) != tuple(current[name].shape):
+            shapes = f"has shape {tuple(tensor.shape)}, the model's is {tuple(current[name].shape)}"
+            raise ValueError(f"model state {name!r} {shapes}")
 
 
 def _cast_like(current: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
