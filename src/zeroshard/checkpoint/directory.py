@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from . import jsonvalue
 from .checksum import FileRecord
 from .format import LATEST_FILE, MANIFEST_FILE, OLD_MARKER, TEMP_MARKER, check_tag, old_dir_name, temp_dir_name
 
@@ -149,13 +150,14 @@ def _existing_or_moved_aside(target: Path) -> Path | None:
 
 
 def read_json_file(path: Path, what: str) -> Any:
-    """The JSON in ``path``; one-line errors for a missing file or invalid JSON."""
+    """The JSON in ``path``; one-line errors for a missing file, invalid JSON or JSON nested
+    too deeply to parse safely."""
     try:
         text = path.read_text()
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: missing: not a complete {what}") from None
     try:
-        return json.loads(text)
+        return jsonvalue.loads(text, path)
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: corrupted: not valid JSON ({err.msg} at line {err.lineno})") from None
 

@@ -20,6 +20,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from . import jsonvalue
 from .checksum import BlockHasher, FileRecord, block_crc
 from .dtypes import as_array, dtype_info, dtype_of, dtype_of_code
 
@@ -216,7 +217,7 @@ def read_header(path: Path, file_size: int, stats: ReadStats | None = None) -> d
     if stats is not None:
         stats.add(path.name, 8 + len(raw))
     try:
-        header = json.loads(raw)
+        header = jsonvalue.loads(raw, path)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise ValueError(f"{path}: corrupted: the safetensors header is not valid JSON") from None
     if not isinstance(header, dict):

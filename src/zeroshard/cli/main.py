@@ -27,7 +27,7 @@ COMMANDS = {
     "to-fp32": "convert_cmd",
 }
 DEBUG_ENV = "ZEROSHARD_DEBUG"
-USER_ERROR, INTERNAL_ERROR, INTERRUPTED = 2, 3, 130
+USER_ERROR, INTERNAL_ERROR, INTERRUPTED = 2, 3, 130  # 128 + SIGINT
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -56,6 +56,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = getattr(args, "debug", False) or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     try:
         return args.run(args) or 0
+    except BrokenPipeError:  # stdout closed early (``zeroshard inspect X | head``): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush is quiet
+        return 0
     except KeyboardInterrupt:
         if debug:
             raise
