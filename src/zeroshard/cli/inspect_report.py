@@ -22,7 +22,7 @@ from ..layout import Layout, LayoutPolicy, build_layout
 
 STEP_KEYS = ("global_step", "global_steps", "step", "iteration")
 LISTED_FILES = 8
-_SOURCE_KINDS = {"NativeSource": "zeroshard", "DeepSpeedSource": "DeepSpeed ZeRO"}  # universal.json "source.kind"
+_SOURCE_KINDS = {"zeroshard.checkpoint": "zeroshard", "DeepSpeedSource": "DeepSpeed ZeRO"}  # universal.json "source.kind"
 _SAME_STAGES = "not recorded (stage 1 and stage 2 save the same state, and either loads it)"
 
 
