@@ -233,3 +233,10 @@ def test_debug_flag_before_the_command_keeps_torch_out(saved):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=environ)
     assert done.returncode == 0, done.stderr
     assert "world size: 2" in done.stdout
+
+
+def test_a_spawned_ranks_traceback_is_cut_to_its_last_line():
+    from zeroshard.cli.errors import describe_error
+
+    error = RuntimeError('rank 1 failed:\nTraceback (most recent call last):\n  File "x.py", line 3\nValueError: bad\n')
+    assert describe_error(error) == "rank 1 failed: ValueError: bad"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..checkpoint.safetensors_io import named_os_error
 
+_TRACEBACK = "Traceback (most recent call last):"
 # Errors about the output's disk, not about the input: worth naming the output directory.
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
 
@@ -31,6 +32,9 @@ def describe_error(err: BaseException) -> str:
         text = str(err.args[0])
     else:
         text = str(err) or type(err).__name__
+    if _TRACEBACK in text:  # a spawned rank's error carries its traceback: keep its last line
+        head, _, trace = text.partition(_TRACEBACK)
+        text = f"{head} {trace.strip().splitlines()[-1] if trace.strip() else ''}"
     return " ".join(text.split())
 
 
