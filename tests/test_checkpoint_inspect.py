@@ -193,6 +193,11 @@ def test_deepspeed_verify_reads_every_tensor(deepspeed_run, tmp_path, capsys):
     [line] = _lines(capsys)
     assert line.startswith("zeroshard inspect: error: ") and str(rank_file) in line
 
+    (damaged / "mp_rank_00_model_states.pt").unlink()  # optimizer files alone: still DeepSpeed's
+    assert main(["inspect", str(damaged)]) == 2
+    [line] = _lines(capsys)
+    assert line == f"zeroshard inspect: error: {damaged}: mp_rank_00_model_states.pt is missing"
+
 
 def _deepspeed_universal_folder(run, root: Path) -> Path:
     """What DeepSpeed's ds_to_universal writes (deepspeed/checkpoint/ds_to_universal.py): per

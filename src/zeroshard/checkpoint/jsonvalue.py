@@ -56,7 +56,7 @@ def encode(value: Any, path: str = "value") -> Any:
     or ``path`` when the value nests so deeply that its file could not be read back."""
     encoded = _encode(value, path)
     if _deeper_than(encoded, MAX_VALUE_DEPTH):
-        raise ValueError(f"{path}: nested more than {MAX_VALUE_DEPTH} levels deep (tuples and tagged values count twice)")
+        raise ValueError(f"{path}: nested more than {MAX_VALUE_DEPTH} levels deep (a tuple or tagged value counts two)")
     return encoded
 
 

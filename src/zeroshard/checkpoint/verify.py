@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-
 from typing import Iterable, Mapping
 
 from .checksum import FileRecord
@@ -19,6 +18,7 @@ from .safetensors_io import check_entries, read_header, verify_file
 from .source import ShardSource
 from .universal_format import UniversalManifest
 
+Spec = tuple[str, tuple[int, ...]]  # a tensor's dtype name and shape
 _READ_CHUNK = 1 << 24  # elements per read when reading a whole partition (64 MiB of fp32)
 
 
@@ -32,7 +32,7 @@ def verify_checkpoint(ckpt: Checkpoint) -> list[str]:
 
 def verify_universal(directory: Path, manifest: UniversalManifest) -> list[str]:
     """:func:`verify_checkpoint` for a universal checkpoint: every shard its manifest lists."""
-    expected: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {name: {} for name in manifest.shards}
+    expected: dict[str, dict[str, Spec]] = {name: {} for name in manifest.shards}
     for key, spec in manifest.tensor_specs().items():
         expected[manifest.weight_map[key]][key] = spec
     return _verify_files(directory, manifest.shards, expected)
@@ -59,9 +59,7 @@ def read_every_tensor(source: ShardSource) -> list[str]:
     return problems
 
 
-def _verify_files(
-    directory: Path, records: Mapping[str, FileRecord], expected: Mapping[str, Mapping[str, tuple[str, tuple[int, ...]]]]
-) -> list[str]:
+def _verify_files(directory: Path, records: Mapping[str, FileRecord], expected: Mapping[str, Mapping[str, Spec]]) -> list[str]:
     problems: list[str] = []
     for name, record in sorted(records.items()):
         path = directory / name
@@ -81,7 +79,7 @@ def _strays(directory: Path, records: Iterable[str]) -> list[str]:
     return [name for name in sorted(os.listdir(directory)) if name.endswith(".safetensors") and name not in listed]
 
 
-def _header_problems(path: Path, size: int, expected: Mapping[str, tuple[str, tuple[int, ...]]]) -> list[str]:
+def _header_problems(path: Path, size: int, expected: Mapping[str, Spec]) -> list[str]:
     try:
         entries = read_header(path, size)
         check_entries(path, entries, expected)

@@ -36,11 +36,23 @@ def detect(path: Path) -> Kind:
         return Kind.NATIVE
     if is_deepspeed_universal(path):
         return Kind.DEEPSPEED_UNIVERSAL
-    from ..importers import is_deepspeed_checkpoint
-
-    if is_deepspeed_checkpoint(path):
+    if _looks_deepspeed(path):
         return Kind.DEEPSPEED
     return Kind.NATIVE
+
+
+def _looks_deepspeed(path: Path) -> bool:
+    """A DeepSpeed tag folder (or its parent with ``latest``) with its model-states file, or
+    with optimizer files only: opening it then names the missing model-states file."""
+    from ..importers import find_tag_dir, is_deepspeed_checkpoint
+
+    if is_deepspeed_checkpoint(path):
+        return True
+    try:
+        tag_dir = find_tag_dir(path)
+    except (OSError, ValueError):
+        return False
+    return any(tag_dir.glob("*zero_pp_rank_*_optim_states.pt"))
 
 
 def is_deepspeed_universal(path: Path) -> bool:

@@ -22,7 +22,9 @@ from .arguments import at_least, positive_float, positive_int
 
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("demo", help="train a small GPT with ZeRO, resume at another D, convert")
-    parser.add_argument("--world-size", type=positive_int, default=2, help="ranks for the first phase (ignored under torchrun)")
+    parser.add_argument(
+        "--world-size", type=positive_int, default=2, help="ranks for the first phase (ignored under torchrun)"
+    )
     parser.add_argument("--resume-world-size", type=positive_int, default=3, help="ranks for the resumed phase")
     parser.add_argument("--steps", type=at_least(2), default=DemoConfig.steps, help="steps in all, half per phase")
     parser.add_argument("--stage", type=int, choices=(1, 2), default=DemoConfig.stage)
@@ -32,7 +34,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--lr", type=positive_float, default=DemoConfig.lr)
     parser.add_argument("--out", type=Path, default=None, help="keep checkpoints and exports here (default: a temporary folder)")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="default: nccl with CUDA GPUs, else gloo")
-    parser.add_argument("--timeout", type=positive_float, default=900.0, help="seconds before spawned ranks are stopped")
+    parser.add_argument(
+        "--timeout", type=positive_float, default=900.0, help="seconds before spawned ranks are stopped"
+    )
     parser.set_defaults(run=run)
 
 
@@ -46,8 +50,8 @@ def run(args: argparse.Namespace) -> int:
         lr=args.lr,
     )
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
-    world_sizes = [int(os.environ.get("WORLD_SIZE", 1))] if under_torchrun else [args.world_size, args.resume_world_size]
-    for world_size in world_sizes:
+    world_sizes = [args.world_size, args.resume_world_size]
+    for world_size in [int(os.environ.get("WORLD_SIZE", 1))] if under_torchrun else world_sizes:
         if config.global_batch % (world_size * config.micro_batches):
             raise ValueError(
                 f"--global-batch {config.global_batch} does not split into {world_size} ranks x "

@@ -80,7 +80,8 @@ def _verify_universal(path: Path) -> tuple[str, list[str]]:
     except (ValueError, FileNotFoundError) as err:
         return "", [str(err)]
     total = sum(record.size for record in manifest.shards.values())
-    summary = f"{path}: OK, universal checkpoint, {len(manifest.shards)} shards, {total:,} bytes, every checksum matches"
+    shards = len(manifest.shards)
+    summary = f"{path}: OK, universal checkpoint, {shards} shards, {total:,} bytes, every checksum matches"
     return summary, verify_universal(path, manifest)
 
 

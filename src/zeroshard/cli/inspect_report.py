@@ -22,7 +22,8 @@ from ..layout import Layout, LayoutPolicy, build_layout
 
 STEP_KEYS = ("global_step", "global_steps", "step", "iteration")
 LISTED_FILES = 8
-_SOURCE_KINDS = {"zeroshard.checkpoint": "zeroshard", "DeepSpeedSource": "DeepSpeed ZeRO"}  # universal.json "source.kind"
+# universal.json's "source.kind" -> what the report calls it
+_SOURCE_KINDS = {"zeroshard.checkpoint": "zeroshard", "DeepSpeedSource": "DeepSpeed ZeRO"}
 _SAME_STAGES = "not recorded (stage 1 and stage 2 save the same state, and either loads it)"
 
 
@@ -43,12 +44,11 @@ def describe_native(ckpt: Checkpoint, *, list_all_files: bool = False) -> list[s
         ),
     ]
     frozen = sum(1 for t in manifest.model_tensors.values() if t.kind != "trainable")
-    lines.insert(
-        -1,
-        f"parameters: {sum(len(g.params) for g in manifest.layout.groups)} trainable "
-        f"({manifest.layout.padding().param_numel:,} elements); model state: {len(manifest.model_tensors)} "
-        f"tensors stored ({frozen} not trainable), {len(manifest.aliases)} tied alias(es)",
-    )
+    lines += [
+        f"{_trainable(manifest.layout)}; model state: {len(manifest.model_tensors)} tensors stored "
+        f"({frozen} not trainable), {len(manifest.aliases)} tied alias(es)",
+        _padding_line(manifest.layout),
+    ]
     manifest_size = ckpt.path(MANIFEST_FILE).stat().st_size
     sizes = {name: record.size for name, record in manifest.files.items()}
     lines += _file_lines(
@@ -71,8 +71,8 @@ def describe_universal(ckpt: UniversalCheckpoint, *, list_all_files: bool = Fals
         f"converted from a {_SOURCE_KINDS.get(source.get('kind'), source.get('kind', 'unknown'))} run",
         f"step: {_step(manifest.extra) or _scalar_step(scalars.get('step'), 'optimizer step of param group 0')}",
         f"world size: any (converted from world size {source.get('world_size', 'unknown')})",
-        f"ZeRO stage: any" + (f" (the run used stage {stage})" if stage is not None else ""),
-        f"layout policy: none stored; parameters are kept whole, in their own shapes, with no padding",
+        "ZeRO stage: any" + (f" (the run used stage {stage})" if stage is not None else ""),
+        "layout policy: none stored; parameters are kept whole, in their own shapes, with no padding",
         f"optimizer: {manifest.optimizer_class or '-'}, {len(manifest.param_groups)} param group(s)",
         "param groups:",
     ]
@@ -104,12 +104,13 @@ def describe_deepspeed(source: Any, root: Path, files: Sequence[Path], *, list_a
     layout = info.layout
     named_by = f" (named by {root / 'latest'})" if root != source.path else ""
     version = extra.get("deepspeed_version")
+    saved_step = source.scalars(0).get("step") if layout.groups else None
     lines = [
         f"checkpoint {source.path}{named_by}",
         f"kind: DeepSpeed ZeRO stage {extra.get('zero_stage')} checkpoint"
         + (f" (DeepSpeed {version})" if version else "")
         + "; read-only here: to-universal and to-fp32 convert it, load_checkpoint resumes from it",
-        f"step: {_step(extra) or _scalar_step(source.scalars(0).get('step') if layout.groups else None, 'optimizer step of group 0')}",
+        f"step: {_step(extra) or _scalar_step(saved_step, 'optimizer step of group 0')}",
         f"world size: {layout.world_size}",
         f"ZeRO stage: {extra.get('zero_stage')}",
         *_layout_lines(
@@ -120,11 +121,11 @@ def describe_deepspeed(source: Any, root: Path, files: Sequence[Path], *, list_a
             [list(source.scalars(group.index)) for group in layout.groups],
         ),
     ]
-    lines.insert(
-        -1,
-        f"parameters: {sum(len(g.params) for g in layout.groups)} trainable ({layout.padding().param_numel:,} elements); "
-        f"model state: {len(info.model_entries)} buffers or frozen tensors, {len(info.aliases)} tied alias(es)",
-    )
+    lines += [
+        f"{_trainable(layout)}; model state: {len(info.model_entries)} buffers or frozen tensors, "
+        f"{len(info.aliases)} tied alias(es)",
+        _padding_line(layout),
+    ]
     model_file, rank_files = files[0], files[1:]
     lines += _file_lines(
         {model_file.name: model_file.stat().st_size},
@@ -145,7 +146,7 @@ def _layout_lines(
     states: Sequence[Sequence[str]],
     scalars: Sequence[Sequence[str]],
 ) -> list[str]:
-    """Policy, optimizer, one line per layout group, and the padding overhead (last)."""
+    """Policy, optimizer, and one line per layout group."""
     lines = [
         f"layout policy: {layout.policy.describe()}",
         f"optimizer: {optimizer_class or '-'}, {param_group_count} param group(s)",
@@ -158,8 +159,12 @@ def _layout_lines(
             f"{len(group.buckets)} bucket(s), {group.partition_numel:,} elements per rank, {padding:,} padding; "
             f"state {', '.join(states[group.index]) or '-'}; scalars {', '.join(scalars[group.index]) or '-'}"
         )
-    lines.append(_padding_line(layout))
     return lines
+
+
+def _trainable(layout: Layout) -> str:
+    count = sum(len(group.params) for group in layout.groups)
+    return f"parameters: {count} trainable ({layout.padding().param_numel:,} elements)"
 
 
 def _padding_line(layout: Layout) -> str:
@@ -206,6 +211,8 @@ def _step(extra: Mapping[str, Any]) -> str | None:
 
 
 def _scalar_step(value: Any, where: str) -> str:
+    if value is None:
+        return "unknown"
     try:
         array = np.asarray(value, dtype=np.float64)
     except (TypeError, ValueError):
@@ -220,7 +227,9 @@ def _native_optimizer_step(ckpt: Checkpoint) -> str:
         return "unknown"
     name = rank_file_name(0, manifest.world_size)
     record = manifest.files[name]
-    entry = read_header(ckpt.path(name), record.size)[scalar_key(0, "step")]
+    entry = read_header(ckpt.path(name), record.size).get(scalar_key(0, "step"))
+    if entry is None:
+        return "unknown (not in rank 0's file; --verify checks it)"
     data = VerifiedRanges(ckpt.path(name), record, [(entry.begin, entry.end)], None)
     dtype, shape = manifest.groups[0].scalars["step"]
     value = array_view(data.view(entry.begin, entry.end), dtype).reshape(shape)
