@@ -25,7 +25,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         "inspect",
         help="describe a checkpoint (native, universal or DeepSpeed); --verify checks every byte of it",
     )
-    parser.add_argument("checkpoint", type=Path, help="a checkpoint directory, or a root with a 'latest' file")
+    parser.add_argument(
+        "checkpoint", type=Path, help="a native, universal or DeepSpeed checkpoint directory, or a root with 'latest'"
+    )
     parser.add_argument("--verify", action="store_true", help="check every file (checksums, headers); exit 1 on damage")
     parser.add_argument("--files", action="store_true", help="list every rank file or shard, not only the first few")
     parser.set_defaults(run=run)
