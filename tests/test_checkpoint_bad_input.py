@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -129,6 +130,24 @@ def test_non_strict_loads_the_intersection_with_a_warning(saved):
     group = other.groups[1]
     d = next(f for f in group.fragments(0) if f.name == "d")
     assert torch.count_nonzero(state.fp32_partitions[1][d.partition_start : d.partition_start + d.length]) == 0
+
+
+@pytest.mark.parametrize(
+    "name, kind, message",
+    [
+        ("a", "weird", "module tensor 'a' has unknown kind 'weird' (expected one of trainable, frozen, buffer, other)"),
+        ("a", "buffer", "module tensor 'a' has kind 'buffer' but is a trained parameter of the layout"),
+        ("positions", "trainable", "module tensor 'positions' has kind 'trainable' but is not a trained parameter"),
+    ],
+)
+def test_module_tensor_kinds_are_checked(saved, tmp_path, name, kind, message):
+    """Not "tensor key 'a' appears twice" from the fp32 export: the manifest is at fault."""
+    from zeroshard.checkpoint.fp32_export import to_fp32
+
+    edit_manifest(saved, lambda data: data["model"]["tensors"][name].update(kind=kind))
+    assert message in load_error(saved)
+    with pytest.raises(ValueError, match=re.escape("manifest.json: " + message)):
+        to_fp32(saved, tmp_path / "out", progress=False)
 
 
 def test_dtype_mismatch(saved):

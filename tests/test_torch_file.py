@@ -13,6 +13,7 @@ import pickle
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
@@ -26,6 +27,7 @@ from hypothesis import strategies as st
 
 from zeroshard.importers import torch_unpickler
 from zeroshard.importers.torch_file import StoredTensor, TorchFileError, load_torch_file
+from zeroshard.importers.torch_records import refuses_state
 
 DTYPES = ("float32", "bfloat16", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
           "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64")  # fmt: skip
@@ -125,7 +127,7 @@ def sample_object() -> dict:
         "views": [base.t(), base[1:3, 2:5], base[:, ::2], base[2], base[3, 5], base.reshape(2, 12)],
         "tied": [base, base],
         "permuted": random_tensor("float16", 2, 3, 4, seed=4).permute(2, 0, 1),
-        "expanded": torch.arange(3.0).expand(4, 3),
+        "expanded": torch.arange(6.0)[:3].expand(2, 3),  # no more elements than its storage
         "flat_views": OrderedDict(a=flat[:10].view(2, 5), b=flat[10:34].view(4, 6), c=flat[34:]),
         "param": torch.nn.Parameter(random_tensor("bfloat16", 2, 3, seed=5)),
         "frozen_param": torch.nn.Parameter(torch.ones(3), requires_grad=False),
@@ -234,7 +236,7 @@ def test_every_value_matches_torch_load(tmp_path):
     mine = check_against_torch(path)
     assert mine["tied"][0] is mine["tied"][1]
     assert all(view.storage is mine["base"].storage for view in mine["views"])
-    assert mine["expanded"].stride == (0, 1) and mine["expanded"].numpy().shape == (4, 3)
+    assert mine["expanded"].stride == (0, 1) and mine["expanded"].numpy().shape == (2, 3)
     assert mine["param"].requires_grad and not mine["frozen_param"].requires_grad
 
 
@@ -255,6 +257,9 @@ def test_random_views_match_torch_load(dtype, shape, data):
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "view.pt"
         torch.save({"base": base, "view": view}, path)
+        if view.numel() > base.numel():  # an expansion past its storage: refused
+            expect_error(path, f"has {view.numel()} elements, storage", "expanded view is refused")
+            return
         mine = check_against_torch(path)
         flat = mine["view"]
         if flat.is_contiguous() and flat.numel():
@@ -266,10 +271,11 @@ def test_random_views_match_torch_load(dtype, shape, data):
 def test_tensor_bytes_are_read_when_asked_not_at_load(saved):
     tensor = load_torch_file(saved)["a"]
     replacement = np.arange(tensor.numel(), dtype=np.float32)
-    with open(saved, "r+b") as file:  # same size, so the zip stays valid
+    with open(saved, "r+b") as file:  # same size, so the zip stays valid, but not its CRC
         file.seek(tensor.data_offset + tensor.storage_offset * 4)
         file.write(replacement.tobytes())
-    assert np.array_equal(tensor.numpy().reshape(-1), replacement)
+    with pytest.raises(TorchFileError, match=r"saved\.pt: record saved/data/0 is corrupt: its CRC-32 is"):
+        tensor.numpy()
     assert tensor.data_offset % 64 == 0  # torch aligns storage records
     assert pickle.loads(pickle.dumps(tensor)) == tensor  # e.g. to hand it to a worker process
 
@@ -367,6 +373,7 @@ class PointStandIn:
     """Data only, like deepspeed_pickle's stand-ins."""
 
 
+@refuses_state
 class StageStandIn(int, enum.Enum):
     off = 0
     on = 2
@@ -539,3 +546,106 @@ def test_a_pickle_cannot_rewrite_a_checked_record(tmp_path, saved):
     marker = write_archive(tmp_path / "marker.pt", b"\x80\x02ctorch\nFloatStorage\n(" + text("float64") + b"tb.")
     expect_error(marker)
     check_against_torch(saved)
+
+
+# ---- resource bombs, flipped bits, shared state ------------------------------------------------
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def expect_refused_cheaply(path: Path, *words: str) -> None:
+    """Refused in under a second, the process growing by less than 50 MB."""
+    before, started = resident_bytes(), time.perf_counter()
+    expect_error(path, *words)
+    elapsed, grown = time.perf_counter() - started, resident_bytes() - before
+    assert elapsed < 1.0 and grown < 50 << 20, (elapsed, grown)
+
+
+@pytest.mark.parametrize("shape", [(50000, 40000), (10**6, 10**6), (2, 3)])
+def test_an_expanded_view_past_its_storage_is_refused_before_any_read(tmp_path, shape):
+    path = tmp_path / "bomb.pt"
+    torch.save({"weight": torch.zeros(1, dtype=torch.bfloat16).expand(*shape)}, path)
+    assert path.stat().st_size < 2000
+    expect_refused_cheaply(path, "tensor of shape", "stride (0, 0)", "storage", "expanded view is refused")
+
+
+@pytest.mark.parametrize(
+    "tensor, words",
+    [
+        (FakeTensor(FakeStorage("0", torch.FloatStorage, 4), 0, (2**30, 2**30), (0, 0)), "expanded view is refused"),
+        (FakeTensor(FakeStorage("0", torch.FloatStorage, 4), 0, (4, 4), (1, 0)), "expanded view is refused"),
+        (FakeTensor(FakeStorage("0", torch.FloatStorage, 4), 0, (2**63,), (1,)), "malformed tensor"),
+        (FakeTensor(FakeStorage("0", torch.FloatStorage, 4), 2**63, (1,), (1,)), "malformed tensor"),
+        (FakeTensor(FakeStorage("0", torch.FloatStorage, 4), 0, (1,) * 65, (1,) * 65), "malformed tensor"),
+        (FakeTensor(FakeStorage("0", torch.FloatStorage, 4), 0, (0, 2**62), (1, 1)), "too big for any memory"),
+        (FakeTensor(FakeStorage("0", torch.FloatStorage, 2**62), 0, (2,), (1,)), "has 16 bytes, its 46116860184273"),
+    ],
+)
+def test_declared_sizes_cannot_outgrow_the_file(tmp_path, tensor, words):
+    path = write_archive(tmp_path / "fake.pt", torch_like_pickle([tensor]), {"0": bytes(16)})
+    expect_refused_cheaply(path, words)
+
+
+def test_a_flipped_bit_in_tensor_data_fails_the_record_crc(saved, tmp_path):
+    expected = torch.load(saved, weights_only=True)
+    with zipfile.ZipFile(saved) as archive:
+        info = archive.getinfo("saved/data/1")
+    for byte in (0, info.file_size // 2, info.file_size - 1):
+        data = bytearray(saved.read_bytes())
+        loaded = load_torch_file(saved)
+        data[loaded["b"][0].data_offset + byte] ^= 0x08
+        path = tmp_path / f"flipped{byte}.pt"
+        path.write_bytes(bytes(data))
+        flipped = load_torch_file(path)  # lazy: the pickle is intact
+        assert flipped["a"].numpy().tobytes() == expected["a"].numpy().tobytes()  # another record, intact
+        for read in (flipped["b"][0].numpy, lambda: flipped["b"][0].read(0, 1)):
+            with pytest.raises(TorchFileError) as caught:
+                read()
+            assert str(caught.value).startswith(f"{path}: record saved/data/1 is corrupt: its CRC-32 is ")
+
+
+def test_records_are_checked_once_and_with_flat_memory(tmp_path, monkeypatch):
+    from zeroshard.importers import torch_records
+
+    path = tmp_path / "big.pt"
+    torch.save({"big": torch.ones(6 << 20)}, path)  # 24 MiB: several CRC chunks
+    calls = []
+    original = torch_records._record_crc
+    monkeypatch.setattr(torch_records, "_record_crc", lambda *args: calls.append(1) or original(*args))
+    tensor = load_torch_file(path)["big"]
+    before = resident_bytes()
+    assert float(tensor.read(5, 6)[0]) == 1.0
+    assert resident_bytes() - before < 12 << 20 and len(calls) == 1
+    tensor.read(0, 10)
+    assert len(calls) == 1  # same load, same file: not checked again
+    os.utime(path, ns=(1, 1))
+    tensor.read(0, 1)
+    assert len(calls) == 2  # touched since: checked again
+    load_torch_file(path)["big"].read(7, 9)
+    assert len(calls) == 3  # another load: checked again
+
+
+@pytest.mark.parametrize("call", [b"\x85R", b"\x85\x81"], ids=["REDUCE", "NEWOBJ"])
+@pytest.mark.parametrize("state", [{"_value_": 3, "_name_": "weights"}, {"evil": 1}], ids=["value", "new"])
+def test_a_file_cannot_change_an_allowed_enum_member(tmp_path, call, state):
+    from zeroshard.importers.deepspeed_pickle import ALLOWED_GLOBALS, ZeroStageEnum
+
+    member = ZeroStageEnum.gradients
+    before = dict(vars(member))
+    pickled_state = pickle.dumps(state, protocol=2)[2:-1]  # the dict, without PROTO and STOP
+    data = b"\x80\x02cdeepspeed.runtime.zero.config\nZeroStageEnum\nK\x02" + call + pickled_state + b"b."
+    path = write_archive(tmp_path / "enum.pt", data)
+    expect_error(path, "refused to unpickle data.pkl", "sets the state of a ZeroStageEnum", allowed=ALLOWED_GLOBALS)
+    assert dict(vars(member)) == before and member.value == 2 and member.name == "gradients"
+    assert ZeroStageEnum(2) is member
+
+
+def test_an_allowed_enum_must_refuse_state(tmp_path, saved):
+    class Shared(int, enum.Enum):
+        one = 1
+
+    with pytest.raises(TypeError, match="refuses_state"):
+        load_torch_file(saved, {"x.Shared": Shared})

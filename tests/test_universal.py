@@ -321,8 +321,13 @@ def test_bad_checkpoint_one_line_error_and_no_output(small_checkpoint, tmp_path,
         (lambda u: _edit_json(u / "universal.json", version=2), "format version 2 is newer"),
         (lambda u: _edit_json(u / "universal.json", format="other"), "not a zeroshard universal checkpoint"),
         (lambda u: _flip_in_tensor(_shards(u)[0], "param/embed/fp32"), "checksum mismatch"),
+        (lambda u: _edit_model_tensor(u, "positions", kind="weird"), "module tensor 'positions' has unknown kind 'weird'"),
+        (
+            lambda u: _edit_model_tensor(u, "embed", shape=[13, 7], dtype="bfloat16", kind="frozen"),
+            "module tensor 'embed' is also a trained parameter",
+        ),
     ],
-    ids=["truncated", "missing-shard", "version", "format", "corrupted"],
+    ids=["truncated", "missing-shard", "version", "format", "corrupted", "unknown-kind", "param-as-module-tensor"],
 )
 def test_bad_universal_checkpoint(small_checkpoint, tmp_path, damage, message):
     universal = to_universal(small_checkpoint, tmp_path / "u", max_shard_size=1000, progress=False)
@@ -412,6 +417,13 @@ def _flip_in_tensor(path, key):
     data = bytearray(path.read_bytes())
     data[entry.begin + 1] ^= 0x40
     path.write_bytes(bytes(data))
+
+
+def _edit_model_tensor(universal, name, **fields):
+    path = universal / "universal.json"
+    data = json.loads(path.read_text())
+    data["model"]["tensors"].setdefault(name, {}).update(fields)
+    path.write_text(json.dumps(data))
 
 
 def _edit_json(path, **changes):

@@ -3,7 +3,8 @@
 * :func:`save_sharded`: collective save of each rank's :class:`ShardedState`, atomic commit;
 * :func:`load_sharded`: one rank's state for any new layout (world size, policy, buckets),
   reading only the byte ranges it needs;
-* :func:`open_checkpoint`, :func:`verify_checkpoint`: inspection and full verification.
+* :func:`open_checkpoint`, :func:`verify_checkpoint`: inspection and full verification;
+* :class:`WriterLockedError`: another process is saving into the same root.
 
 docs/FORMAT.md describes the format.
 """
@@ -46,6 +47,8 @@ _EXPORTS = {
     "FaultHook": ".save",
     "save_sharded": ".save",
     "verify_checkpoint": ".verify",
+    "WriterLock": ".writer_lock",
+    "WriterLockedError": ".writer_lock",
 }
 
 
@@ -83,6 +86,8 @@ __all__ = [
     "SingleProcessCoordinator",
     "ThreadCoordinator",
     "TorchDistributedCoordinator",
+    "WriterLock",
+    "WriterLockedError",
     "default_coordinator",
     "list_tags",
     "load_sharded",

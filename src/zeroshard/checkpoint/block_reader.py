@@ -22,6 +22,7 @@ import numpy as np
 
 from .checksum import FileRecord
 from .dtypes import from_bytes
+from .members import open_member
 from .safetensors_io import ReadStats, check_blocks, map_range, pread_into
 
 DEFAULT_CACHE_BYTES = 32 << 20
@@ -80,7 +81,7 @@ class RangeReader:
     ) -> None:
         begin, end = record.block_range(first)[0], record.block_range(last)[1]
         target = view[begin - span_start : end - span_start]
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_member(path)
         try:
             pread_into(fd, target, begin, path)
         finally:
@@ -92,7 +93,7 @@ class RangeReader:
     def _map(self, path: Path, record: FileRecord, first: int, last: int, span_start: int, span_end: int) -> memoryview:
         """Blocks first..last of ``path``, mapped and checked (those in the edge cache were
         checked when they were read)."""
-        with open(path, "rb", buffering=0) as file:
+        with open(open_member(path), "rb", buffering=0) as file:
             view = map_range(file.fileno(), span_start, span_end)
             if view is None:
                 size = os.fstat(file.fileno()).st_size

@@ -1,6 +1,6 @@
-"""The checkpoint root on disk: staging, atomic publication, the ``latest`` pointer.
+"""The checkpoint root on disk: its writer lock, staging, atomic publication, ``latest``.
 
-A save writes into ``<root>/.<tag>.tmp-<id>`` and becomes visible with one rename to
+A save holds the root's lock (``<root>/.lock``, see :mod:`.writer_lock`) throughout, writes into ``<root>/.<tag>.tmp-<id>`` and becomes visible with one rename to
 ``<root>/<tag>``; ``latest`` is replaced after that. Saving over an existing tag first moves
 the old directory aside to ``<root>/.<tag>.old-<id>``; if a crash falls between the two
 renames, :func:`resolve_checkpoint` finds the old one there, and the next save puts it back.
@@ -19,7 +19,18 @@ from typing import Any, Callable, Mapping
 
 from . import jsonvalue
 from .checksum import FileRecord
-from .format import LATEST_FILE, MANIFEST_FILE, OLD_MARKER, TEMP_MARKER, check_tag, old_dir_name, temp_dir_name
+from .format import (
+    LATEST_FILE,
+    LOCK_FILE,
+    MANIFEST_FILE,
+    OLD_MARKER,
+    TEMP_MARKER,
+    check_tag,
+    old_dir_name,
+    temp_dir_name,
+)
+from .members import member_path, open_member
+from .writer_lock import WriterLock
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +59,22 @@ def replace_file_atomically(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
-def prepare_staging(root: Path, tag: str) -> Path:
-    """Clean up after earlier interrupted saves, then create a fresh staging directory."""
+def root_lock(root: Path, tag: str) -> WriterLock:
+    """The writer lock of ``root`` (created if absent) for saving ``tag``, not yet acquired.
+
+    Hold it from :func:`prepare_staging` until :func:`publish` returns: a second writer then
+    gets a WriterLockedError naming the holder instead of deleting the first one's staging.
+    """
     root.mkdir(parents=True, exist_ok=True)
-    clean_interrupted_saves(root)
+    return WriterLock(root / LOCK_FILE, f"saving tag {tag!r}")
+
+
+def prepare_staging(root: Path, tag: str, *, clean: bool = True) -> Path:
+    """Clean up after earlier interrupted saves (unless ``clean`` is False: the root could
+    not be locked), then create a fresh staging directory."""
+    root.mkdir(parents=True, exist_ok=True)
+    if clean:
+        clean_interrupted_saves(root)
     staging = root / temp_dir_name(tag, uuid.uuid4().hex[:12])
     staging.mkdir()
     return staging
@@ -60,8 +83,8 @@ def prepare_staging(root: Path, tag: str) -> Path:
 def clean_interrupted_saves(root: Path) -> None:
     """Delete staging directories; put back an old tag a crash left moved aside, else delete it.
 
-    One root is written by one job at a time, so every staging directory found here belongs
-    to a save that died.
+    Call it holding the root's lock (:func:`root_lock`): every writer takes it, so every
+    staging directory found then belongs to a save that died.
     """
     for entry in sorted(root.iterdir()):
         if not entry.name.startswith(".") or not entry.is_dir():
@@ -110,6 +133,8 @@ def resolve_checkpoint(path: Path) -> Path:
             check_tag(tag)
         except ValueError:
             raise ValueError(f"{path / LATEST_FILE}: holds {tag!r}, not a checkpoint tag") from None
+        if (path / tag).is_symlink():
+            raise ValueError(f"{path / LATEST_FILE}: names tag {tag!r}, a symbolic link; a tag must be a directory")
         target = _existing_or_moved_aside(path / tag)
         if target is None:
             raise FileNotFoundError(f"{path / LATEST_FILE}: names tag {tag!r} but {path / tag} does not exist")
@@ -150,24 +175,26 @@ def _existing_or_moved_aside(target: Path) -> Path | None:
 
 
 def read_json_file(path: Path, what: str) -> Any:
-    """The JSON in ``path``; one-line errors for a missing file, invalid JSON or JSON nested
-    too deeply to parse safely."""
+    """The JSON in ``path`` (a regular file, not a link); one-line errors for a missing file,
+    invalid JSON or JSON nested too deeply to parse safely."""
     try:
-        text = path.read_text()
+        fd = open_member(path)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: missing: not a complete {what}") from None
+    with open(fd, "rb") as handle:
+        raw = handle.read()
     try:
-        return jsonvalue.loads(text, path)
+        return jsonvalue.loads(raw, path)
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: corrupted: not valid JSON ({err.msg} at line {err.lineno})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: corrupted: not UTF-8 text") from None
 
 
 def check_files_present(directory: Path, records: Mapping[str, FileRecord]) -> None:
-    """Every file a manifest lists exists with its recorded size (one stat each)."""
+    """Every file a manifest lists is a regular file in ``directory`` (see :mod:`.members`)
+    with its recorded size (one lstat each)."""
     for name, record in records.items():
-        try:
-            size = (directory / name).stat().st_size
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{directory / name}: missing; the manifest lists it") from None
+        size = member_path(directory, name).lstat().st_size
         if size != record.size:
             raise ValueError(f"{directory / name}: truncated or altered: {size} bytes, the manifest says {record.size}")

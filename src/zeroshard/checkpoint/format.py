@@ -11,6 +11,7 @@ FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 MODEL_FILE = "model.safetensors"
 LATEST_FILE = "latest"
+LOCK_FILE = ".lock"  # held by the save in progress (writer_lock.py); absent otherwise
 
 # Checksums cover fixed-size blocks of every file, so a rank that reads a byte range checks
 # only the blocks under it instead of hashing whole files it mostly does not need.

@@ -202,6 +202,21 @@ class Manifest:
         for alias, target in self.aliases.items():
             if target not in self.model_tensors or alias in self.model_tensors:
                 raise ValueError(f"{source}: alias {alias!r} -> {target!r} does not name a stored tensor")
+        problem = _model_tensor_kind_problem(self.model_tensors, set(self.layout.param_names))
+        if problem:
+            raise ValueError(f"{source}: {problem}")
+
+
+def _model_tensor_kind_problem(tensors: dict[str, ModelTensorRecord], trained: set[str]) -> str | None:
+    """A module tensor's ``kind`` must be known, and "trainable" exactly for the layout's parameters."""
+    for name, record in tensors.items():
+        if record.kind not in TENSOR_KINDS:
+            expected = ", ".join(TENSOR_KINDS)
+            return f"module tensor {name!r} has unknown kind {record.kind!r} (expected one of {expected})"
+        if (record.kind == "trainable") != (name in trained):
+            state = "is" if name in trained else "is not"
+            return f"module tensor {name!r} has kind {record.kind!r} but {state} a trained parameter of the layout"
+    return None
 
 
 def read_manifest(directory: Path) -> Manifest:

@@ -2,7 +2,9 @@
 
 A converter writes into ``OUT.tmp-<id>`` next to ``OUT``, fsyncs, and renames it to ``OUT``
 only when everything is written. A failure removes the staging directory, so nothing under
-``OUT`` ever looks complete unless it is. An existing complete output is replaced only when
+``OUT`` ever looks complete unless it is. A conversion holds ``.OUT.lock`` (next to ``OUT``)
+throughout, so a second one into the same ``OUT`` fails at once with a WriterLockedError
+naming the first, instead of deleting its staging directory. An existing complete output is replaced only when
 asked; a non-empty directory that is not one is never touched.
 """
 
@@ -18,6 +20,7 @@ from typing import Iterator, Sequence
 
 from .directory import fsync_dir
 from .format import OLD_MARKER, TEMP_MARKER
+from .writer_lock import WriterLock
 
 _UNIQUE = re.compile(r"[0-9a-f]{12}")
 
@@ -32,16 +35,23 @@ def staged_output(out_dir: str | os.PathLike[str], *, markers: Sequence[str], ov
     out_dir = Path(out_dir)
     check_destination(out_dir, markers, overwrite, what)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_staging(out_dir)
-    staging = out_dir.with_name(f"{out_dir.name}{TEMP_MARKER}{uuid.uuid4().hex[:12]}")
-    staging.mkdir()
-    try:
-        yield staging
-        fsync_dir(staging)
-        _publish(staging, out_dir, markers, overwrite, what)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    with output_lock(out_dir, what) as lock:
+        if lock.held:
+            _remove_stale_staging(out_dir)
+        staging = out_dir.with_name(f"{out_dir.name}{TEMP_MARKER}{uuid.uuid4().hex[:12]}")
+        staging.mkdir()
+        try:
+            yield staging
+            fsync_dir(staging)
+            _publish(staging, out_dir, markers, overwrite, what)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+
+def output_lock(out_dir: Path, what: str) -> WriterLock:
+    """The writer lock of ``out_dir``: ``.<name>.lock`` next to it, present only while held."""
+    return WriterLock(out_dir.with_name(f".{out_dir.name}.lock"), f"writing a {what} to {out_dir}")
 
 
 def check_destination(out_dir: Path, markers: Sequence[str], overwrite: bool, what: str) -> None:
@@ -64,7 +74,8 @@ def _is_complete(directory: Path, markers: Sequence[str]) -> bool:
 
 
 def _remove_stale_staging(out_dir: Path) -> None:
-    """Staging directories of conversions to the same ``out_dir`` that died (one writer at a time)."""
+    """Staging directories of conversions to the same ``out_dir`` that died (call it holding
+    the lock: every live conversion to ``out_dir`` holds it)."""
     for marker in (TEMP_MARKER, OLD_MARKER):
         prefix = f"{out_dir.name}{marker}"
         for entry in out_dir.parent.iterdir():

@@ -23,6 +23,7 @@ import numpy as np
 from . import jsonvalue
 from .checksum import BlockHasher, FileRecord, block_crc
 from .dtypes import as_array, dtype_info, dtype_of, dtype_of_code
+from .members import open_member
 
 _MAX_HEADER_BYTES = 100 << 20  # the limit safetensors itself enforces
 _WRITE_CHUNK = 1 << 20  # hashed and written while still in the CPU cache
@@ -206,7 +207,7 @@ def _write_all(out, data: memoryview, hasher: BlockHasher) -> None:
 
 def read_header(path: Path, file_size: int, stats: ReadStats | None = None) -> dict[str, TensorEntry]:
     """Parse and check a safetensors header; offsets become absolute and must fit the file."""
-    with open(path, "rb", buffering=0) as handle:
+    with open(open_member(path), "rb", buffering=0) as handle:
         prefix = handle.read(8)
         if len(prefix) < 8:
             raise ValueError(f"{path}: truncated: no safetensors header")
@@ -280,7 +281,7 @@ class VerifiedRanges:
         self.path = path
         self._runs: list[tuple[int, bytearray]] = []
         blocks = sorted({index for begin, end in ranges for index in record.blocks_covering(begin, end)})
-        with open(path, "rb", buffering=0) as handle:
+        with open(open_member(path), "rb", buffering=0) as handle:
             for first, last in _consecutive_runs(blocks):
                 begin, end = record.block_range(first)[0], record.block_range(last)[1]
                 data = pread_exact(handle.fileno(), begin, end - begin, path)
@@ -298,11 +299,11 @@ class VerifiedRanges:
 
 def verify_file(path: Path, record: FileRecord) -> list[str]:
     """Problems found re-reading all of ``path`` against ``record`` (empty when it is intact)."""
-    size = path.stat().st_size
-    if size != record.size:
-        return [f"{path}: size {size} bytes, the manifest says {record.size}"]
-    problems = []
-    with open(path, "rb", buffering=0) as handle:
+    with open(open_member(path), "rb", buffering=0) as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size != record.size:
+            return [f"{path}: size {size} bytes, the manifest says {record.size}"]
+        problems = []
         for index in range(len(record.crc32)):
             begin, end = record.block_range(index)
             data = pread_exact(handle.fileno(), begin, end - begin, path)

@@ -3,14 +3,16 @@
 Steps, with the fault-injection points a test can crash at:
 
 1. every rank checks its ShardedState; the ranks agree on the outcome, so all fail or none;
-2. rank 0 removes leftovers of interrupted saves and creates ``<root>/.<tag>.tmp-<id>``;
+2. rank 0 takes the root's writer lock (WriterLockedError on every rank if another save
+   holds it), removes leftovers of interrupted saves and creates ``<root>/.<tag>.tmp-<id>``;
 3. every rank writes ``rank-RRRRR-of-DDDDD.safetensors`` (rank 0 also ``model.safetensors``),
    hashing while writing, then fsyncs it; ``after_rank_file``;
 4. the block checksums are gathered on rank 0 (this is also the barrier);
 5. rank 0: ``before_manifest``; writes manifest.json and fsyncs; ``before_rename``; renames
    the directory to ``<root>/<tag>`` (``mid_replace`` when a tag is overwritten);
    ``before_latest``; replaces ``latest``;
-6. rank 0 broadcasts the outcome, so every rank returns, or raises, together.
+6. rank 0 broadcasts the outcome, so every rank returns, or raises, together, and
+   releases the lock.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable, Collection
 
@@ -27,7 +30,7 @@ from ..state import ShardedState
 from . import jsonvalue
 from .checksum import FileRecord
 from .coordinator import Coordinator, default_coordinator
-from .directory import fsync_dir, prepare_staging, publish, write_file_durably
+from .directory import fsync_dir, prepare_staging, publish, root_lock, write_file_durably
 from .format import (
     DEFAULT_BLOCK_SIZE,
     FORMAT_NAME,
@@ -42,6 +45,7 @@ from .format import (
 from .manifest import GroupRecord, Manifest, ModelTensorRecord, dtype_name
 from .model_file import save_model_state
 from .safetensors_io import write_safetensors
+from .writer_lock import WriterLockedError
 
 FaultHook = Callable[[str, int], None]
 """Called as ``fault(point, rank)`` at each point of FAULT_POINTS; raising there simulates a crash."""
@@ -64,7 +68,9 @@ def save_sharded(
     ``model_state`` and ``extra`` are taken from rank 0. ``buffer_names`` marks which
     non-trainable state_dict entries are buffers (the rest are frozen parameters). Returns
     the published directory on every rank. ValueError (or OSError) on every rank when any
-    rank's state is unusable or a write fails; nothing is published then.
+    rank's state is unusable or a write fails; nothing is published then. WriterLockedError
+    (an OSError naming the holder) on every rank when another process is saving into
+    ``root``: one writer per root at a time.
     """
     root = Path(root)
     check_tag(tag)
@@ -75,25 +81,30 @@ def save_sharded(
             fault(point, coord.rank)
 
     group_records = _agree_on_state(state, coord)
-    staging = Path(_on_rank0_then_broadcast(coord, lambda: str(prepare_staging(root, tag))))
+    with ExitStack() as held:  # rank 0 holds the root's writer lock from cleanup to publication
 
-    outcome = _write_own_files(staging, state, block_size, buffer_names)
-    fire("after_rank_file")
-    outcomes = coord.all_gather_object(outcome)
-    failures = [o for o in outcomes if isinstance(o, str)]
-    if failures:
-        if coord.rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-        raise OSError(f"checkpoint {root / tag} not saved: {failures[0]}")
+        def begin() -> str:
+            lock = held.enter_context(root_lock(root, tag))
+            return str(prepare_staging(root, tag, clean=lock.held))
 
-    def commit() -> str:
-        fire("before_manifest")
-        manifest = _manifest(tag, state, group_records, outcomes)
-        write_file_durably(staging / MANIFEST_FILE, manifest.to_json())
-        fsync_dir(staging)
-        return str(publish(root, tag, staging, fire))
+        staging = Path(_on_rank0_then_broadcast(coord, begin))
+        outcome = _write_own_files(staging, state, block_size, buffer_names)
+        fire("after_rank_file")
+        outcomes = coord.all_gather_object(outcome)
+        failures = [o for o in outcomes if isinstance(o, str)]
+        if failures:
+            if coord.rank == 0:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise OSError(f"checkpoint {root / tag} not saved: {failures[0]}")
 
-    return Path(_on_rank0_then_broadcast(coord, commit))
+        def commit() -> str:
+            fire("before_manifest")
+            manifest = _manifest(tag, state, group_records, outcomes)
+            write_file_durably(staging / MANIFEST_FILE, manifest.to_json())
+            fsync_dir(staging)
+            return str(publish(root, tag, staging, fire))
+
+        return Path(_on_rank0_then_broadcast(coord, commit))
 
 
 def _on_rank0_then_broadcast(coord: Coordinator, action: Callable[[], Any]) -> Any:
@@ -102,9 +113,13 @@ def _on_rank0_then_broadcast(coord: Coordinator, action: Callable[[], Any]) -> A
     if coord.rank == 0:
         try:
             outcome = ("ok", action())
+        except WriterLockedError as err:
+            outcome = ("locked", str(err))
         except (OSError, ValueError) as err:
             outcome = ("error", f"{type(err).__name__}: {err}")
     kind, value = coord.broadcast_object(outcome)
+    if kind == "locked":
+        raise WriterLockedError(f"checkpoint save refused: {value}")
     if kind == "error":
         raise OSError(f"checkpoint save failed on rank 0: {value}")
     return value

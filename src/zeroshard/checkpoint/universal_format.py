@@ -24,6 +24,7 @@ FORMAT_NAME = "zeroshard.universal"
 FORMAT_VERSION = 1
 MANIFEST_FILE = "universal.json"
 DEFAULT_MAX_SHARD_SIZE = 2**31
+MODEL_ENTRY_KINDS = ("buffer", "frozen", "other")  # "other": written by a run that did not tell them apart
 
 
 def shard_file_name(index: int, count: int) -> str:
@@ -175,6 +176,12 @@ class UniversalManifest:
                 return f"alias {alias!r} is also a stored name"
             if target not in self.params and target not in self.model_entries:
                 return f"alias {alias!r} -> {target!r} does not name a stored tensor"
+        for name, entry in self.model_entries.items():
+            if entry.kind not in MODEL_ENTRY_KINDS:
+                expected = ", ".join(MODEL_ENTRY_KINDS)
+                return f"module tensor {name!r} has unknown kind {entry.kind!r} (expected one of {expected})"
+            if name in self.params:
+                return f"module tensor {name!r} is also a trained parameter"
         specs = self.tensor_specs()
         if set(self.weight_map) != set(specs):
             missing = sorted(set(specs) - set(self.weight_map))[:3]

@@ -14,6 +14,7 @@ from typing import Iterable, Mapping
 from .checksum import FileRecord
 from .format import MODEL_FILE
 from .handle import Checkpoint
+from .members import member_path
 from .safetensors_io import check_entries, read_header, verify_file
 from .source import ShardSource
 from .universal_format import UniversalManifest
@@ -59,14 +60,17 @@ def read_every_tensor(source: ShardSource) -> list[str]:
     return problems
 
 
-def _verify_files(directory: Path, records: Mapping[str, FileRecord], expected: Mapping[str, Mapping[str, Spec]]) -> list[str]:
+def _verify_files(
+    directory: Path, records: Mapping[str, FileRecord], expected: Mapping[str, Mapping[str, Spec]]
+) -> list[str]:
     problems: list[str] = []
     for name, record in sorted(records.items()):
-        path = directory / name
-        if not path.is_file():
-            problems.append(f"{path}: missing; the manifest lists it")
+        try:
+            path = member_path(directory, name)
+            file_problems = verify_file(path, record)
+        except (OSError, ValueError) as err:
+            problems.append(str(err))
             continue
-        file_problems = verify_file(path, record)
         if not file_problems:
             file_problems = _header_problems(path, record.size, expected[name])
         problems += file_problems

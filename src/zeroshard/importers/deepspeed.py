@@ -15,7 +15,9 @@ files are kept, whatever the world size. Neither torch nor DeepSpeed is imported
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +38,7 @@ from .deepspeed_files import (
     refuse_unsupported,
 )
 from .deepspeed_pickle import DeepSpeedFormatError
-from .torch_file import StoredTensor
+from .torch_file import StoredTensor, TorchFileError
 
 
 def open_deepspeed(path: str | Path, *, cache_size: int = 2) -> DeepSpeedSource:
@@ -83,10 +85,12 @@ class DeepSpeedSource:
             )
         shard = self._shard(rank)
         if key == "fp32":
-            return _read_zero_extended(shard.fp32[group], start, end)
+            with _named_errors():
+                return _read_zero_extended(shard.fp32[group], start, end)
         if key not in shard.states[group]:
             raise KeyError(f"group {group} has no optimizer state {key!r} (it has {sorted(shard.states[group])})")
-        return to_float32(shard.states[group][key].read(start, end))
+        with _named_errors():
+            return to_float32(shard.states[group][key].read(start, end))
 
     def scalars(self, group: int) -> dict[str, Any]:
         """Non-partitioned optimizer state of ``group`` (``step``), as saved by rank 0."""
@@ -98,7 +102,8 @@ class DeepSpeedSource:
         name = self.info.aliases.get(name, name)
         if name not in self._model.module:
             raise KeyError(f"{self._model.path.name} has no module tensor {name!r}")
-        return self._model.module[name].numpy()
+        with _named_errors():
+            return self._model.module[name].numpy()
 
     def close(self) -> None:
         self._cache.clear()
@@ -127,6 +132,16 @@ class DeepSpeedSource:
         return shard
 
 
+@contextlib.contextmanager
+def _named_errors() -> Iterator[None]:
+    """Bytes found damaged when read (a CRC mismatch, a file cut short since it was opened)
+    are a DeepSpeedFormatError too; the message already names the file and the record."""
+    try:
+        yield
+    except TorchFileError as err:
+        raise DeepSpeedFormatError(str(err)) from None
+
+
 # ---- the layout and its check ------------------------------------------------------------
 
 
@@ -139,9 +154,12 @@ def rebuild_layout(model: ModelStates, first: RankShard, world_size: int) -> Lay
         raise DeepSpeedFormatError(
             f"{where}: partition_count {first.partition_count}, but there are {world_size} rank files"
         )
-    saved_world = model.counters.get("dp_world_size")
+    saved_world = model.counters.get("dp_world_size")  # an int: read_model_states checked it
     if saved_world is not None and saved_world != world_size:
-        raise DeepSpeedFormatError(f"{model.path}: dp_world_size {saved_world}, but there are {world_size} rank files")
+        raise DeepSpeedFormatError(
+            f"{model.path}: dp_world_size is {saved_world}, "
+            f"but there are {world_size} rank files in {model.path.parent}"
+        )
     if len(model.param_shapes) != len(first.fp32):
         raise DeepSpeedFormatError(
             f"{where}: {len(first.fp32)} fp32 partitions, but {model.path.name} lists {len(model.param_shapes)} groups"
@@ -161,16 +179,19 @@ def rebuild_layout(model: ModelStates, first: RankShard, world_size: int) -> Lay
 def check_rank(layout: Layout, shard: RankShard) -> None:
     """Compare everything ``shard``'s file says about the layout with ``layout``."""
     group_count = len(layout.groups)
-    for what, found in (
-        ("fp32 partitions", len(shard.fp32)),
-        ("optimizer groups", len(shard.param_groups)),
-        ("group_paddings", len(shard.group_paddings)),
-        ("partition_count entries", len(shard.partition_count)),
-        ("param_slice_mappings", len(shard.slice_mappings)),
-    ):
-        if found != group_count:
+    per_group = {
+        "fp32 partitions": shard.fp32,
+        "optimizer groups": shard.param_groups,
+        "group_paddings": shard.group_paddings,
+        "partition_count entries": shard.partition_count,
+        "param_slice_mappings": shard.slice_mappings,
+    }
+    if shard.param_alignment_paddings is not None:  # None: written before DeepSpeed had the key
+        per_group["param_alignment_paddings"] = shard.param_alignment_paddings
+    for what, values in per_group.items():
+        if len(values) != group_count:
             raise DeepSpeedFormatError(
-                f"{shard.path}, rank {shard.rank}: {found} {what}, the layout has {group_count} groups"
+                f"{shard.path}, rank {shard.rank}: {len(values)} {what}, the layout has {group_count} groups"
             )
     for group in layout.groups:
         _check_group(group, shard)
@@ -218,7 +239,8 @@ def _uses_parameter_alignment(first: RankShard, ds_config: dict[str, Any]) -> bo
     if any(pad for group in first.param_alignment_paddings for pad in group):
         return True
     # All zero: both policies give the same offsets; follow the config for the record.
-    return bool((ds_config.get("zero_optimization") or {}).get("parameter_alignment", False))
+    zero = ds_config.get("zero_optimization")  # a dict, or DeepSpeed's legacy bool
+    return isinstance(zero, dict) and bool(zero.get("parameter_alignment", False))
 
 
 def _param_dtype(model: ModelStates, name: str, shape: tuple[int, ...], fallback: str) -> str:

@@ -15,12 +15,15 @@ Parsing checks types and shapes, not the layout; that is :mod:`.deepspeed`'s job
 from __future__ import annotations
 
 import re
+import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .deepspeed_pickle import DeepSpeedFormatError, FragmentAddress, LossScaler, ZeroStageEnum, load_checkpoint_file
-from .torch_file import StoredTensor
+from . import deepspeed_fields as fields
+from .torch_file import StoredTensor, TorchFileError
+from .torch_records import one_line
 
 MODEL_STATES_FILE = "mp_rank_00_model_states.pt"
 LATEST_FILE = "latest"
@@ -51,7 +54,10 @@ def find_tag_dir(path: str | Path) -> Path:
         return path
     latest = path / LATEST_FILE
     if latest.is_file():
-        tag = latest.read_text().strip()
+        try:
+            tag = latest.read_text().strip()
+        except UnicodeDecodeError:
+            raise DeepSpeedFormatError(f"{latest}: is not text (it should name the tag folder)") from None
         if not tag or "/" in tag or tag in (".", ".."):
             raise DeepSpeedFormatError(f"{latest}: does not name a tag folder ({tag!r})")
         if not (path / tag).is_dir():
@@ -110,63 +116,98 @@ class RankShard:
 
 def read_model_states(path: Path) -> ModelStates:
     raw = load_checkpoint_file(path)
-    module = raw.get("module") or {}
+    module = fields.optional_mapping(raw.get("module"), "module", path)
     strays = [name for name, value in module.items() if not isinstance(value, StoredTensor)]
     if strays:
         raise DeepSpeedFormatError(f"{path}: module entries {strays[:3]} are not tensors")
-    param_shapes = _require(raw, "param_shapes", list, path)
-    try:
-        shapes = [{str(name): tuple(int(d) for d in shape) for name, shape in group.items()} for group in param_shapes]
-    except (AttributeError, TypeError, ValueError):
-        raise DeepSpeedFormatError(f"{path}: param_shapes is not a list of name -> shape mappings") from None
     counter_keys = ("global_steps", "global_samples", "skipped_steps", "dp_world_size", "mp_world_size")
     return ModelStates(
         path=path,
-        module=dict(module),
-        param_shapes=shapes,
-        buffer_names=list(raw.get("buffer_names") or []),
-        shared_params=dict(raw.get("shared_params") or {}),
-        counters={key: raw[key] for key in counter_keys if key in raw},
-        lr_scheduler=raw.get("lr_scheduler"),
-        ds_config=dict(raw.get("ds_config") or {}),
-        ds_version=raw.get("ds_version"),
+        module=module,
+        param_shapes=_param_shapes(_require(raw, "param_shapes", path), path),
+        buffer_names=fields.texts(raw.get("buffer_names") or [], "buffer_names", path),
+        shared_params={
+            alias: fields.text(target, f"shared_params[{alias!r}]", path)
+            for alias, target in fields.optional_mapping(raw.get("shared_params"), "shared_params", path).items()
+        },
+        counters={key: fields.integer(raw[key], key, path) for key in counter_keys if raw.get(key) is not None},
+        lr_scheduler=fields.plain(raw.get("lr_scheduler"), "lr_scheduler", path),
+        ds_config=_ds_config(raw.get("ds_config"), path),
+        ds_version=fields.optional_text(raw.get("ds_version"), "ds_version", path),
     )
 
 
 def read_rank_shard(path: Path, rank: int) -> RankShard:
     raw = load_checkpoint_file(path)
-    state = _require(raw, "optimizer_state_dict", dict, path)
+    state = fields.mapping(_require(raw, "optimizer_state_dict", path), "optimizer_state_dict", path)
     if "zero_stage" not in state:
         raise DeepSpeedFormatError(
             f"{path}: no zero_stage: not written by DeepSpeed's ZeRO stage 1/2 optimizer "
             "(BF16_Optimizer checkpoints are not supported)"
         )
-    stage = int(state["zero_stage"])
+    stage = fields.integer(state["zero_stage"], "zero_stage", path)
     if stage not in (ZeroStageEnum.optimizer_states, ZeroStageEnum.gradients):
         raise DeepSpeedFormatError(f"{path}: ZeRO stage {stage} checkpoints are not supported (only stages 1 and 2)")
-    base = _require(state, "base_optimizer_state", (dict, list), path)
-    if not isinstance(base, dict):
+    base = _require(state, "base_optimizer_state", path)
+    if isinstance(base, list):
         raise DeepSpeedFormatError(f"{path}: elastic_checkpoint optimizer state is not supported")
-    fp32 = _require(state, "single_partition_of_fp32_groups", list, path)
-    param_groups = _require(base, "param_groups", list, path)
-    states, scalars = _split_optimizer_state(base.get("state") or {}, param_groups, path)
+    base = fields.mapping(base, "base_optimizer_state", path)
+    fp32_key = "single_partition_of_fp32_groups"
+    fp32 = fields.sequence(_require(state, fp32_key, path), fp32_key, path)
+    param_groups = [
+        fields.mapping(group, f"base_optimizer_state['param_groups'][{index}]", path)
+        for index, group in enumerate(fields.sequence(_require(base, "param_groups", path), "param_groups", path))
+    ]
+    optimizer_state = fields.optional_dict(base.get("state"), "base_optimizer_state['state']", path)
+    states, scalars = _split_optimizer_state(optimizer_state, param_groups, path)
     return RankShard(
         path=path,
         rank=rank,
         zero_stage=stage,
-        fp32=[_require_vector(t, f"single_partition_of_fp32_groups[{i}]", path) for i, t in enumerate(fp32)],
+        fp32=[fields.vector(t, f"{fp32_key}[{i}]", path) for i, t in enumerate(fp32)],
         states=states,
         scalars=scalars,
-        param_groups=[{k: v for k, v in group.items() if k != "params"} for group in param_groups],
-        group_paddings=[int(p) for p in _require(state, "group_paddings", list, path)],
+        param_groups=[_hyperparameters(group, index, path) for index, group in enumerate(param_groups)],
+        group_paddings=fields.integers(_require(state, "group_paddings", path), "group_paddings", path),
         param_alignment_paddings=_alignment_paddings(state.get("param_alignment_paddings"), path),
-        partition_count=[int(c) for c in _require(state, "partition_count", list, path)],
-        slice_mappings=_slice_mappings(_require(state, "param_slice_mappings", list, path), path),
+        partition_count=fields.integers(_require(state, "partition_count", path), "partition_count", path),
+        slice_mappings=_slice_mappings(_require(state, "param_slice_mappings", path), path),
         loss_scaler=_loss_scaler(state.get("loss_scaler")),
-        clip_grad=state.get("clip_grad"),
-        ds_config=dict(raw.get("ds_config") or {}),
-        ds_version=raw.get("ds_version"),
+        clip_grad=fields.plain(state.get("clip_grad"), "clip_grad", path),
+        ds_config=_ds_config(raw.get("ds_config"), path),
+        ds_version=fields.optional_text(raw.get("ds_version"), "ds_version", path),
     )
+
+
+def _param_shapes(value: Any, path: Path) -> list[dict[str, tuple[int, ...]]]:
+    groups = []
+    for index, group in enumerate(fields.sequence(value, "param_shapes", path)):
+        where = f"param_shapes[{index}]"
+        shapes = fields.mapping(group, where, path)
+        groups.append({name: fields.shape(dims, f"{where}[{name!r}]", path) for name, dims in shapes.items()})
+    return groups
+
+
+# Sections of ds_config the importer reads, which must be dicts where present
+# (zero_optimization may also be DeepSpeed's legacy bool).
+_CONFIG_SECTIONS = ("bf16", "bfloat16", "fp16", "optimizer")
+
+
+def _ds_config(value: Any, path: Path) -> dict[str, Any]:
+    config = fields.plain(fields.optional_mapping(value, "ds_config", path), "ds_config", path)
+    for section in _CONFIG_SECTIONS:
+        fields.optional_mapping(config.get(section), f"ds_config[{section!r}]", path)
+    if not isinstance(config.get("zero_optimization"), bool):
+        fields.optional_mapping(config.get("zero_optimization"), "ds_config['zero_optimization']", path)
+    optimizer = config.get("optimizer") or {}
+    fields.optional_mapping(optimizer.get("params"), "ds_config['optimizer']['params']", path)
+    fields.optional_text(optimizer.get("type"), "ds_config['optimizer']['type']", path)
+    return config
+
+
+def _hyperparameters(group: dict[str, Any], index: int, path: Path) -> dict[str, Any]:
+    hyper = {key: value for key, value in group.items() if key != "params"}
+    return fields.plain(hyper, f"base_optimizer_state['param_groups'][{index}]", path)
 
 
 def _split_optimizer_state(
@@ -176,34 +217,39 @@ def _split_optimizer_state(
     vectors: list[dict[str, StoredTensor]] = []
     scalars: list[dict[str, Any]] = []
     for index, group in enumerate(param_groups):
-        ids = group.get("params") if isinstance(group, dict) else None
-        if not isinstance(ids, list) or len(ids) != 1:
+        ids = group.get("params")
+        if not isinstance(ids, list) or len(ids) != 1 or not isinstance(ids[0], int):
+            found = one_line(reprlib.repr(ids))
             raise DeepSpeedFormatError(
-                f"{path}: optimizer group {index} should hold one flat partition, found params={ids!r}"
+                f"{path}: optimizer group {index} should hold one flat partition: params={found}"
             )
-        entries = state.get(ids[0], {})
-        vectors.append({k: v for k, v in entries.items() if _is_vector(v)})
-        scalars.append({k: _as_value(v) for k, v in entries.items() if not _is_vector(v)})
+        where = f"base_optimizer_state['state'][{ids[0]}]"
+        entries = fields.optional_mapping(state.get(ids[0]), where, path)
+        vectors.append({k: fields.vector(v, f"{where}[{k!r}]", path) for k, v in entries.items() if _is_vector(v)})
+        scalars.append({k: _as_value(v, f"{where}[{k!r}]", path) for k, v in entries.items() if not _is_vector(v)})
     return vectors, scalars
 
 
 def _alignment_paddings(value: Any, path: Path) -> list[list[int]] | None:
     if value is None:
         return None
-    try:
-        return [[int(p) for p in group] for group in value]
-    except (TypeError, ValueError):
-        raise DeepSpeedFormatError(f"{path}: param_alignment_paddings is not a list of integer lists") from None
+    field = "param_alignment_paddings"
+    groups = fields.sequence(value, field, path)
+    return [fields.integers(group, f"{field}[{i}]", path) for i, group in enumerate(groups)]
 
 
-def _slice_mappings(groups: list[Any], path: Path) -> list[dict[str, tuple[int, int]]]:
+def _slice_mappings(value: Any, path: Path) -> list[dict[str, tuple[int, int]]]:
     parsed: list[dict[str, tuple[int, int]]] = []
-    for index, mapping in enumerate(groups):
-        if not isinstance(mapping, dict) or not all(isinstance(a, FragmentAddress) for a in mapping.values()):
-            raise DeepSpeedFormatError(
-                f"{path}: param_slice_mappings[{index}] is not a name -> fragment_address mapping"
-            )
-        parsed.append({str(name): (int(a.numel), int(a.start)) for name, a in mapping.items()})
+    for index, mapping in enumerate(fields.sequence(value, "param_slice_mappings", path)):
+        where = f"param_slice_mappings[{index}]"
+        group: dict[str, tuple[int, int]] = {}
+        for name, address in fields.mapping(mapping, where, path).items():
+            field = f"{where}[{name!r}]"
+            if not isinstance(address, FragmentAddress):
+                raise fields.field_error(path, field, f"is {type(address).__name__}, expected a fragment_address")
+            numel, start = (fields.integer(vars(address).get(k), f"{field}.{k}", path) for k in ("numel", "start"))
+            group[name] = (numel, start)
+        parsed.append(group)
     return parsed
 
 
@@ -218,24 +264,20 @@ def _is_vector(value: Any) -> bool:
     return isinstance(value, StoredTensor) and len(value.shape) == 1
 
 
-def _as_value(value: Any) -> Any:
-    """A small tensor read into a numpy array; anything else as it is."""
-    return value.numpy() if isinstance(value, StoredTensor) else value
+def _as_value(value: Any, field: str, path: Path) -> Any:
+    """A small tensor read into a numpy array; anything else as it is, if plain."""
+    if not isinstance(value, StoredTensor):
+        return fields.plain(value, field, path)
+    try:
+        return value.numpy()
+    except TorchFileError as err:
+        raise DeepSpeedFormatError(str(err)) from None
 
 
-def _require(container: dict[str, Any], key: str, kind: type | tuple[type, ...], path: Path) -> Any:
+def _require(container: dict[str, Any], key: str, path: Path) -> Any:
     if key not in container:
         raise DeepSpeedFormatError(f"{path}: missing {key!r}")
-    value = container[key]
-    if not isinstance(value, kind):
-        raise DeepSpeedFormatError(f"{path}: {key!r} is a {type(value).__name__}, expected {kind}")
-    return value
-
-
-def _require_vector(value: Any, what: str, path: Path) -> StoredTensor:
-    if not _is_vector(value) or not value.is_contiguous():
-        raise DeepSpeedFormatError(f"{path}: {what} is not a 1-D tensor")
-    return value
+    return container[key]
 
 
 # ---- finding the files ------------------------------------------------------------------

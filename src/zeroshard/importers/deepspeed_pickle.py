@@ -9,6 +9,7 @@ the loss scaler. We allow stand-ins defined here under DeepSpeed's exact names, 
 DeepSpeed code runs and DeepSpeed need not be installed. The unpickler only calls an allowed
 class (``ZeroStageEnum(2)``), creates an instance of one without running ``__init__`` and
 fills its ``__dict__``: the stand-ins hold data and have no behaviour a file could trigger.
+``ZeroStageEnum``'s members are shared by the process, so they refuse that filling.
 Tensors come back as lazy :class:`~.torch_file.StoredTensor` records.
 """
 
@@ -20,12 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from .torch_file import TorchFileError, load_torch_file
+from .torch_records import refuses_state
 
 
 class DeepSpeedFormatError(ValueError):
     """A DeepSpeed checkpoint is missing, damaged, inconsistent or of an unsupported kind."""
 
 
+@refuses_state  # its members are shared by the whole process: a file must not set their attributes
 class ZeroStageEnum(int, enum.Enum):
     """Stand-in for ``deepspeed.runtime.zero.config.ZeroStageEnum`` (same values)."""
 

@@ -20,10 +20,19 @@ set a torch.save pickle uses. Nothing from torch is imported or called.
 
 Tensors come back as :class:`StoredTensor` records: opening a file reads its pickle and the
 zip directory, never tensor bytes; those are read with ``os.pread`` when asked for.
+
+Integrity: every record read is checked against the CRC-32 of the zip directory:
+``data.pkl`` and ``byteorder`` when read here, a storage record the first time any of its
+bytes are read (:func:`~.torch_records.verify_record`). No size the file declares drives an
+allocation beyond the bytes it holds: a storage must fit its record, and a tensor view must
+fit its storage and hold no more elements than it (so a stride-0 view of a small storage
+cannot expand into gigabytes).
 """
 
 from __future__ import annotations
 
+import enum
+import itertools
 import os
 import reprlib
 import struct
@@ -33,13 +42,14 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.dtypes import dtype_info
-from .torch_records import FileProblem, StorageRecord, StoredTensor, TorchFileError, one_line
+from .torch_records import FileProblem, StorageRecord, StoredTensor, TorchFileError, one_line, refuses_state_of
 from .torch_unpickler import ALLOWED_GLOBALS, StorageType, seal, unpickle
 
 __all__ = ["StorageRecord", "StoredTensor", "TorchFileError", "load_torch_file"]
 
 _LEGACY_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")  # first pickle of pre-1.6 files
 _READ_CHUNK = 1 << 30
+_loads = itertools.count(1)  # numbers the loads of this process (StorageRecord.load)
 
 
 def load_torch_file(path: Path, allowed: Mapping[str, type] | None = None) -> Any:
@@ -49,13 +59,20 @@ def load_torch_file(path: Path, allowed: Mapping[str, type] | None = None) -> An
     ``allowed`` maps further globals (``"module.name"``) to data-only stand-in classes: the
     pickle may call one with arguments, create one without ``__init__`` and fill its
     ``__dict__`` (or call the stand-in's own ``__setstate__``). It cannot replace the
-    built-in entries. Raises TorchFileError, whose one-line message starts with ``path``.
+    built-in entries. A stand-in whose instances are shared beyond one load (an Enum's
+    members) must refuse that (:func:`~.torch_records.refuses_state`), so that a file cannot
+    change them for the whole process. Raises TorchFileError, whose one-line message starts
+    with ``path``.
     """
     path = Path(path)
     globals_ = dict(ALLOWED_GLOBALS)
     for name, cls in (allowed or {}).items():
         if not isinstance(cls, type):
             raise TypeError(f"allowed[{name!r}] must be a class, not {type(cls).__name__}")
+        if issubclass(cls, enum.Enum) and not refuses_state_of(cls):
+            raise TypeError(
+                f"allowed[{name!r}] is an Enum, whose members every load shares: decorate it with refuses_state"
+            )
         globals_.setdefault(name, seal(name, cls))
     try:
         with _open_zip(path) as zip_file, open(path, "rb", buffering=0) as file:
@@ -107,6 +124,7 @@ class _Archive:
             raise FileProblem(f"not a torch.save archive: {len(pickles)} <archive>/data.pkl records")
         self.prefix = pickles[0].removesuffix("data.pkl")
         self.storages: dict[str, StorageRecord] = {}
+        self.load = next(_loads)
 
     def info(self, name: str) -> zipfile.ZipInfo | None:
         try:
@@ -151,7 +169,10 @@ class _Archive:
                     f"storage record {info.filename} has {info.file_size} bytes, "
                     f"its {numel}-element {kind.dtype} storage needs {nbytes}"
                 )
-            record = StorageRecord(self.path, key, self._data_offset(info), nbytes, kind.dtype)
+            record = StorageRecord(
+                self.path, key, self._data_offset(info), nbytes, kind.dtype, info.filename, info.file_size, info.CRC,
+                self.load,
+            )
             self.storages[key] = record
         elif (record.dtype, record.nbytes) != (kind.dtype, nbytes):
             raise FileProblem(f"corrupt pickle data.pkl: storage {key} is declared with two types or sizes")

@@ -10,6 +10,7 @@ the opcodes are checked against the set a torch.save pickle uses.
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import pickletools
 import reprlib
@@ -123,7 +124,7 @@ def _tensor(
     storage: Any, dtype: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any, metadata: Any
 ) -> StoredTensor:
     """A StoredTensor from rebuild arguments, once they are checked to describe a view that
-    lies inside its storage."""
+    lies inside its storage and holds no more elements than it."""
     shape, steps = _sizes(size), _sizes(stride)
     if (
         not isinstance(storage, StorageRecord)
@@ -132,26 +133,45 @@ def _tensor(
         or steps is None
         or len(shape) != len(steps)
         or type(storage_offset) is not int
-        or storage_offset < 0
+        or not 0 <= storage_offset < _INT64_LIMIT
         or type(requires_grad) is not bool
     ):
         raise FileProblem("corrupt pickle data.pkl: malformed tensor")
     if metadata:  # the conjugate or negative bit: values would need a transformation
         raise FileProblem(f"tensor metadata {one_line(reprlib.repr(metadata))} is unsupported")
-    tensor = StoredTensor(storage, dtype, shape, steps, storage_offset, requires_grad)
-    if tensor.numel():
-        needed = (storage_offset + span(shape, steps)) * dtype_info(dtype).itemsize
-        if needed > storage.nbytes:
-            raise FileProblem(
-                f"a {dtype} tensor of shape {shape}, stride {steps}, offset {storage_offset} "
-                f"needs {needed} bytes of storage {storage.key}, which has {storage.nbytes}"
-            )
-    return tensor
+    _check_view_fits(storage, dtype, storage_offset, shape, steps)
+    return StoredTensor(storage, dtype, shape, steps, storage_offset, requires_grad)
+
+
+def _check_view_fits(
+    storage: StorageRecord, dtype: str, offset: int, shape: tuple[int, ...], stride: tuple[int, ...]
+) -> None:
+    """Refuse a view that reaches past its storage, or that has more elements than the
+    storage holds: reading one (a stride-0 ``expand`` of a 2-byte storage, say) would
+    allocate far more than the file holds. Checked before anything is read."""
+    itemsize = dtype_info(dtype).itemsize
+    if math.prod(size for size in shape if size) * itemsize >= _INT64_LIMIT:  # numpy refuses it even when empty
+        raise FileProblem(f"corrupt pickle data.pkl: a tensor of shape {shape} is too big for any memory")
+    numel = math.prod(shape)
+    if not numel:
+        return
+    what = f"a {dtype} tensor of shape {shape}, stride {stride}, offset {offset}"
+    needed = (offset + span(shape, stride)) * itemsize
+    if needed > storage.nbytes:
+        raise FileProblem(f"{what} needs {needed} bytes of storage {storage.key}, which has {storage.nbytes}")
+    if numel * itemsize > storage.nbytes:
+        raise FileProblem(
+            f"{what} has {numel} elements, storage {storage.key} holds {storage.nbytes // itemsize}: "
+            "an expanded view is refused (reading it would allocate more than the file holds)"
+        )
+
+
+_INT64_LIMIT = 1 << 63  # torch's sizes, strides and offsets are int64
 
 
 def _sizes(value: Any) -> tuple[int, ...] | None:
-    ok = isinstance(value, (tuple, list)) and all(type(item) is int and item >= 0 for item in value)
-    return tuple(value) if ok else None
+    ok = isinstance(value, (tuple, list)) and all(type(item) is int and 0 <= item < _INT64_LIMIT for item in value)
+    return tuple(value) if ok and len(value) <= 64 else None
 
 
 ALLOWED_GLOBALS: dict[str, Any] = {
