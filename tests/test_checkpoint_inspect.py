@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import struct
 import subprocess
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -185,6 +187,13 @@ def test_deepspeed_verify_reads_every_tensor(deepspeed_run, tmp_path, capsys):
     damaged = tmp_path / "damaged"
     shutil.copytree(deepspeed_run.tag_dir, damaged)
     rank_file = damaged / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    record = _flip_a_byte_in_the_largest_record(rank_file)
+    assert main(["inspect", str(damaged)]) == 0  # the summary reads no tensor
+    capsys.readouterr()
+    assert main(["inspect", "--verify", str(damaged)]) == 1
+    [line] = _lines(capsys)
+    assert f"{rank_file}: record {record} is corrupt: its CRC-32 is " in line, line
+
     rank_file.write_bytes(rank_file.read_bytes()[: rank_file.stat().st_size // 2])
     assert main(["inspect", "--verify", str(damaged)]) == 1
     [line] = _lines(capsys)
@@ -197,6 +206,17 @@ def test_deepspeed_verify_reads_every_tensor(deepspeed_run, tmp_path, capsys):
     assert main(["inspect", str(damaged)]) == 2
     [line] = _lines(capsys)
     assert line == f"zeroshard inspect: error: {damaged}: mp_rank_00_model_states.pt is missing"
+
+
+def _flip_a_byte_in_the_largest_record(path: Path) -> str:
+    """Flip one bit in the middle of the biggest tensor record of a torch.save zip; its name."""
+    with zipfile.ZipFile(path) as archive:
+        info = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    data = bytearray(path.read_bytes())
+    name_length, extra_length = struct.unpack_from("<HH", data, info.header_offset + 26)
+    data[info.header_offset + 30 + name_length + extra_length + info.file_size // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    return info.filename
 
 
 def _deepspeed_universal_folder(run, root: Path) -> Path:
