@@ -112,16 +112,16 @@ def test_json_depth_limit_is_the_same_for_writing_and_reading():
 
 
 def test_unreadable_manifest(saved, monkeypatch, capsys):
-    """Tests run as root, so chmod cannot make a file unreadable: reading it is made to fail."""
+    """Tests run as root, so chmod cannot make a file unreadable: opening it is made to fail."""
     manifest = saved / "step7" / "manifest.json"
-    read_text = Path.read_text
+    real_open = os.open
 
     def refuse(path, *args, **kwargs):
-        if path.name == "manifest.json":
+        if Path(path).name == "manifest.json":
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
-        return read_text(path, *args, **kwargs)
+        return real_open(path, *args, **kwargs)
 
-    monkeypatch.setattr(Path, "read_text", refuse)
+    monkeypatch.setattr(os, "open", refuse)
     for command in (["inspect", str(saved)], ["to-fp32", str(saved), str(saved.parent / "out")]):
         code = main(command)
         _assert_one_line_error((code, capsys.readouterr().err), f"{manifest}: Permission denied")
