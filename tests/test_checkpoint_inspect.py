@@ -1,14 +1,21 @@
-"""``zeroshard inspect``: the summary, and ``--verify`` catching damage."""
+"""``zeroshard inspect``: the summary of every kind of checkpoint, and ``--verify`` catching damage."""
 
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import struct
+import subprocess
+import sys
+import textwrap
+import zipfile
 from pathlib import Path
 
 import pytest
 
 from zeroshard.checkpoint import run_ranks, save_sharded
 from zeroshard.checkpoint.testing import synthesize_state
+from zeroshard.checkpoint.universal import to_universal
 from zeroshard.cli.main import main
 from zeroshard.layout import LayoutPolicy, ParamSpec, build_layout
 
@@ -87,3 +94,170 @@ def test_not_a_checkpoint(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "none")]) == 2
     assert "no such checkpoint directory" in capsys.readouterr().err
     assert main(["inspect", "--verify", str(tmp_path / "none")]) == 1
+
+
+# ---- the other kinds: universal, DeepSpeed, DeepSpeed's universal format ------------------------
+
+
+def _lines(capsys) -> list[str]:
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    return captured.out.strip().splitlines() + captured.err.strip().splitlines()
+
+
+@pytest.fixture
+def universal(saved, tmp_path) -> Path:
+    return to_universal(saved, tmp_path / "universal", progress=False)
+
+
+def test_universal_summary(universal, capsys):
+    assert main(["inspect", str(universal)]) == 0
+    out = "\n".join(_lines(capsys))
+    padding = LAYOUT.padding()
+    for expected in (
+        f"checkpoint {universal}",
+        "kind: zeroshard universal checkpoint (format version 1,",
+        "converted from a zeroshard run",
+        "step: 7 (extra['global_step'])",
+        "world size: any (converted from world size 12)",
+        "layout policy: none stored",
+        "group 0: 2 parameters, 48 elements (trained in bfloat16); state exp_avg, exp_avg_sq; scalars step",
+        "parameters: 3 trainable (57 elements)",
+        f"padding overhead: none; the source run (compact, 16-byte alignment, world size 12) had "
+        f"{padding.padding_elements:,} elements, {100 * padding.fraction:.3f}%",
+        "  universal.json: ",
+        "1 shards: ",
+    ):
+        assert expected in out, expected
+
+
+def test_universal_verify(universal, capsys):
+    assert main(["inspect", "--verify", str(universal)]) == 0
+    assert _lines(capsys) == [f"{universal}: OK, universal checkpoint, 1 shards, {_shard_bytes(universal):,} bytes, every checksum matches"]
+    shard = universal / "universal-00001-of-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x10
+    shard.write_bytes(bytes(data))
+    (universal / "universal-00002-of-00002.safetensors").write_bytes(b"")
+    assert main(["inspect", "--verify", str(universal)]) == 1
+    lines = _lines(capsys)
+    assert len(lines) == 2
+    assert f"{shard}: checksum mismatch in block" in lines[0]
+    assert "universal-00002-of-00002.safetensors: not listed in the manifest" in lines[1]
+
+
+def _shard_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def deepspeed_run(deepspeed_runs):
+    return deepspeed_runs["w2_s2"]
+
+
+@pytest.mark.parametrize("where", ["root", "tag"])
+def test_deepspeed_summary(deepspeed_run, where, capsys):
+    from zeroshard.importers import open_deepspeed
+
+    path = deepspeed_run.save_dir if where == "root" else deepspeed_run.tag_dir
+    assert main(["inspect", str(path)]) == 0
+    lines = _lines(capsys)
+    named_by = f" (named by {deepspeed_run.save_dir / 'latest'})" if where == "root" else ""
+    assert lines[0] == f"checkpoint {deepspeed_run.tag_dir}{named_by}"
+    assert lines[1].startswith("kind: DeepSpeed ZeRO stage 2 checkpoint (DeepSpeed 0.")
+    assert lines[2:6] == ["step: 3 (extra['global_steps'])", "world size: 2", "ZeRO stage: 2", "layout policy: deepspeed"]
+    with open_deepspeed(path) as source:
+        padding = source.layout.padding()
+        groups = source.layout.groups
+    out = "\n".join(lines)
+    assert f"padding overhead: {padding.padding_elements:,} elements, {padding.padding_bytes:,} bytes" in out
+    for group in groups:
+        assert f"{group.partition_numel:,} elements per rank, {group.inter_param_padding + group.tail_padding:,} padding" in out
+    sizes = [p.stat().st_size for p in sorted(deepspeed_run.tag_dir.glob("*optim_states.pt"))]
+    assert f"2 rank files: {sum(sizes):,} bytes" in out
+    assert "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt: " in out and "mp_rank_00_model_states.pt: " in out
+
+
+def test_deepspeed_verify_reads_every_tensor(deepspeed_run, tmp_path, capsys):
+    assert main(["inspect", "--verify", str(deepspeed_run.save_dir)]) == 0
+    [line] = _lines(capsys)
+    assert line.startswith(f"{deepspeed_run.tag_dir}: OK, DeepSpeed checkpoint, 3 files, ")
+    assert line.endswith("every rank file agrees with the model states and every tensor reads")
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(deepspeed_run.tag_dir, damaged)
+    rank_file = damaged / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    record = _flip_a_byte_in_the_largest_record(rank_file)
+    assert main(["inspect", str(damaged)]) == 0  # the summary reads no tensor
+    capsys.readouterr()
+    assert main(["inspect", "--verify", str(damaged)]) == 1
+    [line] = _lines(capsys)
+    assert f"{rank_file}: record {record} is corrupt: its CRC-32 is " in line, line
+
+    rank_file.write_bytes(rank_file.read_bytes()[: rank_file.stat().st_size // 2])
+    assert main(["inspect", "--verify", str(damaged)]) == 1
+    [line] = _lines(capsys)
+    assert str(rank_file) in line
+    assert main(["inspect", str(damaged)]) == 2
+    [line] = _lines(capsys)
+    assert line.startswith("zeroshard inspect: error: ") and str(rank_file) in line
+
+    (damaged / "mp_rank_00_model_states.pt").unlink()  # optimizer files alone: still DeepSpeed's
+    assert main(["inspect", str(damaged)]) == 2
+    [line] = _lines(capsys)
+    assert line == f"zeroshard inspect: error: {damaged}: mp_rank_00_model_states.pt is missing"
+
+
+def _flip_a_byte_in_the_largest_record(path: Path) -> str:
+    """Flip one bit in the middle of the biggest tensor record of a torch.save zip; its name."""
+    with zipfile.ZipFile(path) as archive:
+        info = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    data = bytearray(path.read_bytes())
+    name_length, extra_length = struct.unpack_from("<HH", data, info.header_offset + 26)
+    data[info.header_offset + 30 + name_length + extra_length + info.file_size // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    return info.filename
+
+
+def _deepspeed_universal_folder(run, root: Path) -> Path:
+    """What DeepSpeed's ds_to_universal writes (deepspeed/checkpoint/ds_to_universal.py): per
+    parameter a folder of .pt files under zero/, the model-states files copied beside it, and
+    latest_universal in the parent. Only the names matter here."""
+    folder = root / "step3_universal"
+    for name in ("fc1.weight", "fc1.bias"):
+        (folder / "zero" / name).mkdir(parents=True)
+        for state in ("fp32", "exp_avg", "exp_avg_sq", "step"):
+            (folder / "zero" / name / f"{state}.pt").write_bytes(b"")
+    (folder / "zero" / "optimizer_state.pt").write_bytes(b"")
+    shutil.copy(run.tag_dir / "mp_rank_00_model_states.pt", folder)
+    (root / "latest_universal").write_text(folder.name)
+    return folder
+
+
+@pytest.mark.parametrize("where", ["folder", "root"])
+def test_deepspeed_universal_format_is_named_and_refused(deepspeed_run, tmp_path, where, capsys):
+    folder = _deepspeed_universal_folder(deepspeed_run, tmp_path / "ds")
+    path = folder if where == "folder" else folder.parent
+    expected = f"zeroshard inspect: error: {path}: a DeepSpeed universal checkpoint (ds_to_universal output), which zeroshard does not read"
+    for args in (["inspect", str(path)], ["inspect", "--verify", str(path)]):
+        assert main(args) == 2
+        [line] = _lines(capsys)
+        assert line.startswith(expected), line
+    assert main(["to-universal", str(path), str(tmp_path / "out")]) == 2
+    [line] = _lines(capsys)
+    assert "a DeepSpeed universal checkpoint" in line and not (tmp_path / "out").exists()
+
+
+def test_inspect_every_kind_without_torch(deepspeed_run, universal, saved):
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["torch"] = None  # any import of torch fails
+        from zeroshard.cli.main import main
+        for path in ({str(deepspeed_run.save_dir)!r}, {str(universal)!r}, {str(saved)!r}):
+            assert main(["inspect", path]) == 0 and main(["inspect", "--verify", path]) == 0
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count(": OK, ") == 3 and "kind: DeepSpeed ZeRO stage 2" in done.stdout

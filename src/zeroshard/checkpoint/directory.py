@@ -31,6 +31,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from . import jsonvalue
 from .checksum import FileRecord
 from .format import (
     DELETE_MARKER,
@@ -255,7 +256,8 @@ def _existing_or_moved_aside(target: Path) -> Path | None:
 
 
 def read_json_file(path: Path, what: str) -> Any:
-    """The JSON in ``path`` (a regular file, not a link); one-line errors for a missing file or invalid JSON."""
+    """The JSON in ``path`` (a regular file, not a link); one-line errors for a missing file,
+    invalid JSON or JSON nested too deeply to parse safely."""
     try:
         fd = open_member(path)
     except FileNotFoundError:
@@ -263,7 +265,7 @@ def read_json_file(path: Path, what: str) -> Any:
     with open(fd, "rb") as handle:
         raw = handle.read()
     try:
-        return json.loads(raw)
+        return jsonvalue.loads(raw, path)
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: corrupted: not valid JSON ({err.msg} at line {err.lineno})") from None
     except UnicodeDecodeError:

@@ -11,6 +11,7 @@ to the value, because storing it would need pickle.
 from __future__ import annotations
 
 import base64
+import json
 import math
 from typing import Any
 
@@ -20,10 +21,46 @@ from .dtypes import as_array, dtype_of, dtype_of_code
 
 _TAG = "__zeroshard__"
 _MAX_TENSOR_BYTES = 1 << 20  # bigger tensors belong in a safetensors file, not in JSON
+MAX_DEPTH = 100  # nesting a file may have: ours stay under 20; deeper would exhaust the stack
+MAX_VALUE_DEPTH = MAX_DEPTH - 10  # a stored value's own nesting, so the file holding it stays readable
+
+
+def loads(text: str | bytes, where: object) -> Any:
+    """``json.loads(text)``, refusing nesting deeper than :data:`MAX_DEPTH` (json.loads
+    itself, :func:`decode` and the manifest parsers recurse) with a ValueError naming
+    ``where``. JSONDecodeError and UnicodeDecodeError pass through."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{where}: corrupted: JSON nested too deeply to parse (the limit is {MAX_DEPTH})") from None
+    if _deeper_than(value, MAX_DEPTH):
+        raise ValueError(f"{where}: corrupted: JSON nested more than {MAX_DEPTH} levels deep")
+    return value
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests lists and dicts more than ``limit`` deep (without recursing)."""
+    pending = [(value, 1)] if isinstance(value, (list, dict)) else []
+    while pending:
+        item, depth = pending.pop()
+        children = item.values() if isinstance(item, dict) else item
+        nested = [child for child in children if isinstance(child, (list, dict))]
+        if nested and depth >= limit:
+            return True
+        pending.extend((child, depth + 1) for child in nested)
+    return False
 
 
 def encode(value: Any, path: str = "value") -> Any:
-    """A JSON-able form of ``value``; ValueError names the first value that cannot be stored."""
+    """A JSON-able form of ``value``; ValueError names the first value that cannot be stored,
+    or ``path`` when the value nests so deeply that its file could not be read back."""
+    encoded = _encode(value, path)
+    if _deeper_than(encoded, MAX_VALUE_DEPTH):
+        raise ValueError(f"{path}: nested more than {MAX_VALUE_DEPTH} levels deep (a tuple or tagged value counts two)")
+    return encoded
+
+
+def _encode(value: Any, path: str) -> Any:
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
@@ -31,14 +68,14 @@ def encode(value: Any, path: str = "value") -> Any:
     if isinstance(value, float):
         return value if math.isfinite(value) else {_TAG: "float", "repr": repr(value)}
     if isinstance(value, (list, tuple)):
-        items = [encode(item, f"{path}[{i}]") for i, item in enumerate(value)]
+        items = [_encode(item, f"{path}[{i}]") for i, item in enumerate(value)]
         return items if isinstance(value, list) else {_TAG: "tuple", "items": items}
     if isinstance(value, dict):
         if all(isinstance(key, str) for key in value) and _TAG not in value:
-            return {key: encode(item, f"{path}[{key!r}]") for key, item in value.items()}
+            return {key: _encode(item, f"{path}[{key!r}]") for key, item in value.items()}
         return {
             _TAG: "dict",
-            "items": [[encode(k, f"{path} key"), encode(v, f"{path}[{k!r}]")] for k, v in value.items()],
+            "items": [[_encode(k, f"{path} key"), _encode(v, f"{path}[{k!r}]")] for k, v in value.items()],
         }
     if isinstance(value, np.ndarray) or _is_torch_tensor(value):
         return _encode_tensor(as_array(value), path)

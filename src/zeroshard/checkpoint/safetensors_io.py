@@ -20,6 +20,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from . import jsonvalue
 from .checksum import BlockHasher, FileRecord, block_crc
 from .dtypes import as_array, dtype_info, dtype_of, dtype_of_code
 from .members import open_member
@@ -88,9 +89,9 @@ class SafetensorsWriter:
         try:
             for piece in (struct.pack("<Q", len(header)), header):
                 _write_all(self._file, memoryview(piece), self._hasher)
-        except BaseException:
+        except BaseException as err:
             self._file.close()
-            raise
+            raise named_os_error(err, path) if isinstance(err, OSError) else err
 
     def write(self, key: str, tensor: Tensor) -> None:
         """Write the next planned tensor (a numpy array or a CPU torch tensor): ``key`` and
@@ -107,9 +108,12 @@ class SafetensorsWriter:
                 f"got {key!r} ({dtype}, {array.size} elements)"
             )
         raw = _as_bytes(array)
-        for start in range(0, len(raw), _WRITE_CHUNK):
-            _write_all(self._file, raw[start : start + _WRITE_CHUNK], self._hasher)
-            self._start_writeback()
+        try:
+            for start in range(0, len(raw), _WRITE_CHUNK):
+                _write_all(self._file, raw[start : start + _WRITE_CHUNK], self._hasher)
+                self._start_writeback()
+        except OSError as err:
+            raise named_os_error(err, self.path) from err
         self._next += 1
 
     def _start_writeback(self) -> None:
@@ -130,8 +134,12 @@ class SafetensorsWriter:
         if self._next != len(self._plan):
             self._file.close()
             raise ValueError(f"{self.path}: {len(self._plan) - self._next} planned tensors were never written")
-        os.fsync(self._file.fileno())
-        self._file.close()
+        try:
+            os.fsync(self._file.fileno())
+        except OSError as err:
+            raise named_os_error(err, self.path) from err
+        finally:
+            self._file.close()
         return self._hasher.record()
 
     def abort(self) -> None:
@@ -157,6 +165,14 @@ def write_safetensors(
         for name, tensor in tensors:
             writer.write(name, tensor)
         return writer.close()
+
+
+def named_os_error(err: OSError, path: Path) -> OSError:
+    """``err`` naming ``path`` if it names no file: ``write`` and ``fsync`` know only a file
+    descriptor, so a full disk (ENOSPC) would otherwise not say where."""
+    if err.filename is not None or not err.errno:
+        return err
+    return OSError(err.errno, err.strerror or os.strerror(err.errno), str(path))
 
 
 def _plan_header(plan: Sequence[PlannedTensor], metadata: dict[str, str] | None) -> bytes:
@@ -202,7 +218,7 @@ def read_header(path: Path, file_size: int, stats: ReadStats | None = None) -> d
     if stats is not None:
         stats.add(path.name, 8 + len(raw))
     try:
-        header = json.loads(raw)
+        header = jsonvalue.loads(raw, path)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise ValueError(f"{path}: corrupted: the safetensors header is not valid JSON") from None
     if not isinstance(header, dict):

@@ -1,42 +1,91 @@
-"""Check a whole checkpoint against its manifest: every file, every checksum block, every header."""
+"""Check a whole checkpoint against its manifest: every file, every checksum block, every header.
+
+Native and universal checkpoints are checked against their manifests' checksums. A saved run
+without checksums of ours (a DeepSpeed checkpoint) is checked by reading every tensor through
+its :class:`~.source.ShardSource`, so whatever that reader checks is checked for every byte.
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Iterable, Mapping
 
+from .checksum import FileRecord
 from .format import MODEL_FILE
 from .handle import Checkpoint
 from .members import member_path
 from .safetensors_io import check_entries, read_header, verify_file
+from .source import ShardSource
+from .universal_format import UniversalManifest
+
+Spec = tuple[str, tuple[int, ...]]  # a tensor's dtype name and shape
+_READ_CHUNK = 1 << 24  # elements per read when reading a whole partition (64 MiB of fp32)
 
 
 def verify_checkpoint(ckpt: Checkpoint) -> list[str]:
     """One line per problem found; empty when every file is present, intact and as described."""
-    problems: list[str] = []
     manifest = ckpt.manifest
-    for name, record in sorted(manifest.files.items()):
+    rank_tensors = manifest.rank_file_tensors()
+    expected = {name: manifest.model_file_tensors() if name == MODEL_FILE else rank_tensors for name in manifest.files}
+    return _verify_files(ckpt.directory, manifest.files, expected)
+
+
+def verify_universal(directory: Path, manifest: UniversalManifest) -> list[str]:
+    """:func:`verify_checkpoint` for a universal checkpoint: every shard its manifest lists."""
+    expected: dict[str, dict[str, Spec]] = {name: {} for name in manifest.shards}
+    for key, spec in manifest.tensor_specs().items():
+        expected[manifest.weight_map[key]][key] = spec
+    return _verify_files(directory, manifest.shards, expected)
+
+
+def read_every_tensor(source: ShardSource) -> list[str]:
+    """Read every partition of every rank, and every model tensor, through ``source``: one
+    line per rank file (or model tensor) that cannot be read; empty when all can."""
+    problems: list[str] = []
+    layout = source.info.layout
+    for rank in range(layout.world_size):
         try:
-            path = member_path(ckpt.directory, name)
+            for group in layout.groups:
+                for key in ("fp32", *source.info.state_keys[group.index]):
+                    for start in range(0, group.partition_numel, _READ_CHUNK):
+                        source.read(rank, group.index, key, start, min(start + _READ_CHUNK, group.partition_numel))
+        except (OSError, ValueError) as err:
+            problems.append(f"rank {rank}: {err}")
+    for entry in source.info.model_entries:
+        try:
+            source.model_tensor(entry.name)
+        except (KeyError, OSError, ValueError) as err:
+            problems.append(f"model tensor {entry.name!r}: {err.args[0] if isinstance(err, KeyError) else err}")
+    return problems
+
+
+def _verify_files(
+    directory: Path, records: Mapping[str, FileRecord], expected: Mapping[str, Mapping[str, Spec]]
+) -> list[str]:
+    problems: list[str] = []
+    for name, record in sorted(records.items()):
+        try:
+            path = member_path(directory, name)
             file_problems = verify_file(path, record)
         except (OSError, ValueError) as err:
             problems.append(str(err))
             continue
         if not file_problems:
-            file_problems = _header_problems(ckpt, name)
+            file_problems = _header_problems(path, record.size, expected[name])
         problems += file_problems
-    for entry in sorted(os.listdir(ckpt.directory)):
-        if entry.endswith(".safetensors") and entry not in manifest.files:
-            problems.append(f"{ckpt.path(entry)}: not listed in the manifest")
+    problems += [f"{directory / name}: not listed in the manifest" for name in _strays(directory, records)]
     return problems
 
 
-def _header_problems(ckpt: Checkpoint, name: str) -> list[str]:
-    manifest = ckpt.manifest
-    path: Path = ckpt.path(name)
-    expected = manifest.model_file_tensors() if name == MODEL_FILE else manifest.rank_file_tensors()
+def _strays(directory: Path, records: Iterable[str]) -> list[str]:
+    listed = set(records)
+    return [name for name in sorted(os.listdir(directory)) if name.endswith(".safetensors") and name not in listed]
+
+
+def _header_problems(path: Path, size: int, expected: Mapping[str, Spec]) -> list[str]:
     try:
-        entries = read_header(path, manifest.files[name].size)
+        entries = read_header(path, size)
         check_entries(path, entries, expected)
         extra = sorted(set(entries) - set(expected))
         if extra:

@@ -1,20 +1,21 @@
 """``zeroshard to-universal`` and ``zeroshard to-fp32``: convert a saved run, streaming.
 
-Any failure is one line on stderr and exit status 2, and leaves nothing under OUT that
-looks complete.
+Any failure is one line on stderr and exit status 2 (see :mod:`.main`), and leaves nothing
+under OUT that looks complete.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
-import sys
 import time
 from pathlib import Path
 
 from ..checkpoint.fp32_export import to_fp32
 from ..checkpoint.universal_format import DEFAULT_MAX_SHARD_SIZE
 from ..checkpoint.universal_write import to_universal
+from .checkpoint_kind import refuse_unreadable_kinds
+from .errors import describe_error, name_output
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
@@ -85,18 +86,19 @@ def run_to_fp32(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, convert) -> int:
+    refuse_unreadable_kinds(args.checkpoint)
     started = time.perf_counter()
     try:
         out = convert()
-    except (OSError, ValueError, KeyError) as err:
-        return _fail(args, str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err))
+    except OSError as err:
+        named = name_output(err, args.out)
+        if named is err:
+            raise
+        raise named from err
+    except KeyError as err:  # a tensor or state the checkpoint's own description promised
+        raise ValueError(describe_error(err)) from err
     files = sorted(p for p in out.iterdir() if p.is_file())
     size = sum(p.stat().st_size for p in files)
     print(f"wrote {out}: {len(files)} files, {size:,} bytes in {time.perf_counter() - started:.1f} s")
     return 0
 
-
-def _fail(args: argparse.Namespace, message: str) -> int:
-    line = " ".join(message.split())
-    print(f"zeroshard {args.command}: error: {line}", file=sys.stderr)
-    return 2

@@ -17,28 +17,30 @@ import time
 from pathlib import Path
 
 from ..demo import LIVE_MASTERS_FILE, DemoConfig, PhaseResult, train_phase
+from .arguments import at_least, positive_float, positive_int
 
 
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("demo", help="train a small GPT with ZeRO, resume at another D, convert")
-    parser.add_argument("--world-size", type=int, default=2, help="ranks for the first phase (ignored under torchrun)")
-    parser.add_argument("--resume-world-size", type=int, default=3, help="ranks for the resumed phase")
-    parser.add_argument("--steps", type=int, default=DemoConfig.steps, help="steps in all, half per phase")
+    parser.add_argument(
+        "--world-size", type=positive_int, default=2, help="ranks for the first phase (ignored under torchrun)"
+    )
+    parser.add_argument("--resume-world-size", type=positive_int, default=3, help="ranks for the resumed phase")
+    parser.add_argument("--steps", type=at_least(2), default=DemoConfig.steps, help="steps in all, half per phase")
     parser.add_argument("--stage", type=int, choices=(1, 2), default=DemoConfig.stage)
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=DemoConfig.dtype)
-    parser.add_argument("--micro-batches", type=int, default=DemoConfig.micro_batches)
-    parser.add_argument("--global-batch", type=int, default=DemoConfig.global_batch)
-    parser.add_argument("--lr", type=float, default=DemoConfig.lr)
+    parser.add_argument("--micro-batches", type=positive_int, default=DemoConfig.micro_batches)
+    parser.add_argument("--global-batch", type=positive_int, default=DemoConfig.global_batch)
+    parser.add_argument("--lr", type=positive_float, default=DemoConfig.lr)
     parser.add_argument("--out", type=Path, default=None, help="keep checkpoints and exports here (default: a temporary folder)")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="default: nccl with CUDA GPUs, else gloo")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds before spawned ranks are stopped")
+    parser.add_argument(
+        "--timeout", type=positive_float, default=900.0, help="seconds before spawned ranks are stopped"
+    )
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    for flag, value in (("--world-size", args.world_size), ("--resume-world-size", args.resume_world_size)):
-        if value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
     config = DemoConfig(
         steps=args.steps,
         stage=args.stage,
@@ -47,7 +49,15 @@ def run(args: argparse.Namespace) -> int:
         micro_batches=args.micro_batches,
         lr=args.lr,
     )
-    if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+    world_sizes = [args.world_size, args.resume_world_size]
+    for world_size in [int(os.environ.get("WORLD_SIZE", 1))] if under_torchrun else world_sizes:
+        if config.global_batch % (world_size * config.micro_batches):
+            raise ValueError(
+                f"--global-batch {config.global_batch} does not split into {world_size} ranks x "
+                f"{config.micro_batches} micro-batches"
+            )
+    if under_torchrun:
         return _run_under_torchrun(config, args)
     out = args.out or Path(tempfile.mkdtemp(prefix="zeroshard-demo-"))
     try:

@@ -6,7 +6,9 @@ import argparse
 import json
 from pathlib import Path
 
+from ..checkpoint import jsonvalue
 from ..layout import Layout, LayoutPolicy, ParamSpec, build_layout, itemsize
+from .arguments import positive_int
 
 POLICIES = {
     "native": lambda args: LayoutPolicy.native(args.alignment, bucket_numel=args.bucket_numel),
@@ -24,10 +26,10 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="JSON file: a list of shapes (one group), or {'groups': [[shape, ...], ...]}; default: the demo model",
     )
     parser.add_argument("--dtype", default="bfloat16", help="parameter dtype (default bfloat16)")
-    parser.add_argument("--world-size", type=int, nargs="+", default=[2, 8, 768], metavar="D")
+    parser.add_argument("--world-size", type=positive_int, nargs="+", default=[2, 8, 768], metavar="D")
     parser.add_argument("--policy", choices=sorted(POLICIES), default="native")
-    parser.add_argument("--alignment", type=int, default=16, help="alignment in bytes for native/compact")
-    parser.add_argument("--bucket-numel", type=int, default=None)
+    parser.add_argument("--alignment", type=positive_int, default=16, help="alignment in bytes for native/compact")
+    parser.add_argument("--bucket-numel", type=positive_int, default=None)
     parser.add_argument("--json", action="store_true", help="print the Layout itself (first world size)")
     parser.set_defaults(run=run)
 
@@ -80,7 +82,7 @@ def _load_groups(path: Path | None, dtype: str) -> tuple[list[list[ParamSpec]], 
     if path is None:
         return _demo_groups(dtype), "demo model (TinyGPT)"
     try:
-        data = json.loads(path.read_text())
+        data = jsonvalue.loads(path.read_text(), path)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no such file") from None
     except json.JSONDecodeError as err:

@@ -1,0 +1,236 @@
+"""The report ``zeroshard inspect`` prints for each kind of checkpoint, line by line.
+
+Every report has the same first lines (``checkpoint``, ``kind``, ``step``, ``world size``,
+``ZeRO stage``, ``layout policy``, ``optimizer``), then the groups, the padding and the files.
+Only headers and small scalars are read; no tensor is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from ..checkpoint.block_reader import array_view
+from ..checkpoint.format import MANIFEST_FILE, MODEL_FILE, rank_file_name, scalar_key
+from ..checkpoint.handle import Checkpoint
+from ..checkpoint.safetensors_io import VerifiedRanges, read_header
+from ..checkpoint.universal_format import MANIFEST_FILE as UNIVERSAL_MANIFEST_FILE
+from ..checkpoint.universal_read import UniversalCheckpoint
+from ..layout import Layout, LayoutPolicy, build_layout
+
+STEP_KEYS = ("global_step", "global_steps", "step", "iteration")
+LISTED_FILES = 8
+# universal.json's "source.kind" -> what the report calls it
+_SOURCE_KINDS = {"zeroshard.checkpoint": "zeroshard", "DeepSpeedSource": "DeepSpeed ZeRO"}
+_SAME_STAGES = "not recorded (stage 1 and stage 2 save the same state, and either loads it)"
+
+
+def describe_native(ckpt: Checkpoint, *, list_all_files: bool = False) -> list[str]:
+    manifest = ckpt.manifest
+    lines = [
+        f"checkpoint {ckpt.directory}",
+        f"kind: zeroshard checkpoint (tag {manifest.tag!r}, format version {manifest.version}, {manifest.created_by})",
+        f"step: {_step(manifest.extra) or _native_optimizer_step(ckpt)}",
+        f"world size: {manifest.world_size}",
+        f"ZeRO stage: {manifest.extra.get('zero_stage', _SAME_STAGES)}",
+        *_layout_lines(
+            manifest.layout,
+            manifest.optimizer_class,
+            len(manifest.param_groups),
+            [list(record.states) for record in manifest.groups],
+            [list(record.scalars) for record in manifest.groups],
+        ),
+    ]
+    frozen = sum(1 for t in manifest.model_tensors.values() if t.kind != "trainable")
+    lines += [
+        f"{_trainable(manifest.layout)}; model state: {len(manifest.model_tensors)} tensors stored "
+        f"({frozen} not trainable), {len(manifest.aliases)} tied alias(es)",
+        _padding_line(manifest.layout),
+    ]
+    manifest_size = ckpt.path(MANIFEST_FILE).stat().st_size
+    sizes = {name: record.size for name, record in manifest.files.items()}
+    lines += _file_lines(
+        {MANIFEST_FILE: manifest_size, MODEL_FILE: sizes[MODEL_FILE]},
+        {name: sizes[name] for name in manifest.rank_files()},
+        "rank files",
+        list_all_files,
+    )
+    return lines
+
+
+def describe_universal(ckpt: UniversalCheckpoint, *, list_all_files: bool = False) -> list[str]:
+    manifest = ckpt.manifest
+    source = manifest.source
+    scalars = manifest.param_groups[0].scalars if manifest.param_groups else {}
+    stage = manifest.extra.get("zero_stage")
+    lines = [
+        f"checkpoint {ckpt.directory}",
+        f"kind: zeroshard universal checkpoint (format version {manifest.version}, {manifest.created_by}), "
+        f"converted from a {_SOURCE_KINDS.get(source.get('kind'), source.get('kind', 'unknown'))} run",
+        f"step: {_step(manifest.extra) or _scalar_step(scalars.get('step'), 'optimizer step of param group 0')}",
+        f"world size: any (converted from world size {source.get('world_size', 'unknown')})",
+        "ZeRO stage: any" + (f" (the run used stage {stage})" if stage is not None else ""),
+        "layout policy: none stored; parameters are kept whole, in their own shapes, with no padding",
+        f"optimizer: {manifest.optimizer_class or '-'}, {len(manifest.param_groups)} param group(s)",
+        "param groups:",
+    ]
+    for index, group in enumerate(manifest.param_groups):
+        params = [manifest.params[name] for name in group.params]
+        dtypes = sorted({param.dtype for param in params})
+        states = params[0].states if params else ()
+        lines.append(
+            f"  group {index}: {len(params)} parameters, {sum(p.numel for p in params):,} elements "
+            f"(trained in {', '.join(dtypes) or '-'}); state {', '.join(states) or '-'}; "
+            f"scalars {', '.join(group.scalars) or '-'}"
+        )
+    lines.append(
+        f"parameters: {len(manifest.params)} trainable ({sum(p.numel for p in manifest.params.values()):,} elements); "
+        f"model state: {len(manifest.model_entries)} buffers or frozen tensors, {len(manifest.aliases)} tied alias(es)"
+    )
+    lines.append(_source_padding_line(manifest.param_specs(), source))
+    manifest_size = (ckpt.directory / UNIVERSAL_MANIFEST_FILE).stat().st_size
+    shards = {name: record.size for name, record in manifest.shards.items()}
+    lines += _file_lines({UNIVERSAL_MANIFEST_FILE: manifest_size}, shards, "shards", list_all_files)
+    return lines
+
+
+def describe_deepspeed(source: Any, root: Path, files: Sequence[Path], *, list_all_files: bool = False) -> list[str]:
+    """``source`` is an opened :class:`~zeroshard.importers.DeepSpeedSource`; ``files`` its
+    model-states file, then its rank files in rank order."""
+    info = source.info
+    extra = info.extra
+    layout = info.layout
+    named_by = f" (named by {root / 'latest'})" if root != source.path else ""
+    version = extra.get("deepspeed_version")
+    saved_step = source.scalars(0).get("step") if layout.groups else None
+    lines = [
+        f"checkpoint {source.path}{named_by}",
+        f"kind: DeepSpeed ZeRO stage {extra.get('zero_stage')} checkpoint"
+        + (f" (DeepSpeed {version})" if version else "")
+        + "; read-only here: to-universal and to-fp32 convert it, load_checkpoint resumes from it",
+        f"step: {_step(extra) or _scalar_step(saved_step, 'optimizer step of group 0')}",
+        f"world size: {layout.world_size}",
+        f"ZeRO stage: {extra.get('zero_stage')}",
+        *_layout_lines(
+            layout,
+            info.optimizer_class,
+            len(info.param_groups),
+            info.state_keys,
+            [list(source.scalars(group.index)) for group in layout.groups],
+        ),
+    ]
+    lines += [
+        f"{_trainable(layout)}; model state: {len(info.model_entries)} buffers or frozen tensors, "
+        f"{len(info.aliases)} tied alias(es)",
+        _padding_line(layout),
+    ]
+    model_file, rank_files = files[0], files[1:]
+    lines += _file_lines(
+        {model_file.name: model_file.stat().st_size},
+        {path.name: path.stat().st_size for path in rank_files},
+        "rank files",
+        list_all_files,
+    )
+    return lines
+
+
+# ---- shared pieces -----------------------------------------------------------------------------
+
+
+def _layout_lines(
+    layout: Layout,
+    optimizer_class: str,
+    param_group_count: int,
+    states: Sequence[Sequence[str]],
+    scalars: Sequence[Sequence[str]],
+) -> list[str]:
+    """Policy, optimizer, and one line per layout group."""
+    lines = [
+        f"layout policy: {layout.policy.describe()}",
+        f"optimizer: {optimizer_class or '-'}, {param_group_count} param group(s)",
+        "groups:",
+    ]
+    for group in layout.groups:
+        padding = group.inter_param_padding + group.tail_padding
+        lines.append(
+            f"  group {group.index} ({group.dtype}): {len(group.params)} parameters, {group.param_numel:,} elements, "
+            f"{len(group.buckets)} bucket(s), {group.partition_numel:,} elements per rank, {padding:,} padding; "
+            f"state {', '.join(states[group.index]) or '-'}; scalars {', '.join(scalars[group.index]) or '-'}"
+        )
+    return lines
+
+
+def _trainable(layout: Layout) -> str:
+    count = sum(len(group.params) for group in layout.groups)
+    return f"parameters: {count} trainable ({layout.padding().param_numel:,} elements)"
+
+
+def _padding_line(layout: Layout) -> str:
+    stats = layout.padding()
+    return (
+        f"padding overhead: {stats.padding_elements:,} elements, {stats.padding_bytes:,} bytes, "
+        f"{100 * stats.fraction:.3f}% of parameter bytes"
+    )
+
+
+def _source_padding_line(specs: list, source: Mapping[str, Any]) -> str:
+    """The padding the run it was converted from had (the layout is rebuilt from the shapes)."""
+    try:
+        layout = build_layout(specs, int(source["world_size"]), LayoutPolicy.from_dict(dict(source["policy"])))
+    except (KeyError, TypeError, ValueError):
+        return "padding overhead: none (the source run's layout is not recorded)"
+    stats = layout.padding()
+    return (
+        f"padding overhead: none; the source run ({layout.policy.describe()}, world size {layout.world_size}) "
+        f"had {stats.padding_elements:,} elements, {100 * stats.fraction:.3f}% of parameter bytes"
+    )
+
+
+def _file_lines(fixed: Mapping[str, int], listed: Mapping[str, int], what: str, list_all: bool) -> list[str]:
+    sizes = list(listed.values())
+    lines = [f"files: {sum(fixed.values()) + sum(sizes):,} bytes in all"]
+    lines += [f"  {name}: {size:,} bytes" for name, size in fixed.items()]
+    if sizes:
+        lines.append(f"  {len(sizes)} {what}: {sum(sizes):,} bytes (smallest {min(sizes):,}, largest {max(sizes):,})")
+    names = list(listed)
+    shown = names if list_all else names[:LISTED_FILES]
+    lines += [f"  {name}: {listed[name]:,} bytes" for name in shown]
+    if len(shown) < len(names):
+        lines.append(f"  ... {len(names) - len(shown)} more (--files lists them all)")
+    return lines
+
+
+def _step(extra: Mapping[str, Any]) -> str | None:
+    for key in STEP_KEYS:
+        value = extra.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return f"{value} (extra[{key!r}])"
+    return None
+
+
+def _scalar_step(value: Any, where: str) -> str:
+    if value is None:
+        return "unknown"
+    try:
+        array = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError):
+        return "unknown"
+    return f"{array.item():g} ({where})" if array.size == 1 else "unknown"
+
+
+def _native_optimizer_step(ckpt: Checkpoint) -> str:
+    """The optimizer's ``step`` scalar of group 0, read from rank 0's file."""
+    manifest = ckpt.manifest
+    if not manifest.groups or "step" not in manifest.groups[0].scalars:
+        return "unknown"
+    name = rank_file_name(0, manifest.world_size)
+    record = manifest.files[name]
+    entry = read_header(ckpt.path(name), record.size).get(scalar_key(0, "step"))
+    if entry is None:
+        return "unknown (not in rank 0's file; --verify checks it)"
+    data = VerifiedRanges(ckpt.path(name), record, [(entry.begin, entry.end)], None)
+    dtype, shape = manifest.groups[0].scalars["step"]
+    value = array_view(data.view(entry.begin, entry.end), dtype).reshape(shape)
+    return _scalar_step(value, "optimizer step of group 0")
