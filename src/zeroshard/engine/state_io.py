@@ -23,8 +23,20 @@ def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def refuse_expert_groups(engine: ZeroOptimizer, what: str) -> None:
+    """ShardedState and the checkpoints built on it know one partition per rank of all W
+    ranks; expert groups (partitioned over W / EP ranks, different per EP rank) are not
+    expressed yet, so refuse them rather than write or read something wrong."""
+    if not engine.layout.is_dense:
+        raise ValueError(
+            f"{what}: the layout has expert groups (shard groups {engine.layout.shard_groups}); "
+            "checkpoints of mixture-of-experts runs are not supported yet"
+        )
+
+
 def export_state(engine: ZeroOptimizer) -> ShardedState:
     """A CPU copy of this rank's share: masters, optimizer state, model, counters."""
+    refuse_expert_groups(engine, "export_state")
     states, scalars = [], []
     for master in engine.masters:
         partitioned, scalar = {}, {}
@@ -81,6 +93,7 @@ def import_state(
       optimizer state;
     * ``load_module_only=True``: model weights only (masters rebuilt from them).
     """
+    refuse_expert_groups(engine, "import_state")
     full = load_optimizer_states and not load_module_only
     _validate(engine, state, full, strict)
     with torch.no_grad():

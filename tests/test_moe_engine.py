@@ -1,0 +1,72 @@
+"""ZeroOptimizer with expert parallelism: MoEGPT trained at (W, EP) on spawned gloo ranks
+equals one process training the same model on the concatenation of every rank's batches.
+
+Dense groups are sharded and reduced over all W ranks, expert groups over the W / EP ranks
+holding the same experts; both gradients are divided by W. Tolerances (max abs difference
+over 4 AdamW steps at lr 1e-2, clipping active):
+* fp32: losses 1e-5 (seen 2.4e-7), grad norms 1e-5 (seen 6e-8), masters 1e-4 (seen 1e-5:
+  summation order, amplified by Adam's division for elements with tiny gradients);
+* bf16 (parameters or reduction): losses 5e-3 (seen 5.4e-4), grad norms 5e-3 (seen 4.9e-4),
+  masters 4e-2 = 4 steps x lr (seen 1.9e-2): the EP run rounds each rank's gradient to bf16,
+  the reference the whole batch's, and Adam turns a different sign of a near-zero gradient
+  into a full-lr step. Training moves the dense masters by 4e-2 over the run.
+"""
+
+from __future__ import annotations
+
+import pytest
+from moe_engine_workers import MODEL, MoECase, run_moe_cases
+
+from zeroshard.launch import spawn
+from zeroshard.layout import ExpertMesh
+
+FP32 = {"loss_diff": 1e-5, "norm_diff": 1e-5, "masters_diff": 1e-4}
+LOW_PRECISION = {"loss_diff": 5e-3, "norm_diff": 5e-3, "masters_diff": 4e-2}
+
+# Expert weights are [E/EP, 16, 8] (256 elements at EP = 2); 1024-byte alignment with one
+# bucket per weight pads each to 256 fp32 elements per partition, so at W / EP = 2 the second
+# rank of every expert-DP group owns padding only.
+PADDING_ONLY = dict(alignment_bytes=1024, bucket_numel=200)
+
+CASES = {
+    4: [
+        MoECase(2, 1, "float32"),
+        MoECase(2, 2, "bfloat16"),
+        MoECase(2, 2, "float32", **PADDING_ONLY),
+        MoECase(4, 2, "float32"),
+        MoECase(1, 1, "bfloat16"),
+    ],
+    2: [
+        MoECase(2, 2, "float32"),
+        MoECase(2, 1, "bfloat16"),
+        MoECase(1, 2, "float32", reduce_dtype="bfloat16"),
+    ],
+}
+
+
+@pytest.mark.parametrize("world_size", sorted(CASES))
+def test_expert_parallel_training_equals_single_process(world_size):
+    cases = CASES[world_size]
+    results = spawn(run_moe_cases, world_size, (cases,), backend="gloo", timeout_s=400)
+    for index, case in enumerate(cases):
+        mesh = ExpertMesh(world_size, case.ep_size)
+        low_precision = "bfloat16" in (case.dtype, case.reduce_dtype)
+        tolerance = LOW_PRECISION if low_precision else FP32
+        local = MODEL.num_experts // case.ep_size
+        for rank, outcome in enumerate(per_rank[index] for per_rank in results):
+            where = f"W={world_size} {case.label} rank {rank}"
+            for key, bound in tolerance.items():
+                assert outcome[key] <= bound, f"{where}: {key} {outcome[key]} (worst master {outcome['worst_master']})"
+            assert outcome["dense_moved"] > 10 * tolerance["masters_diff"] or low_precision, where
+            assert outcome["dense_world_size"] == world_size, where
+            assert outcome["expert_dp_size"] == mesh.expert_dp_size, where
+            first = mesh.ep_rank(rank) * local
+            assert outcome["expert_ids"] == list(range(first, first + local)), where
+            assert outcome["partition_misalignment"] == [0] * len(outcome["partition_misalignment"]), where
+            assert outcome["expert_storage_kept"] and outcome["experts_in_buffer"], where
+            assert outcome["expert_view_shapes"][0] == [local, MODEL.n_embd, MODEL.expert_hidden], where
+            if mesh.expert_dp_size > 1:  # expert groups move over the expert-DP group only
+                assert outcome["bytes"]["expert_dp"]["reduce_scatter"] > 0, where
+        padding_only = [per_rank[index]["expert_padding_only"] for per_rank in results]
+        if case.alignment_bytes == PADDING_ONLY["alignment_bytes"]:
+            assert padding_only == [mesh.expert_dp_rank(rank) == 1 for rank in range(world_size)], case.label
