@@ -45,9 +45,13 @@ CASES = {
 
 
 @pytest.mark.parametrize("world_size", sorted(CASES))
-def test_expert_parallel_training_equals_single_process(world_size):
+def test_expert_parallel_training_equals_single_process(world_size, tmp_path):
     cases = CASES[world_size]
-    results = spawn(run_moe_cases, world_size, (cases,), backend="gloo", timeout_s=400)
+    root = str(tmp_path / "ckpt") if world_size == 2 else None  # the checkpoint refusals run once
+    results = spawn(run_moe_cases, world_size, (cases, root), backend="gloo", timeout_s=400)
+    if root:
+        refusals = [per_rank.pop() for per_rank in results]
+        check_checkpoint_refusals(refusals)
     for index, case in enumerate(cases):
         mesh = ExpertMesh(world_size, case.ep_size)
         low_precision = "bfloat16" in (case.dtype, case.reduce_dtype)
@@ -70,3 +74,42 @@ def test_expert_parallel_training_equals_single_process(world_size):
         padding_only = [per_rank[index]["expert_padding_only"] for per_rank in results]
         if case.alignment_bytes == PADDING_ONLY["alignment_bytes"]:
             assert padding_only == [mesh.expert_dp_rank(rank) == 1 for rank in range(world_size)], case.label
+
+
+def check_checkpoint_refusals(refusals: list[dict]) -> None:
+    """Checkpoints do not express expert groups yet: save refuses before writing anything,
+    load (of a missing checkpoint here) fails, export refuses, every rank alike."""
+    for outcome in refusals:
+        expected = "the layout has expert groups (shard groups {'dp': 2, 'expert_dp': 1})"
+        assert outcome["errors"]["save"].startswith("ValueError: export_state: " + expected), outcome
+        assert outcome["errors"]["export"].startswith("ValueError: export_state: " + expected), outcome
+        assert outcome["errors"]["load"] != "no error", outcome
+        assert outcome["written"] == [], outcome
+
+
+def _model_and_groups():
+    from zeroshard.moe import MoEGPT, moe_param_groups
+
+    model = MoEGPT(MODEL)
+    return model, moe_param_groups(model)
+
+
+def test_expert_groups_need_an_expert_process_group():
+    import torch
+
+    from zeroshard.engine import ZeroOptimizer
+
+    model, groups = _model_and_groups()
+    with pytest.raises(ValueError, match="flagged 'expert' but no expert_process_group"):
+        ZeroOptimizer(model, torch.optim.AdamW, groups)
+
+
+def test_expert_flag_must_be_a_bool():
+    import torch
+
+    from zeroshard.engine import ZeroOptimizer
+
+    model, groups = _model_and_groups()
+    groups[1]["expert"] = "yes"
+    with pytest.raises(ValueError, match=r"param group 1: 'expert' must be True or False, got 'yes'"):
+        ZeroOptimizer(model, torch.optim.AdamW, groups)
