@@ -38,7 +38,9 @@ from zeroshard.moe import MoEConfig, MoEGPT, moe_param_groups, new_expert_groups
 
 WORLD_SIZE = 4
 EP_SIZES = (1, 2, 4)
-CONFIG = MoEConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64, num_experts=8, top_k=2, expert_hidden=128)
+CONFIG = MoEConfig(
+    vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64, num_experts=8, top_k=2, expert_hidden=128
+)
 BATCH_SIZE = 8  # sequences of block_size tokens per rank
 
 _all_to_all = dist.all_to_all_single
@@ -153,8 +155,10 @@ def main() -> None:
     print(f"MoEGPT {CONFIG}, W={WORLD_SIZE}, stage 2, bf16, {args.steps} steps")
     print("figures of rank 0, all-to-all: mean over ranks, step time: max over ranks of the median")
     base = max(result[1]["step_s"] for result in per_rank)
-    header = "EP | memory/rank | vs formula | all-to-all/step | vs min | reduce-scatter/step | vs min | all-gather/step | vs min | step | vs EP=1"
-    print(header)
+    print(
+        "EP | memory/rank | vs formula | all-to-all/step | vs min | reduce-scatter/step | vs min"
+        " | all-gather/step | vs min | step | vs EP=1"
+    )
     for ep in EP_SIZES:
         r = per_rank[0][ep]
         step = max(result[ep]["step_s"] for result in per_rank)

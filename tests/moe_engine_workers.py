@@ -38,7 +38,8 @@ class MoECase:
 
     @property
     def label(self) -> str:
-        return f"EP={self.ep_size} stage {self.stage} {self.dtype} reduce {self.reduce_dtype} align {self.alignment_bytes}"
+        precision = f"{self.dtype} reduce {self.reduce_dtype}"
+        return f"EP={self.ep_size} stage {self.stage} {precision} align {self.alignment_bytes}"
 
 
 def full_state() -> dict[str, torch.Tensor]:

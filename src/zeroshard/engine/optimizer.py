@@ -29,7 +29,16 @@ from torch import nn
 
 from ..buffers import FlatParamBuffer, bind_flat_buffer, torch_dtype
 from ..comm import Collectives
-from ..layout import DENSE_SHARD_GROUP, EXPERT_SHARD_GROUP, ExpertMesh, GroupLayout, GroupSpec, Layout, LayoutPolicy, build_layout
+from ..layout import (
+    DENSE_SHARD_GROUP,
+    EXPERT_SHARD_GROUP,
+    ExpertMesh,
+    GroupLayout,
+    GroupSpec,
+    Layout,
+    LayoutPolicy,
+    build_layout,
+)
 from ..state import ShardedState
 from . import state_io
 from .fragments import FragmentAccess
@@ -385,7 +394,9 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
             if layout.specs() != self.grouping.layout_specs:
                 raise ValueError("the layout's parameters differ from the model's (names, shapes, dtypes or grouping)")
             if layout.group_specs() != build_layout(inputs, self.world_size, layout.policy).group_specs():
-                raise ValueError("the layout's shard groups differ from the param groups' (expert flags or expert parallelism)")
+                raise ValueError(
+                    "the layout's shard groups differ from the param groups' (expert flags or expert parallelism)"
+                )
             return layout
         if policy is None:
             policy = LayoutPolicy.native(bucket_numel=DEFAULT_STAGE2_BUCKET_NUMEL if self.stage == 2 else None)
@@ -394,7 +405,9 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
     def _check_expert_group_size(self) -> None:
         size = self.comms[EXPERT_SHARD_GROUP].world_size
         if self.world_size % size:
-            raise ValueError(f"the expert process group has {size} ranks, which does not divide the world size {self.world_size}")
+            raise ValueError(
+                f"the expert process group has {size} ranks, which does not divide the world size {self.world_size}"
+            )
 
     def _resolve_reduce_dtypes(self, reduce_dtype: torch.dtype | None) -> list[torch.dtype]:
         """Each layout group's reduction dtype; float32 means today's fp32 reduction."""
