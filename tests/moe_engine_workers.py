@@ -181,7 +181,43 @@ def checkpoint_refusals(rank: int, world_size: int, root: str) -> dict:
     return {"errors": errors, "written": sorted(str(p.relative_to(root)) for p in Path(root).rglob("*"))}
 
 
-def run_moe_cases(rank: int, world_size: int, cases: list[MoECase], root: str | None = None) -> list[dict]:
-    """The training comparisons, then (given a directory) the checkpoint refusals."""
+def overflow_in_experts(rank: int, world_size: int, ep_size: int = 2) -> dict:
+    """fp16: at step 1 the last rank alone makes its experts' w1 gradient inf. Only the ranks
+    of its expert-DP group see the inf after reduction; every rank must skip that step."""
+    groups = new_expert_groups(ep_size)
+    model = MoEGPT(MODEL, ep_group=groups.ep)
+    model.load_state_dict(full_state(), strict=True)
+    engine = ZeroOptimizer(
+        model,
+        torch.optim.AdamW,
+        moe_param_groups(model),
+        param_dtype=torch.float16,
+        expert_process_group=groups.expert_dp,
+        **OPTIONS,
+    )
+    current = [0]
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(grad, float("inf")) if rank == world_size - 1 and current[0] == 1 else grad
+
+    model.blocks[0].moe.experts.w1.register_hook(poison)
+    stepped, masters_changed, scales = [], [], []
+    for step in range(3):
+        current[0] = step
+        before = [master.detach().clone() for master in engine.masters]
+        engine.backward(model(*batch(step, rank)))
+        scales.append(engine.scaler.scale)
+        stepped.append(engine.step())
+        engine.zero_grad()
+        masters_changed.append(any(not torch.equal(a, b) for a, b in zip(before, engine.masters)))
+    return {"stepped": stepped, "masters_changed": masters_changed, "scales": scales + [engine.scaler.scale]}
+
+
+def run_moe_cases(
+    rank: int, world_size: int, cases: list[MoECase], root: str | None = None, overflow: bool = False
+) -> list[dict]:
+    """The training comparisons, then (given a directory) the checkpoint refusals, then
+    (if asked) the fp16 overflow in one rank's experts."""
     results = [train_case(rank, world_size, case) for case in cases]
-    return results + ([checkpoint_refusals(rank, world_size, root)] if root else [])
+    results += [checkpoint_refusals(rank, world_size, root)] if root else []
+    return results + ([overflow_in_experts(rank, world_size)] if overflow else [])

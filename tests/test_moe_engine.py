@@ -48,7 +48,10 @@ CASES = {
 def test_expert_parallel_training_equals_single_process(world_size, tmp_path):
     cases = CASES[world_size]
     root = str(tmp_path / "ckpt") if world_size == 2 else None  # the checkpoint refusals run once
-    results = spawn(run_moe_cases, world_size, (cases, root), backend="gloo", timeout_s=400)
+    overflow = world_size == 4  # and the fp16 overflow check too
+    results = spawn(run_moe_cases, world_size, (cases, root, overflow), backend="gloo", timeout_s=400)
+    if overflow:
+        check_overflow_in_experts([per_rank.pop() for per_rank in results])
     if root:
         refusals = [per_rank.pop() for per_rank in results]
         check_checkpoint_refusals(refusals)
@@ -74,6 +77,15 @@ def test_expert_parallel_training_equals_single_process(world_size, tmp_path):
         padding_only = [per_rank[index]["expert_padding_only"] for per_rank in results]
         if case.alignment_bytes == PADDING_ONLY["alignment_bytes"]:
             assert padding_only == [mesh.expert_dp_rank(rank) == 1 for rank in range(world_size)], case.label
+
+
+def check_overflow_in_experts(outcomes: list[dict]) -> None:
+    """Rank 3's inf expert gradient (reduced over ranks 1 and 3 only) skips step 1 everywhere."""
+    for rank, outcome in enumerate(outcomes):
+        assert outcome["stepped"] == [True, False, True], (rank, outcome)
+        assert outcome["masters_changed"] == [True, False, True], (rank, outcome)
+        first = outcome["scales"][0]
+        assert outcome["scales"] == [first, first, first / 2, first / 2], (rank, outcome)
 
 
 def check_checkpoint_refusals(refusals: list[dict]) -> None:
