@@ -12,6 +12,9 @@ A full accessor first checks its arguments on every rank and agrees on the outco
 small all-reduce, ``Collectives.checked``): a bad name, a missing optimizer state or a
 value of the wrong size raises the same error on every rank, and ranks that asked for
 different parameters all raise, instead of one rank raising while the others block.
+
+For an expert parameter "full" means this rank's stacked experts: the pieces come from the
+ranks of its expert-data-parallel group (and ``piece.rank`` is a rank within that group).
 """
 
 from __future__ import annotations
@@ -138,12 +141,13 @@ class FragmentAccess:
     def _gather(self: ZeroOptimizer, name: str, source) -> torch.Tensor:
         group, slot = self.layout.param(name)
         full = torch.empty(slot.numel, dtype=torch.float32, device=self.device)
+        comm = self.group_comms[group.index]
         for piece in group.pieces(slot.index):
             target = full[piece.param_start : piece.param_start + piece.length]
-            if piece.rank == self.rank:
+            if piece.rank == comm.rank:
                 local = source(group.index)[piece.partition_start : piece.partition_start + piece.length]
                 target.copy_(local)
-            self.comm.broadcast_(target, src=piece.rank)
+            comm.broadcast_(target, src=piece.rank)
         return full.view(slot.spec.shape)
 
     def _scatter(self: ZeroOptimizer, name: str, value: torch.Tensor, source) -> None:
@@ -156,7 +160,8 @@ class FragmentAccess:
     def _own_piece(self: ZeroOptimizer, name: str):
         """This rank's run of the parameter (at most one), or None."""
         group, slot = self.layout.param(name)
-        return group, next((p for p in group.pieces(slot.index) if p.rank == self.rank), None)
+        rank = self.rank_in(group)
+        return group, next((p for p in group.pieces(slot.index) if p.rank == rank), None)
 
     def _local_get(self: ZeroOptimizer, name: str, source) -> LocalShard | None:
         group, piece = self._own_piece(name)

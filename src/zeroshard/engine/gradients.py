@@ -16,6 +16,12 @@ the reduce-scatter runs and what stays allocated:
 Either way the result is ``partition_grads[g]``: this rank's partition of the sum over ranks
 of the accumulated (loss-scaled) gradients divided by the world size.
 
+Each group is reduced over its own shard group (``group_comms``): dense groups over all W
+ranks, expert groups over the W / EP ranks holding the same experts. The divisor is W for
+both: an expert's local gradient already sums the tokens of its whole EP group (the
+all-to-all's backward brings them back), so the sum over its expert-DP group covers every
+rank's tokens once, and dividing by W gives the gradient of the global mean loss.
+
 The reduction dtype is chosen per group (``reduce_dtypes``). In float32 the summed fp32
 gradient is divided by the world size afterwards, as always. In a lower precision (bf16,
 fp16) each rank divides first, in fp32, then rounds once to that dtype: the values on the
@@ -58,16 +64,20 @@ class GradientReducer:
     """Owns gradient memory and reduction for every flat buffer of an engine."""
 
     buffers: list[FlatParamBuffer]
-    comm: Collectives
+    comm: Collectives  # all W ranks: its world size divides every group's gradient
     stage: int
     param_positions: dict[str, int]  # each parameter's place in module registration order
     reduce_dtypes: list[torch.dtype] | None = None  # per group; None: float32 everywhere
+    group_comms: list[Collectives] | None = None  # per group, its shard group; None: ``comm`` for all
     partition_grads: list[torch.Tensor] = field(init=False)
 
     def __post_init__(self) -> None:
         device = self.buffers[0].data.device
         if self.reduce_dtypes is None:
             self.reduce_dtypes = [torch.float32] * len(self.buffers)
+        if self.group_comms is None:
+            self.group_comms = [self.comm] * len(self.buffers)
+        self._divisor = self.comm.world_size  # W, for expert groups too (see the module doc)
         self._widened = [dtype != torch.float32 for dtype in self.reduce_dtypes]
         self.partition_grads = [torch.zeros(b.group.partition_numel, dtype=torch.float32, device=device) for b in self.buffers]
         # Stage 1: persistent full-size accumulators. Stage 2: bucket buffers made on demand.
@@ -139,7 +149,7 @@ class GradientReducer:
             target = staging[start : start + slot.numel]
             first = param_index in self._pending[key]  # else a second gradient for this bucket: add it
             if self._widened[group_index]:  # pre-divided and rounded once (see the module doc)
-                torch.div(grad, self.comm.world_size, out=target) if first else target.add_(grad / self.comm.world_size)
+                torch.div(grad, self._divisor, out=target) if first else target.add_(grad / self._divisor)
             else:
                 target.copy_(grad) if first else target.add_(grad)
             self._pending[key].discard(param_index)
@@ -195,10 +205,11 @@ class GradientReducer:
         group_index, bucket_index = key
         bucket = self.buffers[group_index].group.buckets[bucket_index]
         output = torch.empty(bucket.partition_numel, dtype=torch.float32, device=payload.device)
+        comm = self.group_comms[group_index]
         if self._widened[group_index]:
-            handle = self.comm.reduce_scatter_widened(output, payload, async_op=async_op)
+            handle = comm.reduce_scatter_widened(output, payload, async_op=async_op)
         else:
-            handle = self.comm.reduce_scatter_sum(output, payload, async_op=async_op)
+            handle = comm.reduce_scatter_sum(output, payload, async_op=async_op)
         return _BucketReduction(payload, output, handle)
 
     def finish_backward(self) -> None:
@@ -212,7 +223,7 @@ class GradientReducer:
         group_index, bucket_index = key
         bucket = self.buffers[group_index].group.buckets[bucket_index]
         target = self.partition_grads[group_index][bucket.partition_start : bucket.partition_start + bucket.partition_numel]
-        target.add_(reduced_sum if self._widened[group_index] else reduced_sum.div_(self.comm.world_size))
+        target.add_(reduced_sum if self._widened[group_index] else reduced_sum.div_(self._divisor))
 
     # ---- step side ------------------------------------------------------------------------
 
@@ -239,7 +250,7 @@ class GradientReducer:
         if not self._widened[group_index]:
             return local_sum
         payload = torch.empty(local_sum.numel(), dtype=self.reduce_dtypes[group_index], device=local_sum.device)
-        return torch.div(local_sum, self.comm.world_size, out=payload)
+        return torch.div(local_sum, self._divisor, out=payload)
 
     def zero_grad(self) -> None:
         for grad in self.partition_grads:

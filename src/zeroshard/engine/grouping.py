@@ -3,6 +3,10 @@
 A torch param group may mix dtypes; a flat buffer holds one. Each user group therefore
 becomes one layout group per dtype, in first-seen order. Frozen parameters stay out; a
 parameter shared by two modules (or listed twice) is counted once, under its first name.
+
+A dict group with ``"expert": True`` holds expert parameters (stacked per-rank expert weights,
+different on each expert-parallel rank); its layout groups are partitioned over the
+expert-data-parallel group instead of all ranks. The flag is not passed to the optimizer.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from ..layout import ParamSpec
 class UserGroup:
     """A torch-style param group after resolution."""
 
-    options: dict[str, Any]  # everything but "params"
+    options: dict[str, Any]  # everything but "params" and "expert"
+    expert: bool = False
     layout_groups: list[int] = field(default_factory=list)
 
 
@@ -32,6 +37,9 @@ class Grouping:
     layout_specs: list[list[ParamSpec]]  # per layout group, in buffer order
     layout_params: list[list[nn.Parameter]]  # the same, as parameters
     layout_user_group: list[int]  # owning user group of each layout group
+
+    def is_expert(self, layout_group: int) -> bool:
+        return self.user_groups[self.layout_user_group[layout_group]].expert
 
 
 def resolve_groups(
@@ -47,7 +55,10 @@ def resolve_groups(
         params = [p for p in group["params"] if p.requires_grad]
         if not params:
             raise ValueError(f"param group {group_index} has no trainable parameters")
-        user = UserGroup({k: v for k, v in group.items() if k != "params"})
+        expert = group.get("expert", False)
+        if not isinstance(expert, bool):
+            raise ValueError(f"param group {group_index}: 'expert' must be True or False, got {expert!r}")
+        user = UserGroup({k: v for k, v in group.items() if k not in ("params", "expert")}, expert)
         by_dtype: dict[torch.dtype, int] = {}
         for param in params:
             if id(param) in seen:

@@ -7,6 +7,15 @@ partitions (one flat tensor per layout group), and its partition of the reduced 
 A step: finish the gradient reduction, unscale (fp16), skip on overflow (decided on all
 ranks together), clip by the global norm, let the torch optimizer update the partitions,
 then write them back in the parameter dtype and all-gather the flat buffers in place.
+
+Mixture of experts: param groups flagged ``"expert": True`` hold stacked expert weights
+(different on each expert-parallel rank). Their layout groups are partitioned over the
+expert-data-parallel process group (``expert_process_group``, W / EP ranks) and reduced,
+broadcast and gathered over it, with one ``Collectives`` per shard group; everything
+per-rank about them uses the rank within that group. Their gradients are divided by W like
+the dense ones (see ``gradients``). The norm and the overflow flag need no special case:
+every gradient element lies in exactly one rank's partition of one group, so one all-reduce
+over all W ranks counts each once.
 """
 
 from __future__ import annotations
@@ -20,7 +29,16 @@ from torch import nn
 
 from ..buffers import FlatParamBuffer, bind_flat_buffer, torch_dtype
 from ..comm import Collectives
-from ..layout import Layout, LayoutPolicy, build_layout
+from ..layout import (
+    DENSE_SHARD_GROUP,
+    EXPERT_SHARD_GROUP,
+    ExpertMesh,
+    GroupLayout,
+    GroupSpec,
+    Layout,
+    LayoutPolicy,
+    build_layout,
+)
 from ..state import ShardedState
 from . import state_io
 from .fragments import FragmentAccess
@@ -62,7 +80,9 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         model: the module to train; its trainable parameters become views into flat buffers.
         optimizer_class: a torch.optim.Optimizer class (AdamW, Adam, SGD, ...).
         param_groups: as for torch optimizers: an iterable of parameters or of dicts with
-            "params" and per-group options. None means all trainable parameters.
+            "params" and per-group options. None means all trainable parameters. A dict
+            with ``"expert": True`` holds expert parameters (``zeroshard.moe.moe_param_groups``):
+            stacked weights whose first dimension is this rank's E / EP local experts.
         stage: 1 (shard master weights and optimizer state) or 2 (also gradients).
         param_dtype: cast floating-point parameters to this dtype (bf16, fp16); the fp32
             master weights start from the values before the cast. None keeps their dtypes.
@@ -78,6 +98,9 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
             buckets of ``DEFAULT_STAGE2_BUCKET_NUMEL`` elements.
         layout: a precomputed layout to use; it must match the parameters and world size.
         process_group: torch.distributed group of the data-parallel ranks (default: world).
+        expert_process_group: the expert-data-parallel group (``new_expert_groups(EP).expert_dp``):
+            the W / EP ranks holding the same experts, over which expert groups are sharded
+            and reduced. Required when a param group is an expert group.
         gradient_accumulation_steps: micro-batches per step; ``backward`` divides the loss.
         max_grad_norm: clip the global gradient norm to this (None: no clipping).
         loss_scaler: for fp16 parameters a dynamic LossScaler is used unless one is given.
@@ -98,6 +121,7 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         policy: LayoutPolicy | None = None,
         layout: Layout | None = None,
         process_group: Any = None,
+        expert_process_group: Any = None,
         gradient_accumulation_steps: int = 1,
         max_grad_norm: float | None = None,
         loss_scaler: LossScaler | None = None,
@@ -116,12 +140,14 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         self.offload = offload
         self.comm = Collectives(process_group)
         self.grouping: Grouping = resolve_groups(model, param_groups, param_dtype)
+        self.comms = self._shard_group_collectives(expert_process_group)
         self.layout = self._resolve_layout(layout, policy)
         self._check_same_layout_on_every_rank()
 
         self.device = self.grouping.layout_params[0][0].device
         self.master_device = torch.device("cpu") if offload else self.device
         initial = self._initial_values(sync_module_states)
+        self.group_comms = [self.comms[group.shard_group] for group in self.layout.groups]
         self.buffers: list[FlatParamBuffer] = [
             bind_flat_buffer(group, params, self.device, self.layout.policy)
             for group, params in zip(self.layout.groups, self.grouping.layout_params)
@@ -139,13 +165,13 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         self._groups_fixed = True
         positions = {name: index for index, (name, _) in enumerate(model.named_parameters())}
         self.reduce_dtypes = self._resolve_reduce_dtypes(reduce_dtype)
-        self.reducer = GradientReducer(self.buffers, self.comm, stage, positions, self.reduce_dtypes)
+        self.reducer = GradientReducer(self.buffers, self.comm, stage, positions, self.reduce_dtypes, self.group_comms)
         has_fp16 = any(group.dtype == "float16" for group in self.layout.groups)
         self.scaler = loss_scaler or (LossScaler() if has_fp16 else LossScaler.disabled())
         self._checks_overflow = has_fp16 or self.scaler.dynamic
         self.global_steps = 0
         self.last_grad_norm: float | None = None
-        self._fragments = [group.fragments(self.rank) for group in self.layout.groups]
+        self._fragments = [group.fragments(self.rank_in(group)) for group in self.layout.groups]
 
     # ---- torch-like API ---------------------------------------------------------------------
 
@@ -241,6 +267,10 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
     def world_size(self) -> int:
         return self.comm.world_size
 
+    def rank_in(self, group: GroupLayout) -> int:
+        """This rank's place in the process group ``group`` is partitioned over."""
+        return self.comms[group.shard_group].rank
+
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` divided by the accumulation steps and times the loss scale."""
         (loss * (self.scaler.scale / self.gradient_accumulation_steps)).backward()
@@ -326,7 +356,41 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
 
     # ---- internals ----------------------------------------------------------------------------
 
+    def _shard_group_collectives(self, expert_process_group: Any) -> dict[str, Collectives]:
+        """One Collectives per shard group: ``"dp"`` (all ranks) and, with experts, ``"expert_dp"``."""
+        comms = {DENSE_SHARD_GROUP: self.comm}
+        has_experts = any(user.expert for user in self.grouping.user_groups)
+        if has_experts and expert_process_group is None:
+            raise ValueError("a param group is flagged 'expert' but no expert_process_group was given")
+        if has_experts:
+            comms[EXPERT_SHARD_GROUP] = Collectives(expert_process_group)
+        return comms
+
+    def _group_inputs(self) -> list[list | GroupSpec]:
+        """The layout's input: dense groups as plain lists, expert groups as GroupSpecs over
+        the expert-DP group, with the contiguous expert map of ``zeroshard.moe``."""
+        if EXPERT_SHARD_GROUP not in self.comms:
+            return list(self.grouping.layout_specs)
+        expert_dp_size = self.comms[EXPERT_SHARD_GROUP].world_size
+        mesh = ExpertMesh(self.world_size, self.world_size // expert_dp_size)
+        inputs: list[list | GroupSpec] = []
+        for index, specs in enumerate(self.grouping.layout_specs):
+            if not self.grouping.is_expert(index):
+                inputs.append(specs)
+                continue
+            local = {spec.shape[0] if spec.shape else 0 for spec in specs}
+            if len(local) != 1 or 0 in local:
+                raise ValueError(
+                    f"expert parameters {[spec.name for spec in specs]} must stack the same number "
+                    f"(>= 1) of local experts in their first dimension, got shapes {[list(s.shape) for s in specs]}"
+                )
+            inputs.append(mesh.expert_group(specs, local.pop() * mesh.ep_size))
+        return inputs
+
     def _resolve_layout(self, layout: Layout | None, policy: LayoutPolicy | None) -> Layout:
+        if EXPERT_SHARD_GROUP in self.comms:
+            self._check_expert_group_size()
+        inputs = self._group_inputs()
         if layout is not None:
             if layout.world_size != self.comm.world_size:
                 raise ValueError(
@@ -334,10 +398,21 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
                 )
             if layout.specs() != self.grouping.layout_specs:
                 raise ValueError("the layout's parameters differ from the model's (names, shapes, dtypes or grouping)")
+            if layout.group_specs() != build_layout(inputs, self.world_size, layout.policy).group_specs():
+                raise ValueError(
+                    "the layout's shard groups differ from the param groups' (expert flags or expert parallelism)"
+                )
             return layout
         if policy is None:
             policy = LayoutPolicy.native(bucket_numel=DEFAULT_STAGE2_BUCKET_NUMEL if self.stage == 2 else None)
-        return build_layout(self.grouping.layout_specs, self.comm.world_size, policy)
+        return build_layout(inputs, self.comm.world_size, policy)
+
+    def _check_expert_group_size(self) -> None:
+        size = self.comms[EXPERT_SHARD_GROUP].world_size
+        if self.world_size % size:
+            raise ValueError(
+                f"the expert process group has {size} ranks, which does not divide the world size {self.world_size}"
+            )
 
     def _resolve_reduce_dtypes(self, reduce_dtype: torch.dtype | None) -> list[torch.dtype]:
         """Each layout group's reduction dtype; float32 means today's fp32 reduction."""
@@ -362,13 +437,13 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
             flat = torch.zeros(group.numel, dtype=torch.float32, device=self.device)
             for slot, param in zip(group.params, params):
                 flat[slot.offset : slot.end].copy_(param.detach().reshape(-1))
-            if sync:
-                self.comm.broadcast_(flat, src=0)
+            if sync:  # expert groups: from the first rank holding the same experts
+                self.comms[group.shard_group].broadcast_(flat, src=0)
             values.append(flat)
         return values
 
     def _master_from(self, values: torch.Tensor, group) -> nn.Parameter:
-        parts = [values[begin:end] for begin, end in group.partition_ranges(self.rank)]
+        parts = [values[begin:end] for begin, end in group.partition_ranges(self.rank_in(group))]
         master = torch.cat(parts) if parts else values.new_zeros(0)
         return nn.Parameter(master.to(self.master_device, copy=True))
 
@@ -421,10 +496,10 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
 
     def _write_back_and_gather(self) -> None:
         handles = []
-        for buffer, master in zip(self.buffers, self.masters):
+        for buffer, master, comm in zip(self.buffers, self.masters, self.group_comms):
             for bucket in buffer.group.buckets:
-                own = buffer.rank_slice(bucket.index, self.rank)
+                own = buffer.rank_slice(bucket.index, comm.rank)
                 own.copy_(master.detach()[bucket.partition_start : bucket.partition_start + bucket.partition_numel])
-                handles.append(self.comm.all_gather_into(buffer.bucket_view(bucket.index), own, async_op=True))
+                handles.append(comm.all_gather_into(buffer.bucket_view(bucket.index), own, async_op=True))
         for handle in handles:
             handle.wait()

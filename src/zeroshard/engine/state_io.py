@@ -23,12 +23,24 @@ def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def refuse_expert_groups(engine: ZeroOptimizer, what: str) -> None:
+    """ShardedState and the checkpoints built on it know one partition per rank of all W
+    ranks; expert groups (partitioned over W / EP ranks, different per EP rank) are not
+    expressed yet, so refuse them rather than write or read something wrong."""
+    if not engine.layout.is_dense:
+        raise ValueError(
+            f"{what}: the layout has expert groups (shard groups {engine.layout.shard_groups}); "
+            "checkpoints of mixture-of-experts runs are not supported yet"
+        )
+
+
 def state_views(engine: ZeroOptimizer) -> ShardedState:
     """This rank's share as views of the live tensors (on the engine's devices), no copies.
 
     Valid until the engine changes its state (the next step or load): copy it before that,
     as :func:`export_state` and the Checkpointer's host snapshot do.
     """
+    refuse_expert_groups(engine, "export_state")
     states, scalars = [], []
     for master in engine.masters:
         partitioned, scalar = {}, {}
@@ -98,6 +110,7 @@ def import_state(
       optimizer state;
     * ``load_module_only=True``: model weights only (masters rebuilt from them).
     """
+    refuse_expert_groups(engine, "import_state")
     full = load_optimizer_states and not load_module_only
     options = f"load_optimizer_states={load_optimizer_states}, load_module_only={load_module_only}, strict={strict}"
     call = f"import_state({options})"

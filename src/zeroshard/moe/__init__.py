@@ -10,7 +10,7 @@ from .dispatch import Route, combine, dispatch
 from .experts import GroupedExperts, per_expert_name, per_expert_state_dict
 from .groups import ExpertGroups, new_expert_groups
 from .layer import MoEFeedForward
-from .model import MoEBlock, MoEConfig, MoEGPT, expert_param_names, layout_groups
+from .model import MoEBlock, MoEConfig, MoEGPT, expert_param_names, layout_groups, moe_param_groups
 
 __all__ = [
     "ExpertGroups",
@@ -26,6 +26,7 @@ __all__ = [
     "dispatch",
     "expert_param_names",
     "layout_groups",
+    "moe_param_groups",
     "new_expert_groups",
     "per_expert_name",
     "per_expert_state_dict",

@@ -87,6 +87,18 @@ def expert_param_names(model: nn.Module) -> tuple[list[str], list[str]]:
     return dense, expert
 
 
+def moe_param_groups(model: nn.Module, **expert_options: object) -> list[dict]:
+    """Param groups for ``ZeroOptimizer``: the dense parameters, and the expert ones flagged
+    ``"expert": True`` (with ``expert_options``, e.g. another lr), so they are sharded and
+    reduced over the expert-data-parallel group."""
+    params = dict(model.named_parameters())
+    dense, expert = expert_param_names(model)
+    return [
+        {"params": [params[name] for name in dense]},
+        {"params": [params[name] for name in expert], "expert": True, **expert_options},
+    ]
+
+
 def layout_groups(model: nn.Module, mesh: ExpertMesh, dtype: object | None = None) -> list[list[ParamSpec] | GroupSpec]:
     """Layout groups of a model with GroupedExperts: the dense parameters over all ranks,
     the stacked expert weights over the expert-data-parallel group (one dtype each)."""

@@ -1,0 +1,178 @@
+"""MoEGPT under ZeRO stage 2 with expert parallelism at W = 4, EP = 1, 2, 4 (gloo, CPU).
+
+One spawn of 4 ranks builds one engine per EP (bf16 parameters, fp32 masters and fp32
+reduction, AdamW) and trains them interleaved, step by step in a rotating order so load on
+the machine hits every EP alike. Per EP it prints:
+
+* per-rank memory (``engine.memory_report()``: bf16 parameters, fp32 masters, AdamW's two
+  states, fp32 gradient partitions) against the formula without padding:
+  ``2 (P_d + P_e E/EP) + 16 (P_d / W + P_e E/W)`` bytes, P_d the dense parameters, P_e one
+  expert's, E the experts: a rank holds E/EP experts' bf16 weights, and their fp32 state is
+  sharded over the W/EP ranks of its expert-DP group;
+* bytes per step and rank by collective: the all-to-all payload of the MoE layers (token rows
+  sent to other EP ranks, forward and backward; the per-expert counts; the rows a rank keeps
+  are not sent), against the minimum, the rows whose expert lives on another EP rank, each
+  sent four times (dispatch, combine, and their gradients), as the mean over ranks (a rank
+  sends back what others dispatched to it, so single ranks differ); the
+  reduce-scatter and all-gather payloads (dense over all W ranks plus expert over the expert-DP
+  group) against the minimum, the fp32 gradient and bf16 parameters of what the rank holds
+  (P_d + P_e E/EP), padding excluded;
+* the median step time (forward, backward, step), and its ratio to EP = 1.
+
+    .venv/bin/python benchmarks/moe_step.py [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+from zeroshard.engine import ZeroOptimizer
+from zeroshard.launch import spawn
+from zeroshard.moe import MoEConfig, MoEGPT, moe_param_groups, new_expert_groups, per_expert_state_dict
+
+WORLD_SIZE = 4
+EP_SIZES = (1, 2, 4)
+CONFIG = MoEConfig(
+    vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64, num_experts=8, top_k=2, expert_hidden=128
+)
+BATCH_SIZE = 8  # sequences of block_size tokens per rank
+
+_all_to_all = dist.all_to_all_single
+_sent = Counter()  # bytes sent to other ranks by all-to-all, per label
+
+
+def _counting_all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **kwargs):
+    """Counts what leaves this rank: the rows (or equal chunks) for the other ranks."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    row_bytes = input[0].numel() * input.element_size() if input.dim() and input.shape[0] else 0
+    splits = input_split_sizes or [input.shape[0] // size] * size
+    label = "counts" if input.dtype == torch.int64 else "rows"
+    _sent[label] += sum(rows for peer, rows in enumerate(splits) if peer != rank) * row_bytes
+    return _all_to_all(output, input, output_split_sizes, input_split_sizes, group=group, **kwargs)
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step * 101 + rank)
+    idx = torch.randint(0, CONFIG.vocab_size, (BATCH_SIZE, CONFIG.block_size), generator=generator)
+    return idx, (idx * 3 + 1) % CONFIG.vocab_size
+
+
+def off_rank_rows(model: MoEGPT, idx: torch.Tensor, ep_size: int, ep_rank: int) -> int:
+    """Routed rows of this rank's tokens whose expert lives on another EP rank (all layers)."""
+    rows, local = 0, CONFIG.num_experts // ep_size
+    hooks = []
+    for block in model.blocks:
+
+        def count(module, inputs, _output):
+            nonlocal rows
+            _, experts = module.route(inputs[0].reshape(-1, inputs[0].shape[-1]))
+            rows += int((experts // local != ep_rank).sum())
+
+        hooks.append(block.moe.register_forward_hook(count))
+    with torch.no_grad():
+        model(idx)
+    for hook in hooks:
+        hook.remove()
+    return rows
+
+
+def build(ep_size: int, state: dict[str, torch.Tensor]):
+    groups = new_expert_groups(ep_size)
+    model = MoEGPT(CONFIG, ep_group=groups.ep)
+    model.load_state_dict(state, strict=True)
+    engine = ZeroOptimizer(
+        model,
+        torch.optim.AdamW,
+        moe_param_groups(model),
+        stage=2,
+        param_dtype=torch.bfloat16,
+        expert_process_group=groups.expert_dp,
+        max_grad_norm=1.0,
+        lr=3e-3,
+        weight_decay=0.1,
+    )
+    return groups, model, engine
+
+
+def worker(rank: int, world_size: int, steps: int) -> dict:
+    torch.manual_seed(0)
+    state = per_expert_state_dict(MoEGPT(CONFIG))
+    runs = {ep: build(ep, state) for ep in EP_SIZES}
+    dist.all_to_all_single = _counting_all_to_all
+    times = {ep: [] for ep in EP_SIZES}
+    sent = {ep: Counter() for ep in EP_SIZES}
+    minimum_rows = {ep: 0 for ep in EP_SIZES}
+    start_bytes = {ep: {k: Counter(c.bytes_moved) for k, c in runs[ep][2].comms.items()} for ep in EP_SIZES}
+    for step in range(steps):
+        order = EP_SIZES[step % len(EP_SIZES) :] + EP_SIZES[: step % len(EP_SIZES)]
+        for ep in order:
+            groups, model, engine = runs[ep]
+            idx, targets = batch(step, rank)
+            minimum_rows[ep] += off_rank_rows(model, idx, ep, groups.ep_rank) if ep > 1 else 0
+            _sent.clear()
+            dist.barrier()
+            begin = time.perf_counter()
+            engine.backward(model(idx, targets))
+            engine.step()
+            engine.zero_grad()
+            times[ep].append(time.perf_counter() - begin)
+            sent[ep] += _sent
+    dist.all_to_all_single = _all_to_all
+    results = {}
+    for ep in EP_SIZES:
+        _, model, engine = runs[ep]
+        moved = Counter()
+        for name, comm in engine.comms.items():
+            moved += Counter({k: v - start_bytes[ep][name][k] for k, v in comm.bytes_moved.items()})
+        dense = sum(g.param_numel for g in engine.layout.groups if not g.is_expert_group)
+        expert = sum(g.param_numel for g in engine.layout.groups if g.is_expert_group)  # E/EP experts
+        row_bytes = CONFIG.n_embd * 2  # bf16 rows
+        results[ep] = {
+            "memory": engine.memory_report().total_bytes,
+            "formula": 2 * (dense + expert) + 16 * dense / world_size + 16 * expert * ep / world_size,
+            "all_to_all": (sent[ep]["rows"] + sent[ep]["counts"]) / steps,
+            "all_to_all_min": 4 * minimum_rows[ep] * row_bytes / steps,  # dispatch, combine, both backward
+            "reduce_scatter": moved["reduce_scatter"] / steps,
+            "reduce_scatter_min": 4 * (dense + expert),
+            "all_gather": moved["all_gather"] / steps,
+            "all_gather_min": 2 * (dense + expert),
+            "step_s": statistics.median(times[ep]),
+        }
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    per_rank = spawn(worker, WORLD_SIZE, (args.steps,), backend="gloo", timeout_s=1800)
+    print(f"MoEGPT {CONFIG}, W={WORLD_SIZE}, stage 2, bf16, {args.steps} steps")
+    print("figures of rank 0, all-to-all: mean over ranks, step time: max over ranks of the median")
+    base = max(result[1]["step_s"] for result in per_rank)
+    print(
+        "EP | memory/rank | vs formula | all-to-all/step | vs min | reduce-scatter/step | vs min"
+        " | all-gather/step | vs min | step | vs EP=1"
+    )
+    for ep in EP_SIZES:
+        r = per_rank[0][ep]
+        step = max(result[ep]["step_s"] for result in per_rank)
+        a2a = statistics.mean(result[ep]["all_to_all"] for result in per_rank)
+        a2a_min = statistics.mean(result[ep]["all_to_all_min"] for result in per_rank)
+        a2a_ratio = f"{a2a / a2a_min:.3f}x" if a2a_min else "-"
+        print(
+            f"{ep} | {r['memory'] / 1e6:.3f} MB | {r['memory'] / r['formula']:.3f}x | "
+            f"{a2a / 1e3:.1f} kB | {a2a_ratio} | "
+            f"{r['reduce_scatter'] / 1e3:.1f} kB | {r['reduce_scatter'] / r['reduce_scatter_min']:.3f}x | "
+            f"{r['all_gather'] / 1e3:.1f} kB | {r['all_gather'] / r['all_gather_min']:.3f}x | "
+            f"{step * 1e3:.1f} ms | {step / base:.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()

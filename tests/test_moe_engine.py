@@ -1,0 +1,127 @@
+"""ZeroOptimizer with expert parallelism: MoEGPT trained at (W, EP) on spawned gloo ranks
+equals one process training the same model on the concatenation of every rank's batches.
+
+Dense groups are sharded and reduced over all W ranks, expert groups over the W / EP ranks
+holding the same experts; both gradients are divided by W. Tolerances (max abs difference
+over 4 AdamW steps at lr 1e-2, clipping active):
+* fp32: losses 1e-5 (seen 2.4e-7), grad norms 1e-5 (seen 6e-8), masters 1e-4 (seen 1e-5:
+  summation order, amplified by Adam's division for elements with tiny gradients);
+* bf16 (parameters or reduction): losses 5e-3 (seen 5.4e-4), grad norms 5e-3 (seen 4.9e-4),
+  masters 4e-2 = 4 steps x lr (seen 1.9e-2): the EP run rounds each rank's gradient to bf16,
+  the reference the whole batch's, and Adam turns a different sign of a near-zero gradient
+  into a full-lr step. Training moves the dense masters by 4e-2 over the run.
+"""
+
+from __future__ import annotations
+
+import pytest
+from moe_engine_workers import MODEL, MoECase, run_moe_cases
+
+from zeroshard.launch import spawn
+from zeroshard.layout import ExpertMesh
+
+FP32 = {"loss_diff": 1e-5, "norm_diff": 1e-5, "masters_diff": 1e-4}
+LOW_PRECISION = {"loss_diff": 5e-3, "norm_diff": 5e-3, "masters_diff": 4e-2}
+
+# Expert weights are [E/EP, 16, 8] (256 elements at EP = 2); 1024-byte alignment with one
+# bucket per weight pads each to 256 fp32 elements per partition, so at W / EP = 2 the second
+# rank of every expert-DP group owns padding only.
+PADDING_ONLY = dict(alignment_bytes=1024, bucket_numel=200)
+
+CASES = {
+    4: [
+        MoECase(2, 1, "float32"),
+        MoECase(2, 2, "bfloat16"),
+        MoECase(2, 2, "float32", **PADDING_ONLY),
+        MoECase(4, 2, "float32"),
+        MoECase(1, 1, "bfloat16"),
+    ],
+    2: [
+        MoECase(2, 2, "float32"),
+        MoECase(2, 1, "bfloat16"),
+        MoECase(1, 2, "float32", reduce_dtype="bfloat16"),
+    ],
+}
+
+
+@pytest.mark.parametrize("world_size", sorted(CASES))
+def test_expert_parallel_training_equals_single_process(world_size, tmp_path):
+    cases = CASES[world_size]
+    root = str(tmp_path / "ckpt") if world_size == 2 else None  # the checkpoint refusals run once
+    overflow = world_size == 4  # and the fp16 overflow check too
+    results = spawn(run_moe_cases, world_size, (cases, root, overflow), backend="gloo", timeout_s=400)
+    if overflow:
+        check_overflow_in_experts([per_rank.pop() for per_rank in results])
+    if root:
+        refusals = [per_rank.pop() for per_rank in results]
+        check_checkpoint_refusals(refusals)
+    for index, case in enumerate(cases):
+        mesh = ExpertMesh(world_size, case.ep_size)
+        low_precision = "bfloat16" in (case.dtype, case.reduce_dtype)
+        tolerance = LOW_PRECISION if low_precision else FP32
+        local = MODEL.num_experts // case.ep_size
+        for rank, outcome in enumerate(per_rank[index] for per_rank in results):
+            where = f"W={world_size} {case.label} rank {rank}"
+            for key, bound in tolerance.items():
+                assert outcome[key] <= bound, f"{where}: {key} {outcome[key]} (worst master {outcome['worst_master']})"
+            assert outcome["dense_moved"] > 10 * tolerance["masters_diff"] or low_precision, where
+            assert outcome["dense_world_size"] == world_size, where
+            assert outcome["expert_dp_size"] == mesh.expert_dp_size, where
+            first = mesh.ep_rank(rank) * local
+            assert outcome["expert_ids"] == list(range(first, first + local)), where
+            assert outcome["partition_misalignment"] == [0] * len(outcome["partition_misalignment"]), where
+            assert outcome["expert_storage_kept"] and outcome["experts_in_buffer"], where
+            assert outcome["expert_view_shapes"][0] == [local, MODEL.n_embd, MODEL.expert_hidden], where
+            if mesh.expert_dp_size > 1:  # expert groups move over the expert-DP group only
+                assert outcome["bytes"]["expert_dp"]["reduce_scatter"] > 0, where
+        padding_only = [per_rank[index]["expert_padding_only"] for per_rank in results]
+        if case.alignment_bytes == PADDING_ONLY["alignment_bytes"]:
+            assert padding_only == [mesh.expert_dp_rank(rank) == 1 for rank in range(world_size)], case.label
+
+
+def check_overflow_in_experts(outcomes: list[dict]) -> None:
+    """Rank 3's inf expert gradient (reduced over ranks 1 and 3 only) skips step 1 everywhere."""
+    for rank, outcome in enumerate(outcomes):
+        assert outcome["stepped"] == [True, False, True], (rank, outcome)
+        assert outcome["masters_changed"] == [True, False, True], (rank, outcome)
+        first = outcome["scales"][0]
+        assert outcome["scales"] == [first, first, first / 2, first / 2], (rank, outcome)
+
+
+def check_checkpoint_refusals(refusals: list[dict]) -> None:
+    """Checkpoints do not express expert groups yet: save refuses before writing anything,
+    load (of a missing checkpoint here) fails, export refuses, every rank alike."""
+    for outcome in refusals:
+        expected = "the layout has expert groups (shard groups {'dp': 2, 'expert_dp': 1})"
+        assert outcome["errors"]["save"].startswith("ValueError: export_state: " + expected), outcome
+        assert outcome["errors"]["export"].startswith("ValueError: export_state: " + expected), outcome
+        assert outcome["errors"]["load"] != "no error", outcome
+        assert outcome["written"] == [], outcome
+
+
+def _model_and_groups():
+    from zeroshard.moe import MoEGPT, moe_param_groups
+
+    model = MoEGPT(MODEL)
+    return model, moe_param_groups(model)
+
+
+def test_expert_groups_need_an_expert_process_group():
+    import torch
+
+    from zeroshard.engine import ZeroOptimizer
+
+    model, groups = _model_and_groups()
+    with pytest.raises(ValueError, match="flagged 'expert' but no expert_process_group"):
+        ZeroOptimizer(model, torch.optim.AdamW, groups)
+
+
+def test_expert_flag_must_be_a_bool():
+    import torch
+
+    from zeroshard.engine import ZeroOptimizer
+
+    model, groups = _model_and_groups()
+    groups[1]["expert"] = "yes"
+    with pytest.raises(ValueError, match=r"param group 1: 'expert' must be True or False, got 'yes'"):
+        ZeroOptimizer(model, torch.optim.AdamW, groups)
