@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -152,7 +153,9 @@ def test_full_disk_names_the_file(saved, monkeypatch, capsys):
         patch.setattr(safetensors_io, "_write_all", write_all)
         code = main(["to-universal", str(saved), str(out), "--no-progress"])
     line = _assert_one_line_error((code, capsys.readouterr().err), "No space left on device")
-    assert f"error: {out}" in line and "universal-00001-of-00001.safetensors: " in line, line
+    # the file being written, in OUT's staging directory (published as OUT only when complete)
+    staged_file = re.escape(str(out.parent)) + r"/\.out\.tmp-[0-9a-f]{12}/universal-00001-of-00001\.safetensors: "
+    assert re.search("error: " + staged_file, line), line
     assert not (out / "universal.json").exists()
 
     def write_manifest(path, text):  # where no file names itself, the output directory is named
