@@ -57,7 +57,7 @@ _CONVERSION_SECONDS = "conversion seconds:"
 # ---- the checkpoint (torchrun workers run this file with ``--train``) ----------------------------
 
 
-def _train_and_save(save_dir: Path, num_layers: int) -> None:
+def _train_and_save(save_dir: Path, num_layers: int, hidden: int = HIDDEN) -> None:
     import importlib
 
     import deepspeed
@@ -69,7 +69,7 @@ def _train_and_save(save_dir: Path, num_layers: int) -> None:
     torch.manual_seed(0)
     layers = []
     for _ in range(num_layers):
-        layers += [nn.Linear(HIDDEN, HIDDEN), nn.LayerNorm(HIDDEN), nn.GELU()]
+        layers += [nn.Linear(hidden, hidden), nn.LayerNorm(hidden), nn.GELU()]
     model = nn.Sequential(*layers)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -85,7 +85,7 @@ def _train_and_save(save_dir: Path, num_layers: int) -> None:
         model_parameters=[{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
         config=config,
     )
-    inputs = torch.randn(2, HIDDEN, dtype=torch.bfloat16)
+    inputs = torch.randn(2, hidden, dtype=torch.bfloat16)
     loss = engine(inputs).float().square().mean()
     engine.backward(loss)
     engine.step()
@@ -93,12 +93,12 @@ def _train_and_save(save_dir: Path, num_layers: int) -> None:
     deepspeed.comm.destroy_process_group()
 
 
-def make_checkpoint(save_dir: Path, world_size: int, num_layers: int) -> float:
+def make_checkpoint(save_dir: Path, world_size: int, num_layers: int, hidden: int = HIDDEN) -> float:
     """Train one step with DeepSpeed at ``world_size`` and save; returns the seconds it took."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size),
-        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), __file__, "--train", str(save_dir), str(num_layers),
+        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), __file__, "--train", str(save_dir), str(num_layers), str(hidden),
     ]  # fmt: skip
     started = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
@@ -325,7 +325,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--train"]:  # a torchrun worker
-        _train_and_save(Path(sys.argv[2]), int(sys.argv[3]))
+        _train_and_save(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
     elif sys.argv[1:2] == ["--run"]:  # one measured command
         _RUNNERS[sys.argv[2]](*sys.argv[3:])
     else:
