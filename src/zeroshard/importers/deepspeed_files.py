@@ -102,7 +102,7 @@ class RankShard:
     zero_stage: int
     fp32: list[StoredTensor]  # per group; tail padding stripped
     states: list[dict[str, StoredTensor]]  # per group; partition-shaped optimizer state
-    scalars: list[dict[str, Any]]  # per group; the rest (step): numpy arrays or plain values
+    scalars: list[dict[str, Any]]  # per group; the rest (step): tensors (see read_scalars) or plain values
     param_groups: list[dict[str, Any]]  # the inner optimizer's hyperparameters, per group
     group_paddings: list[int]
     param_alignment_paddings: list[list[int]] | None  # None: written before DeepSpeed had the key
@@ -265,11 +265,14 @@ def _is_vector(value: Any) -> bool:
 
 
 def _as_value(value: Any, field: str, path: Path) -> Any:
-    """A small tensor read into a numpy array; anything else as it is, if plain."""
-    if not isinstance(value, StoredTensor):
-        return fields.plain(value, field, path)
+    """A tensor as it is (not read yet: only rank 0's are used); anything else, if plain."""
+    return value if isinstance(value, StoredTensor) else fields.plain(value, field, path)
+
+
+def read_scalars(scalars: dict[str, Any]) -> dict[str, Any]:
+    """A group's scalars with its tensors read into numpy arrays."""
     try:
-        return value.numpy()
+        return {key: value.numpy() if isinstance(value, StoredTensor) else value for key, value in scalars.items()}
     except TorchFileError as err:
         raise DeepSpeedFormatError(str(err)) from None
 
