@@ -32,6 +32,7 @@ cannot expand into gigabytes).
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import os
 import reprlib
@@ -42,7 +43,15 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.dtypes import dtype_info
-from .torch_records import FileProblem, StorageRecord, StoredTensor, TorchFileError, one_line, refuses_state_of
+from .torch_records import (
+    FileProblem,
+    StorageRecord,
+    StoredTensor,
+    TorchFileError,
+    crc32,
+    one_line,
+    refuses_state_of,
+)
 from .torch_unpickler import ALLOWED_GLOBALS, StorageType, seal, unpickle
 
 __all__ = ["StorageRecord", "StoredTensor", "TorchFileError", "load_torch_file"]
@@ -73,7 +82,7 @@ def load_torch_file(path: Path, allowed: Mapping[str, type] | None = None) -> An
             raise TypeError(
                 f"allowed[{name!r}] is an Enum, whose members every load shares: decorate it with refuses_state"
             )
-        globals_.setdefault(name, seal(name, cls))
+        globals_.setdefault(name, _sealed(name, cls))
     try:
         with _open_zip(path) as zip_file, open(path, "rb", buffering=0) as file:
             archive = _Archive(path, zip_file, file.fileno())
@@ -88,6 +97,12 @@ def load_torch_file(path: Path, allowed: Mapping[str, type] | None = None) -> An
         raise TorchFileError(f"{path}: {problem}") from None
     except OSError as err:
         raise TorchFileError(f"{path}: cannot be read: {err.strerror or err}") from None
+
+
+@functools.lru_cache(maxsize=256)
+def _sealed(name: str, cls: type) -> type:
+    """The global a pickle gets for an allowed stand-in, made once per name and class."""
+    return seal(name, cls)
 
 
 # ---- the zip archive -------------------------------------------------------------------
@@ -140,10 +155,15 @@ class _Archive:
         info = self.info(name)
         if info is None:
             return None
-        try:
-            return self.zip_file.read(info)
-        except (zipfile.BadZipFile, EOFError) as err:
-            raise FileProblem(f"record {info.filename} is corrupt: {one_line(err)}") from None
+        data = os.pread(self.fd, info.file_size, self._data_offset(info))
+        if len(data) != info.file_size:
+            raise FileProblem(f"record {info.filename} runs past the end of the file (truncated?)")
+        found = crc32(data)
+        if found != info.CRC:
+            raise FileProblem(
+                f"record {info.filename} is corrupt: its CRC-32 is {found:08x}, the zip directory says {info.CRC:08x}"
+            )
+        return data
 
     def storage(self, pid: Any) -> StorageRecord:
         """The storage a persistent id names; one record object per key."""
