@@ -110,8 +110,7 @@ class RankShard:
     slice_mappings: list[dict[str, tuple[int, int]]]  # per group: name -> (numel, start)
     loss_scaler: dict[str, Any]
     clip_grad: Any
-    ds_config: dict[str, Any]
-    ds_version: str | None
+    ds_version: str | None  # (its ds_config is the model-states file's; not read here)
 
 
 def read_model_states(path: Path) -> ModelStates:
@@ -174,7 +173,6 @@ def read_rank_shard(path: Path, rank: int) -> RankShard:
         slice_mappings=_slice_mappings(_require(state, "param_slice_mappings", path), path),
         loss_scaler=_loss_scaler(state.get("loss_scaler")),
         clip_grad=fields.plain(state.get("clip_grad"), "clip_grad", path),
-        ds_config=_ds_config(raw.get("ds_config"), path),
         ds_version=fields.optional_text(raw.get("ds_version"), "ds_version", path),
     )
 
