@@ -714,3 +714,29 @@ def test_the_opcode_scan_decides_as_decoding_every_opcode(sample, flips):
 def test_the_opcode_scan_refuses_a_truncated_pickle(cut):
     for sample in SCAN_SAMPLES:
         assert scan_verdict(sample[:-cut]) == "corrupt" == genops_verdict(sample[:-cut])
+
+
+# ---- the zip directory ----------------------------------------------------------------------------
+
+
+def test_the_zip_directory_reads_as_zipfile_does(saved, tmp_path):
+    """read_directory agrees with zipfile on torch.save's layout, and leaves others to it."""
+    from zeroshard.importers.zip_directory import read_directory
+
+    def directory(path: Path):
+        with open(path, "rb") as file:
+            return read_directory(file.fileno())
+
+    fields = ("filename", "header_offset", "file_size", "compress_size", "compress_type", "flag_bits", "CRC")
+    with zipfile.ZipFile(saved) as archive:
+        expected = {info.filename: tuple(getattr(info, f) for f in fields) for info in archive.infolist()}
+    found = directory(saved)
+    assert found is not None and {n: tuple(getattr(e, f) for f in fields) for n, e in found.items()} == expected
+    commented = tmp_path / "comment.pt"
+    commented.write_bytes(saved.read_bytes())
+    with zipfile.ZipFile(commented, "a") as archive:
+        archive.comment = b"hello"
+    prefixed = tmp_path / "prefixed.pt"
+    prefixed.write_bytes(b"#!" + saved.read_bytes())
+    assert directory(commented) is None and directory(prefixed) is None
+    assert load_torch_file(commented).keys() == load_torch_file(saved).keys()  # through zipfile

@@ -53,6 +53,7 @@ from .torch_records import (
     refuses_state_of,
 )
 from .torch_unpickler import ALLOWED_GLOBALS, StorageType, seal, unpickle
+from .zip_directory import read_directory
 
 __all__ = ["StorageRecord", "StoredTensor", "TorchFileError", "load_torch_file"]
 
@@ -84,8 +85,8 @@ def load_torch_file(path: Path, allowed: Mapping[str, type] | None = None) -> An
             )
         globals_.setdefault(name, _sealed(name, cls))
     try:
-        with _open_zip(path) as zip_file, open(path, "rb", buffering=0) as file:
-            archive = _Archive(path, zip_file, file.fileno())
+        with open(_existing(path), "rb", buffering=0) as file:
+            archive = _Archive(path, _directory(path, file.fileno()), file.fileno())
             order = archive.read("byteorder")
             if order not in (None, b"little"):
                 raise FileProblem(f"byte order {order!r} is unsupported: only little-endian files are read")
@@ -108,9 +109,23 @@ def _sealed(name: str, cls: type) -> type:
 # ---- the zip archive -------------------------------------------------------------------
 
 
-def _open_zip(path: Path) -> zipfile.ZipFile:
+def _existing(path: Path) -> Path:
     if not path.is_file():
         raise FileProblem("file is missing" if not path.exists() else "not a file")
+    return path
+
+
+def _directory(path: Path, fd: int) -> Mapping[str, Any]:
+    """The archive's records by name: :class:`~.zip_directory.Entry` for the layout torch.save
+    writes, ``zipfile.ZipInfo`` through ``zipfile`` for anything else."""
+    found = read_directory(fd)
+    if found is not None:
+        return found
+    with _open_zip(path) as zip_file:
+        return dict(zip_file.NameToInfo)
+
+
+def _open_zip(path: Path) -> zipfile.ZipFile:
     try:
         return zipfile.ZipFile(path)
     except OSError:
@@ -131,20 +146,20 @@ def _open_zip(path: Path) -> zipfile.ZipFile:
 class _Archive:
     """The records of one open torch.save zip, found through its central directory."""
 
-    def __init__(self, path: Path, zip_file: zipfile.ZipFile, fd: int) -> None:
-        self.path, self.zip_file, self.fd = path, zip_file, fd
+    def __init__(self, path: Path, entries: Mapping[str, Any], fd: int) -> None:
+        self.path, self.entries, self.fd = path, entries, fd
         self.file_size = os.fstat(fd).st_size
-        pickles = [name for name in zip_file.namelist() if name.endswith("/data.pkl") and name.count("/") == 1]
+        pickles = [name for name in entries if name.endswith("/data.pkl") and name.count("/") == 1]
         if len(pickles) != 1:
             raise FileProblem(f"not a torch.save archive: {len(pickles)} <archive>/data.pkl records")
         self.prefix = pickles[0].removesuffix("data.pkl")
         self.storages: dict[str, StorageRecord] = {}
         self.load = next(_loads)
 
-    def info(self, name: str) -> zipfile.ZipInfo | None:
-        try:
-            info = self.zip_file.getinfo(self.prefix + name)
-        except KeyError:
+    def info(self, name: str) -> Any:
+        """The record ``name`` (a ZipInfo or an Entry), None where there is none."""
+        info = self.entries.get(self.prefix + name)
+        if info is None:
             return None
         if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 1:
             raise FileProblem(f"record {info.filename} is compressed or encrypted; torch.save stores records as they are")
@@ -198,7 +213,7 @@ class _Archive:
             raise FileProblem(f"corrupt pickle data.pkl: storage {key} is declared with two types or sizes")
         return record
 
-    def _data_offset(self, info: zipfile.ZipInfo) -> int:
+    def _data_offset(self, info: Any) -> int:
         # The local header repeats the name and has its own extra field (torch pads it to
         # align the data), so the data starts where that header says, not the directory.
         header = os.pread(self.fd, 30, info.header_offset)
