@@ -175,7 +175,9 @@ def test_each_rank_file_is_parsed_once(deepspeed_runs, monkeypatch, tmp_path):
 
     parsed = []
     original = deepspeed_pickle.load_torch_file
-    monkeypatch.setattr(deepspeed_pickle, "load_torch_file", lambda path, **kw: parsed.append(path) or original(path, **kw))
+    monkeypatch.setattr(
+        deepspeed_pickle, "load_torch_file", lambda path, **kw: parsed.append(path) or original(path, **kw)
+    )
     run = deepspeed_runs["w8_s1_tiny"]
     with open_deepspeed(run.save_dir) as source:
         to_universal(source, tmp_path / "universal")

@@ -698,7 +698,10 @@ SCAN_SAMPLES = [
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(0, len(SCAN_SAMPLES) - 1), st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 255)), max_size=4))
+@given(
+    st.integers(0, len(SCAN_SAMPLES) - 1),
+    st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 255)), max_size=4),
+)
 def test_the_opcode_scan_decides_as_decoding_every_opcode(sample, flips):
     """The one-pass scan (a regular expression over runs of opcodes) against pickletools
     decoding each opcode, on pickles with bytes overwritten (opcodes, lengths, string bodies)."""

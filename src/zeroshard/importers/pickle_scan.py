@@ -59,7 +59,10 @@ def _fast_scanner(long_binput: bool) -> re.Pattern[bytes]:
         if op.code.encode("latin-1")[0] not in _COUNTED:
             by_width.setdefault(op.arg.n if op.arg else 0, []).append(_code(name))
     any_byte = rb"[\x00-\xff]"
-    runs = [b"[" + b"".join(codes) + b"]" + (any_byte + b"{%d}" % width if width else b"") for width, codes in by_width.items()]
+    runs = [
+        b"[" + b"".join(codes) + b"]" + (any_byte + b"{%d}" % width if width else b"")
+        for width, codes in by_width.items()
+    ]
     runs.append(_code("GLOBAL") + rb"[^\n]*\n[^\n]*\n")
     if long_binput:  # an index below 2**16, in little-endian order
         runs.append(_code("LONG_BINPUT") + any_byte + b"{2}\\x00\\x00")

@@ -80,7 +80,8 @@ def _entries(data: bytes, count: int, directory_at: int) -> dict[str, Entry] | N
         if position + _HEADER.size > len(data):
             return None
         fields = _HEADER.unpack_from(data, position)
-        signature, _, _, flags, method, _, _, crc, compressed, file_size, name_length, extra_length, comment_length = fields[:13]
+        signature, _, _, flags, method, _, _, crc, compressed, file_size = fields[:10]
+        name_length, extra_length, comment_length = fields[10:13]
         header_offset = fields[-1]
         if signature != b"PK\x01\x02" or _MAX_32 in (compressed, file_size, header_offset):
             return None  # zip64 sizes: leave them to zipfile
