@@ -56,7 +56,8 @@ done = subprocess.run(sys.argv[1:], stdout=subprocess.PIPE, stderr=subprocess.PI
 wall = time.perf_counter() - start
 usage = resource.getrusage(resource.RUSAGE_CHILDREN)
 peak, cpu = usage.ru_maxrss, usage.ru_utime + usage.ru_stime
-report = {"code": done.returncode, "wall": wall, "cpu": cpu, "peak_kb": peak, "stdout": done.stdout[-2000:], "stderr": done.stderr[-2000:]}
+report = {"code": done.returncode, "wall": wall, "cpu": cpu, "peak_kb": peak}
+report.update(stdout=done.stdout[-2000:], stderr=done.stderr[-2000:])
 print(json.dumps(report))
 """
 _CONVERSION_SECONDS = "conversion seconds:"
@@ -106,7 +107,8 @@ def make_checkpoint(save_dir: Path, world_size: int, num_layers: int, hidden: in
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size),
-        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), __file__, "--train", str(save_dir), str(num_layers), str(hidden),
+        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+        __file__, "--train", str(save_dir), str(num_layers), str(hidden),
     ]  # fmt: skip
     started = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
@@ -374,14 +376,18 @@ def run_case(save_dir: Path, work: Path, world_size: int, args: argparse.Namespa
     warm_page_cache(tag_dir)
     load = os.getloadavg()[0]
     results = best_of(args.repeats, commands(save_dir, work, args.baseline))
-    print(f"repeats: {args.repeats} interleaved (best wall time, largest peak); load average {load:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n")
+    print(
+        f"repeats: {args.repeats} interleaved (best wall time, largest peak); "
+        f"load average {load:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n"
+    )
     print_table(results)
     if args.skip_check:
         return
     if not (results["deepspeed zero_to_fp32"]["error"] or results["zeroshard to-fp32"]["error"]):
         print(f"\nfp32 exports bit for bit equal: {fp32_exports_equal(work)}")
     if not (results["deepspeed ds_to_universal"]["error"] or results["zeroshard to-universal"]["error"]):
-        print(f"universal checkpoints bit for bit equal (fp32, exp_avg, exp_avg_sq): {universal_checkpoints_equal(work)}")
+        same = universal_checkpoints_equal(work)
+        print(f"universal checkpoints bit for bit equal (fp32, exp_avg, exp_avg_sq): {same}")
 
 
 if __name__ == "__main__":
