@@ -22,8 +22,14 @@ fsyncs what it writes; DeepSpeed does not. The fp32 exports are checked bit for 
 each other, and so are the fp32 / exp_avg / exp_avg_sq of every parameter in the two
 universal checkpoints.
 
+With ``--synthesise 768 4096`` the checkpoints are instead a 1.34 M-parameter run made by
+DeepSpeed at D=1 and rewritten as DeepSpeed would have saved it at each D
+(``deepspeed_expand.py``): thousands of tiny rank files, where the per-file costs dominate.
+``cp -r`` of the same tag folder is timed alongside. Commands run in interleaved rounds.
+
     DS_BUILD_OPS=0 pip install -e '.[deepspeed]'
     .venv/bin/python benchmarks/deepspeed_convert.py [--dir /tmp] [--world-size 4] [--layers 24] [--repeats 2]
+    .venv/bin/python benchmarks/deepspeed_convert.py --synthesise 768 4096 [--repeats 3]
 """
 
 from __future__ import annotations
@@ -41,14 +47,17 @@ from pathlib import Path
 
 TAG = "bench"
 HIDDEN, LAYERS = 1024, 24  # 24 x (1024 x 1024 + 1024) + norms: 25.2 M parameters
+SYNTH_HIDDEN, SYNTH_LAYERS = 384, 9  # 9 x (384 x 384 + 384) + norms: 1.34 M parameters
 
 _WRAPPER = """
 import json, resource, subprocess, sys, time
 start = time.perf_counter()
 done = subprocess.run(sys.argv[1:], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 wall = time.perf_counter() - start
-peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-report = {"code": done.returncode, "wall": wall, "peak_kb": peak, "stdout": done.stdout[-2000:], "stderr": done.stderr[-2000:]}
+usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+peak, cpu = usage.ru_maxrss, usage.ru_utime + usage.ru_stime
+report = {"code": done.returncode, "wall": wall, "cpu": cpu, "peak_kb": peak}
+report.update(stdout=done.stdout[-2000:], stderr=done.stderr[-2000:])
 print(json.dumps(report))
 """
 _CONVERSION_SECONDS = "conversion seconds:"
@@ -57,7 +66,7 @@ _CONVERSION_SECONDS = "conversion seconds:"
 # ---- the checkpoint (torchrun workers run this file with ``--train``) ----------------------------
 
 
-def _train_and_save(save_dir: Path, num_layers: int) -> None:
+def _train_and_save(save_dir: Path, num_layers: int, hidden: int = HIDDEN) -> None:
     import importlib
 
     import deepspeed
@@ -69,7 +78,7 @@ def _train_and_save(save_dir: Path, num_layers: int) -> None:
     torch.manual_seed(0)
     layers = []
     for _ in range(num_layers):
-        layers += [nn.Linear(HIDDEN, HIDDEN), nn.LayerNorm(HIDDEN), nn.GELU()]
+        layers += [nn.Linear(hidden, hidden), nn.LayerNorm(hidden), nn.GELU()]
     model = nn.Sequential(*layers)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -85,7 +94,7 @@ def _train_and_save(save_dir: Path, num_layers: int) -> None:
         model_parameters=[{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
         config=config,
     )
-    inputs = torch.randn(2, HIDDEN, dtype=torch.bfloat16)
+    inputs = torch.randn(2, hidden, dtype=torch.bfloat16)
     loss = engine(inputs).float().square().mean()
     engine.backward(loss)
     engine.step()
@@ -93,12 +102,13 @@ def _train_and_save(save_dir: Path, num_layers: int) -> None:
     deepspeed.comm.destroy_process_group()
 
 
-def make_checkpoint(save_dir: Path, world_size: int, num_layers: int) -> float:
+def make_checkpoint(save_dir: Path, world_size: int, num_layers: int, hidden: int = HIDDEN) -> float:
     """Train one step with DeepSpeed at ``world_size`` and save; returns the seconds it took."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size),
-        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), __file__, "--train", str(save_dir), str(num_layers),
+        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+        __file__, "--train", str(save_dir), str(num_layers), str(hidden),
     ]  # fmt: skip
     started = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
@@ -163,10 +173,13 @@ _RUNNERS = {
 
 
 def measure(command: list[str], out: Path | None) -> dict:
-    """Run ``command`` under the wrapper (``out`` removed first); wall s, peak MB, error."""
+    """Run ``command`` under the wrapper (``out`` removed first); wall s, peak MB, error.
+    A leading ``PYTHONPATH=...`` word sets that variable for the command."""
     if out is not None:
         shutil.rmtree(out, ignore_errors=True)
     env = dict(os.environ, DS_ACCELERATOR="cpu")
+    if command[0].startswith("PYTHONPATH="):
+        env["PYTHONPATH"], command = command[0].partition("=")[2], command[1:]
     done = subprocess.run([sys.executable, "-c", _WRAPPER, *command], capture_output=True, text=True, env=env)
     report = json.loads(done.stdout.strip().splitlines()[-1])
     error = None
@@ -175,21 +188,39 @@ def measure(command: list[str], out: Path | None) -> dict:
         error = lines[-1] if lines else f"exit status {report['code']}"
     timed = [line for line in report["stdout"].splitlines() if line.startswith(_CONVERSION_SECONDS)]
     conversion = float(timed[-1].split()[-1]) if timed else float("nan")
-    return {"wall": report["wall"], "conversion": conversion, "peak_mb": report["peak_kb"] / 1024, "error": error}
-
-
-def best_of(repeats: int, command: list[str], out: Path | None) -> dict:
-    runs = [measure(command, out) for _ in range(repeats)]
-    failed = next((run for run in runs if run["error"]), None)
-    if failed:
-        return failed
-    best = {key: min(run[key] for run in runs) for key in ("wall", "conversion")}
-    return {**best, "peak_mb": max(run["peak_mb"] for run in runs), "error": None}
-
-
-def commands(save_dir: Path, work: Path) -> dict[str, tuple[list[str], Path | None]]:
-    me, tag_dir = [sys.executable, __file__, "--run"], save_dir / TAG
     return {
+        "wall": report["wall"], "cpu": report["cpu"], "conversion": conversion, "peak_mb": report["peak_kb"] / 1024,
+        "error": error,
+    }  # fmt: skip
+
+
+def best_of(repeats: int, commands: dict[str, tuple[list[str], Path | None]]) -> dict[str, dict]:
+    """Every command ``repeats`` times, in interleaved rounds (so a change of machine load
+    hits all of them alike): per command the best wall, CPU and conversion time, the
+    largest peak, or the first failure."""
+    runs: dict[str, list[dict]] = {name: [] for name in commands}
+    for _ in range(repeats):
+        for name, (command, out) in commands.items():
+            runs[name].append(measure(command, out))
+    results = {}
+    for name, found in runs.items():
+        failed = next((run for run in found if run["error"]), None)
+        best = {key: min(run[key] for run in found) for key in ("wall", "cpu", "conversion")}
+        results[name] = failed or {**best, "peak_mb": max(run["peak_mb"] for run in found), "error": None}
+    return results
+
+
+def commands(save_dir: Path, work: Path, baseline: Path | None = None) -> dict[str, tuple[list[str], Path | None]]:
+    me, tag_dir = [sys.executable, __file__, "--run"], save_dir / TAG
+    before = {}
+    if baseline is not None:  # the same commands on another zeroshard source tree, for before/after figures
+        for command in ("to-fp32", "to-universal"):
+            out = work / f"baseline_{command}"
+            line = [f"PYTHONPATH={baseline}", *me, "zeroshard", command, str(save_dir), str(out), "--no-progress"]
+            before[f"baseline {command}"] = (line, out)
+    return {
+        **before,
+        "cp -r (same bytes)": (["cp", "-r", str(tag_dir), str(work / "copy")], work / "copy"),
         "import deepspeed (floor)": ([*me, "import", "deepspeed.utils.zero_to_fp32"], None),
         "import zeroshard (floor)": ([*me, "import", "zeroshard.cli.main"], None),
         "deepspeed zero_to_fp32": ([*me, "zero_to_fp32", str(save_dir), str(work / "ds_fp32")], work / "ds_fp32"),
@@ -266,14 +297,15 @@ def warm_page_cache(path: Path) -> None:
 
 
 def print_table(results: dict[str, dict]) -> None:
-    print(f"| {'command':<27} | {'process s':>9} | {'conversion s':>12} | {'peak RSS MB':>11} |")
-    print(f"| {'-' * 27} | {'-' * 8}: | {'-' * 11}: | {'-' * 10}: |")
+    print(f"| {'command':<27} | {'process s':>9} | {'CPU s':>6} | {'conversion s':>12} | {'peak RSS MB':>11} |")
+    print(f"| {'-' * 27} | {'-' * 8}: | {'-' * 5}: | {'-' * 11}: | {'-' * 10}: |")
     for name, result in results.items():
         if result["error"]:
-            print(f"| {name:<27} | failed: {result['error'][:160]} | | |")
+            print(f"| {name:<27} | failed: {result['error'][:160]} | | | |")
         else:
             print(
-                f"| {name:<27} | {result['wall']:>9.2f} | {result['conversion']:>12.2f} | {result['peak_mb']:>11.0f} |"
+                f"| {name:<27} | {result['wall']:>9.2f} | {result['cpu']:>6.2f} | {result['conversion']:>12.2f} "
+                f"| {result['peak_mb']:>11.0f} |"
             )
     print()
     for task, theirs, ours in (
@@ -286,9 +318,12 @@ def print_table(results: dict[str, dict]) -> None:
             continue
         floor_a = results["import deepspeed (floor)"]["peak_mb"]
         floor_b = results["import zeroshard (floor)"]["peak_mb"]
+        copy = results["cp -r (same bytes)"]["wall"]
         print(
             f"{task}: zeroshard {a['conversion'] / b['conversion']:.1f}x faster on the conversion"
-            f" ({a['wall'] / b['wall']:.1f}x on the whole process), {b['peak_mb'] / a['peak_mb']:.2f}x the peak RSS"
+            f" (conversion time {b['conversion'] / a['conversion']:.2f}x DeepSpeed's, {b['conversion']:.2f} s;"
+            f" {a['wall'] / b['wall']:.1f}x faster on the whole process, {b['wall'] / copy:.2f}x cp -r),"
+            f" {b['peak_mb'] / a['peak_mb']:.2f}x the peak RSS"
             f" ({(b['peak_mb'] - floor_b) / max(a['peak_mb'] - floor_a, 1):.2f}x above each side's import floor)"
         )
 
@@ -298,24 +333,35 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one)")
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--layers", type=int, default=LAYERS, help=f"Linear({HIDDEN}, {HIDDEN}) layers (1.05 M parameters each)")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per command: best wall time, worst peak")
+    parser.add_argument(
+        "--synthesise", type=int, nargs="+", metavar="D", default=None,
+        help=f"instead: train {SYNTH_LAYERS} Linear({SYNTH_HIDDEN}) layers (1.34 M parameters) at D=1 and "
+        "expand the checkpoint to each D (deepspeed_expand.py)",
+    )  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=2, help="interleaved rounds: best wall time, worst peak")
+    parser.add_argument("--skip-check", action="store_true", help="do not compare the outputs bit for bit")
+    parser.add_argument("--baseline", type=Path, default=None, help="also time zeroshard from this src/ (before/after)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ds_convert_", dir=args.dir))
     try:
-        save_dir = work / "ckpt"
-        seconds = make_checkpoint(save_dir, args.world_size, args.layers)
-        tag_dir = save_dir / TAG
-        state_mb = directory_bytes(tag_dir) / 1e6
-        print(f"DeepSpeed checkpoint: D={args.world_size}, {state_mb:.0f} MB in {len(list(tag_dir.iterdir()))} files, made in {seconds:.0f} s")
-        warm_page_cache(tag_dir)
-        results = {name: best_of(args.repeats, command, out) for name, (command, out) in commands(save_dir, work).items()}
-        print(f"repeats: {args.repeats} (best wall time, largest peak)\n")
-        print_table(results)
-        if not (results["deepspeed zero_to_fp32"]["error"] or results["zeroshard to-fp32"]["error"]):
-            print(f"\nfp32 exports bit for bit equal: {fp32_exports_equal(work)}")
-        if not (results["deepspeed ds_to_universal"]["error"] or results["zeroshard to-universal"]["error"]):
-            print(f"universal checkpoints bit for bit equal (fp32, exp_avg, exp_avg_sq): {universal_checkpoints_equal(work)}")
+        if args.synthesise:
+            seconds = make_checkpoint(work / "one", 1, SYNTH_LAYERS, SYNTH_HIDDEN)
+            print(f"DeepSpeed run at D=1 ({SYNTH_LAYERS} x Linear({SYNTH_HIDDEN})) made in {seconds:.0f} s")
+            for world_size in args.synthesise:
+                save_dir = work / f"ckpt_d{world_size}"
+                started = time.perf_counter()
+                from deepspeed_expand import expand
+
+                expand(work / "one" / TAG, save_dir / TAG, world_size)
+                print(f"\nexpanded to D={world_size} in {time.perf_counter() - started:.0f} s")
+                run_case(save_dir, work, world_size, args)
+                shutil.rmtree(save_dir)
+        else:
+            save_dir = work / "ckpt"
+            seconds = make_checkpoint(save_dir, args.world_size, args.layers)
+            print(f"DeepSpeed run made in {seconds:.0f} s")
+            run_case(save_dir, work, args.world_size, args)
     finally:
         if args.keep:
             print(f"kept {work}")
@@ -323,9 +369,30 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
 
 
+def run_case(save_dir: Path, work: Path, world_size: int, args: argparse.Namespace) -> None:
+    tag_dir = save_dir / TAG
+    state_mb = directory_bytes(tag_dir) / 1e6
+    print(f"DeepSpeed checkpoint: D={world_size}, {state_mb:.0f} MB in {len(list(tag_dir.iterdir()))} files")
+    warm_page_cache(tag_dir)
+    load = os.getloadavg()[0]
+    results = best_of(args.repeats, commands(save_dir, work, args.baseline))
+    print(
+        f"repeats: {args.repeats} interleaved (best wall time, largest peak); "
+        f"load average {load:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n"
+    )
+    print_table(results)
+    if args.skip_check:
+        return
+    if not (results["deepspeed zero_to_fp32"]["error"] or results["zeroshard to-fp32"]["error"]):
+        print(f"\nfp32 exports bit for bit equal: {fp32_exports_equal(work)}")
+    if not (results["deepspeed ds_to_universal"]["error"] or results["zeroshard to-universal"]["error"]):
+        same = universal_checkpoints_equal(work)
+        print(f"universal checkpoints bit for bit equal (fp32, exp_avg, exp_avg_sq): {same}")
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--train"]:  # a torchrun worker
-        _train_and_save(Path(sys.argv[2]), int(sys.argv[3]))
+        _train_and_save(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
     elif sys.argv[1:2] == ["--run"]:  # one measured command
         _RUNNERS[sys.argv[2]](*sys.argv[3:])
     else:

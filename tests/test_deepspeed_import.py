@@ -26,7 +26,9 @@ from deepspeed_fixtures import CONFIGS, Fixture
 from safetensors.torch import load_file
 
 from zeroshard.checkpoint.dtypes import to_torch
+from zeroshard.checkpoint.fp32_export import to_fp32
 from zeroshard.checkpoint.source import read_param
+from zeroshard.checkpoint.universal_write import to_universal
 from zeroshard.importers import (
     ALLOWED_GLOBALS,
     DeepSpeedFormatError,
@@ -167,13 +169,20 @@ def test_source_info(run):
         assert source.model_tensor("head.weight").dtype.name == "bfloat16"
 
 
-def test_rank_files_are_loaded_lazily_and_few_at_a_time(deepspeed_runs):
+def test_each_rank_file_is_parsed_once(deepspeed_runs, monkeypatch, tmp_path):
+    """Opening parses every file once; conversions (every parameter, state and rank) parse none again."""
+    from zeroshard.importers import deepspeed_pickle
+
+    parsed = []
+    original = deepspeed_pickle.load_torch_file
+    monkeypatch.setattr(
+        deepspeed_pickle, "load_torch_file", lambda path, **kw: parsed.append(path) or original(path, **kw)
+    )
     run = deepspeed_runs["w8_s1_tiny"]
-    with open_deepspeed(run.save_dir, cache_size=2) as source:
-        assert len(source.cached_ranks) <= 2
-        for rank in range(8):
-            source.read(rank, 0, "exp_avg", 0, 1)
-            assert len(source.cached_ranks) <= 2 and source.cached_ranks[-1] == rank
+    with open_deepspeed(run.save_dir) as source:
+        to_universal(source, tmp_path / "universal")
+        to_fp32(source, tmp_path / "fp32")
+    assert sorted(parsed) == sorted(run.tag_dir.glob("*.pt"))
 
 
 def test_reads_without_deepspeed_or_torch(deepspeed_runs):

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from zeroshard.importers import torch_unpickler
@@ -649,3 +649,97 @@ def test_an_allowed_enum_must_refuse_state(tmp_path, saved):
 
     with pytest.raises(TypeError, match="refuses_state"):
         load_torch_file(saved, {"x.Shared": Shared})
+
+
+# ---- the opcode scan ------------------------------------------------------------------------------
+
+
+def genops_verdict(data: bytes) -> str:
+    """What the scan must decide, by decoding every opcode with pickletools: "ok", "refused"
+    (an opcode outside the allow-list, a memo index past the pickle's size) or "corrupt"."""
+    import pickletools
+
+    from zeroshard.importers.pickle_scan import ALLOWED_OPCODES
+
+    try:
+        for opcode, arg, _ in pickletools.genops(data):
+            if opcode.name not in ALLOWED_OPCODES:
+                return "refused"
+            if opcode.name == "LONG_BINPUT" and arg > len(data):
+                return "refused"
+    except UnicodeDecodeError:
+        return "undecodable"  # the unpickler refuses it; pickletools stops there, so no verdict
+    except ValueError:
+        return "corrupt"
+    return "ok"
+
+
+def scan_verdict(data: bytes) -> str:
+    from zeroshard.importers.pickle_scan import check_opcodes
+    from zeroshard.importers.torch_records import FileProblem
+
+    try:
+        check_opcodes(data)
+    except FileProblem as problem:
+        return "corrupt" if str(problem).startswith("corrupt") and "memo index" not in str(problem) else "refused"
+    return "ok"
+
+
+SCAN_SAMPLES = [
+    pickle.dumps(value, protocol=protocol)
+    for protocol in (2, 3, 4)
+    for value in (
+        {"a": [1, -2, 2**40, 2**100, 2.5, None, True, False, (), (1,), (1, 2), (1, 2, 3), (1, 2, 3, 4)]},
+        {"text": "x" * 255, "longer": "y" * 256, "much": "é" * 70_000, "bytes": b"z" * 300, "short": b"q"},
+        [{1, 2}, frozenset({3}), OrderedDict(a=1), [[]] * 3, "s" * 10],
+        [f"name{i}" for i in range(70_000)],  # LONG_BINPUT indices past 2**16 in a big pickle
+    )
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(0, len(SCAN_SAMPLES) - 1),
+    st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 255)), max_size=4),
+)
+def test_the_opcode_scan_decides_as_decoding_every_opcode(sample, flips):
+    """The one-pass scan (a regular expression over runs of opcodes) against pickletools
+    decoding each opcode, on pickles with bytes overwritten (opcodes, lengths, string bodies)."""
+    data = bytearray(SCAN_SAMPLES[sample])
+    for position, value in flips:
+        data[position % len(data)] = value
+    expected = genops_verdict(bytes(data))
+    assume(expected != "undecodable")
+    assert (scan_verdict(bytes(data)) == "ok") == (expected == "ok")  # refused or corrupt: either refuses
+
+
+@pytest.mark.parametrize("cut", [1, 2, 3, 5, 8, 20])
+def test_the_opcode_scan_refuses_a_truncated_pickle(cut):
+    for sample in SCAN_SAMPLES:
+        assert scan_verdict(sample[:-cut]) == "corrupt" == genops_verdict(sample[:-cut])
+
+
+# ---- the zip directory ----------------------------------------------------------------------------
+
+
+def test_the_zip_directory_reads_as_zipfile_does(saved, tmp_path):
+    """read_directory agrees with zipfile on torch.save's layout, and leaves others to it."""
+    from zeroshard.importers.zip_directory import read_directory
+
+    def directory(path: Path):
+        with open(path, "rb") as file:
+            return read_directory(file.fileno())
+
+    fields = ("filename", "header_offset", "file_size", "compress_size", "compress_type", "flag_bits", "CRC")
+    with zipfile.ZipFile(saved) as archive:
+        expected = {info.filename: tuple(getattr(info, f) for f in fields) for info in archive.infolist()}
+    found = directory(saved)
+    assert found is not None and {n: tuple(getattr(e, f) for f in fields) for n, e in found.items()} == expected
+    commented = tmp_path / "comment.pt"
+    commented.write_bytes(saved.read_bytes())
+    with zipfile.ZipFile(commented, "a") as archive:
+        archive.comment = b"hello"
+    prefixed = tmp_path / "prefixed.pt"
+    prefixed.write_bytes(b"#!" + saved.read_bytes())
+    assert directory(commented) is None and directory(prefixed) is None
+    assert load_torch_file(commented).keys() == load_torch_file(saved).keys()  # through zipfile

@@ -6,18 +6,20 @@ against what every rank's optimizer file says (partition sizes, paddings, slice 
 before anything is read. A disagreement is a :class:`DeepSpeedFormatError` naming the file,
 group and rank: a misread layout would silently scramble weights.
 
-Rank files are opened lazily: opening one unpickles its structure, and tensor bytes are read
-range by range when asked for (with ``pread``, or through a mapping of just that range when it
-is 8 MiB or more; no file is held mapped, so a conversion's resident memory is what it holds,
-not what it has read). At most ``cache_size`` parsed rank
-files are kept, whatever the world size. Neither torch nor DeepSpeed is imported.
+Each rank file is parsed once, when the source is opened: its structure is checked against
+the layout and only its tensor records are kept (a few hundred bytes per rank, whatever the
+checkpoint's size), so a conversion reads every file's pickle once, not once per parameter
+it holds a piece of. Tensor bytes are read range by range when asked for (with ``pread``, or
+through a mapping of just that range when it is 8 MiB or more; no file is held mapped, so a
+conversion's resident memory is what it holds, not what it has read). Neither torch nor
+DeepSpeed is imported.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,44 +37,47 @@ from .deepspeed_files import (
     rank_file_paths,
     read_model_states,
     read_rank_shard,
+    read_scalars,
     refuse_unsupported,
 )
 from .deepspeed_pickle import DeepSpeedFormatError
 from .torch_file import StoredTensor, TorchFileError
 
 
-def open_deepspeed(path: str | Path, *, cache_size: int = 2) -> DeepSpeedSource:
+def open_deepspeed(path: str | Path) -> DeepSpeedSource:
     """Open a DeepSpeed ZeRO stage 1/2 checkpoint, check its layout, and return a source."""
-    return DeepSpeedSource(find_tag_dir(path), cache_size=cache_size)
+    return DeepSpeedSource(find_tag_dir(path))
+
+
+@dataclass(frozen=True)
+class RankTensors:
+    """What reading needs of one rank's file: its tensors, per layout group."""
+
+    fp32: list[StoredTensor]
+    states: list[dict[str, StoredTensor]]
 
 
 class DeepSpeedSource:
     """A DeepSpeed ZeRO-1/2 checkpoint read range by range (the ShardSource protocol)."""
 
-    def __init__(self, tag_dir: Path, *, cache_size: int = 2) -> None:
-        if cache_size < 1:
-            raise ValueError(f"cache_size must be at least 1, got {cache_size}")
+    def __init__(self, tag_dir: Path) -> None:
         self.path = tag_dir
         refuse_unsupported(tag_dir)
         self._model = read_model_states(model_states_path(tag_dir))
-        self._rank_paths = rank_file_paths(tag_dir)
-        self._cache: OrderedDict[int, RankShard] = OrderedDict()
-        self._cache_size = cache_size
-        first = self._shard(0)
-        layout = rebuild_layout(self._model, first, world_size=len(self._rank_paths))
-        for rank in range(layout.world_size):
-            check_rank(layout, self._shard(rank))
+        rank_paths = rank_file_paths(tag_dir)
+        first = read_rank_shard(rank_paths[0], 0)
+        layout = rebuild_layout(self._model, first, world_size=len(rank_paths))
+        self._ranks: list[RankTensors] = []
+        for rank, path in enumerate(rank_paths):
+            shard = first if rank == 0 else read_rank_shard(path, rank)
+            check_rank(layout, shard)
+            self._ranks.append(RankTensors(shard.fp32, shard.states))
         self.info = _source_info(layout, self._model, first)
-        self._scalars = first.scalars
+        self._scalars = [read_scalars(group) for group in first.scalars]
 
     @property
     def layout(self) -> Layout:
         return self.info.layout
-
-    @property
-    def cached_ranks(self) -> tuple[int, ...]:
-        """Ranks whose optimizer file is open now, least recently used first."""
-        return tuple(self._cache)
 
     def read(self, rank: int, group: int, key: str, start: int, end: int) -> np.ndarray:
         """Elements [start, end) of ``rank``'s partition of ``key`` ("fp32" or an optimizer
@@ -83,7 +88,7 @@ class DeepSpeedSource:
             raise ValueError(
                 f"range [{start}, {end}) is outside group {group}'s partition of {partition_numel} elements"
             )
-        shard = self._shard(rank)
+        shard = self._rank(rank)
         if key == "fp32":
             with _named_errors():
                 return _read_zero_extended(shard.fp32[group], start, end)
@@ -106,7 +111,7 @@ class DeepSpeedSource:
             return self._model.module[name].numpy()
 
     def close(self) -> None:
-        self._cache.clear()
+        self._ranks = []
 
     def __enter__(self) -> DeepSpeedSource:
         return self
@@ -119,17 +124,10 @@ class DeepSpeedSource:
             raise ValueError(f"group {group} does not exist (the checkpoint has {len(self.info.layout.groups)})")
         return self.info.layout.groups[group]
 
-    def _shard(self, rank: int) -> RankShard:
-        if not 0 <= rank < len(self._rank_paths):
-            raise ValueError(f"rank {rank} is outside world size {len(self._rank_paths)}")
-        if rank in self._cache:
-            self._cache.move_to_end(rank)
-            return self._cache[rank]
-        shard = read_rank_shard(self._rank_paths[rank], rank)
-        self._cache[rank] = shard
-        while len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
-        return shard
+    def _rank(self, rank: int) -> RankTensors:
+        if not 0 <= rank < len(self._ranks):
+            raise ValueError(f"rank {rank} is outside world size {len(self._ranks)}")
+        return self._ranks[rank]
 
 
 @contextlib.contextmanager

@@ -102,7 +102,7 @@ class RankShard:
     zero_stage: int
     fp32: list[StoredTensor]  # per group; tail padding stripped
     states: list[dict[str, StoredTensor]]  # per group; partition-shaped optimizer state
-    scalars: list[dict[str, Any]]  # per group; the rest (step): numpy arrays or plain values
+    scalars: list[dict[str, Any]]  # per group; the rest (step): tensors (see read_scalars) or plain values
     param_groups: list[dict[str, Any]]  # the inner optimizer's hyperparameters, per group
     group_paddings: list[int]
     param_alignment_paddings: list[list[int]] | None  # None: written before DeepSpeed had the key
@@ -110,8 +110,7 @@ class RankShard:
     slice_mappings: list[dict[str, tuple[int, int]]]  # per group: name -> (numel, start)
     loss_scaler: dict[str, Any]
     clip_grad: Any
-    ds_config: dict[str, Any]
-    ds_version: str | None
+    ds_version: str | None  # (its ds_config is the model-states file's; not read here)
 
 
 def read_model_states(path: Path) -> ModelStates:
@@ -174,7 +173,6 @@ def read_rank_shard(path: Path, rank: int) -> RankShard:
         slice_mappings=_slice_mappings(_require(state, "param_slice_mappings", path), path),
         loss_scaler=_loss_scaler(state.get("loss_scaler")),
         clip_grad=fields.plain(state.get("clip_grad"), "clip_grad", path),
-        ds_config=_ds_config(raw.get("ds_config"), path),
         ds_version=fields.optional_text(raw.get("ds_version"), "ds_version", path),
     )
 
@@ -265,11 +263,14 @@ def _is_vector(value: Any) -> bool:
 
 
 def _as_value(value: Any, field: str, path: Path) -> Any:
-    """A small tensor read into a numpy array; anything else as it is, if plain."""
-    if not isinstance(value, StoredTensor):
-        return fields.plain(value, field, path)
+    """A tensor as it is (not read yet: only rank 0's are used); anything else, if plain."""
+    return value if isinstance(value, StoredTensor) else fields.plain(value, field, path)
+
+
+def read_scalars(scalars: dict[str, Any]) -> dict[str, Any]:
+    """A group's scalars with its tensors read into numpy arrays."""
     try:
-        return value.numpy()
+        return {key: value.numpy() if isinstance(value, StoredTensor) else value for key, value in scalars.items()}
     except TorchFileError as err:
         raise DeepSpeedFormatError(str(err)) from None
 

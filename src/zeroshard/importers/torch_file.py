@@ -32,6 +32,7 @@ cannot expand into gigabytes).
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import os
 import reprlib
@@ -42,8 +43,17 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.dtypes import dtype_info
-from .torch_records import FileProblem, StorageRecord, StoredTensor, TorchFileError, one_line, refuses_state_of
+from .torch_records import (
+    FileProblem,
+    StorageRecord,
+    StoredTensor,
+    TorchFileError,
+    crc32,
+    one_line,
+    refuses_state_of,
+)
 from .torch_unpickler import ALLOWED_GLOBALS, StorageType, seal, unpickle
+from .zip_directory import read_directory
 
 __all__ = ["StorageRecord", "StoredTensor", "TorchFileError", "load_torch_file"]
 
@@ -73,10 +83,10 @@ def load_torch_file(path: Path, allowed: Mapping[str, type] | None = None) -> An
             raise TypeError(
                 f"allowed[{name!r}] is an Enum, whose members every load shares: decorate it with refuses_state"
             )
-        globals_.setdefault(name, seal(name, cls))
+        globals_.setdefault(name, _sealed(name, cls))
     try:
-        with _open_zip(path) as zip_file, open(path, "rb", buffering=0) as file:
-            archive = _Archive(path, zip_file, file.fileno())
+        with open(_existing(path), "rb", buffering=0) as file:
+            archive = _Archive(path, _directory(path, file.fileno()), file.fileno())
             order = archive.read("byteorder")
             if order not in (None, b"little"):
                 raise FileProblem(f"byte order {order!r} is unsupported: only little-endian files are read")
@@ -90,12 +100,32 @@ def load_torch_file(path: Path, allowed: Mapping[str, type] | None = None) -> An
         raise TorchFileError(f"{path}: cannot be read: {err.strerror or err}") from None
 
 
+@functools.lru_cache(maxsize=256)
+def _sealed(name: str, cls: type) -> type:
+    """The global a pickle gets for an allowed stand-in, made once per name and class."""
+    return seal(name, cls)
+
+
 # ---- the zip archive -------------------------------------------------------------------
 
 
-def _open_zip(path: Path) -> zipfile.ZipFile:
+def _existing(path: Path) -> Path:
     if not path.is_file():
         raise FileProblem("file is missing" if not path.exists() else "not a file")
+    return path
+
+
+def _directory(path: Path, fd: int) -> Mapping[str, Any]:
+    """The archive's records by name: :class:`~.zip_directory.Entry` for the layout torch.save
+    writes, ``zipfile.ZipInfo`` through ``zipfile`` for anything else."""
+    found = read_directory(fd)
+    if found is not None:
+        return found
+    with _open_zip(path) as zip_file:
+        return dict(zip_file.NameToInfo)
+
+
+def _open_zip(path: Path) -> zipfile.ZipFile:
     try:
         return zipfile.ZipFile(path)
     except OSError:
@@ -116,20 +146,20 @@ def _open_zip(path: Path) -> zipfile.ZipFile:
 class _Archive:
     """The records of one open torch.save zip, found through its central directory."""
 
-    def __init__(self, path: Path, zip_file: zipfile.ZipFile, fd: int) -> None:
-        self.path, self.zip_file, self.fd = path, zip_file, fd
+    def __init__(self, path: Path, entries: Mapping[str, Any], fd: int) -> None:
+        self.path, self.entries, self.fd = path, entries, fd
         self.file_size = os.fstat(fd).st_size
-        pickles = [name for name in zip_file.namelist() if name.endswith("/data.pkl") and name.count("/") == 1]
+        pickles = [name for name in entries if name.endswith("/data.pkl") and name.count("/") == 1]
         if len(pickles) != 1:
             raise FileProblem(f"not a torch.save archive: {len(pickles)} <archive>/data.pkl records")
         self.prefix = pickles[0].removesuffix("data.pkl")
         self.storages: dict[str, StorageRecord] = {}
         self.load = next(_loads)
 
-    def info(self, name: str) -> zipfile.ZipInfo | None:
-        try:
-            info = self.zip_file.getinfo(self.prefix + name)
-        except KeyError:
+    def info(self, name: str) -> Any:
+        """The record ``name`` (a ZipInfo or an Entry), None where there is none."""
+        info = self.entries.get(self.prefix + name)
+        if info is None:
             return None
         if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 1:
             raise FileProblem(f"record {info.filename} is compressed or encrypted; torch.save stores records as they are")
@@ -140,10 +170,15 @@ class _Archive:
         info = self.info(name)
         if info is None:
             return None
-        try:
-            return self.zip_file.read(info)
-        except (zipfile.BadZipFile, EOFError) as err:
-            raise FileProblem(f"record {info.filename} is corrupt: {one_line(err)}") from None
+        data = os.pread(self.fd, info.file_size, self._data_offset(info))
+        if len(data) != info.file_size:
+            raise FileProblem(f"record {info.filename} runs past the end of the file (truncated?)")
+        found = crc32(data)
+        if found != info.CRC:
+            raise FileProblem(
+                f"record {info.filename} is corrupt: its CRC-32 is {found:08x}, the zip directory says {info.CRC:08x}"
+            )
+        return data
 
     def storage(self, pid: Any) -> StorageRecord:
         """The storage a persistent id names; one record object per key."""
@@ -178,7 +213,7 @@ class _Archive:
             raise FileProblem(f"corrupt pickle data.pkl: storage {key} is declared with two types or sizes")
         return record
 
-    def _data_offset(self, info: zipfile.ZipInfo) -> int:
+    def _data_offset(self, info: Any) -> int:
         # The local header repeats the name and has its own extra field (torch pads it to
         # align the data), so the data starts where that header says, not the directory.
         header = os.pread(self.fd, 30, info.header_offset)

@@ -4,7 +4,8 @@ A pickle names globals and calls them, so unpickling an arbitrary file runs code
 chooses. This unpickler resolves only an explicit allowlist of names, to our own torch-free
 rebuild functions and markers and to the caller's data-only stand-in classes, and refuses
 every other global by name, as ``torch.load(weights_only=True)`` does. Before unpickling,
-the opcodes are checked against the set a torch.save pickle uses.
+the opcodes are checked against the set a torch.save pickle uses
+(:func:`~.pickle_scan.check_opcodes`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import io
 import math
 import pickle
-import pickletools
 import reprlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..checkpoint.dtypes import dtype_info
+from .pickle_scan import check_opcodes
 from .torch_records import STORAGE_CLASSES, FileProblem, StorageRecord, StoredTensor, one_line, span, unbuildable
 
 
@@ -53,30 +54,6 @@ class StorageType:
     dtype: str
 
 
-# The opcodes a torch.save pickle (protocol 2 to 4) uses for data; no buffers, INST/OBJ, EXT.
-_OPCODES = frozenset((
-    "PROTO", "FRAME", "STOP", "MARK", "POP", "POP_MARK", "DUP", "NONE", "NEWTRUE", "NEWFALSE", "BININT",
-    "BININT1", "BININT2", "LONG1", "LONG4", "BINFLOAT", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8",
-    "SHORT_BINBYTES", "BINBYTES", "BINBYTES8", "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "EMPTY_LIST",
-    "APPEND", "APPENDS", "EMPTY_DICT", "SETITEM", "SETITEMS", "EMPTY_SET", "ADDITEMS", "FROZENSET", "GLOBAL",
-    "STACK_GLOBAL", "REDUCE", "NEWOBJ", "BUILD", "BINPERSID", "BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT",
-    "MEMOIZE",
-))  # fmt: skip
-
-
-def _check_opcodes(data: bytes) -> None:
-    """Refuse opcodes outside _OPCODES. Also bound memo indices: the C unpickler sizes its
-    memo by the largest index, so a tiny pickle could make it allocate gigabytes."""
-    try:
-        for opcode, arg, _ in pickletools.genops(data):
-            if opcode.name not in _OPCODES:
-                raise FileProblem(f"refused to unpickle data.pkl: opcode {opcode.name} is not allowed")
-            if opcode.name in ("BINPUT", "LONG_BINPUT") and arg > len(data):
-                raise FileProblem(f"corrupt pickle data.pkl: memo index {arg} in a pickle of {len(data)} bytes")
-    except ValueError as err:
-        raise FileProblem(f"corrupt pickle data.pkl: {one_line(err)}") from None
-
-
 class _Unpickler(pickle.Unpickler):
     def __init__(self, data: bytes, globals_: Mapping[str, Any], storage: Callable[[Any], StorageRecord]) -> None:
         super().__init__(io.BytesIO(data))
@@ -94,7 +71,7 @@ class _Unpickler(pickle.Unpickler):
 
 
 def unpickle(data: bytes, globals_: Mapping[str, Any], storage: Callable[[Any], StorageRecord]) -> Any:
-    _check_opcodes(data)
+    check_opcodes(data)
     try:
         return _Unpickler(data, globals_, storage).load()
     except FileProblem:

@@ -1,0 +1,126 @@
+"""The opcode allow-list of torch.save pickles, checked in one pass before unpickling.
+
+The C unpickler trusts what a pickle declares: ``LONG_BINPUT`` with index 2**32 - 1 makes it
+allocate (and zero) a memo of 64 GiB, ``BINBYTES8`` allocates its declared size before reading
+it, and protocol 0/1 or out-of-band opcodes are nothing torch.save writes. So before
+unpickling, every opcode is checked against the set a torch.save pickle (protocol 2 to 4)
+uses, every memo index is bounded by the pickle's size and every counted string or integer
+must fit in the bytes that follow.
+
+:func:`check_opcodes` does that without decoding opcodes one by one in Python (which costs
+more than unpickling): one regular expression consumes runs of allowed opcodes whose
+arguments are fixed or short, and only the rest (long strings, bytes, big integers, a memo
+index past 65535) is looked at here.
+"""
+
+from __future__ import annotations
+
+import pickletools
+import re
+import struct
+
+from .torch_records import FileProblem
+
+# The opcodes a torch.save pickle (protocol 2 to 4) uses for data; no buffers, INST/OBJ, EXT.
+ALLOWED_OPCODES = frozenset((
+    "PROTO", "FRAME", "STOP", "MARK", "POP", "POP_MARK", "DUP", "NONE", "NEWTRUE", "NEWFALSE", "BININT",
+    "BININT1", "BININT2", "LONG1", "LONG4", "BINFLOAT", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8",
+    "SHORT_BINBYTES", "BINBYTES", "BINBYTES8", "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "EMPTY_LIST",
+    "APPEND", "APPENDS", "EMPTY_DICT", "SETITEM", "SETITEMS", "EMPTY_SET", "ADDITEMS", "FROZENSET", "GLOBAL",
+    "STACK_GLOBAL", "REDUCE", "NEWOBJ", "BUILD", "BINPERSID", "BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT",
+    "MEMOIZE",
+))  # fmt: skip
+
+_OPCODES = {op.name: op for op in pickletools.opcodes}
+_STOP = _OPCODES["STOP"].code.encode("latin-1")[0]
+# Opcodes whose argument is a little-endian length of this many bytes, then that many bytes.
+_COUNTED = {
+    _OPCODES[name].code.encode("latin-1")[0]: width
+    for name, width in (
+        ("LONG1", 1), ("LONG4", 4), ("SHORT_BINUNICODE", 1), ("BINUNICODE", 4), ("BINUNICODE8", 8),
+        ("SHORT_BINBYTES", 1), ("BINBYTES", 4), ("BINBYTES8", 8),
+    )
+}  # fmt: skip
+_LONG_BINPUT = _OPCODES["LONG_BINPUT"].code.encode("latin-1")[0]
+_FAST_MEMO_LIMIT = 1 << 16  # LONG_BINPUT indices below this pass the fast scan of pickles this big
+
+
+def _code(name: str) -> bytes:
+    return re.escape(_OPCODES[name].code.encode("latin-1"))
+
+
+def _fast_scanner(long_binput: bool) -> re.Pattern[bytes]:
+    """A pattern matching the longest run of allowed opcodes that need no arithmetic: fixed
+    arguments, GLOBAL's two lines, and counted strings and integers of 1-byte length or
+    (BINUNICODE, protocol 2's only string opcode) of a length below 256."""
+    by_width: dict[int, list[bytes]] = {}
+    for name in sorted(ALLOWED_OPCODES - {"STOP", "GLOBAL", "LONG_BINPUT"}):
+        op = _OPCODES[name]
+        if op.code.encode("latin-1")[0] not in _COUNTED:
+            by_width.setdefault(op.arg.n if op.arg else 0, []).append(_code(name))
+    any_byte = rb"[\x00-\xff]"
+    runs = [
+        b"[" + b"".join(codes) + b"]" + (any_byte + b"{%d}" % width if width else b"")
+        for width, codes in by_width.items()
+    ]
+    runs.append(_code("GLOBAL") + rb"[^\n]*\n[^\n]*\n")
+    if long_binput:  # an index below 2**16, in little-endian order
+        runs.append(_code("LONG_BINPUT") + any_byte + b"{2}\\x00\\x00")
+    short = b"[" + _code("SHORT_BINUNICODE") + _code("SHORT_BINBYTES") + _code("LONG1") + b"]"
+    runs.append(short + _lengths_below_256(high_zero_bytes=0))
+    runs.append(_code("BINUNICODE") + _lengths_below_256(high_zero_bytes=3))
+    return re.compile(b"(?:" + b"|".join(runs) + b")*+")
+
+
+def _lengths_below_256(high_zero_bytes: int) -> bytes:
+    """A little-endian length n < 256 (its low byte, then zero bytes), then n bytes."""
+    zeros = b"\\x00" * high_zero_bytes
+    return b"(?:" + b"|".join(re.escape(bytes([n])) + zeros + b"[\\x00-\\xff]{%d}" % n for n in range(256)) + b")"
+
+
+_FAST = _fast_scanner(long_binput=False)
+_FAST_BIG = _fast_scanner(long_binput=True)
+
+
+def check_opcodes(data: bytes) -> None:
+    """Refuse a pickle with an opcode outside ALLOWED_OPCODES, a memo index beyond its size
+    (the C unpickler sizes its memo by the largest index), or an argument running past its end."""
+    fast = _FAST_BIG if len(data) >= _FAST_MEMO_LIMIT else _FAST
+    position, end = 0, len(data)
+    while True:
+        position = fast.match(data, position).end()
+        if position >= end:
+            raise FileProblem("corrupt pickle data.pkl: it ends without a STOP opcode")
+        if data[position] == _STOP:
+            return
+        position = _slow_opcode(data, position)
+
+
+def _slow_opcode(data: bytes, position: int) -> int:
+    """Check the opcode at ``position`` that the fast scan stopped at; where the next one starts."""
+    code = data[position]
+    op = pickletools.code2op.get(chr(code))
+    if op is None:
+        raise FileProblem(f"corrupt pickle data.pkl: unknown opcode {code:#04x} at byte {position}")
+    if op.name not in ALLOWED_OPCODES:
+        raise FileProblem(f"refused to unpickle data.pkl: opcode {op.name} is not allowed")
+    width = _COUNTED.get(code)
+    if width is not None:
+        length = _unsigned(data, position + 1, width, op.name)
+        after = position + 1 + width + length
+    elif code == _LONG_BINPUT:
+        index = _unsigned(data, position + 1, 4, op.name)
+        if index > len(data):
+            raise FileProblem(f"corrupt pickle data.pkl: memo index {index} in a pickle of {len(data)} bytes")
+        after = position + 5
+    else:  # an opcode the fast scan takes when its argument is complete
+        after = len(data) + 1
+    if after > len(data):
+        raise FileProblem(f"corrupt pickle data.pkl: the argument of {op.name} at byte {position} runs past the end")
+    return after
+
+
+def _unsigned(data: bytes, start: int, width: int, name: str) -> int:
+    if start + width > len(data):
+        raise FileProblem(f"corrupt pickle data.pkl: the argument of {name} at byte {start - 1} runs past the end")
+    return int.from_bytes(data[start : start + width], "little")
