@@ -35,6 +35,7 @@ from .deepspeed_files import (
     rank_file_paths,
     read_model_states,
     read_rank_shard,
+    refuse_deepspeed_universal,
     refuse_unsupported,
 )
 from .deepspeed_pickle import DeepSpeedFormatError
@@ -42,7 +43,9 @@ from .torch_file import StoredTensor, TorchFileError
 
 
 def open_deepspeed(path: str | Path, *, cache_size: int = 2) -> DeepSpeedSource:
-    """Open a DeepSpeed ZeRO stage 1/2 checkpoint, check its layout, and return a source."""
+    """Open a DeepSpeed ZeRO stage 1/2 checkpoint, check its layout, and return a source.
+    DeepSpeed's own universal format is refused by name (UnsupportedCheckpointError)."""
+    refuse_deepspeed_universal(path)
     return DeepSpeedSource(find_tag_dir(path), cache_size=cache_size)
 
 
