@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from deepspeed_fixtures import deepspeed_universal_folder
 
-from zeroshard.checkpoint import run_ranks, save_sharded
+from zeroshard.checkpoint import SourceFormat, register_format, run_ranks, save_sharded, unregister_format
+from zeroshard.checkpoint.native_source import NativeSource
 from zeroshard.checkpoint.testing import synthesize_state
 from zeroshard.checkpoint.universal import to_universal
 from zeroshard.cli.main import main
@@ -232,6 +233,20 @@ def test_deepspeed_universal_format_is_named_and_refused(deepspeed_run, tmp_path
     assert main(["to-universal", str(path), str(tmp_path / "out")]) == 2
     [line] = _lines(capsys)
     assert "a DeepSpeed universal checkpoint" in line and not (tmp_path / "out").exists()
+
+
+def test_inspect_goes_by_the_registered_formats(saved, tmp_path, capsys):
+    """The kind is the registry's word: a format registered first claims the path."""
+    register_format(SourceFormat("pointer", lambda path: path == saved, NativeSource, "pointer checkpoint"))
+    try:
+        assert main(["inspect", str(saved)]) == 2
+        [line] = _lines(capsys)
+        assert line == f"zeroshard inspect: error: {saved}: a pointer checkpoint, which inspect does not describe; " + (
+            "open_source reads it"
+        )
+    finally:
+        unregister_format("pointer")
+    assert main(["inspect", str(saved)]) == 0
 
 
 def test_inspect_every_kind_without_torch(deepspeed_run, universal, saved):

@@ -39,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
     found = recognise(path)
     kind = found.kind if found is not None else NATIVE
     if kind not in _DESCRIBE:  # a registered format this command has no report for
-        raise ValueError(f"{path}: a {found.description or kind} checkpoint, which inspect does not describe")
+        what = found.description or f"{kind} checkpoint"
+        raise ValueError(f"{path}: a {what}, which inspect does not describe; open_source reads it")
     if args.verify:
         return _report_verification(*_VERIFY[kind](path))
     for line in _DESCRIBE[kind](path, args.files):
