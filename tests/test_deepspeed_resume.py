@@ -209,5 +209,5 @@ def test_load_checkpoint_refuses_deepspeeds_universal_format_by_name(deepspeed_r
         load_checkpoint(engine, path)
     message = str(error.value)
     assert "\n" not in message and "nothing changed" in message
-    assert f"{path}: a DeepSpeed universal checkpoint (ds_to_universal output), which zeroshard does not read" in message
+    assert f"{path}: a DeepSpeed universal checkpoint (ds_to_universal output), which zeroshard does not" in message
     assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
