@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -93,6 +94,21 @@ def fixture_paths(config: FixtureConfig, root: Path) -> Fixture:
         base / "zero_to_fp32.safetensors",
         base / "continued.json",
     )
+
+
+def deepspeed_universal_folder(run: Fixture, root: Path) -> Path:
+    """What DeepSpeed's ds_to_universal writes (deepspeed/checkpoint/ds_to_universal.py): per
+    parameter a folder of .pt files under zero/, the model-states file copied beside it, and
+    latest_universal in the parent. Only the names matter: zeroshard refuses it by name."""
+    folder = root / "step3_universal"
+    for name in ("fc1.weight", "fc1.bias"):
+        (folder / "zero" / name).mkdir(parents=True)
+        for state in ("fp32", "exp_avg", "exp_avg_sq", "step"):
+            (folder / "zero" / name / f"{state}.pt").write_bytes(b"")
+    (folder / "zero" / "optimizer_state.pt").write_bytes(b"")
+    shutil.copy(run.tag_dir / "mp_rank_00_model_states.pt", folder)
+    (root / "latest_universal").write_text(folder.name)
+    return folder
 
 
 def global_batch(step: int):

@@ -12,8 +12,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from deepspeed_fixtures import deepspeed_universal_folder
 
-from zeroshard.checkpoint import run_ranks, save_sharded
+from zeroshard.checkpoint import SourceFormat, register_format, run_ranks, save_sharded, unregister_format
+from zeroshard.checkpoint.native_source import NativeSource
 from zeroshard.checkpoint.testing import synthesize_state
 from zeroshard.checkpoint.universal import to_universal
 from zeroshard.cli.main import main
@@ -219,24 +221,9 @@ def _flip_a_byte_in_the_largest_record(path: Path) -> str:
     return info.filename
 
 
-def _deepspeed_universal_folder(run, root: Path) -> Path:
-    """What DeepSpeed's ds_to_universal writes (deepspeed/checkpoint/ds_to_universal.py): per
-    parameter a folder of .pt files under zero/, the model-states files copied beside it, and
-    latest_universal in the parent. Only the names matter here."""
-    folder = root / "step3_universal"
-    for name in ("fc1.weight", "fc1.bias"):
-        (folder / "zero" / name).mkdir(parents=True)
-        for state in ("fp32", "exp_avg", "exp_avg_sq", "step"):
-            (folder / "zero" / name / f"{state}.pt").write_bytes(b"")
-    (folder / "zero" / "optimizer_state.pt").write_bytes(b"")
-    shutil.copy(run.tag_dir / "mp_rank_00_model_states.pt", folder)
-    (root / "latest_universal").write_text(folder.name)
-    return folder
-
-
 @pytest.mark.parametrize("where", ["folder", "root"])
 def test_deepspeed_universal_format_is_named_and_refused(deepspeed_run, tmp_path, where, capsys):
-    folder = _deepspeed_universal_folder(deepspeed_run, tmp_path / "ds")
+    folder = deepspeed_universal_folder(deepspeed_run, tmp_path / "ds")
     path = folder if where == "folder" else folder.parent
     expected = f"zeroshard inspect: error: {path}: a DeepSpeed universal checkpoint (ds_to_universal output), which zeroshard does not read"
     for args in (["inspect", str(path)], ["inspect", "--verify", str(path)]):
@@ -246,6 +233,20 @@ def test_deepspeed_universal_format_is_named_and_refused(deepspeed_run, tmp_path
     assert main(["to-universal", str(path), str(tmp_path / "out")]) == 2
     [line] = _lines(capsys)
     assert "a DeepSpeed universal checkpoint" in line and not (tmp_path / "out").exists()
+
+
+def test_inspect_goes_by_the_registered_formats(saved, tmp_path, capsys):
+    """The kind is the registry's word: a format registered first claims the path."""
+    register_format(SourceFormat("pointer", lambda path: path == saved, NativeSource, "pointer checkpoint"))
+    try:
+        assert main(["inspect", str(saved)]) == 2
+        [line] = _lines(capsys)
+        assert line == f"zeroshard inspect: error: {saved}: a pointer checkpoint, which inspect does not describe; " + (
+            "open_source reads it"
+        )
+    finally:
+        unregister_format("pointer")
+    assert main(["inspect", str(saved)]) == 0
 
 
 def test_inspect_every_kind_without_torch(deepspeed_run, universal, saved):

@@ -40,6 +40,7 @@ from deepspeed_fixtures import (
     STEPS,
     Fixture,
     build_model,
+    deepspeed_universal_folder,
     global_batch,
     param_groups,
     rank_rows,
@@ -192,3 +193,21 @@ def test_next_losses_match_deepspeed_continuing_the_run(case, resumed, deepspeed
 def test_load_checkpoint_recognises_a_deepspeed_checkpoint(deepspeed_runs):
     fixture = deepspeed_runs["w2_s2"]
     assert checkpoint_kind(fixture.save_dir) == checkpoint_kind(fixture.tag_dir) == "deepspeed"
+
+
+@pytest.mark.parametrize("where", ["folder", "root"])
+def test_load_checkpoint_refuses_deepspeeds_universal_format_by_name(deepspeed_runs, tmp_path, where):
+    """ds_to_universal's output holds a model-states file too; it used to be opened as a
+    ZeRO checkpoint and fail with "optimizer files missing"."""
+    fixture = deepspeed_runs["w2_s2"]
+    folder = deepspeed_universal_folder(fixture, tmp_path)
+    path = folder if where == "folder" else folder.parent
+    model = model_as_deepspeed_runs_it(fixture)
+    engine = make_engine(model, param_groups(model), stage=2)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with pytest.raises(ValueError) as error:
+        load_checkpoint(engine, path)
+    message = str(error.value)
+    assert "\n" not in message and "nothing changed" in message
+    assert f"{path}: a DeepSpeed universal checkpoint (ds_to_universal output), which zeroshard does not" in message
+    assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())

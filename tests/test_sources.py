@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from universal_helpers import save_synthetic
 import zeroshard
 from zeroshard.checkpoint import (
     SourceFormat,
+    UnsupportedCheckpointError,
     checkpoint_kind,
     load_state,
     open_source,
@@ -23,6 +25,7 @@ from zeroshard.checkpoint import (
     registered_formats,
     unregister_format,
 )
+from zeroshard.checkpoint.fp32_export import to_fp32
 from zeroshard.checkpoint.native_source import NativeSource
 from zeroshard.checkpoint.testing import expected_partition
 from zeroshard.checkpoint.universal import to_universal
@@ -80,6 +83,36 @@ def test_a_deepspeed_checkpoint_is_recognised(deepspeed_runs):
     assert checkpoint_kind(run.save_dir) == checkpoint_kind(run.tag_dir) == "deepspeed"
     with open_source(run.save_dir) as source:
         assert isinstance(source, DeepSpeedSource) and source.info.layout.world_size == 2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+@pytest.mark.parametrize("where", ["folder", "root"])
+def test_deepspeeds_universal_format_is_recognised_and_refused_by_name(deepspeed_runs, tmp_path, where):
+    """ds_to_universal's output (or the root whose latest_universal names it) is the DeepSpeed
+    format's to refuse, in one line naming it, wherever it is opened."""
+    from deepspeed_fixtures import deepspeed_universal_folder
+
+    folder = deepspeed_universal_folder(deepspeed_runs["w2_s2"], tmp_path / "ds")
+    path = folder if where == "folder" else folder.parent
+    assert checkpoint_kind(path) == "deepspeed"
+    expected = f"{path}: a DeepSpeed universal checkpoint (ds_to_universal output), which zeroshard does not read"
+    out = tmp_path / "out"
+    for opening in (open_source, lambda p: to_universal(p, out, progress=False), lambda p: to_fp32(p, out)):
+        with pytest.raises(UnsupportedCheckpointError) as error:
+            opening(path)
+        assert str(error.value).startswith(expected) and "\n" not in str(error.value)
+    assert not out.exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+def test_deepspeed_optimizer_files_alone_are_deepspeeds_and_name_the_missing_file(deepspeed_runs, tmp_path):
+    tag_dir = tmp_path / "optimizer-only"
+    tag_dir.mkdir()
+    for rank_file in deepspeed_runs["w2_s2"].tag_dir.glob("*_optim_states.pt"):
+        (tag_dir / rank_file.name).symlink_to(rank_file)
+    assert checkpoint_kind(tag_dir) == "deepspeed"
+    with pytest.raises(ValueError, match=f"^{re.escape(str(tag_dir))}: mp_rank_00_model_states.pt is missing$"):
+        open_source(tag_dir)
 
 
 def test_a_registered_format_is_tried_first_and_can_be_removed(native_and_universal, tmp_path):

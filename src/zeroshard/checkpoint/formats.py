@@ -1,8 +1,12 @@
 """Which kind of checkpoint a path holds, and :func:`open_source` for all of them.
 
 Every format zeroshard reads (native, universal, DeepSpeed ZeRO-1/2) is a
-:class:`SourceFormat`: a name, a cheap test on file names, and an opener that returns a
-:class:`~zeroshard.checkpoint.source.ShardSource`. The built-in ones are declared by name in
+:class:`SourceFormat`: a name, a cheap test on file names, an opener that returns a
+:class:`~zeroshard.checkpoint.source.ShardSource`, and what a person calls it. This is the
+one place a checkpoint's kind is recognised: the loaders, the converters and ``zeroshard
+inspect`` all ask :func:`recognise` or :func:`open_source`. A format may also recognise a
+kind it does not read (DeepSpeed's own universal format), so that opening it refuses it by
+name with :class:`UnsupportedCheckpointError` instead of misreading it. The built-in ones are declared by name in
 ``zeroshard.CHECKPOINT_FORMATS`` and imported on first use, so this module never imports
 the importers (which build on the checkpoint layer); :func:`register_format` adds others.
 
@@ -26,6 +30,11 @@ from .source import ShardSource
 NATIVE = "native"  # what a path no format recognises is opened as: its reader says what is wrong
 
 
+class UnsupportedCheckpointError(ValueError):
+    """A checkpoint of a kind zeroshard recognises but does not read; its one line names
+    the path, the kind, and what to use instead."""
+
+
 @dataclass(frozen=True)
 class SourceFormat:
     """A checkpoint format zeroshard reads."""
@@ -33,6 +42,7 @@ class SourceFormat:
     kind: str  # "native", "universal", "deepspeed", ...
     recognise: Callable[[Path], bool]  # from file names alone; never raises
     open: Callable[[Path], ShardSource]  # checks what it opens; one-line errors
+    description: str = ""  # what a person calls it: "DeepSpeed ZeRO stage 1/2 checkpoint"
 
 
 _registered: list[SourceFormat] = []

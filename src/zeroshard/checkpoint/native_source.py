@@ -135,4 +135,4 @@ def is_native_checkpoint(path: Path) -> bool:
     return (path / MANIFEST_FILE).is_file() or (path / LATEST_FILE).is_file()
 
 
-NATIVE_FORMAT = SourceFormat("native", is_native_checkpoint, NativeSource)
+NATIVE_FORMAT = SourceFormat("native", is_native_checkpoint, NativeSource, "zeroshard checkpoint")

@@ -125,4 +125,4 @@ def _state_keys(layout: Layout, group: int, params: dict[str, Any]) -> list[str]
     return list(names)
 
 
-UNIVERSAL_FORMAT = SourceFormat("universal", is_universal_checkpoint, UniversalSource)
+UNIVERSAL_FORMAT = SourceFormat("universal", is_universal_checkpoint, UniversalSource, "zeroshard universal checkpoint")

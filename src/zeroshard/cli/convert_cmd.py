@@ -14,7 +14,6 @@ from pathlib import Path
 from ..checkpoint.fp32_export import to_fp32
 from ..checkpoint.universal_format import DEFAULT_MAX_SHARD_SIZE
 from ..checkpoint.universal_write import to_universal
-from .checkpoint_kind import refuse_unreadable_kinds
 from .errors import describe_error, name_output
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -86,7 +85,6 @@ def run_to_fp32(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, convert) -> int:
-    refuse_unreadable_kinds(args.checkpoint)
     started = time.perf_counter()
     try:
         out = convert()

@@ -1,8 +1,9 @@
 """``zeroshard inspect CKPT``: what a checkpoint holds; ``--verify`` checks every byte of it.
 
-Every kind of checkpoint the converters read is recognised (:mod:`.checkpoint_kind`): native
-(a tag directory, or a root with ``latest``), universal, and DeepSpeed ZeRO-1/2. DeepSpeed's
-own universal format is named and refused. Torch is never imported.
+The checkpoint's kind is what :func:`~zeroshard.checkpoint.formats.recognise` says, as for
+every loader and converter: native (a tag directory, or a root with ``latest``), universal,
+or DeepSpeed ZeRO-1/2; opening a kind zeroshard recognises but does not read (DeepSpeed's own
+universal format) refuses it by name. Torch is never imported.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ import argparse
 from pathlib import Path
 
 from ..checkpoint.directory import resolve_checkpoint
+from ..checkpoint.formats import NATIVE, UnsupportedCheckpointError, open_source, recognise
 from ..checkpoint.handle import Checkpoint, open_checkpoint
 from ..checkpoint.manifest import read_manifest
 from ..checkpoint.universal_format import read_universal_manifest
 from ..checkpoint.universal_read import open_universal
 from ..checkpoint.verify import read_every_tensor, verify_checkpoint, verify_universal
-from .checkpoint_kind import Kind, detect, refuse_unreadable_kinds
 from .inspect_report import describe_deepspeed, describe_native, describe_universal
 
 
@@ -35,8 +36,11 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     path: Path = args.checkpoint
-    refuse_unreadable_kinds(path)
-    kind = detect(path)
+    found = recognise(path)
+    kind = found.kind if found is not None else NATIVE
+    if kind not in _DESCRIBE:  # a registered format this command has no report for
+        what = found.description or f"{kind} checkpoint"
+        raise ValueError(f"{path}: a {what}, which inspect does not describe; open_source reads it")
     if args.verify:
         return _report_verification(*_VERIFY[kind](path))
     for line in _DESCRIBE[kind](path, args.files):
@@ -54,10 +58,9 @@ def _describe_universal(path: Path, list_all: bool) -> list[str]:
 
 
 def _describe_deepspeed(path: Path, list_all: bool) -> list[str]:
-    from ..importers import open_deepspeed
     from ..importers.deepspeed_files import model_states_path, rank_file_paths
 
-    with open_deepspeed(path) as source:
+    with open_source(path) as source:
         files = [model_states_path(source.path), *rank_file_paths(source.path)]
         return describe_deepspeed(source, path, files, list_all_files=list_all)
 
@@ -90,11 +93,12 @@ def _verify_universal(path: Path) -> tuple[str, list[str]]:
 def _verify_deepspeed(path: Path) -> tuple[str, list[str]]:
     """Opening checks every rank file's structure against the model-states file; then every
     tensor is read (each zip record's CRC-32 is checked where the reader checks it)."""
-    from ..importers import open_deepspeed
     from ..importers.deepspeed_files import model_states_path, rank_file_paths
 
     try:
-        source = open_deepspeed(path)
+        source = open_source(path)
+    except UnsupportedCheckpointError:
+        raise  # not damage: a kind zeroshard does not read (exit 2, as without --verify)
     except (ValueError, FileNotFoundError) as err:
         return "", [str(err)]
     with source:
@@ -116,5 +120,6 @@ def _report_verification(summary: str, problems: list[str]) -> int:
     return 0
 
 
-_DESCRIBE = {Kind.NATIVE: _describe_native, Kind.UNIVERSAL: _describe_universal, Kind.DEEPSPEED: _describe_deepspeed}
-_VERIFY = {Kind.NATIVE: _verify_native, Kind.UNIVERSAL: _verify_universal, Kind.DEEPSPEED: _verify_deepspeed}
+# by SourceFormat.kind
+_DESCRIBE = {NATIVE: _describe_native, "universal": _describe_universal, "deepspeed": _describe_deepspeed}
+_VERIFY = {NATIVE: _verify_native, "universal": _verify_universal, "deepspeed": _verify_deepspeed}

@@ -10,10 +10,11 @@ lists, so :func:`~zeroshard.checkpoint.formats.open_source` recognises it.
 
 from ..checkpoint.formats import SourceFormat
 from .deepspeed import DeepSpeedSource, open_deepspeed
-from .deepspeed_files import find_tag_dir, is_deepspeed_checkpoint
+from .deepspeed_files import find_tag_dir, is_deepspeed_checkpoint, is_deepspeed_universal, recognise_deepspeed
 from .deepspeed_pickle import ALLOWED_GLOBALS, DeepSpeedFormatError
 
-DEEPSPEED_FORMAT = SourceFormat("deepspeed", is_deepspeed_checkpoint, open_deepspeed)
+# Recognises DeepSpeed's own universal format too, so that opening it refuses it by name.
+DEEPSPEED_FORMAT = SourceFormat("deepspeed", recognise_deepspeed, open_deepspeed, "DeepSpeed ZeRO stage 1/2 checkpoint")
 
 __all__ = [
     "ALLOWED_GLOBALS",
@@ -22,5 +23,6 @@ __all__ = [
     "DeepSpeedSource",
     "find_tag_dir",
     "is_deepspeed_checkpoint",
+    "is_deepspeed_universal",
     "open_deepspeed",
 ]

@@ -38,6 +38,7 @@ from .deepspeed_files import (
     read_model_states,
     read_rank_shard,
     read_scalars,
+    refuse_deepspeed_universal,
     refuse_unsupported,
 )
 from .deepspeed_pickle import DeepSpeedFormatError
@@ -45,7 +46,9 @@ from .torch_file import StoredTensor, TorchFileError
 
 
 def open_deepspeed(path: str | Path) -> DeepSpeedSource:
-    """Open a DeepSpeed ZeRO stage 1/2 checkpoint, check its layout, and return a source."""
+    """Open a DeepSpeed ZeRO stage 1/2 checkpoint, check its layout, and return a source.
+    DeepSpeed's own universal format is refused by name (UnsupportedCheckpointError)."""
+    refuse_deepspeed_universal(path)
     return DeepSpeedSource(find_tag_dir(path))
 
 

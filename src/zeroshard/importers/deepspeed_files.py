@@ -8,7 +8,7 @@ Two kinds of file in a tag folder (DeepSpeed 0.19; docs/DEEPSPEED.md):
   every group (tail padding stripped), its optimizer state (tail padding kept), and what
   DeepSpeed says about its layout (paddings, partition counts, slice mappings).
 
-Finding the files (tag folder, ``latest``, rank files, layouts we refuse) is here too.
+Finding the files (tag folder, ``latest``, rank files, layouts and formats we refuse) is here too.
 Parsing checks types and shapes, not the layout; that is :mod:`.deepspeed`'s job.
 """
 
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint.formats import UnsupportedCheckpointError
 from .deepspeed_pickle import DeepSpeedFormatError, FragmentAddress, LossScaler, ZeroStageEnum, load_checkpoint_file
 from . import deepspeed_fields as fields
 from .torch_file import StoredTensor, TorchFileError
@@ -27,6 +28,8 @@ from .torch_records import one_line
 
 MODEL_STATES_FILE = "mp_rank_00_model_states.pt"
 LATEST_FILE = "latest"
+UNIVERSAL_LATEST_FILE = "latest_universal"  # ds_to_universal writes it beside its output folder
+_UNIVERSAL_DIR = "zero"  # in ds_to_universal's output: zero/<parameter>/fp32.pt, exp_avg.pt, ...
 _RANK_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 _UNSUPPORTED_FILES = (
     (re.compile(r"^zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt$"), "ZeRO stage 3 checkpoints are not supported"),
@@ -76,6 +79,42 @@ def is_deepspeed_checkpoint(path: str | Path) -> bool:
     return (tag_dir / MODEL_STATES_FILE).is_file() or any(
         p.name.endswith("_model_states.pt") for p in tag_dir.iterdir()
     )
+
+
+def recognise_deepspeed(path: str | Path) -> bool:
+    """What the DeepSpeed format claims, from file names alone: a ZeRO checkpoint, a tag folder
+    holding optimizer files only (opening it names the missing model-states file), and
+    DeepSpeed's own universal format (opening it refuses it by name)."""
+    if is_deepspeed_universal(path) or is_deepspeed_checkpoint(path):
+        return True
+    try:
+        return any(_RANK_FILE.match(p.name) for p in find_tag_dir(path).iterdir())
+    except (OSError, ValueError):
+        return False
+
+
+def is_deepspeed_universal(path: str | Path) -> bool:
+    """Whether ``path`` is a ``ds_to_universal`` output folder (``zero/<parameter>/fp32.pt``,
+    ...), or the root whose ``latest_universal`` names one and that has no ``latest``. It also
+    holds a model-states file, so it would otherwise be misread as a DeepSpeed ZeRO checkpoint
+    with its optimizer files missing."""
+    path = Path(path)
+    zero = path / _UNIVERSAL_DIR
+    try:
+        if zero.is_dir():
+            return (zero / "optimizer_state.pt").is_file() or any((p / "fp32.pt").is_file() for p in zero.iterdir())
+        return (path / UNIVERSAL_LATEST_FILE).is_file() and not (path / LATEST_FILE).exists()
+    except OSError:
+        return False
+
+
+def refuse_deepspeed_universal(path: str | Path) -> None:
+    """UnsupportedCheckpointError in one line when ``path`` is DeepSpeed's universal format."""
+    if is_deepspeed_universal(path):
+        raise UnsupportedCheckpointError(
+            f"{path}: a DeepSpeed universal checkpoint (ds_to_universal output), which zeroshard does not read; "
+            "use the DeepSpeed ZeRO checkpoint it was made from (the folder with *zero_pp_rank_*_optim_states.pt)"
+        )
 
 
 @dataclass
