@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from zeroshard.checkpoint import jsonvalue, run_ranks, save_sharded
 from zeroshard.checkpoint.testing import synthesize_state
@@ -75,7 +77,7 @@ def test_python_m_zeroshard_is_the_console_script(saved, args, code):
 def test_manifest_nested_too_deeply_for_json(saved):
     manifest = saved / "step7" / "manifest.json"
     manifest.write_text(_nest(100_000))
-    _assert_one_line_error(_cli("inspect", str(saved)), str(manifest), "nested too deeply")
+    _assert_one_line_error(_cli("inspect", str(saved)), str(manifest), "JSON nested more than 100 levels deep")
     _assert_one_line_error(_cli("to-universal", str(saved), str(saved.parent / "out")), str(manifest))
 
 
@@ -94,7 +96,7 @@ def test_safetensors_header_nested_too_deeply(tmp_path):
     path = tmp_path / "deep.safetensors"
     header = _nest(5000).encode()
     path.write_bytes(len(header).to_bytes(8, "little") + header)
-    with pytest.raises(ValueError, match=f"{path}: corrupted: JSON nested too deeply"):
+    with pytest.raises(ValueError, match=f"{path}: corrupted: JSON nested more than"):
         read_header(path, path.stat().st_size)
 
 
@@ -243,3 +245,30 @@ def test_a_spawned_ranks_traceback_is_cut_to_its_last_line():
 
     error = RuntimeError('rank 1 failed:\nTraceback (most recent call last):\n  File "x.py", line 3\nValueError: bad\n')
     assert describe_error(error) == "rank 1 failed: ValueError: bad"
+
+
+def _nesting(value) -> int:
+    if isinstance(value, (list, dict)):
+        children = value.values() if isinstance(value, dict) else value
+        return 1 + max((_nesting(child) for child in children), default=0)
+    return 0
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(alphabet='[]{}"\\ab\n\u00e9'),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(alphabet='[]{}"\\k'), inner, max_size=4),
+    max_leaves=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_JSON)
+def test_the_nesting_limit_counts_brackets_of_the_value_not_of_its_strings(value):
+    """The depth check reads the text, not the parsed value: brackets and escaped quotes
+    inside strings must not count, nested containers must."""
+    text = json.dumps(value, ensure_ascii=False)
+    depth = _nesting(value)
+    wrapped = "[" * (jsonvalue.MAX_DEPTH - depth) + text + "]" * (jsonvalue.MAX_DEPTH - depth)
+    assert jsonvalue.loads(wrapped.encode(), "f") == json.loads(wrapped)  # exactly at the limit: read
+    with pytest.raises(ValueError, match="f: corrupted: JSON nested more than"):
+        jsonvalue.loads("[" + wrapped + "]", "f")  # one deeper: refused

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -29,13 +30,28 @@ def loads(text: str | bytes, where: object) -> Any:
     """``json.loads(text)``, refusing nesting deeper than :data:`MAX_DEPTH` (json.loads
     itself, :func:`decode` and the manifest parsers recurse) with a ValueError naming
     ``where``. JSONDecodeError and UnicodeDecodeError pass through."""
+    if _text_depth(text) > MAX_DEPTH:
+        raise ValueError(f"{where}: corrupted: JSON nested more than {MAX_DEPTH} levels deep")
     try:
-        value = json.loads(text)
+        return json.loads(text)
     except RecursionError:
         raise ValueError(f"{where}: corrupted: JSON nested too deeply to parse (the limit is {MAX_DEPTH})") from None
-    if _deeper_than(value, MAX_DEPTH):
-        raise ValueError(f"{where}: corrupted: JSON nested more than {MAX_DEPTH} levels deep")
-    return value
+
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKET = re.compile(rb"[^\[\]{}]+")
+
+
+def _text_depth(text: str | bytes) -> int:
+    """The deepest nesting of brackets in JSON ``text``, outside strings: the nesting of the
+    value it parses to. Regular expressions and numpy, so a large manifest costs
+    milliseconds, not a walk over every value in Python."""
+    data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else bytes(text)
+    brackets = np.frombuffer(_NOT_BRACKET.sub(b"", _JSON_STRING.sub(b"", data)), dtype=np.uint8)
+    if brackets.size == 0:
+        return 0
+    opens = (brackets == ord("[")) | (brackets == ord("{"))
+    return int(np.cumsum(np.where(opens, 1, -1)).max())
 
 
 def _deeper_than(value: Any, limit: int) -> bool:
