@@ -142,7 +142,7 @@ def test_non_strict_loads_the_intersection_with_a_warning(saved):
 )
 def test_module_tensor_kinds_are_checked(saved, tmp_path, name, kind, message):
     """Not "tensor key 'a' appears twice" from the fp32 export: the manifest is at fault."""
-    from zeroshard.checkpoint.fp32_export import to_fp32
+    from zeroshard.checkpoint.export.fp32 import to_fp32
 
     edit_manifest(saved, lambda data: data["model"]["tensors"][name].update(kind=kind))
     assert message in load_error(saved)

@@ -15,7 +15,7 @@ import pytest
 from deepspeed_fixtures import deepspeed_universal_folder
 
 from zeroshard.checkpoint import SourceFormat, register_format, run_ranks, save_sharded, unregister_format
-from zeroshard.checkpoint.native_source import NativeSource
+from zeroshard.checkpoint.native.source import NativeSource
 from zeroshard.checkpoint.testing import synthesize_state
 from zeroshard.checkpoint.universal import to_universal
 from zeroshard.cli.main import main

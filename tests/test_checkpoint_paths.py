@@ -17,8 +17,8 @@ import pytest
 from universal_helpers import save_synthetic
 
 from zeroshard.checkpoint import load_sharded, open_checkpoint, verify_checkpoint
-from zeroshard.checkpoint.members import member_path, name_problem
-from zeroshard.checkpoint.native_source import NativeSource
+from zeroshard.checkpoint.io.members import member_path, name_problem
+from zeroshard.checkpoint.native.source import NativeSource
 from zeroshard.checkpoint.universal import load_universal, open_universal, to_universal
 from zeroshard.cli.main import main
 from zeroshard.layout import ParamSpec, build_layout
@@ -120,8 +120,8 @@ def test_native_rank_file_replaced_by_a_link_is_refused(native, tmp_path, target
 
 
 def open_checkpoint_unchecked(directory: Path):
-    from zeroshard.checkpoint.handle import Checkpoint
-    from zeroshard.checkpoint.manifest import read_manifest
+    from zeroshard.checkpoint.native.handle import Checkpoint
+    from zeroshard.checkpoint.native.manifest import read_manifest
 
     return Checkpoint(directory, read_manifest(directory))
 

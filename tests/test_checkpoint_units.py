@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from zeroshard.checkpoint import RankFailedError, checksum, plan_reads, run_ranks
-from zeroshard.checkpoint.checksum import BlockHasher
-from zeroshard.checkpoint.dtypes import to_torch
-from zeroshard.checkpoint.jsonvalue import decode, encode
+from zeroshard.checkpoint import RankFailedError, plan_reads, run_ranks
+from zeroshard.checkpoint.io import checksum
+from zeroshard.checkpoint.io.checksum import BlockHasher
+from zeroshard.checkpoint.io.dtypes import to_torch
+from zeroshard.checkpoint.io.jsonvalue import decode, encode
 from zeroshard.checkpoint.reshard import Copy, coalesce
 from zeroshard.layout import LayoutPolicy, ParamSpec, build_layout
 

@@ -16,7 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zeroshard.checkpoint import jsonvalue, run_ranks, save_sharded
+from zeroshard.checkpoint import run_ranks, save_sharded
+from zeroshard.checkpoint.io import jsonvalue
 from zeroshard.checkpoint.testing import synthesize_state
 from zeroshard.cli.main import main
 from zeroshard.layout import LayoutPolicy, ParamSpec, build_layout
@@ -91,7 +92,7 @@ def test_manifest_value_nested_deep_enough_to_break_decoding(saved):
 
 
 def test_safetensors_header_nested_too_deeply(tmp_path):
-    from zeroshard.checkpoint.safetensors_io import read_header
+    from zeroshard.checkpoint.io.safetensors_io import read_header
 
     path = tmp_path / "deep.safetensors"
     header = _nest(5000).encode()
@@ -140,7 +141,8 @@ def test_a_directory_where_a_rank_file_should_be(saved, capsys):
 
 def test_full_disk_names_the_file(saved, monkeypatch, capsys):
     """ENOSPC comes from write(), which knows no path: the error must still say where."""
-    from zeroshard.checkpoint import safetensors_io, universal_write
+    from zeroshard.checkpoint.io import safetensors_io
+    from zeroshard.checkpoint.universal import write as universal_write
 
     writes = []
 

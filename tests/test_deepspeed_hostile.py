@@ -22,7 +22,7 @@ import torch
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("deepspeed is not installed (pip install -e '.[deepspeed]')", allow_module_level=True)
 
-from zeroshard.checkpoint.fp32_export import load_fp32_state_dict
+from zeroshard.checkpoint.export.fp32 import load_fp32_state_dict
 from zeroshard.checkpoint.source import read_param
 from zeroshard.importers import DeepSpeedFormatError, open_deepspeed
 

@@ -25,10 +25,10 @@ if importlib.util.find_spec("deepspeed") is None:
 from deepspeed_fixtures import CONFIGS, Fixture
 from safetensors.torch import load_file
 
-from zeroshard.checkpoint.dtypes import to_torch
-from zeroshard.checkpoint.fp32_export import to_fp32
+from zeroshard.checkpoint.io.dtypes import to_torch
+from zeroshard.checkpoint.export.fp32 import to_fp32
 from zeroshard.checkpoint.source import read_param
-from zeroshard.checkpoint.universal_write import to_universal
+from zeroshard.checkpoint.universal.write import to_universal
 from zeroshard.importers import (
     ALLOWED_GLOBALS,
     DeepSpeedFormatError,
@@ -387,7 +387,7 @@ def test_fp16_run(copy_of, deepspeed_runs, tmp_path):
                 assert read_param(fp16, name, key).tobytes() == read_param(bf16, name, key).tobytes(), (key, name)
         assert fp16.model_tensor("embed.weight").dtype == np.float16
         assert fp16.info.extra["loss_scaler"]["dynamic"] and fp16.info.extra["loss_scaler"]["cur_scale"] == 1024.0
-    from zeroshard.checkpoint.fp32_export import to_fp32
+    from zeroshard.checkpoint.export.fp32 import to_fp32
 
     exported = load_file(to_fp32(tag_dir, tmp_path / "fp32", progress=False) / "model.safetensors")
     reference = load_file(str(bf16_run.zero_to_fp32))

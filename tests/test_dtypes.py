@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zeroshard.checkpoint.dtypes import arrays_to_torch, cast, dtype_info, dtype_of, dtype_of_code, to_numpy, to_torch
+from zeroshard.checkpoint.io.dtypes import arrays_to_torch, cast, dtype_info, dtype_of, dtype_of_code, to_numpy, to_torch
 
 ALL_DTYPES = [
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
@@ -98,7 +98,7 @@ def test_conversions_run_without_importing_torch(tmp_path):
         assert main(["to-fp32", r"{tmp_path / 'u'}", r"{tmp_path / 'f'}", "--dtype", "bf16", "--no-progress"]) == 0
         assert main(["to-fp32", r"{checkpoint}", r"{tmp_path / 'g'}", "--no-progress"]) == 0
         assert main(["inspect", r"{checkpoint}"]) == 0 and main(["inspect", r"{checkpoint}", "--verify"]) == 0
-        from zeroshard.checkpoint.universal_read import open_universal
+        from zeroshard.checkpoint.universal.read import open_universal
         with open_universal(r"{tmp_path / 'u'}") as ckpt:
             ckpt.read_param("w", "exp_avg").tofile(r"{tmp_path / 'exp_avg.bin'}")
         """

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from universal_helpers import PatternSource, bits, save_synthetic
 
 from zeroshard.checkpoint import run_ranks, save_sharded
-from zeroshard.checkpoint.fp32_export import load_fp32_state_dict, to_fp32
+from zeroshard.checkpoint.export.fp32 import load_fp32_state_dict, to_fp32
 from zeroshard.checkpoint.testing import pattern
 from zeroshard.checkpoint.universal import to_universal
 from zeroshard.engine import ZeroOptimizer

@@ -25,11 +25,11 @@ from zeroshard.checkpoint import (
     registered_formats,
     unregister_format,
 )
-from zeroshard.checkpoint.fp32_export import to_fp32
-from zeroshard.checkpoint.native_source import NativeSource
+from zeroshard.checkpoint.export.fp32 import to_fp32
+from zeroshard.checkpoint.native.source import NativeSource
 from zeroshard.checkpoint.testing import expected_partition
 from zeroshard.checkpoint.universal import to_universal
-from zeroshard.checkpoint.universal_source import UniversalSource
+from zeroshard.checkpoint.universal.source import UniversalSource
 from zeroshard.layout import LayoutPolicy, ParamSpec, build_layout
 
 SPECS = [
@@ -46,19 +46,44 @@ def native_and_universal(tmp_path_factory):
     return native, to_universal(native, root / "universal", progress=False)
 
 
-def test_the_checkpoint_layer_never_imports_the_importers():
-    """Importers build on the checkpoint layer; the formats table in zeroshard/__init__.py
-    names them instead, so no checkpoint module imports them."""
-    offenders = []
-    for path in sorted(CHECKPOINT_PACKAGE.glob("*.py")):
+def _checkpoint_imports() -> dict[str, set[str]]:
+    """Every checkpoint module (sub-packages included) and the absolute modules it imports."""
+    imports = {}
+    for path in sorted(CHECKPOINT_PACKAGE.rglob("*.py")):
+        parts = ("zeroshard", "checkpoint", *path.relative_to(CHECKPOINT_PACKAGE).with_suffix("").parts)
+        package = parts[:-1] if parts[-1] != "__init__" else parts[:-1]
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        names = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
-                names = [("." * node.level) + (node.module or "")]
+                base = package[: len(package) - node.level + 1] if node.level else ()
+                names.add(".".join([*base, *([node.module] if node.module else [])]))
             elif isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            else:
-                continue
-            offenders += [f"{path.name}: {n}" for n in names if n.startswith(("..importers", "zeroshard.importers"))]
+                names.update(alias.name for alias in node.names)
+        imports[module] = names
+    return imports
+
+
+def test_the_checkpoint_layers_import_only_downwards():
+    """Importers build on the checkpoint layer; the formats table in zeroshard/__init__.py
+    names them instead, so no checkpoint module imports them. Inside it, io (bytes, files)
+    imports none of the formats built on it, and native and universal not each other."""
+    imports = _checkpoint_imports()
+    assert "zeroshard.checkpoint.io.safetensors_io" in imports and "zeroshard.checkpoint.native.save" in imports
+    forbidden = {
+        "zeroshard.checkpoint": ("zeroshard.importers",),
+        "zeroshard.checkpoint.io": ("zeroshard.checkpoint.native", "zeroshard.checkpoint.universal", "zeroshard.checkpoint.export"),
+        "zeroshard.checkpoint.native": ("zeroshard.checkpoint.universal", "zeroshard.checkpoint.export"),
+        "zeroshard.checkpoint.universal": ("zeroshard.checkpoint.native", "zeroshard.checkpoint.export"),
+    }
+    offenders = [
+        f"{module}: {name}"
+        for module, names in imports.items()
+        for layer, banned in forbidden.items()
+        if module == layer or module.startswith(layer + ".")
+        for name in names
+        if name.startswith(banned)
+    ]
     assert offenders == []
     assert [f.kind for f in registered_formats()] == ["universal", "deepspeed", "native"]
 

@@ -18,9 +18,9 @@ from universal_helpers import (
 )
 
 from zeroshard.checkpoint import ReadStats, load_sharded, open_checkpoint, run_ranks, save_sharded
-from zeroshard.checkpoint.dtypes import to_torch, torch_dtype
+from zeroshard.checkpoint.io.dtypes import to_torch, torch_dtype
 from zeroshard.checkpoint.formats import open_source
-from zeroshard.checkpoint.native_source import NativeSource
+from zeroshard.checkpoint.native.source import NativeSource
 from zeroshard.checkpoint.source import read_param
 from zeroshard.checkpoint.testing import ADAM_STATES, expected_partition, pattern, synthesize_state
 from zeroshard.checkpoint.universal import load_from_source, load_universal, open_universal, to_universal
@@ -368,7 +368,7 @@ def test_existing_output_is_kept_unless_overwrite(small_checkpoint, tmp_path):
 
 
 def test_a_failure_mid_write_leaves_nothing(small_checkpoint, tmp_path, monkeypatch):
-    from zeroshard.checkpoint import native_source
+    from zeroshard.checkpoint.native import source as native_source
 
     calls = {"n": 0}
     original = native_source.NativeSource.read
@@ -418,7 +418,7 @@ def _shards(directory):
 
 
 def _flip_in_tensor(path, key):
-    from zeroshard.checkpoint.safetensors_io import read_header
+    from zeroshard.checkpoint.io.safetensors_io import read_header
 
     entry = read_header(path, path.stat().st_size)[key]
     data = bytearray(path.read_bytes())
@@ -445,7 +445,7 @@ def _edit_json(path, **changes):
 def test_streaming_writer_checks_the_plan_and_writes_standard_safetensors(tmp_path):
     from safetensors.torch import load_file
 
-    from zeroshard.checkpoint.safetensors_io import PlannedTensor, SafetensorsWriter, write_safetensors
+    from zeroshard.checkpoint.io.safetensors_io import PlannedTensor, SafetensorsWriter, write_safetensors
 
     a, b = torch.arange(6, dtype=torch.float32), torch.ones(2, 2, dtype=torch.bfloat16)
     plan = [PlannedTensor("a", "float32", (2, 3)), PlannedTensor("b", "bfloat16", (2, 2))]
@@ -467,7 +467,7 @@ def test_streaming_writer_checks_the_plan_and_writes_standard_safetensors(tmp_pa
 def test_writer_starts_writeback_as_it_goes(tmp_path, monkeypatch):
     from safetensors.numpy import load_file
 
-    from zeroshard.checkpoint import safetensors_io
+    from zeroshard.checkpoint.io import safetensors_io
 
     hinted = []
     monkeypatch.setattr(safetensors_io, "_WRITEBACK_CHUNK", 3 << 20)
@@ -482,7 +482,7 @@ def test_writer_starts_writeback_as_it_goes(tmp_path, monkeypatch):
 
 def write_with_record(path, payload: bytes, block_size: int):
     """Write ``payload`` to ``path``; its FileRecord with ``block_size``-byte blocks."""
-    from zeroshard.checkpoint.checksum import BlockHasher
+    from zeroshard.checkpoint.io.checksum import BlockHasher
 
     path.write_bytes(payload)
     hasher = BlockHasher(block_size)
@@ -491,7 +491,7 @@ def write_with_record(path, payload: bytes, block_size: int):
 
 
 def test_range_reader_reads_a_shared_block_once(tmp_path):
-    from zeroshard.checkpoint.block_reader import RangeReader
+    from zeroshard.checkpoint.io.block_reader import RangeReader
 
     path, payload = tmp_path / "f", bytes(range(256)) * 4
     record = write_with_record(path, payload, 100)
@@ -509,8 +509,8 @@ def test_range_reader_reads_a_shared_block_once(tmp_path):
 
 def test_range_reader_maps_big_ranges(tmp_path, monkeypatch):
     """Ranges of MAP_BYTES or more come from a mapping: same bytes and checks, no copy."""
-    from zeroshard.checkpoint import block_reader
-    from zeroshard.checkpoint.block_reader import RangeReader
+    from zeroshard.checkpoint.io import block_reader
+    from zeroshard.checkpoint.io.block_reader import RangeReader
 
     monkeypatch.setattr(block_reader, "MAP_BYTES", 3000)
     path, payload = tmp_path / "f", np.random.default_rng(1).integers(0, 256, 10_000, dtype=np.uint8).tobytes()

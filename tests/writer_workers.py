@@ -33,7 +33,7 @@ def wait_for(go_file: Path) -> None:
 
 def loop(attempt, seconds: float, go_file: Path) -> dict:
     """Call ``attempt(i)`` until time is up; sort its outcomes."""
-    from zeroshard.checkpoint.writer_lock import WriterLockedError
+    from zeroshard.checkpoint.io.writer_lock import WriterLockedError
 
     wait_for(go_file)
     done, refused, failed = [], [], []
@@ -77,8 +77,8 @@ def save_loop(root: Path, name: str, seconds: float, go_file: Path) -> dict:
 
 def convert_loop(source: Path, out: Path, seconds: float, go_file: Path) -> dict:
     """Alternately to-universal into OUT/u and to-fp32 into OUT/f, replacing what is there."""
-    from zeroshard.checkpoint.fp32_export import to_fp32
-    from zeroshard.checkpoint.universal_write import to_universal
+    from zeroshard.checkpoint.export.fp32 import to_fp32
+    from zeroshard.checkpoint.universal.write import to_universal
 
     def attempt(i: int) -> str:
         if i % 2:

@@ -7,7 +7,7 @@ __version__ = "0.1.0"
 # here, above every layer, like packaging entry points: the checkpoint layer loads them by
 # name when a checkpoint is first opened, so it never imports the importers that use it.
 CHECKPOINT_FORMATS = (
-    "zeroshard.checkpoint.universal_source:UNIVERSAL_FORMAT",
+    "zeroshard.checkpoint.universal.source:UNIVERSAL_FORMAT",
     "zeroshard.importers:DEEPSPEED_FORMAT",
-    "zeroshard.checkpoint.native_source:NATIVE_FORMAT",
+    "zeroshard.checkpoint.native.source:NATIVE_FORMAT",
 )

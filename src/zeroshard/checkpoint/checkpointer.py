@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .coordinator import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
-from .directory import read_latest
+from .io.directory import read_latest
 from .engine_io import LR_SCHEDULER_KEY, load_checkpoint
 from .retention import apply_retention, step_tag
-from .save import FaultHook, commit_save, plan_save, write_rank_files
+from .native.save import FaultHook, commit_save, plan_save, write_rank_files
 from .snapshot import HostSnapshot
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from ..layout import Layout
-from .manifest import dtype_name
+from .native.manifest import dtype_name
 from .source import SourceInfo
 
 if TYPE_CHECKING:

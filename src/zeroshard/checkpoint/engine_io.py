@@ -16,7 +16,7 @@ from ..state import ShardedState
 from .coordinator import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
 from .formats import checkpoint_kind, open_source  # noqa: F401  (checkpoint_kind: re-exported)
 from .loader import load_state
-from .save import FaultHook, save_sharded
+from .native.save import FaultHook, save_sharded
 
 if TYPE_CHECKING:
     from ..engine import ZeroOptimizer

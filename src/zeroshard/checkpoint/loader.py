@@ -34,7 +34,7 @@ import torch
 from ..layout import Layout
 from ..state import ParamGroupState, ShardedState
 from .compat import Mismatch, compare_module, compare_params
-from .dtypes import arrays_to_torch, cast, dtype_info, dtype_of, to_numpy, to_torch
+from .io.dtypes import arrays_to_torch, cast, dtype_info, dtype_of, to_numpy, to_torch
 from .reshard import GroupPlan, plan_reads
 from .source import ShardSource, read_whole_param
 

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Collection, Mapping
 
-from .directory import delete_tag, list_tags, read_latest
+from .io.directory import delete_tag, list_tags, read_latest
 
 log = logging.getLogger(__name__)
 

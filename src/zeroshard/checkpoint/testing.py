@@ -15,7 +15,7 @@ import torch
 
 from ..layout import Layout
 from ..state import ParamGroupState, ShardedState
-from .dtypes import torch_dtype
+from .io.dtypes import torch_dtype
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 _PERIOD = (1 << 23) - 1

@@ -11,13 +11,13 @@ import os
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from .checksum import FileRecord
+from .io.checksum import FileRecord
 from .format import MODEL_FILE
-from .handle import Checkpoint
-from .members import member_path
-from .safetensors_io import check_entries, read_header, verify_file
+from .native.handle import Checkpoint
+from .io.members import member_path
+from .io.safetensors_io import check_entries, read_header, verify_file
 from .source import ShardSource
-from .universal_format import UniversalManifest
+from .universal.format import UniversalManifest
 
 Spec = tuple[str, tuple[int, ...]]  # a tensor's dtype name and shape
 _READ_CHUNK = 1 << 24  # elements per read when reading a whole partition (64 MiB of fp32)

@@ -11,9 +11,9 @@ import re
 import time
 from pathlib import Path
 
-from ..checkpoint.fp32_export import to_fp32
-from ..checkpoint.universal_format import DEFAULT_MAX_SHARD_SIZE
-from ..checkpoint.universal_write import to_universal
+from ..checkpoint.export.fp32 import to_fp32
+from ..checkpoint.universal.format import DEFAULT_MAX_SHARD_SIZE
+from ..checkpoint.universal.write import to_universal
 from .errors import describe_error, name_output
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}

@@ -98,7 +98,7 @@ def _run_arc(config: DemoConfig, args: argparse.Namespace, out: Path) -> None:
 def _convert(checkpoint: Path, out: Path) -> list[tuple[str, float, str]]:
     import torch
 
-    from ..checkpoint.fp32_export import to_fp32
+    from ..checkpoint.export.fp32 import to_fp32
     from ..checkpoint.universal import to_universal
     from ..models import GPTConfig, TinyGPT
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..checkpoint.directory import resolve_checkpoint
+from ..checkpoint.io.directory import resolve_checkpoint
 from ..checkpoint.formats import NATIVE, UnsupportedCheckpointError, open_source, recognise
-from ..checkpoint.handle import Checkpoint, open_checkpoint
-from ..checkpoint.manifest import read_manifest
-from ..checkpoint.universal_format import read_universal_manifest
-from ..checkpoint.universal_read import open_universal
+from ..checkpoint.native.handle import Checkpoint, open_checkpoint
+from ..checkpoint.native.manifest import read_manifest
+from ..checkpoint.universal.format import read_universal_manifest
+from ..checkpoint.universal.read import open_universal
 from ..checkpoint.verify import read_every_tensor, verify_checkpoint, verify_universal
 from .inspect_report import describe_deepspeed, describe_native, describe_universal
 

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ..checkpoint import jsonvalue
+from ..checkpoint.io import jsonvalue
 from ..layout import Layout, LayoutPolicy, ParamSpec, build_layout, itemsize
 from .arguments import positive_int
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpoint.dtypes import to_float32
+from ..checkpoint.io.dtypes import to_float32
 from ..checkpoint.source import ModelEntry, SourceInfo
 from ..layout import GroupLayout, Layout, LayoutPolicy, ParamSpec, build_layout, canonical_dtype
 from ..state import ParamGroupState

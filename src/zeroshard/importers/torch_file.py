@@ -42,7 +42,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.dtypes import dtype_info
+from ..checkpoint.io.dtypes import dtype_info
 from .torch_records import (
     FileProblem,
     StorageRecord,

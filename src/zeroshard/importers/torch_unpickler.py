@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..checkpoint.dtypes import dtype_info
+from ..checkpoint.io.dtypes import dtype_info
 from .pickle_scan import check_opcodes
 from .torch_records import STORAGE_CLASSES, FileProblem, StorageRecord, StoredTensor, one_line, span, unbuildable
 

@@ -28,12 +28,12 @@ from typing import Any, Callable, Collection
 
 import torch
 
-from ..state import ShardedState
-from . import jsonvalue
-from .checksum import FileRecord
-from .coordinator import Coordinator, default_coordinator
-from .directory import fsync_dir, prepare_staging, publish, root_lock, write_file_durably
-from .format import (
+from ...state import ShardedState
+from ..io import jsonvalue
+from ..io.checksum import FileRecord
+from ..coordinator import Coordinator, default_coordinator
+from ..io.directory import fsync_dir, prepare_staging, publish, root_lock, write_file_durably
+from ..format import (
     DEFAULT_BLOCK_SIZE,
     FORMAT_NAME,
     MANIFEST_FILE,
@@ -46,8 +46,8 @@ from .format import (
 )
 from .manifest import GroupRecord, Manifest, ModelTensorRecord, dtype_name
 from .model_file import save_model_state
-from .safetensors_io import write_safetensors
-from .writer_lock import WriterLock, WriterLockedError
+from ..io.safetensors_io import write_safetensors
+from ..io.writer_lock import WriterLock, WriterLockedError
 
 FaultHook = Callable[[str, int], None]
 """Called as ``fault(point, rank)`` at each point of FAULT_POINTS; raising there simulates a crash."""

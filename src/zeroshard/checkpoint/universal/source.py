@@ -18,14 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from ..layout import Layout, LayoutPolicy, build_layout
-from ..state import ParamGroupState
-from .dtypes import cast
-from .safetensors_io import ReadStats
-from .formats import SourceFormat
-from .source import SourceInfo
-from .universal_format import FORMAT_NAME, is_universal_checkpoint
-from .universal_read import UniversalCheckpoint, open_universal
+from ...layout import Layout, LayoutPolicy, build_layout
+from ...state import ParamGroupState
+from ..io.dtypes import cast
+from ..io.safetensors_io import ReadStats
+from ..formats import SourceFormat
+from ..source import SourceInfo
+from .format import FORMAT_NAME, is_universal_checkpoint
+from .read import UniversalCheckpoint, open_universal
 
 # Parameters back to back, each group's tail padded to 16 bytes.
 _POLICY = LayoutPolicy.native(compact=True)

@@ -11,12 +11,12 @@ from typing import Mapping
 
 import torch
 
-from ..layout import Layout
-from ..state import ShardedState
-from .loader import load_state
-from .source import ShardSource
-from .universal_read import UniversalCheckpoint
-from .universal_source import UniversalSource
+from ...layout import Layout
+from ...state import ShardedState
+from ..loader import load_state
+from ..source import ShardSource
+from .read import UniversalCheckpoint
+from .source import UniversalSource
 
 
 def load_universal(

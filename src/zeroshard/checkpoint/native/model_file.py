@@ -14,10 +14,10 @@ from typing import Collection, Mapping
 
 import torch
 
-from .checksum import FileRecord
-from .dtypes import dtype_of_code, torch_dtype
+from ..io.checksum import FileRecord
+from ..io.dtypes import dtype_of_code, torch_dtype
 from .manifest import ModelTensorRecord, dtype_name
-from .safetensors_io import ReadStats, VerifiedRanges, check_entries, read_header, write_safetensors
+from ..io.safetensors_io import ReadStats, VerifiedRanges, check_entries, read_header, write_safetensors
 
 
 @dataclass(frozen=True)

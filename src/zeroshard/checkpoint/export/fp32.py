@@ -20,17 +20,17 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from ..layout import canonical_dtype
-from .directory import write_file_durably
-from .dtypes import cast, dtype_info, to_torch
-from .format import DEFAULT_BLOCK_SIZE
-from .formats import open_source
-from .output_dir import staged_output
-from .safetensors_io import PlannedTensor
-from .source import ModelEntry, ShardSource, iter_params, read_whole_param
-from .streaming import OutputTensor, plan_shards, write_shards
-from .universal_read import UniversalCheckpoint
-from .universal_source import UniversalSource
+from ...layout import canonical_dtype
+from ..io.directory import write_file_durably
+from ..io.dtypes import cast, dtype_info, to_torch
+from ..format import DEFAULT_BLOCK_SIZE
+from ..formats import open_source
+from ..io.output_dir import staged_output
+from ..io.safetensors_io import PlannedTensor
+from ..source import ModelEntry, ShardSource, iter_params, read_whole_param
+from ..io.streaming import OutputTensor, plan_shards, write_shards
+from ..universal.read import UniversalCheckpoint
+from ..universal.source import UniversalSource
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .block_reader import RangeReader, array_view
-from .dtypes import itemsize_of, to_float32
-from .format import LATEST_FILE, MANIFEST_FILE, MODEL_FILE, fp32_key, rank_file_name, scalar_key, state_key
-from .formats import SourceFormat
+from ..io.block_reader import RangeReader, array_view
+from ..io.dtypes import itemsize_of, to_float32
+from ..format import LATEST_FILE, MANIFEST_FILE, MODEL_FILE, fp32_key, rank_file_name, scalar_key, state_key
+from ..formats import SourceFormat
 from .handle import Checkpoint, open_checkpoint
-from .safetensors_io import ReadStats, TensorEntry, check_entries, read_header
-from .source import ModelEntry, ShardSource, SourceInfo
+from ..io.safetensors_io import ReadStats, TensorEntry, check_entries, read_header
+from ..source import ModelEntry, ShardSource, SourceInfo
 
 NATIVE_KIND = "zeroshard.checkpoint"
 

@@ -12,13 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
-from ..layout import Layout
-from ..state import ParamGroupState
-from . import jsonvalue
-from .checksum import FileRecord
-from .directory import read_json_file
-from .format import (
+from ... import __version__
+from ...layout import Layout
+from ...state import ParamGroupState
+from ..io import jsonvalue
+from ..io.checksum import FileRecord
+from ..io.directory import read_json_file
+from ..format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MANIFEST_FILE,

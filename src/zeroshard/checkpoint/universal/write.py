@@ -18,15 +18,15 @@ from typing import Any
 
 import numpy as np
 
-from .directory import write_file_durably
-from .dtypes import dtype_of
-from .format import DEFAULT_BLOCK_SIZE
-from .formats import open_source
-from .output_dir import staged_output
-from .safetensors_io import PlannedTensor
-from .source import ShardSource, read_whole_param
-from .streaming import OutputTensor, plan_shards, write_shards
-from .universal_format import (
+from ..io.directory import write_file_durably
+from ..io.dtypes import dtype_of
+from ..format import DEFAULT_BLOCK_SIZE
+from ..formats import open_source
+from ..io.output_dir import staged_output
+from ..io.safetensors_io import PlannedTensor
+from ..source import ShardSource, read_whole_param
+from ..io.streaming import OutputTensor, plan_shards, write_shards
+from .format import (
     DEFAULT_MAX_SHARD_SIZE,
     FORMAT_NAME,
     MANIFEST_FILE,

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
-from ..layout import ParamSpec, canonical_dtype
-from . import jsonvalue
-from .checksum import FileRecord
-from .directory import read_json_file
-from .source import ModelEntry
+from ... import __version__
+from ...layout import ParamSpec, canonical_dtype
+from ..io import jsonvalue
+from ..io.checksum import FileRecord
+from ..io.directory import read_json_file
+from ..source import ModelEntry
 
 FORMAT_NAME = "zeroshard.universal"
 FORMAT_VERSION = 1

@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping
 
 from . import jsonvalue
 from .checksum import FileRecord
-from .format import (
+from ..format import (
     DELETE_MARKER,
     LATEST_FILE,
     LOCK_FILE,

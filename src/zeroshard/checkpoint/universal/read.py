@@ -14,12 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from ..layout import Layout, LayoutPolicy, build_layout
-from .block_reader import RangeReader, array_view
-from .directory import check_files_present
-from .dtypes import itemsize_of
-from .safetensors_io import ReadStats, TensorEntry, check_entries, read_header
-from .universal_format import UniversalManifest, model_key, param_key, read_universal_manifest
+from ...layout import Layout, LayoutPolicy, build_layout
+from ..io.block_reader import RangeReader, array_view
+from ..io.directory import check_files_present
+from ..io.dtypes import itemsize_of
+from ..io.safetensors_io import ReadStats, TensorEntry, check_entries, read_header
+from .format import UniversalManifest, model_key, param_key, read_universal_manifest
 
 
 class UniversalCheckpoint:

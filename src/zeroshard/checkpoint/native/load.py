@@ -22,12 +22,12 @@ from typing import Mapping
 
 import torch
 
-from ..layout import Layout
-from ..state import ShardedState
+from ...layout import Layout
+from ...state import ShardedState
 from .handle import Checkpoint
-from .loader import load_state
-from .native_source import NativeSource
-from .safetensors_io import ReadStats
+from ..loader import load_state
+from .source import NativeSource
+from ..io.safetensors_io import ReadStats
 
 
 def load_sharded(
