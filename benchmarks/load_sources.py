@@ -39,11 +39,8 @@ KINDS = ("native", "universal", "deepspeed")
 def _load_functions():
     """The three public loaders, as both trees name them."""
     from zeroshard.checkpoint import load_sharded
+    from zeroshard.checkpoint.universal import load_from_source, load_universal
 
-    try:
-        from zeroshard.checkpoint.universal import load_from_source, load_universal
-    except ImportError:  # the package split moved them
-        from zeroshard.checkpoint.universal.universal import load_from_source, load_universal
     return load_sharded, load_universal, load_from_source
 
 
@@ -85,10 +82,8 @@ def make_native(root: Path) -> Path:
 
 
 def make_universal(native: Path, out: Path) -> Path:
-    try:
-        from zeroshard.checkpoint.universal_write import to_universal
-    except ImportError:
-        from zeroshard.checkpoint.universal.universal_write import to_universal
+    from zeroshard.checkpoint.universal import to_universal
+
     to_universal(native, out, progress=False)
     return out
 
