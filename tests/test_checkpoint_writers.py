@@ -162,6 +162,17 @@ def check_race(reports: list[dict]) -> None:
     assert sum(len(r["refused"]) for r in reports) > 0, "the workers never met"
 
 
+def test_a_root_rank_0_cannot_create_fails_the_save_on_every_rank(tmp_path):
+    """Rank 0 makes the root and takes its lock; an error there must reach rank 1 as the
+    same error, not leave it waiting in the broadcast (run_ranks turns a wait on a rank that
+    raised alone into RankFailedError)."""
+    (tmp_path / "a-file").write_text("not a directory")
+    outcomes = save_at(tmp_path / "a-file" / "ckpt", "t")
+    assert [type(error) for error in outcomes] == [OSError, OSError], outcomes
+    assert all("checkpoint save failed on rank 0" in str(error) for error in outcomes), outcomes
+    assert all("a-file" in str(error) for error in outcomes), outcomes
+
+
 def test_two_save_loops_into_one_root_publish_only_intact_checkpoints(tmp_path):
     root = tmp_path / "root"
     reports = race("save", root, 2.5, tmp_path)

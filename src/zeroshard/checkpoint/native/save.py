@@ -132,19 +132,20 @@ def plan_save(
     root = Path(root)
     check_tag(tag)
     groups = _agree_on_state(tag, state, coord, problem)
-    lock = root_lock(root, tag) if coord.rank == 0 else None
+    taken: list[WriterLock] = []  # rank 0's lock, once it holds it
 
-    def begin() -> str:
-        assert lock is not None
-        lock.acquire()
+    def begin() -> str:  # on rank 0; whatever it raises reaches every rank
+        lock = root_lock(root, tag).acquire()
         try:
-            return str(prepare_staging(root, tag, clean=lock.held))
+            staging = prepare_staging(root, tag, clean=lock.held)
         except BaseException:
             lock.release()
             raise
+        taken.append(lock)
+        return str(staging)
 
     staging = Path(_on_rank0_then_broadcast(coord, begin))
-    return SavePlan(root, tag, staging, groups, block_size, lock)
+    return SavePlan(root, tag, staging, groups, block_size, taken[0] if taken else None)
 
 
 def write_rank_files(
