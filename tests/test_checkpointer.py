@@ -114,6 +114,25 @@ def test_single_process_save_load_and_errors(tmp_path):
     assert read_latest(tmp_path) == "step-00000002"
 
 
+def test_a_failed_retention_is_logged_and_the_next_save_goes_on(tmp_path, monkeypatch, caplog):
+    """Retention runs on rank 0 only, after the commit: its failure must not become an error
+    that rank 0 alone raises at the next save (the others would wait for it)."""
+    from zeroshard.checkpoint import checkpointer as checkpointer_module
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "step-00000000"))
+
+    monkeypatch.setattr(checkpointer_module, "apply_retention", refuse)
+    model, engine = _engine()
+    with Checkpointer(engine, tmp_path, keep_last=1) as ckpt:
+        for step in range(2):
+            checkpoint_workers.train(model, engine, step, 1)
+            ckpt.save(step)
+        assert ckpt.wait().deleted == ()
+    assert list_tags(tmp_path) == ["step-00000000", "step-00000001"] and read_latest(tmp_path) == "step-00000001"
+    assert "retention after step-00000001 failed, old tags kept" in caplog.text
+
+
 def test_bad_arguments():
     _, engine = _engine()
     for kwargs in ({"keep_last": 0}, {"keep_every": -1}, {"keep_last": 1.5}):

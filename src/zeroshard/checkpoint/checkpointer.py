@@ -266,8 +266,18 @@ class Checkpointer:
         finally:
             plan.release()
         if self._coord.rank == 0:
-            stats.deleted = tuple(apply_retention(self.root, stats.tag, self.keep_last, self.keep_every))
+            stats.deleted = self._apply_retention(stats.tag)
         stats.write_s = time.perf_counter() - started
+
+    def _apply_retention(self, committed: str) -> tuple[str, ...]:
+        """Rank 0 deletes old tags. A failure here is only logged: the checkpoint is committed,
+        and an error that rank 0 alone raised at the next save would leave the other ranks
+        waiting for it in the save's first collective."""
+        try:
+            return tuple(apply_retention(self.root, committed, self.keep_last, self.keep_every))
+        except OSError as err:
+            log.warning("%s: retention after %s failed, old tags kept: %s", self.root, committed, err)
+            return ()
 
     def _agree_on_latest(self) -> str | None:
         """The tag ``latest`` names, read on rank 0 and broadcast, so every rank loads the same."""
