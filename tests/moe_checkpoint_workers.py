@@ -21,6 +21,7 @@ import torch.distributed as dist
 from moe_engine_workers import MODEL, OPTIONS, full_state, global_batch
 from safetensors.torch import load_file, save_file
 
+from zeroshard.checkpoint import Checkpointer
 from zeroshard.checkpoint.engine_io import load_checkpoint, save_checkpoint
 from zeroshard.engine import ZeroOptimizer
 from zeroshard.moe import MoEConfig, MoEGPT, expert_param_names, moe_param_groups, new_expert_groups
@@ -36,6 +37,7 @@ class Run:
     stage: int = 2
     dtype: str = "float32"
     single: bool = False  # a world of one inside a spawned rank (its own process group)
+    checkpointer: bool = False  # save and resume through an asynchronous Checkpointer
 
     @property
     def label(self) -> str:
@@ -113,8 +115,14 @@ def source_run(rank: int, world_size: int, run: Run, root: str, reference: str) 
     uninterrupted losses into directory ``reference``."""
     engine = make_engine(run)
     train(engine, range(SAVED_AT))
-    path = save_checkpoint(engine, root)
-    state = global_state(engine)
+    if run.checkpointer:
+        with Checkpointer(engine, root) as checkpointer:
+            checkpointer.save(SAVED_AT - 1)  # the last step it trained
+            state = global_state(engine)  # while the save is written: it reads its snapshot
+            path = checkpointer.wait().path
+    else:
+        path = save_checkpoint(engine, root)
+        state = global_state(engine)
     losses = train(engine, range(SAVED_AT, SAVED_AT + CONTINUE))
     if rank == 0:
         Path(reference).mkdir(parents=True, exist_ok=True)
@@ -127,7 +135,11 @@ def source_run(rank: int, world_size: int, run: Run, root: str, reference: str) 
 def resumed_run(rank: int, world_size: int, run: Run, checkpoint: str, reference: str) -> dict:
     """Load at ``run``'s (W, EP), compare with the source's state, train on, compare losses."""
     engine = make_engine(run)
-    load_checkpoint(engine, checkpoint)
+    if run.checkpointer:
+        with Checkpointer(engine, checkpoint) as checkpointer:
+            assert checkpointer.load() == SAVED_AT
+    else:
+        load_checkpoint(engine, checkpoint)
     loaded = global_state(engine)
     saved = load_file(str(Path(reference) / "state.safetensors"))
     differing = {key: int((loaded[key] != saved[key]).sum()) for key in saved}
@@ -175,6 +187,13 @@ def refused_loads(rank: int, world_size: int, checkpoint: str, scratch: str) -> 
     checkpoint of such a dense run (saved into ``scratch``) into an expert run."""
     dense = save_checkpoint(make_engine(Run(ep_size=1), MODEL, expert_groups=False), scratch)
     errors, changed = {}, {}
+    rows = new_expert_groups(2)
+    model = MoEGPT(MODEL, ep_group=rows.ep)
+    try:  # the EP groups (rows of the mesh) given as the expert-DP groups (its columns)
+        ZeroOptimizer(model, torch.optim.AdamW, moe_param_groups(model), expert_process_group=rows.ep)
+        errors["wrong_groups"] = "no error"
+    except ValueError as error:
+        errors["wrong_groups"] = str(error)
     for label, config, expert_groups, path in (
         ("dense_run", MODEL, False, checkpoint),
         ("more_experts", dataclasses.replace(MODEL, num_experts=2 * MODEL.num_experts), True, checkpoint),

@@ -9,7 +9,10 @@
 * the universal export loads back at another (W, EP); the fp32 export loads with strict=True
   into MoEGPT at EP = 1 and holds the source's masters;
 * module-only and weights-only loads, and the refusals of a dense run, of another expert
-  count and of a dense checkpoint, on every rank, changing nothing.
+  count and of a dense checkpoint, on every rank, changing nothing; an engine whose expert
+  process group is not the mesh's column (so its rank files would name the wrong experts)
+  is refused at construction;
+* the (2, 2) run saves, and the (4, 2) run resumes, through an asynchronous Checkpointer.
 
 Four spawns in all (W = 2, 4, 2, in order: later runs load what earlier ones saved), every
 check of a world size grouped into its spawn.
@@ -32,8 +35,8 @@ from zeroshard.layout import global_shape, rank_runs
 
 FP32_LOSS, BF16_LOSS = 1e-5, 5e-3
 SOURCE_A = Run(ep_size=2)  # (4, 2), stage 2, fp32
-SOURCE_B = Run(ep_size=2, stage=1, dtype="bfloat16")  # (2, 2)
-RESUMED_AT_4 = [("A", Run(ep_size=4, stage=1)), ("B", Run(ep_size=2, dtype="bfloat16"))]
+SOURCE_B = Run(ep_size=2, stage=1, dtype="bfloat16", checkpointer=True)  # (2, 2)
+RESUMED_AT_4 = [("A", Run(ep_size=4, stage=1)), ("B", Run(ep_size=2, dtype="bfloat16", checkpointer=True))]
 RESUMED_AT_2 = [("A", Run(ep_size=1)), ("A", Run(ep_size=1, single=True)), ("universal", Run(ep_size=2))]
 
 
@@ -140,7 +143,7 @@ def test_other_experts_or_dense_runs_are_refused_on_every_rank(runs):
     outcomes = [per_rank[-1] for per_rank in runs["at_4"]]
     expected = {
         "dense_run": "3 expert weights on one side, dense on the other: blocks.0.moe.experts.w1 (checkpoint expert, run dense)",
-        "more_experts": "with another shape: blocks.0.moe.experts.w1 (checkpoint [4, 16, 8], run [8, 16, 8])",
+        "more_experts": "blocks.0.moe.experts.w1 (checkpoint [4, 16, 8], run [8, 16, 8])",
         "dense_checkpoint": "3 expert weights on one side, dense on the other: blocks.0.moe.experts.w1 (checkpoint dense, run expert)",
     }
     for rank, outcome in enumerate(outcomes):
@@ -149,4 +152,5 @@ def test_other_experts_or_dense_runs_are_refused_on_every_rank(runs):
             assert text in error and "not loaded (nothing changed)" in error, (rank, label, error)
             assert "\n" not in error and error == outcomes[0]["errors"][label], (rank, label)
             assert outcome["changed"][label] == 0, (rank, label)
-        print(outcome["errors"])
+        wrong_groups = "the expert process group is not the expert mesh's column (rank 1: it is rank 1 of its expert-DP group"
+        assert outcome["errors"]["wrong_groups"].startswith(wrong_groups), outcome["errors"]["wrong_groups"]
