@@ -160,8 +160,8 @@ def partial_loads(rank: int, world_size: int, run: Run, checkpoint: str, referen
     saved = load_file(str(Path(reference) / "state.safetensors"))
     outcome = {}
     for label, options in (
-        ("module_only", dict(load_module_only=True)),
-        ("weights_only", dict(load_optimizer_states=False)),
+        ("module_only", {"load_module_only": True}),
+        ("weights_only", {"load_optimizer_states": False}),
     ):
         engine = make_engine(run)
         train(engine, range(1))  # optimizer state that a module-only load must keep
@@ -174,7 +174,10 @@ def partial_loads(rank: int, world_size: int, run: Run, checkpoint: str, referen
         for name, param in engine.model.named_parameters():
             expected = saved[f"fp32/{name}"][ids] if name in experts else saved[f"fp32/{name}"]
             weights[name] = int((param.detach().float() != expected.to(param.dtype).float()).sum())
-        masters = {name: int((after[f"fp32/{name}"] != saved[f"fp32/{name}"].to(getattr(torch, run.dtype)).float()).sum()) for name in engine.layout.param_names}
+        masters = {
+            name: int((after[f"fp32/{name}"] != saved[f"fp32/{name}"].to(getattr(torch, run.dtype)).float()).sum())
+            for name in engine.layout.param_names
+        }
         kept = {key: int((after[key] != before[key]).sum()) for key in before} if label == "module_only" else {}
         states = [len(engine.optimizer.state.get(master, {})) for master in engine.masters]
         outcome[label] = {"weights": weights, "masters": masters, "kept": kept, "states": states}

@@ -96,7 +96,9 @@ def test_loaded_runs_continue_the_uninterrupted_losses(runs):
     for world_size, name, run, outcomes in _resumed(runs):
         bound = BF16_LOSS if name == "B" else FP32_LOSS
         for rank, outcome in enumerate(outcomes):
-            assert outcome["loss_diff"] <= bound, f"{name} -> W={world_size} {run.label} rank {rank}: {outcome['loss_diff']}"
+            assert outcome["loss_diff"] <= bound, (
+                f"{name} -> W={world_size} {run.label} rank {rank}: {outcome['loss_diff']}"
+            )
 
 
 def test_each_expert_element_is_in_exactly_one_rank_file(runs):
@@ -152,5 +154,7 @@ def test_other_experts_or_dense_runs_are_refused_on_every_rank(runs):
             assert text in error and "not loaded (nothing changed)" in error, (rank, label, error)
             assert "\n" not in error and error == outcomes[0]["errors"][label], (rank, label)
             assert outcome["changed"][label] == 0, (rank, label)
-        wrong_groups = "the expert process group is not the expert mesh's column (rank 1: it is rank 1 of its expert-DP group"
+        wrong_groups = (
+            "the expert process group is not the expert mesh's column (rank 1: it is rank 1 of its expert-DP group"
+        )
         assert outcome["errors"]["wrong_groups"].startswith(wrong_groups), outcome["errors"]["wrong_groups"]
