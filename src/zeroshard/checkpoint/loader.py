@@ -195,7 +195,8 @@ def _module_weights(
                 if slot.numel == 0:
                     planned[slot.name] = np.empty(slot.spec.shape, dtype=dtype_info(group.dtype).numpy)
             elif info.weights_from_masters:
-                planned[slot.name] = cast(read_whole_param(source, slot.name, "fp32"), group.dtype).reshape(slot.spec.shape)
+                weight = cast(read_whole_param(source, slot.name, "fp32"), group.dtype)
+                planned[slot.name] = weight.reshape(slot.spec.shape)
             else:
                 planned[slot.name] = slot.spec.shape  # its dtype is the run's: a change is refused before
     for entry in info.model_entries:

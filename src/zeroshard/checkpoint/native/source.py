@@ -113,7 +113,8 @@ class NativeSource:
             for name in run:
                 stored, record = wanted[name]
                 entry = header[stored]
-                found[name] = array_view(memoryview(data)[entry.begin - begin : entry.end - begin], record.dtype).reshape(record.shape)
+                piece = memoryview(data)[entry.begin - begin : entry.end - begin]
+                found[name] = array_view(piece, record.dtype).reshape(record.shape)  # a copy only if misaligned
         return found
 
     def close(self) -> None:
