@@ -16,8 +16,9 @@ checkpoint. Then, in rounds whose order rotates every round, every rank times:
 * ``deepspeed engine``: DeepSpeed's ``engine.load_checkpoint`` of its own checkpoint.
 
 The page cache is warm (one untimed round first). Per round the slower rank's time counts;
-the table gives medians over rounds, the median of the per-round ratios, and the peak RSS a step
-adds above the process's RSS before it (``VmHWM`` after resetting it through
+the table gives medians over rounds and the median of the per-round ratios, of wall time and
+of CPU time (user + system of the rank's process, all threads: on a machine shared with other
+jobs the steadier figure), and the largest peak RSS a step added above the process's RSS before it (``VmHWM`` after resetting it through
 ``/proc/self/clear_refs``), against one rank's state (its fp32 partitions and optimizer state
 plus the bf16 model weights).
 
@@ -164,7 +165,7 @@ def _memory_kb(field: str) -> int:
 
 
 def _measure(run) -> dict[str, float]:
-    """Seconds of ``run()`` and the peak RSS it added (bytes) above the RSS before it."""
+    """Wall and CPU seconds of ``run()`` and the peak RSS it added (bytes) above the RSS before it."""
     import torch.distributed as dist
 
     gc.collect()
@@ -172,13 +173,13 @@ def _measure(run) -> dict[str, float]:
         clear.write("5")  # resets VmHWM to the current RSS
     before = _memory_kb("VmRSS")
     dist.barrier()
-    start = time.perf_counter()
+    cpu_start, start = time.process_time(), time.perf_counter()
     result = run()
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     peak = _memory_kb("VmHWM")
     del result
     gc.collect()
-    return {"seconds": seconds, "peak_added": 1024 * (peak - before)}
+    return {"seconds": seconds, "cpu": cpu, "peak_added": 1024 * (peak - before)}
 
 
 def worker(out_path: Path, work: Path, rounds: int, hidden: int, layers: int) -> None:
@@ -266,8 +267,8 @@ def _per_round(result: dict, name: str, key: str) -> list[float]:
     return [max(records[i][key] for records in ranks) for i in range(len(ranks[0]))]
 
 
-def _ratio(result: dict, name: str, baseline: str) -> float:
-    pairs = zip(_per_round(result, name, "seconds"), _per_round(result, baseline, "seconds"))
+def _ratio(result: dict, name: str, baseline: str, key: str) -> float:
+    pairs = zip(_per_round(result, name, key), _per_round(result, baseline, key))
     return statistics.median(a / b for a, b in pairs)
 
 
@@ -275,27 +276,30 @@ def report(result: dict) -> None:
     world = result["world_size"]
     state_bytes = max(r["state_bytes"] for r in result["ranks"])
     disk = result["disk"]
+    rounds = len(result["ranks"][0]["records"]["floor D=2"])
     print(
         f"{result['params']:,} parameters at D={world}; checkpoints: zeroshard {disk['zeroshard'] / 1e6:.0f} MB, "
         f"DeepSpeed {disk['deepspeed'] / 1e6:.0f} MB; one rank's state {state_bytes / 1e6:.0f} MB; "
-        f"load average {os.getloadavg()[0]:.1f}"
+        f"{rounds} rounds; load average {os.getloadavg()[0]:.1f}"
     )
-    header = f"{'step':<24}{'MB read':>9}{'median s':>10}{'vs floor':>10}{'vs DS':>8}{'peak +MB':>10}{'/ state':>9}"
+    header = (
+        f"{'step':<22}{'MB read':>8}{'wall s':>8}{'vs floor':>9}{'vs DS':>7}"
+        f"{'cpu s':>8}{'vs floor':>9}{'vs DS':>7}{'peak +MB':>9}{'/ state':>8}"
+    )
     print(header)
     print("-" * len(header))
     ds = "deepspeed engine"
     for name in result["ranks"][0]["records"]:
-        seconds = statistics.median(_per_round(result, name, "seconds"))
-        peak = max(_per_round(result, name, "peak_added"))
         target = name.split("D=")[-1] if "D=" in name else str(world)
         floor = f"floor D={target}"
-        floor_mb = max(r["floor_bytes"][target] for r in result["ranks"]) / 1e6 if name.startswith("floor") else None
-        vs_floor = _ratio(result, name, floor) if name != floor else 1.0
-        vs_ds = f"{_ratio(result, name, ds):>8.2f}" if "engine" in name else f"{'':>8}"
-        read = f"{floor_mb:>9.0f}" if floor_mb is not None else f"{'':>9}"
-        print(
-            f"{name:<24}{read}{seconds:>10.3f}{vs_floor:>10.2f}{vs_ds}{peak / 1e6:>10.0f}{peak / state_bytes:>9.2f}"
-        )
+        read = max(r["floor_bytes"][target] for r in result["ranks"]) / 1e6 if name == floor else None
+        row = f"{name:<22}" + (f"{read:>8.0f}" if read is not None else f"{'':>8}")
+        for key in ("seconds", "cpu"):
+            median = statistics.median(_per_round(result, name, key))
+            vs_ds = f"{_ratio(result, name, ds, key):>7.2f}" if "engine" in name else f"{'':>7}"
+            row += f"{median:>8.3f}{_ratio(result, name, floor, key):>9.2f}{vs_ds}"
+        peak = max(_per_round(result, name, "peak_added"))
+        print(row + f"{peak / 1e6:>9.0f}{peak / state_bytes:>8.2f}")
 
 
 def main() -> None:
