@@ -19,6 +19,7 @@ from ..io.dtypes import dtype_info, itemsize_of, to_float32
 from ..format import LATEST_FILE, MANIFEST_FILE, MODEL_FILE, fp32_key, rank_file_name, scalar_key, state_key
 from ..formats import SourceFormat
 from .handle import Checkpoint, open_checkpoint
+from .manifest import ModelTensorRecord
 from ..io.safetensors_io import ReadStats, TensorEntry, check_entries, read_header
 from ..source import ModelEntry, ShardSource, SourceInfo
 
@@ -97,25 +98,29 @@ class NativeSource:
         file are read with one read into one buffer and come back as views of it: one
         buffer per run instead of one per tensor (each its own allocation, page by page)."""
         header = self._header(MODEL_FILE)
-        wanted = {}  # name -> (stored name, manifest record)
-        for name in names:
-            stored = self.info.aliases.get(name, name)
-            record = self.checkpoint.manifest.model_tensors.get(stored)
-            if record is None:
-                raise KeyError(f"{self.path / MODEL_FILE}: no module tensor {name!r}")
-            wanted[name] = (stored, record)
-        by_offset = sorted(wanted, key=lambda name: header[wanted[name][0]].begin)
+        records = {name: self._model_record(name) for name in names}
+
+        def entry_of(name: str) -> TensorEntry:
+            return header[records[name][0]]
+
         found = {}
-        for run in _adjacent_runs(by_offset, lambda name: header[wanted[name][0]]):
-            begin = header[wanted[run[0]][0]].begin
-            data = np.empty(header[wanted[run[-1]][0]].end - begin, dtype=np.uint8)
-            self._reader.read_into(self.checkpoint.path(MODEL_FILE), self._record(MODEL_FILE), begin, memoryview(data))
+        for run in _adjacent_runs(sorted(records, key=lambda name: entry_of(name).begin), entry_of):
+            begin, end = entry_of(run[0]).begin, entry_of(run[-1]).end
+            data = memoryview(np.empty(end - begin, dtype=np.uint8))
+            self._reader.read_into(self.checkpoint.path(MODEL_FILE), self._record(MODEL_FILE), begin, data)
             for name in run:
-                stored, record = wanted[name]
-                entry = header[stored]
-                piece = memoryview(data)[entry.begin - begin : entry.end - begin]
-                found[name] = array_view(piece, record.dtype).reshape(record.shape)  # a copy only if misaligned
+                entry, record = entry_of(name), records[name][1]
+                piece = array_view(data[entry.begin - begin : entry.end - begin], record.dtype)  # copied if misaligned
+                found[name] = piece.reshape(record.shape)
         return found
+
+    def _model_record(self, name: str) -> tuple[str, ModelTensorRecord]:
+        """The stored name (aliases followed) and manifest record of a module tensor."""
+        stored = self.info.aliases.get(name, name)
+        record = self.checkpoint.manifest.model_tensors.get(stored)
+        if record is None:
+            raise KeyError(f"{self.path / MODEL_FILE}: no module tensor {name!r}")
+        return stored, record
 
     def close(self) -> None:
         self._reader.clear()
