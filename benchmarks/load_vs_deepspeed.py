@@ -22,7 +22,7 @@ jobs the steadier figure), and the largest peak RSS a step added above the proce
 ``/proc/self/clear_refs``), against one rank's state (its fp32 partitions and optimizer state
 plus the bf16 model weights).
 
-    .venv/bin/python benchmarks/load_vs_deepspeed.py [--rounds 7] [--hidden 1024] [--layers 43]
+    .venv/bin/python benchmarks/load_vs_deepspeed.py [--rounds 7] [--hidden 1024] [--layers 43] [--json out.json]
 """
 
 from __future__ import annotations
@@ -308,13 +308,17 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=43)
     parser.add_argument("--dir", type=Path, default=None, help="where the checkpoints go (default: the temp dir)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the per-round, per-rank records here")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
         worker(args.worker, args.work, args.rounds, args.hidden, args.layers)
         return
-    report(launch(args.rounds, args.hidden, args.layers, args.dir))
+    result = launch(args.rounds, args.hidden, args.layers, args.dir)
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=1))
+    report(result)
 
 
 if __name__ == "__main__":
