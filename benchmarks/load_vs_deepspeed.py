@@ -17,10 +17,10 @@ checkpoint. Then, in rounds whose order rotates every round, every rank times:
 
 The page cache is warm (one untimed round first). Per round the slower rank's time counts;
 the table gives medians over rounds and the median of the per-round ratios, of wall time and
-of CPU time (user + system of the rank's process, all threads: on a machine shared with other
-jobs the steadier figure), and the largest peak RSS a step added above the process's RSS before it (``VmHWM`` after resetting it through
-``/proc/self/clear_refs``), against one rank's state (its fp32 partitions and optimizer state
-plus the bf16 model weights).
+of CPU time (user + system of the rank's process, all threads: on a machine shared with
+other jobs the steadier figure), and the largest peak RSS a step added above the process's
+RSS before it (``VmHWM`` after resetting it through ``/proc/self/clear_refs``), against one
+rank's state (its fp32 partitions and optimizer state plus the bf16 model weights).
 
     .venv/bin/python benchmarks/load_vs_deepspeed.py [--rounds 7] [--hidden 1024] [--layers 43] [--json out.json]
 """
@@ -52,7 +52,8 @@ def _model(hidden: int, layers: int):
     from torch import nn
 
     torch.manual_seed(0)
-    return nn.Sequential(*[module for _ in range(layers) for module in (nn.Linear(hidden, hidden), nn.LayerNorm(hidden))])
+    layer = [(nn.Linear(hidden, hidden), nn.LayerNorm(hidden)) for _ in range(layers)]
+    return nn.Sequential(*[module for pair in layer for module in pair])
 
 
 def _param_groups(model) -> list[dict]:
@@ -225,7 +226,8 @@ def worker(out_path: Path, work: Path, rounds: int, hidden: int, layers: int) ->
     dist.all_gather_object(gathered, mine)
     if rank == 0:
         params = sum(p.numel() for p in zs_engine.model.parameters())
-        sizes = {kind: sum(f.stat().st_size for f in (work / kind).rglob("*") if f.is_file()) for kind in ("deepspeed", "zeroshard")}
+        kinds = ("deepspeed", "zeroshard")
+        sizes = {kind: sum(f.stat().st_size for f in (work / kind).rglob("*") if f.is_file()) for kind in kinds}
         out_path.write_text(json.dumps({"world_size": world_size, "params": params, "disk": sizes, "ranks": gathered}))
     dist.barrier()
     deepspeed.comm.destroy_process_group()
