@@ -19,8 +19,9 @@ The page cache is warm (one untimed round first). Per round the slower rank's ti
 the table gives medians over rounds and the median of the per-round ratios, of wall time and
 of CPU time (user + system of the rank's process, all threads: on a machine shared with
 other jobs the steadier figure), and the largest peak RSS a step added above the process's
-RSS before it (``VmHWM`` after resetting it through ``/proc/self/clear_refs``), against one
-rank's state (its fp32 partitions and optimizer state plus the bf16 model weights).
+RSS before it (``VmHWM`` after resetting it through ``/proc/self/clear_refs``), against the
+rank's state under the layout loaded (its fp32 partitions and optimizer state plus the bf16
+model weights: the bytes the floor reads).
 
     .venv/bin/python benchmarks/load_vs_deepspeed.py [--rounds 7] [--hidden 1024] [--layers 43] [--json out.json]
 """
@@ -301,7 +302,8 @@ def report(result: dict) -> None:
             vs_ds = f"{_ratio(result, name, ds, key):>7.2f}" if "engine" in name else f"{'':>7}"
             row += f"{median:>8.3f}{_ratio(result, name, floor, key):>9.2f}{vs_ds}"
         peak = max(_per_round(result, name, "peak_added"))
-        print(row + f"{peak / 1e6:>9.0f}{peak / state_bytes:>8.2f}")
+        state = max(r["floor_bytes"][target] for r in result["ranks"])  # the rank's state under that layout
+        print(row + f"{peak / 1e6:>9.0f}{peak / state:>8.2f}")
 
 
 def main() -> None:
