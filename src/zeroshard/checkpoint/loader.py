@@ -37,7 +37,7 @@ from ..state import ParamGroupState, ShardedState
 from .compat import Mismatch, compare_module, compare_params
 from .io.dtypes import arrays_to_torch, cast, dtype_info, dtype_of, to_numpy, to_torch
 from .reshard import GroupPlan, plan_reads
-from .source import ShardSource, read_param, read_whole_param
+from .source import ShardSource, read_into, read_model_tensors, read_param, read_whole_param
 
 
 def load_state(
@@ -146,9 +146,8 @@ def _read_group(
 def _fill(source: ShardSource, plan: GroupPlan, key: str, dest: np.ndarray) -> np.ndarray:
     """Copy the plan's ranges of ``key`` into ``dest``, in place."""
     for copy in plan.copies:
-        end = copy.source_start + copy.length
-        values = source.read(copy.source_rank, copy.source_group, key, copy.source_start, end)
-        dest[copy.dest_start : copy.dest_start + copy.length] = values  # cast (exactly) if stored narrower
+        out = dest[copy.dest_start : copy.dest_start + copy.length]
+        read_into(source, copy.source_rank, copy.source_group, key, copy.source_start, out)
     return dest
 
 
@@ -190,25 +189,25 @@ def _module_weights(
     weights in the run's dtype (of expert weights, the experts ``rank`` holds), buffers and
     frozen parameters as stored (only those ``keep_only`` names, when given)."""
     info = source.info
-    weights: dict[str, np.ndarray] = {}
+    planned: dict[str, np.ndarray | tuple[int, ...]] = {}  # an array, or the shape of one read as stored
     for group in layout.groups:
         for slot in group.params:
-            if slot.name in loadable and group.is_expert_group:
-                weights[slot.name] = _local_experts(source, group, slot, rank)
-            elif slot.name in loadable:
-                weights[slot.name] = _weight(source, slot.name, group.dtype).reshape(slot.spec.shape)
-            elif slot.numel == 0:
-                weights[slot.name] = np.empty(slot.spec.shape, dtype=dtype_info(group.dtype).numpy)
+            if slot.name not in loadable:
+                if slot.numel == 0:
+                    planned[slot.name] = np.empty(slot.spec.shape, dtype=dtype_info(group.dtype).numpy)
+            elif group.is_expert_group:
+                planned[slot.name] = _local_experts(source, group, slot, rank)
+            elif info.weights_from_masters:
+                weight = cast(read_whole_param(source, slot.name, "fp32"), group.dtype)
+                planned[slot.name] = weight.reshape(slot.spec.shape)
+            else:
+                planned[slot.name] = slot.spec.shape  # its dtype is the run's: a change is refused before
     for entry in info.model_entries:
-        if entry.name not in weights and (keep_only is None or entry.name in keep_only):
-            weights[entry.name] = source.model_tensor(entry.name)
-    return weights
-
-
-def _weight(source: ShardSource, name: str, dtype: str) -> np.ndarray:
-    if source.info.weights_from_masters:
-        return cast(read_whole_param(source, name, "fp32"), dtype)
-    return source.model_tensor(name)  # its dtype is the run's: a change is refused before
+        if entry.name not in planned and (keep_only is None or entry.name in keep_only):
+            planned[entry.name] = entry.shape
+    # All at once: the native source reads neighbouring tensors in one read.
+    found = read_model_tensors(source, [name for name, value in planned.items() if isinstance(value, tuple)])
+    return {name: found[name].reshape(value) if isinstance(value, tuple) else value for name, value in planned.items()}
 
 
 def _local_experts(source: ShardSource, group: GroupLayout, slot: ParamSlot, rank: int) -> np.ndarray:

@@ -82,6 +82,28 @@ class ShardSource(Protocol):
     def close(self) -> None: ...
 
 
+def read_into(source: ShardSource, rank: int, group: int, key: str, start: int, out: np.ndarray) -> None:
+    """Elements [start, start + out.size) of ``rank``'s partition of ``key`` in ``group``
+    into the 1-D array ``out``, cast (exactly, if the checkpoint stores them narrower) to its
+    dtype. A source with a ``read_into`` method of this signature fills ``out`` itself (the
+    native one reads the file's bytes straight into it); others go through ``read``."""
+    fill = getattr(source, "read_into", None)
+    if fill is not None:
+        fill(rank, group, key, start, out)
+    else:
+        out[...] = source.read(rank, group, key, start, start + out.size)
+
+
+def read_model_tensors(source: ShardSource, names: list[str]) -> dict[str, np.ndarray]:
+    """``source.model_tensor`` of each name, the arrays the caller's. A source with a
+    ``model_tensors`` method of this signature reads them together (the native one in a few
+    large reads); others one by one."""
+    read_all = getattr(source, "model_tensors", None)
+    if read_all is not None:
+        return read_all(names)
+    return {name: source.model_tensor(name) for name in names}
+
+
 def read_param(source: ShardSource, name: str, key: str, start: int = 0, end: int | None = None) -> np.ndarray:
     """Elements [start, end) of parameter ``name``'s global ``key`` tensor (an expert weight:
     every expert stacked by global id, see :mod:`zeroshard.layout.coordinates`), flattened,

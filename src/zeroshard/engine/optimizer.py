@@ -345,10 +345,17 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         load_optimizer_states: bool = True,
         load_module_only: bool = False,
         strict: bool = True,
+        take: bool = False,
     ) -> None:
-        """Collective. Load a state laid out for this engine; see ``state_io.import_state``."""
+        """Collective. Load a state laid out for this engine; see ``state_io.import_state``
+        (``take=True``: the optimizer keeps the state's tensors, not copies)."""
         state_io.import_state(
-            self, state, load_optimizer_states=load_optimizer_states, load_module_only=load_module_only, strict=strict
+            self,
+            state,
+            load_optimizer_states=load_optimizer_states,
+            load_module_only=load_module_only,
+            strict=strict,
+            take=take,
         )
 
     def sync_params_from_masters(self) -> None:

@@ -87,8 +87,13 @@ def import_state(
     load_optimizer_states: bool = True,
     load_module_only: bool = False,
     strict: bool = True,
+    take: bool = False,
 ) -> None:
     """Collective. Load ``state`` (already laid out for this engine) into the engine.
+
+    ``take=True`` hands ``state`` over: the optimizer keeps its state tensors as they are
+    instead of copies (the caller must not use them afterwards; a checkpoint load that built
+    the state for this call does so).
 
     Every rank validates its state first and the ranks agree on the outcome: either every
     rank loads, or every rank raises the same error and nothing changes.
@@ -112,7 +117,7 @@ def import_state(
         return
     for master, values in zip(engine.masters, state.fp32_partitions):
         master.data.copy_(values)
-    engine.optimizer.load_state_dict(_torch_optimizer_state(engine, state))
+    engine.optimizer.load_state_dict(_torch_optimizer_state(engine, state, take))
     engine.global_steps = int(state.extra.get("global_steps", 0))
     engine.scaler.load_state_dict(state.extra.get("loss_scaler", engine.scaler.state_dict()))
     engine.sync_params_from_masters()
@@ -165,14 +170,15 @@ def _rebuild_masters_from_params(engine: ZeroOptimizer) -> None:
         master.data.copy_(torch.cat(parts).float() if parts else master.data)
 
 
-def _torch_optimizer_state(engine: ZeroOptimizer, state: ShardedState) -> dict[str, Any]:
+def _torch_optimizer_state(engine: ZeroOptimizer, state: ShardedState, take: bool) -> dict[str, Any]:
     """The state in torch.optim's own state_dict form, so the optimizer casts it its way."""
     index_of = {id(master): i for i, master in enumerate(engine.masters)}
     per_param = {}
     for group_index, master in enumerate(engine.masters):
-        # Clones: torch keeps tensors it needs no cast for, and would update ours in place.
+        # Unless taken, clones: torch keeps tensors it needs no cast for, and would update
+        # the caller's in place.
         saved = {**state.optimizer_scalars[group_index], **state.optimizer_states[group_index]}
-        entry = {key: value.clone() for key, value in saved.items()}
+        entry = {key: value if take else value.clone() for key, value in saved.items()}
         if entry:
             per_param[index_of[id(master)]] = entry
     groups = []
