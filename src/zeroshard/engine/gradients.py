@@ -36,7 +36,7 @@ After ``zero_grad`` the partition is not zero-filled: its buckets are marked sta
 a bucket's first reduction writes its sum straight into the partition (the reduce-scatter's
 or the widening's output is the partition slice itself), saving a temporary and an addition
 pass per bucket. Reading ``partition_grads`` from outside zero-fills what is still
-unwritten first, so every reader and writer sees the gradient so far.
+stale first, so every reader and writer sees the gradient so far.
 
 Buckets are reduced in a fixed order on every rank, so the collectives match even when
 hooks fire in another order: the order backward usually completes them, latest-registered
