@@ -8,6 +8,9 @@ at 1.0, on gloo with one thread per rank, at D = 2 and 4. Variants, in one proce
 * zeroshard stage 2, reducing in fp32 (the default) and in bf16 (``reduce_dtype``), with
   the default buckets (one per group at this size, reduced when backward ends, as
   DeepSpeed's default) and with 1M-element buckets, reduced while backward goes on;
+* the floor under any ZeRO-2 engine with torch's AdamW: the bare bf16 model's forward and
+  backward (gradients dropped, nothing reduced), then torch's AdamW on one flat fp32 tensor
+  of this rank's partition size (numel / D), as both engines update their partition.
 
 Each round every variant runs ``--steps`` steps, in an order that rotates every round, so
 load on the machine hits all alike; the figures are medians over rounds and ranks of the
@@ -43,6 +46,7 @@ VARIANTS = (
     "zeroshard stage 2",
     "zeroshard stage 2 bf16-reduce",
     "zeroshard bf16-reduce 1M buckets",
+    "floor: model + AdamW",
 )
 
 
@@ -143,6 +147,31 @@ class ZeroshardVariant:
         self.engine.zero_grad()
 
 
+class FloorVariant:
+    """The work any ZeRO-2 engine does at least: the model's forward and backward, and the
+    optimizer's update of this rank's fp32 partition."""
+
+    def __init__(self, world_size: int) -> None:
+        import torch
+
+        self.model = _model().to(torch.bfloat16)
+        numel = sum(p.numel() for p in self.model.parameters())
+        partition = torch.nn.Parameter(torch.randn(numel // world_size) * 0.02)
+        partition.grad = torch.randn_like(partition) * 1e-3
+        self.optimizer = torch.optim.AdamW([partition], lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
+        self.moved = None
+
+    def forward(self, idx, targets):
+        return self.model(idx, targets)
+
+    def backward(self, loss) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.model.zero_grad(set_to_none=True)
+
+
 def _timed_step(variant, step: int, rank: int) -> dict[str, float]:
     import torch.distributed as dist
 
@@ -188,6 +217,7 @@ def worker(out_path: Path, rounds: int, steps: int, warmup: int) -> None:
         "zeroshard stage 2": ZeroshardVariant(torch.float32),
         "zeroshard stage 2 bf16-reduce": ZeroshardVariant(torch.bfloat16),
         "zeroshard bf16-reduce 1M buckets": ZeroshardVariant(torch.bfloat16, OVERLAP_BUCKET_NUMEL),
+        "floor: model + AdamW": FloorVariant(world_size),
     }
     records: dict[str, list[dict]] = {name: [] for name in variants}
     names = list(variants)
@@ -252,7 +282,7 @@ def report(result: dict) -> None:
     ds_cpu = _median(result, VARIANTS[0], "cpu")
     for name in VARIANTS:
         total, wire = _median(result, name, "total"), _median(result, name, "wire_bytes")
-        payload = _median(result, name, "payload_bytes") / 1e6 if name != VARIANTS[0] else float("nan")
+        payload = _median(result, name, "payload_bytes") / 1e6 if name.startswith("zeroshard") else float("nan")
         print(
             f"{name:<31}{1e3 * total:>10.1f}{1e3 * _median(result, name, 'forward'):>9.1f}"
             f"{1e3 * _median(result, name, 'backward'):>9.1f}{1e3 * _median(result, name, 'step'):>9.1f}"
@@ -260,6 +290,11 @@ def report(result: dict) -> None:
             f"{1e3 * _median(result, name, 'cpu_backward'):>13.1f}{_median(result, name, 'cpu') / ds_cpu:>8.3f}"
             f"{wire / 1e6:>14.2f}{wire / ds_wire:>8.3f}{payload:>12.2f}"
         )
+    floor_cpu = _median(result, VARIANTS[-1], "cpu")
+    print(f"floor / DeepSpeed CPU time: {floor_cpu / ds_cpu:.3f}; engine's own CPU per step (CPU - floor):")
+    for name in VARIANTS[:-1]:
+        own = _median(result, name, "cpu") - floor_cpu
+        print(f"  {name:<33}{1e3 * own:>7.1f} ms = {own / _median(result, name, 'cpu'):.1%} of its step")
 
 
 def main() -> None:

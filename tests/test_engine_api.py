@@ -350,3 +350,26 @@ def test_a_bad_fragment_call_raises_its_own_error_in_a_single_process():
         engine.set_full_fp32_param("nope", torch.zeros(1))
     with pytest.raises(ValueError, match=f"parameter {name!r} has shape"):
         engine.set_full_fp32_param(name, torch.zeros(10**4))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_gradient_after_zero_grad_is_zero_and_a_set_one_is_added_to(stage):
+    """zero_grad leaves the gradient partition stale (zero-filled lazily, or overwritten by
+    the next reduction): read before any backward it is zero, and a gradient set then is
+    added to by the next backward, not overwritten."""
+    model = _model()
+    engine = _engine(model, stage=stage, policy=LayoutPolicy.native(64, bucket_numel=200 if stage == 2 else None))
+    first, second = _batches(2)
+    engine.backward(model(first, first))
+    engine.step()
+    engine.zero_grad()
+    names = [name for name, _ in model.named_parameters()]
+    assert all(not engine.get_full_grad(name).any() for name in names)
+    engine.backward(model(second, second))
+    expected = {name: engine.get_full_grad(name) for name in names}
+    engine.zero_grad()
+    for index, name in enumerate(names):
+        engine.set_full_grad(name, torch.full_like(expected[name], float(index + 1)))
+    engine.backward(model(second, second))
+    for index, name in enumerate(names):
+        assert torch.equal(engine.get_full_grad(name), expected[name] + (index + 1)), name

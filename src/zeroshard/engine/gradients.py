@@ -32,6 +32,12 @@ stage 2, which reduces every micro-batch, stages each bucket directly in that dt
 the bytes of an fp32 bucket) and adds the reduced partitions up in fp32. The sum over ranks
 is widened to fp32 (``Collectives.reduce_scatter_widened``) before it is added in.
 
+After ``zero_grad`` the partition is not zero-filled: its buckets are marked stale, and
+a bucket's first reduction writes its sum straight into the partition (the reduce-scatter's
+or the widening's output is the partition slice itself), saving a temporary and an addition
+pass per bucket. Reading ``partition_grads`` from outside zero-fills what is still
+stale first, so every reader and writer sees the gradient so far.
+
 Buckets are reduced in a fixed order on every rank, so the collectives match even when
 hooks fire in another order: the order backward usually completes them, latest-registered
 parameters first. At most ``MAX_IN_FLIGHT`` bucket reductions are outstanding; launching
@@ -55,8 +61,9 @@ MAX_IN_FLIGHT = 2
 @dataclass
 class _BucketReduction:
     input: torch.Tensor  # the bucket's gradient, full size, in the reduce dtype
-    output: torch.Tensor  # this rank's partition of it
+    output: torch.Tensor  # this rank's partition of it: a temporary, or the partition slice itself
     handle: object
+    in_place: bool  # output is the partition slice, which held nothing: no addition to make
 
 
 @dataclass
@@ -69,7 +76,7 @@ class GradientReducer:
     param_positions: dict[str, int]  # each parameter's place in module registration order
     reduce_dtypes: list[torch.dtype] | None = None  # per group; None: float32 everywhere
     group_comms: list[Collectives] | None = None  # per group, its shard group; None: ``comm`` for all
-    partition_grads: list[torch.Tensor] = field(init=False)
+    _grads: list[torch.Tensor] = field(init=False)
 
     def __post_init__(self) -> None:
         device = self.buffers[0].data.device
@@ -79,7 +86,8 @@ class GradientReducer:
             self.group_comms = [self.comm] * len(self.buffers)
         self._divisor = self.comm.world_size  # W, for expert groups too (see the module doc)
         self._widened = [dtype != torch.float32 for dtype in self.reduce_dtypes]
-        self.partition_grads = [torch.zeros(b.group.partition_numel, dtype=torch.float32, device=device) for b in self.buffers]
+        self._grads = [torch.zeros(b.group.partition_numel, dtype=torch.float32, device=device) for b in self.buffers]
+        self._stale: set[tuple[int, int]] = set()  # buckets whose partition slice is stale, to be taken as zero
         # Stage 1: persistent full-size accumulators. Stage 2: bucket buffers made on demand.
         self._full: list[torch.Tensor | None] = [
             torch.zeros(b.group.numel, dtype=torch.float32, device=device) if self.stage == 1 else None for b in self.buffers
@@ -96,6 +104,19 @@ class GradientReducer:
         for group_index, buffer in enumerate(self.buffers):
             for slot, param in zip(buffer.group.params, buffer.params):
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._make_hook(group_index, slot.index)))
+
+    @property
+    def partition_grads(self) -> list[torch.Tensor]:
+        """This rank's fp32 gradient partition per group; slices no reduction wrote since
+        ``zero_grad`` are zero-filled first, so callers may read and write it freely."""
+        for group_index, bucket_index in self._stale:
+            self._partition_slice(group_index, bucket_index).zero_()
+        self._stale.clear()
+        return self._grads
+
+    def _partition_slice(self, group_index: int, bucket_index: int) -> torch.Tensor:
+        bucket = self.buffers[group_index].group.buckets[bucket_index]
+        return self._grads[group_index][bucket.partition_start : bucket.partition_start + bucket.partition_numel]
 
     def _reduction_order(self) -> list[tuple[int, int]]:
         """Buckets by the latest-registered parameter they hold, latest first: backward
@@ -166,7 +187,7 @@ class GradientReducer:
             group_index, bucket_index = key
             bucket = self.buffers[group_index].group.buckets[bucket_index]
             dtype = self.reduce_dtypes[group_index]
-            self._staging[key] = torch.empty(bucket.numel, dtype=dtype, device=self.partition_grads[0].device)
+            self._staging[key] = torch.empty(bucket.numel, dtype=dtype, device=self._grads[0].device)
             self._pending[key] = set(range(bucket.first_param, bucket.first_param + bucket.num_params))
         return self._staging[key]
 
@@ -198,19 +219,23 @@ class GradientReducer:
         while len(self._in_flight) > keep:
             key, reduction = self._in_flight.pop(0)
             reduction.handle.wait()
-            self._accumulate(key, reduction.output)
+            self._accumulate(key, reduction)
 
     def _reduce_bucket(self, key: tuple[int, int], payload: torch.Tensor, async_op: bool) -> _BucketReduction:
         """Reduce-scatter one bucket's gradient, in fp32 or (already divided) in the reduce dtype."""
-        group_index, bucket_index = key
-        bucket = self.buffers[group_index].group.buckets[bucket_index]
-        output = torch.empty(bucket.partition_numel, dtype=torch.float32, device=payload.device)
+        group_index = key[0]
+        in_place = key in self._stale
+        if in_place:  # the slice holds nothing yet: reduce straight into it
+            self._stale.discard(key)
+            output = self._partition_slice(*key)
+        else:
+            output = torch.empty_like(self._partition_slice(*key))
         comm = self.group_comms[group_index]
         if self._widened[group_index]:
             handle = comm.reduce_scatter_widened(output, payload, async_op=async_op)
         else:
             handle = comm.reduce_scatter_sum(output, payload, async_op=async_op)
-        return _BucketReduction(payload, output, handle)
+        return _BucketReduction(payload, output, handle, in_place)
 
     def finish_backward(self) -> None:
         """Stage 2, end of a backward pass: reduce what is left and wait for everything."""
@@ -219,11 +244,13 @@ class GradientReducer:
         self._retire_in_flight(keep=0)
         self._next_launch = 0
 
-    def _accumulate(self, key: tuple[int, int], reduced_sum: torch.Tensor) -> None:
-        group_index, bucket_index = key
-        bucket = self.buffers[group_index].group.buckets[bucket_index]
-        target = self.partition_grads[group_index][bucket.partition_start : bucket.partition_start + bucket.partition_numel]
-        target.add_(reduced_sum if self._widened[group_index] else reduced_sum.div_(self._divisor))
+    def _accumulate(self, key: tuple[int, int], reduction: _BucketReduction) -> None:
+        """Fold a finished reduction into the partition (the fp32 sum is divided here)."""
+        reduced = reduction.output
+        if not self._widened[key[0]]:
+            reduced.div_(self._divisor)
+        if not reduction.in_place:
+            self._partition_slice(*key).add_(reduced)
 
     # ---- step side ------------------------------------------------------------------------
 
@@ -253,18 +280,19 @@ class GradientReducer:
         return torch.div(local_sum, self._divisor, out=payload)
 
     def zero_grad(self) -> None:
-        for grad in self.partition_grads:
-            grad.zero_()
-        if self.stage == 1:
+        """Forget the gradients so far; the partition is zero-filled lazily (see the module doc)."""
+        self._stale.update(self._all_buckets())
+        if self.stage == 1 and self._dirty:  # clean full buffers are zero already (``reduce`` zeroes them)
             for full in self._full:
                 full.zero_()
             self._dirty = False
 
     def held_tensors(self) -> list[torch.Tensor]:
         """Every gradient tensor the reducer holds right now (for memory checks)."""
-        held = list(self.partition_grads) + list(self._staging.values())
+        held = list(self._grads) + list(self._staging.values())
         for _, reduction in self._in_flight:
-            held += [reduction.input, reduction.output, *getattr(reduction.handle, "buffers", ())]
+            temporary = [] if reduction.in_place else [reduction.output]
+            held += [reduction.input, *temporary, *getattr(reduction.handle, "buffers", ())]
         return held + [t for t in self._full if t is not None]
 
     def remove_hooks(self) -> None:

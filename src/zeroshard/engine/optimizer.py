@@ -512,8 +512,8 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
             total = self.comm.all_reduce_(squared, op="sum").sqrt()[0]
         if self.max_grad_norm is not None:
             coefficient = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
-            for grad in grads:
-                grad.mul_(coefficient)
+            if coefficient.item() != 1.0:  # multiplying by 1.0 would change nothing: skip the pass
+                torch._foreach_mul_(grads, coefficient)
         return total
 
     def _write_back_and_gather(self) -> None:
