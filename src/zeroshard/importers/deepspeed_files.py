@@ -175,7 +175,11 @@ def read_model_states(path: Path) -> ModelStates:
     )
 
 
-def read_rank_shard(path: Path, rank: int) -> RankShard:
+def read_rank_shard(path: Path, rank: int, like: RankShard | None = None) -> RankShard:
+    """Rank ``rank``'s optimizer file. Values equal to those of ``like`` (rank 0's shard, its
+    fields checked already) are not walked again: at large D every rank repeats the same
+    hyperparameters and paddings. (Equality with a checked value bounds a hostile one: the
+    comparison stops at the checked value's depth.)"""
     raw = load_checkpoint_file(path)
     state = fields.mapping(_require(raw, "optimizer_state_dict", path), "optimizer_state_dict", path)
     if "zero_stage" not in state:
@@ -205,9 +209,11 @@ def read_rank_shard(path: Path, rank: int) -> RankShard:
         fp32=[fields.vector(t, f"{fp32_key}[{i}]", path) for i, t in enumerate(fp32)],
         states=states,
         scalars=scalars,
-        param_groups=[_hyperparameters(group, index, path) for index, group in enumerate(param_groups)],
+        param_groups=_hyperparameters(param_groups, path, like.param_groups if like else None),
         group_paddings=fields.integers(_require(state, "group_paddings", path), "group_paddings", path),
-        param_alignment_paddings=_alignment_paddings(state.get("param_alignment_paddings"), path),
+        param_alignment_paddings=_alignment_paddings(
+            state.get("param_alignment_paddings"), path, like.param_alignment_paddings if like else None
+        ),
         partition_count=fields.integers(_require(state, "partition_count", path), "partition_count", path),
         slice_mappings=_slice_mappings(_require(state, "param_slice_mappings", path), path),
         loss_scaler=_loss_scaler(state.get("loss_scaler")),
@@ -242,9 +248,15 @@ def _ds_config(value: Any, path: Path) -> dict[str, Any]:
     return config
 
 
-def _hyperparameters(group: dict[str, Any], index: int, path: Path) -> dict[str, Any]:
-    hyper = {key: value for key, value in group.items() if key != "params"}
-    return fields.plain(hyper, f"base_optimizer_state['param_groups'][{index}]", path)
+def _hyperparameters(
+    groups: list[dict[str, Any]], path: Path, checked: list[dict[str, Any]] | None
+) -> list[dict[str, Any]]:
+    hypers = [{key: value for key, value in group.items() if key != "params"} for group in groups]
+    if hypers == checked:
+        return checked
+    return [
+        fields.plain(hyper, f"base_optimizer_state['param_groups'][{index}]", path) for index, hyper in enumerate(hypers)
+    ]
 
 
 def _split_optimizer_state(
@@ -267,9 +279,11 @@ def _split_optimizer_state(
     return vectors, scalars
 
 
-def _alignment_paddings(value: Any, path: Path) -> list[list[int]] | None:
+def _alignment_paddings(value: Any, path: Path, checked: list[list[int]] | None) -> list[list[int]] | None:
     if value is None:
         return None
+    if value == checked:
+        return checked
     field = "param_alignment_paddings"
     groups = fields.sequence(value, field, path)
     return [fields.integers(group, f"{field}[{i}]", path) for i, group in enumerate(groups)]

@@ -31,18 +31,19 @@ cannot expand into gigabytes).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import itertools
 import os
 import reprlib
+import stat
 import struct
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.io.dtypes import dtype_info
 from .torch_records import (
     FileProblem,
     StorageRecord,
@@ -52,13 +53,13 @@ from .torch_records import (
     one_line,
     refuses_state_of,
 )
-from .torch_unpickler import ALLOWED_GLOBALS, StorageType, seal, unpickle
+from .torch_unpickler import ALLOWED_GLOBALS, ITEMSIZES, StorageType, seal, unpickle
 from .zip_directory import read_directory
 
 __all__ = ["StorageRecord", "StoredTensor", "TorchFileError", "load_torch_file"]
 
 _LEGACY_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")  # first pickle of pre-1.6 files
-_READ_CHUNK = 1 << 30
+WHOLE_FILE_BYTES = 1 << 20  # files up to this size are read with one read, not record by record
 _loads = itertools.count(1)  # numbers the loads of this process (StorageRecord.load)
 
 
@@ -74,7 +75,7 @@ def load_torch_file(path: Path, allowed: Mapping[str, type] | None = None) -> An
     change them for the whole process. Raises TorchFileError, whose one-line message starts
     with ``path``.
     """
-    path = Path(path)
+    path = path if isinstance(path, Path) else Path(path)  # Path(a Path) parses it again
     globals_ = dict(ALLOWED_GLOBALS)
     for name, cls in (allowed or {}).items():
         if not isinstance(cls, type):
@@ -85,8 +86,8 @@ def load_torch_file(path: Path, allowed: Mapping[str, type] | None = None) -> An
             )
         globals_.setdefault(name, _sealed(name, cls))
     try:
-        with open(_existing(path), "rb", buffering=0) as file:
-            archive = _Archive(path, _directory(path, file.fileno()), file.fileno())
+        with _open_file(path) as file:
+            archive = _Archive(path, file)
             order = archive.read("byteorder")
             if order not in (None, b"little"):
                 raise FileProblem(f"byte order {order!r} is unsupported: only little-endian files are read")
@@ -109,16 +110,55 @@ def _sealed(name: str, cls: type) -> type:
 # ---- the zip archive -------------------------------------------------------------------
 
 
-def _existing(path: Path) -> Path:
-    if not path.is_file():
-        raise FileProblem("file is missing" if not path.exists() else "not a file")
-    return path
+@contextlib.contextmanager
+def _open_file(path: Path) -> Iterator[_FileBytes]:
+    """The regular file ``path``, open for reading until the block exits."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise FileProblem("file is missing") from None
+    try:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            raise FileProblem("not a file")
+        yield _FileBytes(fd, status.st_size)
+    finally:
+        os.close(fd)
 
 
-def _directory(path: Path, fd: int) -> Mapping[str, Any]:
+class _FileBytes:
+    """A file's bytes by offset: slices of one read of the whole file when it is small (a
+    DeepSpeed rank file at large D is a few KB, and each pread is a system call), else
+    ``pread`` calls. ``size`` is what the file held when opened."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd, self.size, self.whole = fd, size, None
+        if size <= WHOLE_FILE_BYTES:
+            self.whole = _read_whole(fd, size)
+            self.size = len(self.whole)
+
+    def read(self, offset: int, size: int) -> bytes:
+        """Up to ``size`` bytes from ``offset`` (fewer where the file ends first)."""
+        if self.whole is not None:
+            return self.whole[offset : offset + size]
+        return os.pread(self.fd, size, offset)
+
+
+def _read_whole(fd: int, size: int) -> bytes:
+    parts, done = [], 0
+    while done < size:
+        part = os.pread(fd, size - done, done)
+        if not part:
+            break  # shorter than fstat said: what follows checks the bytes there are
+        parts.append(part)
+        done += len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _directory(path: Path, file: _FileBytes) -> Mapping[str, Any]:
     """The archive's records by name: :class:`~.zip_directory.Entry` for the layout torch.save
     writes, ``zipfile.ZipInfo`` through ``zipfile`` for anything else."""
-    found = read_directory(fd)
+    found = read_directory(file.read, file.size)
     if found is not None:
         return found
     with _open_zip(path) as zip_file:
@@ -146,9 +186,9 @@ def _open_zip(path: Path) -> zipfile.ZipFile:
 class _Archive:
     """The records of one open torch.save zip, found through its central directory."""
 
-    def __init__(self, path: Path, entries: Mapping[str, Any], fd: int) -> None:
-        self.path, self.entries, self.fd = path, entries, fd
-        self.file_size = os.fstat(fd).st_size
+    def __init__(self, path: Path, file: _FileBytes) -> None:
+        self.path, self.file = path, file
+        self.entries = entries = _directory(path, file)
         pickles = [name for name in entries if name.endswith("/data.pkl") and name.count("/") == 1]
         if len(pickles) != 1:
             raise FileProblem(f"not a torch.save archive: {len(pickles)} <archive>/data.pkl records")
@@ -170,7 +210,7 @@ class _Archive:
         info = self.info(name)
         if info is None:
             return None
-        data = os.pread(self.fd, info.file_size, self._data_offset(info))
+        data = self.file.read(self._data_offset(info), info.file_size)
         if len(data) != info.file_size:
             raise FileProblem(f"record {info.filename} runs past the end of the file (truncated?)")
         found = crc32(data)
@@ -193,7 +233,7 @@ class _Archive:
         ):
             raise FileProblem(f"corrupt pickle data.pkl: unexpected persistent id {one_line(reprlib.repr(pid))}")
         _, kind, key, _location, numel = pid
-        nbytes = numel * dtype_info(kind.dtype).itemsize
+        nbytes = numel * ITEMSIZES[kind.dtype]
         record = self.storages.get(key)
         if record is None:
             info = self.info(f"data/{key}")
@@ -216,12 +256,12 @@ class _Archive:
     def _data_offset(self, info: Any) -> int:
         # The local header repeats the name and has its own extra field (torch pads it to
         # align the data), so the data starts where that header says, not the directory.
-        header = os.pread(self.fd, 30, info.header_offset)
+        header = self.file.read(info.header_offset, 30)
         if len(header) < 30 or header[:4] != b"PK\x03\x04":
             raise FileProblem(f"record {info.filename}: bad local zip header")
         name_length, extra_length = struct.unpack_from("<HH", header, 26)
         start = info.header_offset + 30 + name_length + extra_length
-        if start + info.file_size > self.file_size:
+        if start + info.file_size > self.file.size:
             raise FileProblem(f"record {info.filename} runs past the end of the file (truncated?)")
         return start
 
