@@ -193,9 +193,9 @@ def _read(storage: StorageRecord, dtype: str, first: int, count: int) -> np.ndar
     end = begin + count * numpy_dtype.itemsize
     try:
         with open(storage.path, "rb", buffering=0) as file:
-            if storage.record_size <= _SMALL_RECORD_BYTES:
+            if end - begin < MAP_BYTES and storage.record_size <= _SMALL_RECORD_BYTES:
                 record = _checked_record(storage, file.fileno())
-                return np.frombuffer(record, numpy_dtype, count, begin).copy()
+                return np.frombuffer(memoryview(record)[begin:end], numpy_dtype).copy()
             verify_record(storage, file.fileno())
             begin, end = begin + storage.data_offset, end + storage.data_offset
             if end - begin >= MAP_BYTES:
