@@ -61,9 +61,10 @@ def mapping(value: Any, field: str, path: Path) -> dict[str, Any]:
     """A dict whose keys are strings."""
     if not isinstance(value, dict):
         raise field_error(path, field, f"is {_kind(value)}, expected a dict")
-    bad = next((key for key in value if not isinstance(key, str)), None)
-    if bad is not None:
-        raise field_error(path, field, f"has a key of type {type(bad).__name__}, expected strings")
+    if not set(map(type, value)) <= {str}:
+        bad = next((key for key in value if not isinstance(key, str)), None)
+        if bad is not None:
+            raise field_error(path, field, f"has a key of type {type(bad).__name__}, expected strings")
     return dict(value)
 
 

@@ -274,8 +274,13 @@ def _split_optimizer_state(
             )
         where = f"base_optimizer_state['state'][{ids[0]}]"
         entries = fields.optional_mapping(state.get(ids[0]), where, path)
-        vectors.append({k: fields.vector(v, f"{where}[{k!r}]", path) for k, v in entries.items() if _is_vector(v)})
-        scalars.append({k: _as_value(v, f"{where}[{k!r}]", path) for k, v in entries.items() if not _is_vector(v)})
+        vectors.append({})
+        scalars.append({})
+        for key, value in entries.items():
+            if _is_vector(value):
+                vectors[-1][key] = fields.vector(value, f"{where}[{key!r}]", path)
+            else:
+                scalars[-1][key] = _as_value(value, f"{where}[{key!r}]", path)
     return vectors, scalars
 
 
@@ -298,7 +303,9 @@ def _slice_mappings(value: Any, path: Path) -> list[dict[str, tuple[int, int]]]:
             field = f"{where}[{name!r}]"
             if not isinstance(address, FragmentAddress):
                 raise fields.field_error(path, field, f"is {type(address).__name__}, expected a fragment_address")
-            numel, start = (fields.integer(vars(address).get(k), f"{field}.{k}", path) for k in ("numel", "start"))
+            numel, start = vars(address).get("numel"), vars(address).get("start")
+            if not (type(numel) is int and type(start) is int and numel >= 0 and start >= 0):  # else: which one, why
+                numel, start = (fields.integer(vars(address).get(k), f"{field}.{k}", path) for k in ("numel", "start"))
             group[name] = (numel, start)
         parsed.append(group)
     return parsed

@@ -39,6 +39,7 @@ import os
 import reprlib
 import stat
 import struct
+import types
 import zipfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -76,15 +77,11 @@ def load_torch_file(path: Path, allowed: Mapping[str, type] | None = None) -> An
     with ``path``.
     """
     path = path if isinstance(path, Path) else Path(path)  # Path(a Path) parses it again
-    globals_ = dict(ALLOWED_GLOBALS)
-    for name, cls in (allowed or {}).items():
+    stand_ins = tuple((allowed or {}).items())
+    for name, cls in stand_ins:
         if not isinstance(cls, type):
             raise TypeError(f"allowed[{name!r}] must be a class, not {type(cls).__name__}")
-        if issubclass(cls, enum.Enum) and not refuses_state_of(cls):
-            raise TypeError(
-                f"allowed[{name!r}] is an Enum, whose members every load shares: decorate it with refuses_state"
-            )
-        globals_.setdefault(name, _sealed(name, cls))
+    globals_ = _globals(stand_ins)
     try:
         with _open_file(path) as file:
             archive = _Archive(path, file)
@@ -101,10 +98,18 @@ def load_torch_file(path: Path, allowed: Mapping[str, type] | None = None) -> An
         raise TorchFileError(f"{path}: cannot be read: {err.strerror or err}") from None
 
 
-@functools.lru_cache(maxsize=256)
-def _sealed(name: str, cls: type) -> type:
-    """The global a pickle gets for an allowed stand-in, made once per name and class."""
-    return seal(name, cls)
+@functools.lru_cache(maxsize=64)
+def _globals(allowed: tuple[tuple[str, type], ...]) -> Mapping[str, Any]:
+    """The globals a pickle may name: the built-in ones and the allowed stand-ins, sealed;
+    made once per ``allowed`` (a DeepSpeed checkpoint loads thousands of files with one)."""
+    globals_ = dict(ALLOWED_GLOBALS)
+    for name, cls in allowed:
+        if issubclass(cls, enum.Enum) and not refuses_state_of(cls):
+            raise TypeError(
+                f"allowed[{name!r}] is an Enum, whose members every load shares: decorate it with refuses_state"
+            )
+        globals_.setdefault(name, seal(name, cls))
+    return types.MappingProxyType(globals_)
 
 
 # ---- the zip archive -------------------------------------------------------------------

@@ -178,7 +178,7 @@ def span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
     """Elements from a view's first to its last, inclusive."""
     if 0 in shape:
         return 0
-    return 1 + sum((size - 1) * step for size, step in zip(shape, stride))
+    return 1 + sum([(size - 1) * step for size, step in zip(shape, stride)])
 
 
 # ---- reading tensor bytes ----------------------------------------------------------------
@@ -192,27 +192,35 @@ def _read(storage: StorageRecord, dtype: str, first: int, count: int) -> np.ndar
     begin = first * numpy_dtype.itemsize
     end = begin + count * numpy_dtype.itemsize
     try:
-        with open(storage.path, "rb", buffering=0) as file:
+        fd = os.open(storage.path, os.O_RDONLY)
+        try:
             if end - begin < MAP_BYTES and storage.record_size <= _SMALL_RECORD_BYTES:
-                record = _checked_record(storage, file.fileno())
+                record = _checked_record(storage, fd)
                 return np.frombuffer(memoryview(record)[begin:end], numpy_dtype).copy()
-            verify_record(storage, file.fileno())
-            begin, end = begin + storage.data_offset, end + storage.data_offset
-            if end - begin >= MAP_BYTES:
-                view = map_range(file.fileno(), begin, end)
-                if view is None:
-                    raise _ends_early(storage)
-                return np.frombuffer(view, numpy_dtype)
-            out = np.empty(count, numpy_dtype)
-            buffer = memoryview(out.view(np.uint8))
-            done = 0
-            while done < len(buffer):
-                got = _pread_into(file.fileno(), buffer[done : done + _READ_CHUNK], begin + done)
-                if not got:
-                    raise _ends_early(storage)
-                done += got
+            verify_record(storage, fd)
+            return _read_range(storage, fd, numpy_dtype, storage.data_offset + begin, count)
+        finally:
+            os.close(fd)
     except OSError as err:
         raise TorchFileError(f"{storage.path}: cannot be read: {err.strerror or err}") from None
+
+
+def _read_range(storage: StorageRecord, fd: int, numpy_dtype: np.dtype, begin: int, count: int) -> np.ndarray:
+    """``count`` elements from absolute offset ``begin``: mapped when MAP_BYTES or more."""
+    end = begin + count * numpy_dtype.itemsize
+    if end - begin >= MAP_BYTES:
+        view = map_range(fd, begin, end)
+        if view is None:
+            raise _ends_early(storage)
+        return np.frombuffer(view, numpy_dtype)
+    out = np.empty(count, numpy_dtype)
+    buffer = memoryview(out.view(np.uint8))
+    done = 0
+    while done < len(buffer):
+        got = _pread_into(fd, buffer[done : done + _READ_CHUNK], begin + done)
+        if not got:
+            raise _ends_early(storage)
+        done += got
     return out
 
 
