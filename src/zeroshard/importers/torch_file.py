@@ -31,7 +31,6 @@ cannot expand into gigabytes).
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import functools
 import itertools
@@ -41,7 +40,7 @@ import stat
 import struct
 import types
 import zipfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +60,7 @@ __all__ = ["StorageRecord", "StoredTensor", "TorchFileError", "load_torch_file"]
 
 _LEGACY_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")  # first pickle of pre-1.6 files
 WHOLE_FILE_BYTES = 1 << 20  # files up to this size are read with one read, not record by record
+_LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra field length
 _loads = itertools.count(1)  # numbers the loads of this process (StorageRecord.load)
 
 
@@ -83,8 +83,9 @@ def load_torch_file(path: Path, allowed: Mapping[str, type] | None = None) -> An
             raise TypeError(f"allowed[{name!r}] must be a class, not {type(cls).__name__}")
     globals_ = _globals(stand_ins)
     try:
-        with _open_file(path) as file:
-            archive = _Archive(path, file)
+        fd, size = _open_file(path)
+        try:
+            archive = _Archive(path, _FileBytes(fd, size))
             order = archive.read("byteorder")
             if order not in (None, b"little"):
                 raise FileProblem(f"byte order {order!r} is unsupported: only little-endian files are read")
@@ -92,6 +93,8 @@ def load_torch_file(path: Path, allowed: Mapping[str, type] | None = None) -> An
             if data is None:
                 raise FileProblem(f"record {archive.prefix}data.pkl is missing")
             return unpickle(data, globals_, archive.storage)
+        finally:
+            os.close(fd)
     except FileProblem as problem:
         raise TorchFileError(f"{path}: {problem}") from None
     except OSError as err:
@@ -115,20 +118,17 @@ def _globals(allowed: tuple[tuple[str, type], ...]) -> Mapping[str, Any]:
 # ---- the zip archive -------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _open_file(path: Path) -> Iterator[_FileBytes]:
-    """The regular file ``path``, open for reading until the block exits."""
+def _open_file(path: Path) -> tuple[int, int]:
+    """A read-only descriptor of the regular file ``path``, and the file's size."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         raise FileProblem("file is missing") from None
-    try:
-        status = os.fstat(fd)
-        if not stat.S_ISREG(status.st_mode):
-            raise FileProblem("not a file")
-        yield _FileBytes(fd, status.st_size)
-    finally:
+    status = os.fstat(fd)
+    if not stat.S_ISREG(status.st_mode):
         os.close(fd)
+        raise FileProblem("not a file")
+    return fd, status.st_size
 
 
 class _FileBytes:
@@ -139,7 +139,7 @@ class _FileBytes:
     def __init__(self, fd: int, size: int) -> None:
         self.fd, self.size, self.whole = fd, size, None
         if size <= WHOLE_FILE_BYTES:
-            self.whole = _read_whole(fd, size)
+            self.whole = _read_whole(fd, self.size)
             self.size = len(self.whole)
 
     def read(self, offset: int, size: int) -> bytes:
@@ -261,11 +261,13 @@ class _Archive:
     def _data_offset(self, info: Any) -> int:
         # The local header repeats the name and has its own extra field (torch pads it to
         # align the data), so the data starts where that header says, not the directory.
-        header = self.file.read(info.header_offset, 30)
-        if len(header) < 30 or header[:4] != b"PK\x03\x04":
+        header = self.file.read(info.header_offset, _LOCAL_HEADER.size)
+        if len(header) < _LOCAL_HEADER.size:
             raise FileProblem(f"record {info.filename}: bad local zip header")
-        name_length, extra_length = struct.unpack_from("<HH", header, 26)
-        start = info.header_offset + 30 + name_length + extra_length
+        signature, name_length, extra_length = _LOCAL_HEADER.unpack(header)
+        if signature != b"PK\x03\x04":
+            raise FileProblem(f"record {info.filename}: bad local zip header")
+        start = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
         if start + info.file_size > self.file.size:
             raise FileProblem(f"record {info.filename} runs past the end of the file (truncated?)")
         return start
