@@ -180,9 +180,12 @@ class StoredTensor:
 
 def span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
     """Elements from a view's first to its last, inclusive."""
-    if 0 in shape:
-        return 0
-    return 1 + sum([(size - 1) * step for size, step in zip(shape, stride)])
+    last = 0
+    for size, step in zip(shape, stride):  # a loop, not sum() of a generator: this runs per tensor per file
+        if not size:
+            return 0
+        last += (size - 1) * step
+    return last + 1
 
 
 # ---- reading tensor bytes ----------------------------------------------------------------

@@ -150,10 +150,11 @@ ITEMSIZES = {name: dtype_info(name).itemsize for name in STORAGE_CLASSES}
 
 def _sizes(value: Any) -> tuple[int, ...] | None:
     """``value`` as a tuple of at most 64 int64s that are not negative; None if it is not one."""
-    if not isinstance(value, (tuple, list)) or len(value) > 64 or not set(map(type, value)) <= {int}:
+    if not isinstance(value, (tuple, list)) or len(value) > 64:
         return None
-    if value and not (0 <= min(value) and max(value) < _INT64_LIMIT):
-        return None
+    for item in value:
+        if type(item) is not int or not 0 <= item < _INT64_LIMIT:
+            return None
     return tuple(value)
 
 
