@@ -254,9 +254,8 @@ def _hyperparameters(
     hypers = [{key: value for key, value in group.items() if key != "params"} for group in groups]
     if hypers == checked:
         return checked
-    return [
-        fields.plain(hyper, f"base_optimizer_state['param_groups'][{index}]", path) for index, hyper in enumerate(hypers)
-    ]
+    where = "base_optimizer_state['param_groups']"
+    return [fields.plain(hyper, f"{where}[{index}]", path) for index, hyper in enumerate(hypers)]
 
 
 def _split_optimizer_state(

@@ -271,5 +271,3 @@ class _Archive:
         if start + info.file_size > self.file.size:
             raise FileProblem(f"record {info.filename} runs past the end of the file (truncated?)")
         return start
-
-

@@ -128,7 +128,8 @@ def _check_view_fits(
     allocate far more than the file holds. Checked before anything is read."""
     itemsize = ITEMSIZES[dtype]
     numel = math.prod(shape)
-    if (numel or math.prod(size for size in shape if size)) * itemsize >= _INT64_LIMIT:  # numpy refuses it even when empty
+    nonzero = numel or math.prod(size for size in shape if size)  # numpy refuses a huge shape even when empty
+    if nonzero * itemsize >= _INT64_LIMIT:
         raise FileProblem(f"corrupt pickle data.pkl: a tensor of shape {shape} is too big for any memory")
     if not numel:
         return
@@ -174,5 +175,3 @@ ALLOWED_GLOBALS: dict[str, Any] = {
         }.items()
     },
 }
-
-
