@@ -19,7 +19,9 @@ refuses every other global by name. Before unpickling, the opcodes are checked a
 set a torch.save pickle uses. Nothing from torch is imported or called.
 
 Tensors come back as :class:`StoredTensor` records: opening a file reads its pickle and the
-zip directory, never tensor bytes; those are read with ``os.pread`` when asked for.
+zip directory (a file of up to ``WHOLE_FILE_BYTES`` with one read of all of it, a bigger one
+structure by structure), and keeps no tensor bytes; those are read with ``os.pread`` when
+asked for.
 
 Integrity: every record read is checked against the CRC-32 of the zip directory:
 ``data.pkl`` and ``byteorder`` when read here, a storage record the first time any of its
