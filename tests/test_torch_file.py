@@ -25,7 +25,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from zeroshard.importers import torch_unpickler
+from zeroshard.importers import torch_file, torch_unpickler
 from zeroshard.importers.torch_file import StoredTensor, TorchFileError, load_torch_file
 from zeroshard.importers.torch_records import refuses_state
 
@@ -220,6 +220,14 @@ def expect_error(path: Path, *words: str, allowed: dict | None = None) -> str:
     return message
 
 
+@pytest.fixture(params=["whole", "by record"])
+def read_mode(request, monkeypatch) -> str:
+    """Files read with one read (small ones), or record by record with pread (big ones)."""
+    if request.param == "by record":
+        monkeypatch.setattr(torch_file, "WHOLE_FILE_BYTES", -1)
+    return request.param
+
+
 @pytest.fixture
 def saved(tmp_path) -> Path:
     path = tmp_path / "saved.pt"
@@ -230,7 +238,7 @@ def saved(tmp_path) -> Path:
 # ---- values ------------------------------------------------------------------------------------
 
 
-def test_every_value_matches_torch_load(tmp_path):
+def test_every_value_matches_torch_load(tmp_path, read_mode):
     path = tmp_path / "sample.pt"
     torch.save(sample_object(), path)
     mine = check_against_torch(path)
@@ -266,6 +274,17 @@ def test_random_views_match_torch_load(dtype, shape, data):
             start = data.draw(st.integers(0, flat.numel()), label="read start")
             end = data.draw(st.integers(start, flat.numel()), label="read end")
             assert flat.read(start, end).tobytes() == flat.numpy().reshape(-1)[start:end].tobytes()
+
+
+def test_a_small_file_is_opened_with_one_read(saved, monkeypatch):
+    """A few-KB rank file costs one open and one read, not a pread per zip structure."""
+    reads = []
+    original = os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, size, offset: reads.append((size, offset)) or original(fd, size, offset))
+    loaded = load_torch_file(saved)
+    assert reads == [(saved.stat().st_size, 0)]
+    assert loaded["b"][0].read().tobytes() == raw_bytes(torch.load(saved, weights_only=True)["b"][0])
+    assert len(reads) == 2  # the record, with its CRC, in one more read
 
 
 def test_tensor_bytes_are_read_when_asked_not_at_load(saved):
@@ -433,7 +452,7 @@ def test_unexpected_opcodes_and_broken_pickles_are_refused(tmp_path, data, words
 # ---- damaged and unsupported files ----------------------------------------------------------------
 
 
-def test_missing_file_and_non_zip(tmp_path):
+def test_missing_file_and_non_zip(tmp_path, read_mode):
     expect_error(tmp_path / "absent.pt", "file is missing")
     expect_error(tmp_path, "not a file")
     (tmp_path / "text.pt").write_text("hello")
@@ -448,7 +467,7 @@ def test_legacy_format_is_named(tmp_path):
     expect_error(path, "legacy torch.save format", "unsupported", "re-save")
 
 
-def test_truncated_files(saved, tmp_path):
+def test_truncated_files(saved, tmp_path, read_mode):
     data = saved.read_bytes()
     for cut in (2, 30, 100, len(data) // 3, len(data) // 2, len(data) - 100, len(data) - 22, len(data) - 1):
         path = tmp_path / f"cut{cut}.pt"
@@ -456,7 +475,7 @@ def test_truncated_files(saved, tmp_path):
         expect_error(path, "truncated or corrupt zip archive")
 
 
-def test_corrupted_pickle_fails_its_crc(saved, tmp_path):
+def test_corrupted_pickle_fails_its_crc(saved, tmp_path, read_mode):
     with zipfile.ZipFile(saved) as archive:
         info = archive.getinfo("saved/data.pkl")
     data = bytearray(saved.read_bytes())
@@ -466,14 +485,14 @@ def test_corrupted_pickle_fails_its_crc(saved, tmp_path):
     expect_error(path, "record saved/data.pkl is corrupt", "CRC")
 
 
-def test_missing_and_short_storage_records(saved, tmp_path):
+def test_missing_and_short_storage_records(saved, tmp_path, read_mode):
     missing = rewrite(saved, tmp_path / "missing.pt", lambda name, data: None if name == "saved/data/0" else data)
     expect_error(missing, "storage record saved/data/0 is missing")
     short = rewrite(saved, tmp_path / "short.pt", lambda name, data: data[:-4] if name == "saved/data/1" else data)
     expect_error(short, "storage record saved/data/1 has 10 bytes", "needs 14")
 
 
-def test_compressed_records_and_big_endian_are_refused(saved, tmp_path):
+def test_compressed_records_and_big_endian_are_refused(saved, tmp_path, read_mode):
     with zipfile.ZipFile(saved) as old, zipfile.ZipFile(tmp_path / "deflated.pt", "w", zipfile.ZIP_DEFLATED) as new:
         for info in old.infolist():
             new.writestr(info.filename, old.read(info))
@@ -722,13 +741,13 @@ def test_the_opcode_scan_refuses_a_truncated_pickle(cut):
 # ---- the zip directory ----------------------------------------------------------------------------
 
 
-def test_the_zip_directory_reads_as_zipfile_does(saved, tmp_path):
+def test_the_zip_directory_reads_as_zipfile_does(saved, tmp_path, read_mode):
     """read_directory agrees with zipfile on torch.save's layout, and leaves others to it."""
     from zeroshard.importers.zip_directory import read_directory
 
     def directory(path: Path):
-        with open(path, "rb") as file:
-            return read_directory(file.fileno())
+        data = path.read_bytes()
+        return read_directory(lambda offset, size: data[offset : offset + size], len(data))
 
     fields = ("filename", "header_offset", "file_size", "compress_size", "compress_type", "flag_bits", "CRC")
     with zipfile.ZipFile(saved) as archive:

@@ -9,6 +9,7 @@ later step meets a type it does not expect (and fails with a TypeError or Recurs
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from .torch_records import StoredTensor
 # bigger is not what DeepSpeed writes, and a self-containing dict is infinitely deep.
 MAX_DEPTH = 32
 MAX_ITEMS = 100_000
+_SCALARS = (bool, int, float, str)  # and None
 
 
 def field_error(path: Path, field: str, problem: str) -> DeepSpeedFormatError:
@@ -59,9 +61,10 @@ def mapping(value: Any, field: str, path: Path) -> dict[str, Any]:
     """A dict whose keys are strings."""
     if not isinstance(value, dict):
         raise field_error(path, field, f"is {_kind(value)}, expected a dict")
-    bad = next((key for key in value if not isinstance(key, str)), None)
-    if bad is not None:
-        raise field_error(path, field, f"has a key of type {type(bad).__name__}, expected strings")
+    if not set(map(type, value)) <= {str}:
+        bad = next((key for key in value if not isinstance(key, str)), None)
+        if bad is not None:
+            raise field_error(path, field, f"has a key of type {type(bad).__name__}, expected strings")
     return dict(value)
 
 
@@ -80,7 +83,12 @@ def optional_mapping(value: Any, field: str, path: Path) -> dict[str, Any]:
 
 
 def integers(value: Any, field: str, path: Path) -> list[int]:
-    return [integer(item, f"{field}[{index}]", path) for index, item in enumerate(sequence(value, field, path))]
+    """Non-negative integers. Plain ints are checked in bulk (a rank file at large D holds
+    thousands of paddings); anything else one by one, for the error naming the item."""
+    items = sequence(value, field, path)
+    if set(map(type, items)) <= {int} and min(items, default=0) >= 0:
+        return items
+    return [integer(item, f"{field}[{index}]", path) for index, item in enumerate(items)]
 
 
 def texts(value: Any, field: str, path: Path) -> list[str]:
@@ -114,25 +122,33 @@ def plain(value: Any, field: str, path: Path) -> Any:
     that end up in a manifest: the lr scheduler state, hyperparameters, the config."""
     budget = [MAX_ITEMS]
 
-    def walk(item: Any, where: str, depth: int) -> None:
-        budget[0] -= 1
+    def count(values: int) -> None:
+        budget[0] -= values
         if budget[0] < 0:
             raise field_error(path, field, f"holds more than {MAX_ITEMS} values")
-        if depth > MAX_DEPTH:
-            problem = f"is nested more than {MAX_DEPTH} deep (at {where}; does it contain itself?)"
-            raise field_error(path, field, problem)
-        if item is None or isinstance(item, (bool, int, float, str)):
-            return
+
+    def walk(item: Any, where: str, depth: int) -> None:
+        """Check a counted container at ``depth``; its scalar children need no call of their own."""
         if isinstance(item, (list, tuple)):
-            for index, child in enumerate(item):
-                walk(child, f"{where}[{index}]", depth + 1)
+            children: Any = item
+            labels: Iterator[str] = (f"{where}[{index}]" for index in range(len(item)))
         elif isinstance(item, dict):
-            for key, child in item.items():
-                if not isinstance(key, str):
-                    raise field_error(path, field, f"has a key of type {type(key).__name__} at {where}")
-                walk(child, f"{where}[{key!r}]", depth + 1)
+            bad = next((key for key in item if not isinstance(key, str)), None)
+            if bad is not None:
+                raise field_error(path, field, f"has a key of type {type(bad).__name__} at {where}")
+            children = item.values()
+            labels = (f"{where}[{key!r}]" for key in item)
         else:
             raise field_error(path, field, f"holds {_kind(item)} at {where}, expected plain values")
+        count(len(children))
+        if children and depth >= MAX_DEPTH:
+            problem = f"is nested more than {MAX_DEPTH} deep (at {next(labels)}; does it contain itself?)"
+            raise field_error(path, field, problem)
+        for child, label in zip(children, labels):
+            if child is not None and not isinstance(child, _SCALARS):
+                walk(child, label, depth + 1)
 
-    walk(value, field, 0)
+    count(1)
+    if value is not None and not isinstance(value, _SCALARS):
+        walk(value, field, 0)
     return value

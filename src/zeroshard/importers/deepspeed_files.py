@@ -175,7 +175,11 @@ def read_model_states(path: Path) -> ModelStates:
     )
 
 
-def read_rank_shard(path: Path, rank: int) -> RankShard:
+def read_rank_shard(path: Path, rank: int, like: RankShard | None = None) -> RankShard:
+    """Rank ``rank``'s optimizer file. Values equal to those of ``like`` (rank 0's shard, its
+    fields checked already) are not walked again: at large D every rank repeats the same
+    hyperparameters and paddings. (Equality with a checked value bounds a hostile one: the
+    comparison stops at the checked value's depth.)"""
     raw = load_checkpoint_file(path)
     state = fields.mapping(_require(raw, "optimizer_state_dict", path), "optimizer_state_dict", path)
     if "zero_stage" not in state:
@@ -205,9 +209,11 @@ def read_rank_shard(path: Path, rank: int) -> RankShard:
         fp32=[fields.vector(t, f"{fp32_key}[{i}]", path) for i, t in enumerate(fp32)],
         states=states,
         scalars=scalars,
-        param_groups=[_hyperparameters(group, index, path) for index, group in enumerate(param_groups)],
+        param_groups=_hyperparameters(param_groups, path, like.param_groups if like else None),
         group_paddings=fields.integers(_require(state, "group_paddings", path), "group_paddings", path),
-        param_alignment_paddings=_alignment_paddings(state.get("param_alignment_paddings"), path),
+        param_alignment_paddings=_alignment_paddings(
+            state.get("param_alignment_paddings"), path, like.param_alignment_paddings if like else None
+        ),
         partition_count=fields.integers(_require(state, "partition_count", path), "partition_count", path),
         slice_mappings=_slice_mappings(_require(state, "param_slice_mappings", path), path),
         loss_scaler=_loss_scaler(state.get("loss_scaler")),
@@ -242,9 +248,14 @@ def _ds_config(value: Any, path: Path) -> dict[str, Any]:
     return config
 
 
-def _hyperparameters(group: dict[str, Any], index: int, path: Path) -> dict[str, Any]:
-    hyper = {key: value for key, value in group.items() if key != "params"}
-    return fields.plain(hyper, f"base_optimizer_state['param_groups'][{index}]", path)
+def _hyperparameters(
+    groups: list[dict[str, Any]], path: Path, checked: list[dict[str, Any]] | None
+) -> list[dict[str, Any]]:
+    hypers = [{key: value for key, value in group.items() if key != "params"} for group in groups]
+    if hypers == checked:
+        return checked
+    where = "base_optimizer_state['param_groups']"
+    return [fields.plain(hyper, f"{where}[{index}]", path) for index, hyper in enumerate(hypers)]
 
 
 def _split_optimizer_state(
@@ -262,14 +273,21 @@ def _split_optimizer_state(
             )
         where = f"base_optimizer_state['state'][{ids[0]}]"
         entries = fields.optional_mapping(state.get(ids[0]), where, path)
-        vectors.append({k: fields.vector(v, f"{where}[{k!r}]", path) for k, v in entries.items() if _is_vector(v)})
-        scalars.append({k: _as_value(v, f"{where}[{k!r}]", path) for k, v in entries.items() if not _is_vector(v)})
+        vectors.append({})
+        scalars.append({})
+        for key, value in entries.items():
+            if _is_vector(value):
+                vectors[-1][key] = fields.vector(value, f"{where}[{key!r}]", path)
+            else:
+                scalars[-1][key] = _as_value(value, f"{where}[{key!r}]", path)
     return vectors, scalars
 
 
-def _alignment_paddings(value: Any, path: Path) -> list[list[int]] | None:
+def _alignment_paddings(value: Any, path: Path, checked: list[list[int]] | None) -> list[list[int]] | None:
     if value is None:
         return None
+    if value == checked:
+        return checked
     field = "param_alignment_paddings"
     groups = fields.sequence(value, field, path)
     return [fields.integers(group, f"{field}[{i}]", path) for i, group in enumerate(groups)]
@@ -284,7 +302,9 @@ def _slice_mappings(value: Any, path: Path) -> list[dict[str, tuple[int, int]]]:
             field = f"{where}[{name!r}]"
             if not isinstance(address, FragmentAddress):
                 raise fields.field_error(path, field, f"is {type(address).__name__}, expected a fragment_address")
-            numel, start = (fields.integer(vars(address).get(k), f"{field}.{k}", path) for k in ("numel", "start"))
+            numel, start = vars(address).get("numel"), vars(address).get("start")
+            if not (type(numel) is int and type(start) is int and numel >= 0 and start >= 0):  # else: which one, why
+                numel, start = (fields.integer(vars(address).get(k), f"{field}.{k}", path) for k in ("numel", "start"))
             group[name] = (numel, start)
         parsed.append(group)
     return parsed

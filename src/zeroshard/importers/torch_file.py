@@ -19,7 +19,9 @@ refuses every other global by name. Before unpickling, the opcodes are checked a
 set a torch.save pickle uses. Nothing from torch is imported or called.
 
 Tensors come back as :class:`StoredTensor` records: opening a file reads its pickle and the
-zip directory, never tensor bytes; those are read with ``os.pread`` when asked for.
+zip directory (a file of up to ``WHOLE_FILE_BYTES`` with one read of all of it, a bigger one
+structure by structure), and keeps no tensor bytes; those are read with ``os.pread`` when
+asked for.
 
 Integrity: every record read is checked against the CRC-32 of the zip directory:
 ``data.pkl`` and ``byteorder`` when read here, a storage record the first time any of its
@@ -36,13 +38,14 @@ import functools
 import itertools
 import os
 import reprlib
+import stat
 import struct
+import types
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.io.dtypes import dtype_info
 from .torch_records import (
     FileProblem,
     StorageRecord,
@@ -52,13 +55,14 @@ from .torch_records import (
     one_line,
     refuses_state_of,
 )
-from .torch_unpickler import ALLOWED_GLOBALS, StorageType, seal, unpickle
+from .torch_unpickler import ALLOWED_GLOBALS, ITEMSIZES, StorageType, seal, unpickle
 from .zip_directory import read_directory
 
 __all__ = ["StorageRecord", "StoredTensor", "TorchFileError", "load_torch_file"]
 
 _LEGACY_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")  # first pickle of pre-1.6 files
-_READ_CHUNK = 1 << 30
+WHOLE_FILE_BYTES = 1 << 20  # files up to this size are read with one read, not record by record
+_LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra field length
 _loads = itertools.count(1)  # numbers the loads of this process (StorageRecord.load)
 
 
@@ -74,19 +78,16 @@ def load_torch_file(path: Path, allowed: Mapping[str, type] | None = None) -> An
     change them for the whole process. Raises TorchFileError, whose one-line message starts
     with ``path``.
     """
-    path = Path(path)
-    globals_ = dict(ALLOWED_GLOBALS)
-    for name, cls in (allowed or {}).items():
+    path = path if isinstance(path, Path) else Path(path)  # Path(a Path) parses it again
+    stand_ins = tuple((allowed or {}).items())
+    for name, cls in stand_ins:
         if not isinstance(cls, type):
             raise TypeError(f"allowed[{name!r}] must be a class, not {type(cls).__name__}")
-        if issubclass(cls, enum.Enum) and not refuses_state_of(cls):
-            raise TypeError(
-                f"allowed[{name!r}] is an Enum, whose members every load shares: decorate it with refuses_state"
-            )
-        globals_.setdefault(name, _sealed(name, cls))
+    globals_ = _globals(stand_ins)
     try:
-        with open(_existing(path), "rb", buffering=0) as file:
-            archive = _Archive(path, _directory(path, file.fileno()), file.fileno())
+        fd, size = _open_file(path)
+        try:
+            archive = _Archive(path, _FileBytes(fd, size))
             order = archive.read("byteorder")
             if order not in (None, b"little"):
                 raise FileProblem(f"byte order {order!r} is unsupported: only little-endian files are read")
@@ -94,31 +95,77 @@ def load_torch_file(path: Path, allowed: Mapping[str, type] | None = None) -> An
             if data is None:
                 raise FileProblem(f"record {archive.prefix}data.pkl is missing")
             return unpickle(data, globals_, archive.storage)
+        finally:
+            os.close(fd)
     except FileProblem as problem:
         raise TorchFileError(f"{path}: {problem}") from None
     except OSError as err:
         raise TorchFileError(f"{path}: cannot be read: {err.strerror or err}") from None
 
 
-@functools.lru_cache(maxsize=256)
-def _sealed(name: str, cls: type) -> type:
-    """The global a pickle gets for an allowed stand-in, made once per name and class."""
-    return seal(name, cls)
+@functools.lru_cache(maxsize=64)
+def _globals(allowed: tuple[tuple[str, type], ...]) -> Mapping[str, Any]:
+    """The globals a pickle may name: the built-in ones and the allowed stand-ins, sealed;
+    made once per ``allowed`` (a DeepSpeed checkpoint loads thousands of files with one)."""
+    globals_ = dict(ALLOWED_GLOBALS)
+    for name, cls in allowed:
+        if issubclass(cls, enum.Enum) and not refuses_state_of(cls):
+            raise TypeError(
+                f"allowed[{name!r}] is an Enum, whose members every load shares: decorate it with refuses_state"
+            )
+        globals_.setdefault(name, seal(name, cls))
+    return types.MappingProxyType(globals_)
 
 
 # ---- the zip archive -------------------------------------------------------------------
 
 
-def _existing(path: Path) -> Path:
-    if not path.is_file():
-        raise FileProblem("file is missing" if not path.exists() else "not a file")
-    return path
+def _open_file(path: Path) -> tuple[int, int]:
+    """A read-only descriptor of the regular file ``path``, and the file's size."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise FileProblem("file is missing") from None
+    status = os.fstat(fd)
+    if not stat.S_ISREG(status.st_mode):
+        os.close(fd)
+        raise FileProblem("not a file")
+    return fd, status.st_size
 
 
-def _directory(path: Path, fd: int) -> Mapping[str, Any]:
+class _FileBytes:
+    """A file's bytes by offset: slices of one read of the whole file when it is small (a
+    DeepSpeed rank file at large D is a few KB, and each pread is a system call), else
+    ``pread`` calls. ``size`` is what the file held when opened."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd, self.size, self.whole = fd, size, None
+        if size <= WHOLE_FILE_BYTES:
+            self.whole = _read_whole(fd, self.size)
+            self.size = len(self.whole)
+
+    def read(self, offset: int, size: int) -> bytes:
+        """Up to ``size`` bytes from ``offset`` (fewer where the file ends first)."""
+        if self.whole is not None:
+            return self.whole[offset : offset + size]
+        return os.pread(self.fd, size, offset)
+
+
+def _read_whole(fd: int, size: int) -> bytes:
+    parts, done = [], 0
+    while done < size:
+        part = os.pread(fd, size - done, done)
+        if not part:
+            break  # shorter than fstat said: what follows checks the bytes there are
+        parts.append(part)
+        done += len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _directory(path: Path, file: _FileBytes) -> Mapping[str, Any]:
     """The archive's records by name: :class:`~.zip_directory.Entry` for the layout torch.save
     writes, ``zipfile.ZipInfo`` through ``zipfile`` for anything else."""
-    found = read_directory(fd)
+    found = read_directory(file.read, file.size)
     if found is not None:
         return found
     with _open_zip(path) as zip_file:
@@ -146,9 +193,9 @@ def _open_zip(path: Path) -> zipfile.ZipFile:
 class _Archive:
     """The records of one open torch.save zip, found through its central directory."""
 
-    def __init__(self, path: Path, entries: Mapping[str, Any], fd: int) -> None:
-        self.path, self.entries, self.fd = path, entries, fd
-        self.file_size = os.fstat(fd).st_size
+    def __init__(self, path: Path, file: _FileBytes) -> None:
+        self.path, self.file = path, file
+        self.entries = entries = _directory(path, file)
         pickles = [name for name in entries if name.endswith("/data.pkl") and name.count("/") == 1]
         if len(pickles) != 1:
             raise FileProblem(f"not a torch.save archive: {len(pickles)} <archive>/data.pkl records")
@@ -170,7 +217,7 @@ class _Archive:
         info = self.info(name)
         if info is None:
             return None
-        data = os.pread(self.fd, info.file_size, self._data_offset(info))
+        data = self.file.read(self._data_offset(info), info.file_size)
         if len(data) != info.file_size:
             raise FileProblem(f"record {info.filename} runs past the end of the file (truncated?)")
         found = crc32(data)
@@ -193,7 +240,7 @@ class _Archive:
         ):
             raise FileProblem(f"corrupt pickle data.pkl: unexpected persistent id {one_line(reprlib.repr(pid))}")
         _, kind, key, _location, numel = pid
-        nbytes = numel * dtype_info(kind.dtype).itemsize
+        nbytes = numel * ITEMSIZES[kind.dtype]
         record = self.storages.get(key)
         if record is None:
             info = self.info(f"data/{key}")
@@ -216,13 +263,13 @@ class _Archive:
     def _data_offset(self, info: Any) -> int:
         # The local header repeats the name and has its own extra field (torch pads it to
         # align the data), so the data starts where that header says, not the directory.
-        header = os.pread(self.fd, 30, info.header_offset)
-        if len(header) < 30 or header[:4] != b"PK\x03\x04":
+        header = self.file.read(info.header_offset, _LOCAL_HEADER.size)
+        if len(header) < _LOCAL_HEADER.size:
             raise FileProblem(f"record {info.filename}: bad local zip header")
-        name_length, extra_length = struct.unpack_from("<HH", header, 26)
-        start = info.header_offset + 30 + name_length + extra_length
-        if start + info.file_size > self.file_size:
+        signature, name_length, extra_length = _LOCAL_HEADER.unpack(header)
+        if signature != b"PK\x03\x04":
+            raise FileProblem(f"record {info.filename}: bad local zip header")
+        start = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
+        if start + info.file_size > self.file.size:
             raise FileProblem(f"record {info.filename} runs past the end of the file (truncated?)")
         return start
-
-

@@ -126,17 +126,19 @@ def _check_view_fits(
     """Refuse a view that reaches past its storage, or that has more elements than the
     storage holds: reading one (a stride-0 ``expand`` of a 2-byte storage, say) would
     allocate far more than the file holds. Checked before anything is read."""
-    itemsize = dtype_info(dtype).itemsize
-    if math.prod(size for size in shape if size) * itemsize >= _INT64_LIMIT:  # numpy refuses it even when empty
-        raise FileProblem(f"corrupt pickle data.pkl: a tensor of shape {shape} is too big for any memory")
+    itemsize = ITEMSIZES[dtype]
     numel = math.prod(shape)
+    nonzero = numel or math.prod(size for size in shape if size)  # numpy refuses a huge shape even when empty
+    if nonzero * itemsize >= _INT64_LIMIT:
+        raise FileProblem(f"corrupt pickle data.pkl: a tensor of shape {shape} is too big for any memory")
     if not numel:
         return
-    what = f"a {dtype} tensor of shape {shape}, stride {stride}, offset {offset}"
     needed = (offset + span(shape, stride)) * itemsize
     if needed > storage.nbytes:
+        what = f"a {dtype} tensor of shape {shape}, stride {stride}, offset {offset}"
         raise FileProblem(f"{what} needs {needed} bytes of storage {storage.key}, which has {storage.nbytes}")
     if numel * itemsize > storage.nbytes:
+        what = f"a {dtype} tensor of shape {shape}, stride {stride}, offset {offset}"
         raise FileProblem(
             f"{what} has {numel} elements, storage {storage.key} holds {storage.nbytes // itemsize}: "
             "an expanded view is refused (reading it would allocate more than the file holds)"
@@ -144,11 +146,17 @@ def _check_view_fits(
 
 
 _INT64_LIMIT = 1 << 63  # torch's sizes, strides and offsets are int64
+ITEMSIZES = {name: dtype_info(name).itemsize for name in STORAGE_CLASSES}
 
 
 def _sizes(value: Any) -> tuple[int, ...] | None:
-    ok = isinstance(value, (tuple, list)) and all(type(item) is int and 0 <= item < _INT64_LIMIT for item in value)
-    return tuple(value) if ok and len(value) <= 64 else None
+    """``value`` as a tuple of at most 64 int64s that are not negative; None if it is not one."""
+    if not isinstance(value, (tuple, list)) or len(value) > 64:
+        return None
+    for item in value:
+        if type(item) is not int or not 0 <= item < _INT64_LIMIT:
+            return None
+    return tuple(value)
 
 
 ALLOWED_GLOBALS: dict[str, Any] = {
@@ -167,5 +175,3 @@ ALLOWED_GLOBALS: dict[str, Any] = {
         }.items()
     },
 }
-
-
