@@ -43,7 +43,7 @@ def seal(qualname: str, target: Callable[..., Any]) -> type:
             raise FileProblem(f"refused to unpickle data.pkl: NEWOBJ of {qualname!r}, which is not a class")
         return target.__new__(target, *args)
 
-    return _SealedGlobal(qualname, (), {"__slots__": (), "target": staticmethod(target), "__new__": new})
+    return _SealedGlobal(qualname, (), {"__slots__": (), "target": target, "__new__": new})
 
 
 @unbuildable
