@@ -19,6 +19,7 @@ from ..checkpoint.io.safetensors_io import VerifiedRanges, read_header
 from ..checkpoint.universal.format import MANIFEST_FILE as UNIVERSAL_MANIFEST_FILE
 from ..checkpoint.universal.read import UniversalCheckpoint
 from ..layout import Layout, LayoutPolicy, build_layout
+from .expert_report import group_partitioning, shard_group_lines
 
 STEP_KEYS = ("global_step", "global_steps", "step", "iteration")
 LISTED_FILES = 8
@@ -154,12 +155,14 @@ def _layout_lines(
     ]
     for group in layout.groups:
         padding = group.inter_param_padding + group.tail_padding
+        partitioning = group_partitioning(layout, group)
         lines.append(
-            f"  group {group.index} ({group.dtype}): {len(group.params)} parameters, {group.param_numel:,} elements, "
+            f"  group {group.index} ({group.dtype}{', ' + partitioning if partitioning else ''}): "
+            f"{len(group.params)} parameters, {group.param_numel:,} elements, "
             f"{len(group.buckets)} bucket(s), {group.partition_numel:,} elements per rank, {padding:,} padding; "
             f"state {', '.join(states[group.index]) or '-'}; scalars {', '.join(scalars[group.index]) or '-'}"
         )
-    return lines
+    return lines + shard_group_lines(layout)
 
 
 def _trainable(layout: Layout) -> str:

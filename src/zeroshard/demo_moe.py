@@ -1,0 +1,182 @@
+"""The MoE demo: MoEGPT trained with ZeRO and expert parallelism, its grouped GEMMs watched.
+
+``moe_train_phase`` runs on every rank (spawned by the CLI) at a world size W and an expert
+parallelism EP: each rank holds E / EP experts of every layer, tokens reach them by
+all-to-all, expert state is sharded over the W / EP ranks holding the same experts. Every
+``torch._grouped_mm`` call is recorded as it happens: the address of the stacked weight it
+read and of each expert's matrix in it, so the report shows the alignment the kernel saw,
+not the alignment of the parameters at rest. Rank 0 returns a ``MoEPhaseResult``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterator
+
+import torch
+
+from .buffers import owns_storage
+from .demo import DTYPES, DemoConfig, progress_bar, train_steps
+from .engine import ZeroOptimizer
+from .moe import ExpertGroups, GroupedExperts, MoEConfig, MoEGPT, moe_param_groups, new_expert_groups, per_expert_state_dict
+
+MOE_MODEL = MoEConfig(num_experts=8, top_k=2)  # 2 layers, width 32, expert hidden 48
+
+
+@dataclass(frozen=True)
+class MoEDemoConfig(DemoConfig):
+    """The dense demo's training settings, with an MoE model."""
+
+    steps: int = 40
+    model: MoEConfig = MOE_MODEL
+
+
+@dataclass(frozen=True)
+class GroupedMMCall:
+    """One ``torch._grouped_mm`` call as it happened: the stacked expert weight it read."""
+
+    rank: int
+    step: int
+    index: int  # the call's place in the step's forward
+    param: str  # the expert parameter whose storage it read; "" if none of them
+    shape: tuple[int, ...]
+    dtype: str
+    expert_ids: tuple[int, ...]  # global ids of the stacked experts, in order
+    address: int  # data_ptr() of the stacked weight
+    weight_mod_16: int  # data_ptr() % 16 of the stacked weight
+    expert_mod_16: tuple[int, ...]  # data_ptr() % 16 of each expert's matrix
+    row_stride_bytes: int  # of each expert's matrix (CUDA wants a multiple of 16)
+    in_flat_buffer: bool  # the weight is a view of the engine's flat buffer
+
+    @property
+    def aligned(self) -> bool:
+        return self.weight_mod_16 == 0 and not any(self.expert_mod_16) and self.row_stride_bytes % 16 == 0
+
+
+@dataclass
+class MoEPhaseResult:
+    """What rank 0 reports of one phase at (W, EP)."""
+
+    world_size: int
+    ep_size: int
+    backend: str
+    first_step: int
+    losses: list[float] = field(default_factory=list)
+    train_seconds: float = 0.0
+    calls: list[GroupedMMCall] = field(default_factory=list)  # every rank's, at the phase's first step
+    storage_kept: bool = False  # every call of the last step read the addresses of the first
+    memory: dict = field(default_factory=dict)
+    layout: dict = field(default_factory=dict)  # the run's layout (JSON), shard groups and expert map
+
+
+def build_moe_engine(config: MoEDemoConfig, groups: ExpertGroups) -> tuple[MoEGPT, ZeroOptimizer]:
+    """This rank's MoEGPT (its E / EP experts) under ZeRO with expert groups.
+
+    Every rank draws the same full model and loads its own experts from it by global id, so
+    the run starts from the same weights at any (W, EP).
+    """
+    torch.manual_seed(config.seed)
+    full = per_expert_state_dict(MoEGPT(config.model))
+    model = MoEGPT(config.model, ep_group=groups.ep)
+    model.load_state_dict(full, strict=True)
+    engine = ZeroOptimizer(
+        model,
+        torch.optim.AdamW,
+        moe_param_groups(model),
+        stage=config.stage,
+        param_dtype=DTYPES[config.dtype],
+        expert_process_group=groups.expert_dp,
+        max_grad_norm=config.max_grad_norm,
+        lr=config.lr,
+        betas=(0.9, 0.95),
+        weight_decay=config.weight_decay,
+    )
+    return model, engine
+
+
+class GroupedMMRecorder:
+    """Records every ``torch._grouped_mm`` call while :meth:`watching`, tagged with ``step``."""
+
+    def __init__(self, model: MoEGPT, engine: ZeroOptimizer) -> None:
+        self.rank = engine.rank
+        self.step = 0
+        self.calls: dict[int, list[GroupedMMCall]] = {}  # by step
+        self._by_address: dict[int, tuple[str, tuple[int, ...], bool]] = {}
+        for prefix, module in model.named_modules():
+            if isinstance(module, GroupedExperts):
+                for name, param in module.named_parameters():
+                    buffer = engine.buffers[engine.layout.param(f"{prefix}.{name}")[0].index]
+                    in_buffer = owns_storage(buffer, param)
+                    self._by_address[param.data_ptr()] = (f"{prefix}.{name}", module.expert_ids, in_buffer)
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        real = torch._grouped_mm
+
+        def recording(tokens: torch.Tensor, weight: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            self._record(weight)
+            return real(tokens, weight, *args, **kwargs)
+
+        torch._grouped_mm = recording
+        try:
+            yield
+        finally:
+            torch._grouped_mm = real
+
+    def at_step(self, step: int) -> list[GroupedMMCall]:
+        return self.calls.get(step, [])
+
+    def _record(self, weight: torch.Tensor) -> None:
+        name, expert_ids, in_buffer = self._by_address.get(weight.data_ptr(), ("", (), False))
+        calls = self.calls.setdefault(self.step, [])
+        calls.append(
+            GroupedMMCall(
+                rank=self.rank,
+                step=self.step,
+                index=len(calls),
+                param=name,
+                shape=tuple(weight.shape),
+                dtype=str(weight.dtype).removeprefix("torch."),
+                expert_ids=tuple(expert_ids),
+                address=weight.data_ptr(),
+                weight_mod_16=weight.data_ptr() % 16,
+                expert_mod_16=tuple(expert.data_ptr() % 16 for expert in weight),
+                row_stride_bytes=weight.stride(1) * weight.element_size(),
+                in_flat_buffer=in_buffer,
+            )
+        )
+
+
+def moe_train_phase(
+    rank: int, world_size: int, config: MoEDemoConfig, ep_size: int, first_step: int, steps: int
+) -> MoEPhaseResult | None:
+    """Train ``steps`` steps from ``first_step`` at (W, EP), recording the grouped GEMMs."""
+    if config.global_batch % world_size:
+        raise ValueError(f"global batch {config.global_batch} does not split into {world_size} ranks")
+    groups = new_expert_groups(ep_size)
+    model, engine = build_moe_engine(config, groups)
+    result = MoEPhaseResult(world_size, ep_size, engine.comm.backend, first_step)
+    recorder = GroupedMMRecorder(model, engine)
+    recorder.step = first_step
+
+    def next_step(step: int) -> None:
+        recorder.step = step + 1
+
+    bar = progress_bar(config, rank, first_step, steps)
+    start = time.perf_counter()
+    with recorder.watching():
+        result.losses = train_steps(model, engine, config, first_step, steps, bar, next_step)
+    result.train_seconds = time.perf_counter() - start
+    bar(None, None)
+
+    first, last = recorder.at_step(first_step), recorder.at_step(first_step + steps - 1)
+    kept = len(first) == len(last) > 0 and all(a.address == b.address for a, b in zip(first, last))
+    calls = engine.comm.all_gather_object(first)
+    everywhere_kept = engine.comm.all_gather_object(kept)
+    result.calls = [call for per_rank in calls for call in per_rank]
+    result.storage_kept = all(everywhere_kept)
+    result.memory = asdict(engine.memory_report())
+    result.layout = engine.layout.to_dict()
+    return result if rank == 0 else None
