@@ -75,7 +75,7 @@ def format_ids(ids: Sequence[int]) -> str:
     steps = {b - a for a, b in zip(ids, ids[1:])}
     if steps == {1}:
         return f"{ids[0]}-{ids[-1]}"
-    if len(steps) == 1 and len(ids) > 3:
+    if len(steps) == 1 and len(ids) > 4:
         return f"{ids[0]}, {ids[1]}, ..., {ids[-1]}"
     if len(ids) > _LISTED_IDS:
         return ", ".join(map(str, ids[:_LISTED_IDS])) + f", ... ({len(ids)} in all)"
