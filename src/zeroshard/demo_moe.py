@@ -97,19 +97,27 @@ def build_moe_engine(config: MoEDemoConfig, groups: ExpertGroups) -> tuple[MoEGP
 
 
 class GroupedMMRecorder:
-    """Records every ``torch._grouped_mm`` call while :meth:`watching`, tagged with ``step``."""
+    """Records every ``torch._grouped_mm`` call while :meth:`watching`, tagged with ``step``.
 
-    def __init__(self, model: MoEGPT, engine: ZeroOptimizer) -> None:
-        self.rank = engine.rank
+    ``experts`` names the stacked expert weights a call may read: name -> (the weight, the
+    global ids of its experts, whether it is a view of the engine's flat buffer).
+    """
+
+    def __init__(self, rank: int, experts: dict[str, tuple[torch.Tensor, tuple[int, ...], bool]]) -> None:
+        self.rank = rank
         self.step = 0
         self.calls: dict[int, list[GroupedMMCall]] = {}  # by step
-        self._by_address: dict[int, tuple[str, tuple[int, ...], bool]] = {}
+        self._by_address = {weight.data_ptr(): (name, ids, in_buffer) for name, (weight, ids, in_buffer) in experts.items()}
+
+    @classmethod
+    def of_engine(cls, model: MoEGPT, engine: ZeroOptimizer) -> GroupedMMRecorder:
+        experts = {}
         for prefix, module in model.named_modules():
             if isinstance(module, GroupedExperts):
-                for name, param in module.named_parameters():
+                for name, weight in module.named_parameters():
                     buffer = engine.buffers[engine.layout.param(f"{prefix}.{name}")[0].index]
-                    in_buffer = owns_storage(buffer, param)
-                    self._by_address[param.data_ptr()] = (f"{prefix}.{name}", module.expert_ids, in_buffer)
+                    experts[f"{prefix}.{name}"] = (weight, module.expert_ids, owns_storage(buffer, weight))
+        return cls(engine.rank, experts)
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
@@ -158,7 +166,7 @@ def moe_train_phase(
     groups = new_expert_groups(ep_size)
     model, engine = build_moe_engine(config, groups)
     result = MoEPhaseResult(world_size, ep_size, engine.comm.backend, first_step)
-    recorder = GroupedMMRecorder(model, engine)
+    recorder = GroupedMMRecorder.of_engine(model, engine)
     recorder.step = first_step
 
     def next_step(step: int) -> None:

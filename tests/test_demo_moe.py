@@ -1,0 +1,80 @@
+"""`zeroshard demo --moe`: MoEGPT with expert parallelism, every grouped GEMM's expert views
+reported with the alignment read from data_ptr() at the call."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from zeroshard.demo_moe import GroupedMMRecorder
+
+BIN = Path(sys.executable).parent
+CALL = re.compile(
+    r"call (\d+)\s+(\S+)\s+(\[[\d, ]+\])\s+(\w+)\s+data_ptr % 16 = (\d+); experts ((?:\d+:\d+ ?)+); row stride (\d+) B(.*)$"
+)
+
+
+def _run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _calls(out: str) -> list[tuple[int, str, list[int], int, dict[int, int], int, str]]:
+    """(rank, param, shape, weight % 16, {expert id: % 16}, row stride, note) per reported call."""
+    calls, rank = [], None
+    for line in out.splitlines():
+        header = re.match(r"\s+rank (\d+) \(EP rank \d+, experts [\d, -]+\):$", line)
+        if header:
+            rank = int(header.group(1))
+        found = CALL.search(line)
+        if found:
+            experts = dict(tuple(map(int, pair.split(":"))) for pair in found.group(6).split())
+            shape = [int(dim) for dim in found.group(3).strip("[]").split(",")]
+            calls.append((rank, found.group(2), shape, int(found.group(5)), experts, int(found.group(7)), found.group(8)))
+    return calls
+
+
+def test_moe_demo_trains_at_ep_2_and_every_expert_view_is_aligned_at_its_call(tmp_path):
+    result = _run([str(BIN / "zeroshard"), "demo", "--moe", "--steps", "4", "--out", str(tmp_path)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "train W=4 EP=2, steps 0-3" in out
+    assert "shard groups: dp (4 ranks), expert_dp (2 ranks); expert parallelism EP=2" in out
+    assert "EP rank 1: experts 4-7 on ranks 1, 3" in out
+    calls = _calls(out)
+    # 4 ranks x 2 layers x (w1, w3, w2), each a 16-byte aligned view holding 4 experts.
+    assert len(calls) == 24 and "24 of 24 read 16-byte aligned views of the flat buffer (120 views" in out
+    for rank, param, shape, weight_mod, experts, stride, note in calls:
+        assert weight_mod == 0 and set(experts.values()) == {0} and stride % 16 == 0, (rank, param)
+        assert note == "" and shape[0] == 4, (rank, param, note)
+        assert sorted(experts) == list(range(4 * (rank % 2), 4 * (rank % 2) + 4)), (rank, param)  # EP rank = rank % 2
+    for layer in (0, 1):
+        for weight in ("w1", "w2", "w3"):
+            name = f"blocks.{layer}.moe.experts.{weight}"
+            assert sorted(e for _, p, _, _, experts, _, _ in calls if p == name for e in experts) == sorted(2 * list(range(8)))
+    assert "the same addresses at the phase's last step" in out
+
+
+def test_the_recorder_reports_the_address_the_kernel_was_given():
+    """A misaligned view, outside any flat buffer, is reported as such (the demo's numbers are read, not assumed)."""
+    storage = torch.zeros(2 * 8 * 8 + 1, dtype=torch.bfloat16)
+    weight = storage[1:].view(2, 8, 8)  # 2 bytes past an aligned start
+    aligned = torch.zeros(2, 8, 8, dtype=torch.bfloat16)
+    recorder, real = GroupedMMRecorder(0, {"aligned": (aligned, (5, 6), True)}), torch._grouped_mm
+    tokens, offsets = torch.ones(3, 8, dtype=torch.bfloat16), torch.tensor([1, 3], dtype=torch.int32)
+    with recorder.watching():
+        torch._grouped_mm(tokens, aligned, offs=offsets)
+        recorder.step = 1
+        torch._grouped_mm(tokens, weight, offs=offsets)
+    assert torch._grouped_mm is real  # restored
+    [first], [second] = recorder.at_step(0), recorder.at_step(1)
+    assert (first.param, first.expert_ids, first.in_flat_buffer, first.aligned) == ("aligned", (5, 6), True, aligned.data_ptr() % 16 == 0)
+    assert second.param == "" and not second.in_flat_buffer and not second.aligned
+    assert second.weight_mod_16 == weight.data_ptr() % 16 != 0
+    assert second.expert_mod_16 == (weight[0].data_ptr() % 16, weight[1].data_ptr() % 16)
+    assert second.row_stride_bytes == 16 and second.shape == (2, 8, 8)
