@@ -13,16 +13,28 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Iterator
+from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 
 from .buffers import owns_storage
+from .checkpoint.checkpointer import Checkpointer
 from .demo import DTYPES, DemoConfig, progress_bar, train_steps
 from .engine import ZeroOptimizer
-from .moe import ExpertGroups, GroupedExperts, MoEConfig, MoEGPT, moe_param_groups, new_expert_groups, per_expert_state_dict
+from .moe import (
+    ExpertGroups,
+    GroupedExperts,
+    MoEConfig,
+    MoEGPT,
+    moe_param_groups,
+    new_expert_groups,
+    per_expert_state_dict,
+)
+from .moe.experts import WEIGHTS, per_expert_name
 
 MOE_MODEL = MoEConfig(num_experts=8, top_k=2)  # 2 layers, width 32, expert hidden 48
+LIVE_STATE_FILE = "live_fp32_state.safetensors"
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,9 @@ class MoEPhaseResult:
     first_step: int
     losses: list[float] = field(default_factory=list)
     train_seconds: float = 0.0
+    load_seconds: float = 0.0
+    save_seconds: float = 0.0  # the phase's save, from save() until it was committed
+    checkpoint: str = ""
     calls: list[GroupedMMCall] = field(default_factory=list)  # every rank's, at the phase's first step
     storage_kept: bool = False  # every call of the last step read the addresses of the first
     memory: dict = field(default_factory=dict)
@@ -157,10 +172,75 @@ class GroupedMMRecorder:
         )
 
 
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """Where a phase's checkpoints live, whether it resumes from the latest, and after which
+    step it saves."""
+
+    out_dir: str
+    resume: bool
+    save_after: int
+
+
+@contextlib.contextmanager
+def checkpointing(
+    engine: ZeroOptimizer, plan: CheckpointPlan | None, first_step: int, result: MoEPhaseResult
+) -> Iterator[Callable[[int], None]]:
+    """Load the latest checkpoint if the plan resumes; yield the after-step hook that saves
+    after ``plan.save_after``; on exit wait for the save and record it in ``result``.
+    Without a plan, nothing is loaded or saved."""
+    if plan is None:
+        yield lambda step: None
+        return
+    with Checkpointer(engine, Path(plan.out_dir) / "checkpoints", keep_last=2, async_save=True) as ckpt:
+        if plan.resume:
+            start = time.perf_counter()
+            resumed_at = ckpt.load()
+            result.load_seconds = time.perf_counter() - start
+            if resumed_at != first_step:
+                raise ValueError(f"the latest checkpoint resumes at step {resumed_at}, not at {first_step}")
+
+        def save(step: int) -> None:
+            if step == plan.save_after:
+                ckpt.save(step)
+
+        yield save
+        start = time.perf_counter()
+        last = ckpt.wait()
+        if last is not None:
+            result.save_seconds = last.stall_s + time.perf_counter() - start
+            result.checkpoint = str(last.path)
+
+
+def save_live_fp32_state(model: MoEGPT, engine: ZeroOptimizer, path: Path) -> None:
+    """Collective: rank 0 writes every trained parameter's fp32 master under its export name
+    (each expert by global id, ``[out, in]``), gathered from the live engine's every EP rank."""
+    from safetensors.torch import save_file
+
+    masters = {name: engine.get_full_fp32_param(name) for name in engine.layout.param_names}
+    for prefix, module in model.named_modules():
+        if isinstance(module, GroupedExperts):
+            for weight in WEIGHTS:
+                stacked = masters.pop(f"{prefix}.{weight}")
+                for local, expert_id in enumerate(module.expert_ids):
+                    masters[per_expert_name(f"{prefix}.", expert_id, weight)] = stacked[local].t().contiguous()
+    every_rank = engine.comm.all_gather_object(masters)  # EP ranks hold different experts
+    if engine.rank == 0:
+        save_file({name: value for state in every_rank for name, value in state.items()}, str(path))
+
+
 def moe_train_phase(
-    rank: int, world_size: int, config: MoEDemoConfig, ep_size: int, first_step: int, steps: int
+    rank: int,
+    world_size: int,
+    config: MoEDemoConfig,
+    ep_size: int,
+    first_step: int,
+    steps: int,
+    plan: CheckpointPlan | None = None,
 ) -> MoEPhaseResult | None:
-    """Train ``steps`` steps from ``first_step`` at (W, EP), recording the grouped GEMMs."""
+    """Train ``steps`` steps from ``first_step`` at (W, EP), recording the grouped GEMMs;
+    resume and save as ``plan`` says (then rank 0 also writes the live fp32 state to
+    ``LIVE_STATE_FILE`` in its folder)."""
     if config.global_batch % world_size:
         raise ValueError(f"global batch {config.global_batch} does not split into {world_size} ranks")
     groups = new_expert_groups(ep_size)
@@ -168,16 +248,20 @@ def moe_train_phase(
     result = MoEPhaseResult(world_size, ep_size, engine.comm.backend, first_step)
     recorder = GroupedMMRecorder.of_engine(model, engine)
     recorder.step = first_step
-
-    def next_step(step: int) -> None:
-        recorder.step = step + 1
-
     bar = progress_bar(config, rank, first_step, steps)
-    start = time.perf_counter()
-    with recorder.watching():
-        result.losses = train_steps(model, engine, config, first_step, steps, bar, next_step)
-    result.train_seconds = time.perf_counter() - start
-    bar(None, None)
+    with checkpointing(engine, plan, first_step, result) as save:
+
+        def after_step(step: int) -> None:
+            recorder.step = step + 1
+            save(step)
+
+        start = time.perf_counter()
+        with recorder.watching():
+            result.losses = train_steps(model, engine, config, first_step, steps, bar, after_step)
+        result.train_seconds = time.perf_counter() - start
+        bar(None, None)
+    if plan is not None:
+        save_live_fp32_state(model, engine, Path(plan.out_dir) / LIVE_STATE_FILE)
 
     first, last = recorder.at_step(first_step), recorder.at_step(first_step + steps - 1)
     kept = len(first) == len(last) > 0 and all(a.address == b.address for a, b in zip(first, last))

@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-
-from ..checkpoint.io import jsonvalue
 from typing import Callable
 
+from ..checkpoint.io import jsonvalue
 from ..layout import ExpertMesh, GroupSpec, Layout, LayoutPolicy, ParamSpec, build_layout, itemsize
 from .arguments import positive_int
 from .expert_report import group_partitioning, shard_group_lines
