@@ -31,12 +31,13 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from ..layout import Layout
+from ..layout import GroupLayout, Layout, ParamSlot
+from ..layout.coordinates import ep_rank, expert_numel, shard_rank
 from ..state import ParamGroupState, ShardedState
 from .compat import Mismatch, compare_module, compare_params
 from .io.dtypes import arrays_to_torch, cast, dtype_info, dtype_of, to_numpy, to_torch
 from .reshard import GroupPlan, plan_reads
-from .source import ShardSource, read_whole_param
+from .source import ShardSource, read_param, read_whole_param
 
 
 def load_state(
@@ -70,7 +71,7 @@ def load_state(
         raise ValueError("base must be this rank's state under the layout being loaded")
     loadable = _check_match(source, layout, module_state, strict)
     param_groups = _map_param_groups(source, layout, loadable)
-    weights = _module_weights(source, layout, loadable, None if strict else module_state)
+    weights = _module_weights(source, layout, rank, loadable, None if strict else module_state)
     full = load_optimizer_states and not load_module_only
     fp32, states, scalars = [], [], []
     for plan in plan_reads(info.layout, layout, rank, loadable):
@@ -175,7 +176,7 @@ def _fp32_from_weights(
     layout: Layout, rank: int, group: int, weights: Mapping[str, np.ndarray], loadable: set[str], base: ShardedState | None
 ) -> np.ndarray:
     partition = _start(base, layout, group, None, "float32")
-    for fragment in layout.groups[group].fragments(rank):
+    for fragment in layout.groups[group].fragments(shard_rank(layout.groups[group], rank)):
         if fragment.name in loadable:
             weight = weights[fragment.name].reshape(-1)[fragment.param_start : fragment.param_start + fragment.length]
             partition[fragment.partition_start : fragment.partition_start + fragment.length] = cast(weight, "float32")
@@ -183,16 +184,18 @@ def _fp32_from_weights(
 
 
 def _module_weights(
-    source: ShardSource, layout: Layout, loadable: set[str], keep_only: Mapping[str, Any] | None
+    source: ShardSource, layout: Layout, rank: int, loadable: set[str], keep_only: Mapping[str, Any] | None
 ) -> dict[str, np.ndarray]:
     """The module state_dict entries to load, tied names left out: the trained parameters'
-    weights in the run's dtype, buffers and frozen parameters as stored (only those
-    ``keep_only`` names, when given)."""
+    weights in the run's dtype (of expert weights, the experts ``rank`` holds), buffers and
+    frozen parameters as stored (only those ``keep_only`` names, when given)."""
     info = source.info
     weights: dict[str, np.ndarray] = {}
     for group in layout.groups:
         for slot in group.params:
-            if slot.name in loadable:
+            if slot.name in loadable and group.is_expert_group:
+                weights[slot.name] = _local_experts(source, group, slot, rank)
+            elif slot.name in loadable:
                 weights[slot.name] = _weight(source, slot.name, group.dtype).reshape(slot.spec.shape)
             elif slot.numel == 0:
                 weights[slot.name] = np.empty(slot.spec.shape, dtype=dtype_info(group.dtype).numpy)
@@ -206,6 +209,17 @@ def _weight(source: ShardSource, name: str, dtype: str) -> np.ndarray:
     if source.info.weights_from_masters:
         return cast(read_whole_param(source, name, "fp32"), dtype)
     return source.model_tensor(name)  # its dtype is the run's: a change is refused before
+
+
+def _local_experts(source: ShardSource, group: GroupLayout, slot: ParamSlot, rank: int) -> np.ndarray:
+    """The stacked weight of the experts ``rank`` holds: their fp32 masters (read by global
+    expert id) cast to the run's dtype, as the engine makes its parameters from its masters.
+    No checkpoint stores expert weights in low precision (a native one keeps one module
+    file, written by rank 0, which holds only its own experts)."""
+    per_expert = expert_numel(slot)
+    experts = group.expert_map[ep_rank(group, rank)]
+    masters = [read_param(source, slot.name, "fp32", g * per_expert, (g + 1) * per_expert) for g in experts]
+    return cast(np.concatenate(masters), group.dtype).reshape(slot.spec.shape)
 
 
 def _to_torch_keeping_ties(weights: Mapping[str, np.ndarray], aliases: Mapping[str, str]) -> dict[str, torch.Tensor]:

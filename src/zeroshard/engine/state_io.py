@@ -23,24 +23,12 @@ def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def refuse_expert_groups(engine: ZeroOptimizer, what: str) -> None:
-    """ShardedState and the checkpoints built on it know one partition per rank of all W
-    ranks; expert groups (partitioned over W / EP ranks, different per EP rank) are not
-    expressed yet, so refuse them rather than write or read something wrong."""
-    if not engine.layout.is_dense:
-        raise ValueError(
-            f"{what}: the layout has expert groups (shard groups {engine.layout.shard_groups}); "
-            "checkpoints of mixture-of-experts runs are not supported yet"
-        )
-
-
 def state_views(engine: ZeroOptimizer) -> ShardedState:
     """This rank's share as views of the live tensors (on the engine's devices), no copies.
 
     Valid until the engine changes its state (the next step or load): copy it before that,
     as :func:`export_state` and the Checkpointer's host snapshot do.
     """
-    refuse_expert_groups(engine, "export_state")
     states, scalars = [], []
     for master in engine.masters:
         partitioned, scalar = {}, {}
@@ -110,7 +98,6 @@ def import_state(
       optimizer state;
     * ``load_module_only=True``: model weights only (masters rebuilt from them).
     """
-    refuse_expert_groups(engine, "import_state")
     full = load_optimizer_states and not load_module_only
     options = f"load_optimizer_states={load_optimizer_states}, load_module_only={load_module_only}, strict={strict}"
     call = f"import_state({options})"
@@ -174,7 +161,7 @@ def _cast_like(current: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]
 
 def _rebuild_masters_from_params(engine: ZeroOptimizer) -> None:
     for master, buffer in zip(engine.masters, engine.buffers):
-        parts = [buffer.data[begin:end] for begin, end in buffer.group.partition_ranges(engine.rank)]
+        parts = [buffer.data[begin:end] for begin, end in buffer.group.partition_ranges(engine.rank_in(buffer.group))]
         master.data.copy_(torch.cat(parts).float() if parts else master.data)
 
 
