@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from zeroshard.demo_moe import GroupedMMRecorder
@@ -24,10 +25,15 @@ def _run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def _calls(out: str) -> list[tuple[int, str, list[int], int, dict[int, int], int, str]]:
-    """(rank, param, shape, weight % 16, {expert id: % 16}, row stride, note) per reported call."""
-    calls, rank = [], None
+def _calls(out: str) -> dict[int, list[tuple[int, str, list[int], int, dict[int, int], int, str]]]:
+    """Per phase (by its first step): (rank, param, shape, weight % 16, {expert id: % 16},
+    row stride, note) of every reported call."""
+    phases: dict[int, list] = {}
+    rank = None
     for line in out.splitlines():
+        phase = re.match(r"\s+grouped_mm calls at step (\d+) ", line)
+        if phase:
+            calls = phases.setdefault(int(phase.group(1)), [])
         header = re.match(r"\s+rank (\d+) \(EP rank \d+, experts [\d, -]+\):$", line)
         if header:
             rank = int(header.group(1))
@@ -36,28 +42,49 @@ def _calls(out: str) -> list[tuple[int, str, list[int], int, dict[int, int], int
             experts = dict(tuple(map(int, pair.split(":"))) for pair in found.group(6).split())
             shape = [int(dim) for dim in found.group(3).strip("[]").split(",")]
             calls.append((rank, found.group(2), shape, int(found.group(5)), experts, int(found.group(7)), found.group(8)))
-    return calls
+    return phases
 
 
-def test_moe_demo_trains_at_ep_2_and_every_expert_view_is_aligned_at_its_call(tmp_path):
-    result = _run([str(BIN / "zeroshard"), "demo", "--moe", "--steps", "4", "--out", str(tmp_path)])
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout
-    assert "train W=4 EP=2, steps 0-3" in out
-    assert "shard groups: dp (4 ranks), expert_dp (2 ranks); expert parallelism EP=2" in out
-    assert "EP rank 1: experts 4-7 on ranks 1, 3" in out
-    calls = _calls(out)
-    # 4 ranks x 2 layers x (w1, w3, w2), each a 16-byte aligned view holding 4 experts.
-    assert len(calls) == 24 and "24 of 24 read 16-byte aligned views of the flat buffer (120 views" in out
+def _check_calls(calls: list, ep_size: int, world_size: int) -> None:
+    """Every call read aligned views holding its EP rank's experts; each layer's weights
+    cover every expert once per EP group."""
+    local = 8 // ep_size
+    assert len(calls) == world_size * 2 * 3  # 2 layers x (w1, w3, w2)
     for rank, param, shape, weight_mod, experts, stride, note in calls:
         assert weight_mod == 0 and set(experts.values()) == {0} and stride % 16 == 0, (rank, param)
-        assert note == "" and shape[0] == 4, (rank, param, note)
-        assert sorted(experts) == list(range(4 * (rank % 2), 4 * (rank % 2) + 4)), (rank, param)  # EP rank = rank % 2
+        assert note == "" and shape[0] == local, (rank, param, note)
+        first = local * (rank % ep_size)  # EP rank = rank % EP
+        assert sorted(experts) == list(range(first, first + local)), (rank, param)
     for layer in (0, 1):
         for weight in ("w1", "w2", "w3"):
             name = f"blocks.{layer}.moe.experts.{weight}"
-            assert sorted(e for _, p, _, _, experts, _, _ in calls if p == name for e in experts) == sorted(2 * list(range(8)))
-    assert "the same addresses at the phase's last step" in out
+            held = sorted(e for _, p, _, _, experts, _, _ in calls if p == name for e in experts)
+            assert held == sorted(world_size // ep_size * list(range(8))), name
+
+
+def test_moe_demo_trains_resumes_at_another_ep_and_every_expert_view_is_aligned_at_its_call(tmp_path):
+    result = _run([str(BIN / "zeroshard"), "demo", "--moe", "--steps", "6", "--out", str(tmp_path)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "train W=4 EP=2, steps 0-5" in out and "load it at W=2 EP=1 (resharded)" in out
+    assert "shard groups: dp (4 ranks), expert_dp (2 ranks); expert parallelism EP=2" in out
+    assert "EP rank 1: experts 4-7 on ranks 1, 3" in out and "EP rank 0: experts 0-7 on ranks 0, 1" in out
+    phases = _calls(out)
+    assert sorted(phases) == [0, 3]
+    _check_calls(phases[0], ep_size=2, world_size=4)
+    _check_calls(phases[3], ep_size=1, world_size=2)
+    assert "24 of 24 read 16-byte aligned views of the flat buffer (120 views" in out
+    assert "12 of 12 read 16-byte aligned views of the flat buffer (108 views" in out
+    assert out.count("the same addresses at the phase's last step") == 2
+
+    # Resumed at (2, 1) from the checkpoint of step 2, the losses continue the (4, 2) run's.
+    rows = re.findall(r"^\s+(\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+\S+$", out, re.MULTILINE)
+    assert [int(step) for step, _, _ in rows] == [3, 4, 5]
+    differences = [abs(float(a) - float(b)) for _, a, b in rows]
+    assert differences[0] <= 1e-5  # the same weights: only the loss sum's order differs
+    assert max(differences) <= 5e-3  # bf16, as the engine tests (the seen: 2e-5)
+    assert float(re.search(r"max \|difference\| over 3 steps = (\S+)", out).group(1)) == pytest.approx(max(differences), abs=1e-6)
+    assert (tmp_path / "checkpoints" / "step-00000002").is_dir() and (tmp_path / "checkpoints" / "step-00000005").is_dir()
 
 
 def test_the_recorder_reports_the_address_the_kernel_was_given():

@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 import torch
 
 from .buffers import owns_storage
-from .checkpoint.checkpointer import Checkpointer
+from .checkpoint.checkpointer import Checkpointer, SaveStats
 from .demo import DTYPES, DemoConfig, progress_bar, train_steps
 from .engine import ZeroOptimizer
 from .moe import (
@@ -78,7 +78,7 @@ class MoEPhaseResult:
     losses: list[float] = field(default_factory=list)
     train_seconds: float = 0.0
     load_seconds: float = 0.0
-    save_seconds: float = 0.0  # the phase's save, from save() until it was committed
+    save: SaveStats | None = None  # the phase's save: its training stall and background write
     checkpoint: str = ""
     calls: list[GroupedMMCall] = field(default_factory=list)  # every rank's, at the phase's first step
     storage_kept: bool = False  # every call of the last step read the addresses of the first
@@ -174,12 +174,13 @@ class GroupedMMRecorder:
 
 @dataclass(frozen=True)
 class CheckpointPlan:
-    """Where a phase's checkpoints live, whether it resumes from the latest, and after which
-    step it saves."""
+    """Where a phase's checkpoints live, whether it resumes from the latest, after which step
+    it saves, and whether rank 0 writes the live fp32 state (``LIVE_STATE_FILE``) at the end."""
 
     out_dir: str
     resume: bool
     save_after: int
+    live_state: bool = False
 
 
 @contextlib.contextmanager
@@ -205,11 +206,8 @@ def checkpointing(
                 ckpt.save(step)
 
         yield save
-        start = time.perf_counter()
-        last = ckpt.wait()
-        if last is not None:
-            result.save_seconds = last.stall_s + time.perf_counter() - start
-            result.checkpoint = str(last.path)
+        result.save = ckpt.wait()
+        result.checkpoint = str(result.save.path) if result.save is not None else ""
 
 
 def save_live_fp32_state(model: MoEGPT, engine: ZeroOptimizer, path: Path) -> None:
@@ -239,8 +237,7 @@ def moe_train_phase(
     plan: CheckpointPlan | None = None,
 ) -> MoEPhaseResult | None:
     """Train ``steps`` steps from ``first_step`` at (W, EP), recording the grouped GEMMs;
-    resume and save as ``plan`` says (then rank 0 also writes the live fp32 state to
-    ``LIVE_STATE_FILE`` in its folder)."""
+    resume and save as ``plan`` says."""
     if config.global_batch % world_size:
         raise ValueError(f"global batch {config.global_batch} does not split into {world_size} ranks")
     groups = new_expert_groups(ep_size)
@@ -260,7 +257,7 @@ def moe_train_phase(
             result.losses = train_steps(model, engine, config, first_step, steps, bar, after_step)
         result.train_seconds = time.perf_counter() - start
         bar(None, None)
-    if plan is not None:
+    if plan is not None and plan.live_state:
         save_live_fp32_state(model, engine, Path(plan.out_dir) / LIVE_STATE_FILE)
 
     first, last = recorder.at_step(first_step), recorder.at_step(first_step + steps - 1)

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
 
-from ..demo_moe import GroupedMMCall, MoEDemoConfig, MoEPhaseResult, moe_train_phase
+from ..demo_moe import CheckpointPlan, GroupedMMCall, MoEDemoConfig, MoEPhaseResult, moe_train_phase
 from ..layout import ExpertMesh, Layout
-from .demo_cmd import memory_lines
+from .demo_cmd import memory_lines, size_of
 from .expert_report import format_ids, shard_group_lines
 
 
@@ -23,44 +27,83 @@ def run_moe(args: argparse.Namespace) -> int:
         global_batch=args.global_batch,
         lr=args.lr,
     )
-    world_size = args.world_size or 4
-    _check_phase(config, world_size, args.ep, "--world-size", "--ep")
+    phases = (
+        Phase(args.world_size or 4, args.ep),
+        Phase(args.resume_world_size or 2, args.resume_ep),
+    )
     if args.micro_batches != 1:
         raise ValueError("--moe trains one micro-batch per step; leave --micro-batches at 1")
-    _run_arc(config, args, world_size)
+    _check_phase(config, phases[0], "--world-size", "--ep")
+    _check_phase(config, phases[1], "--resume-world-size", "--resume-ep")
+    out = args.out or Path(tempfile.mkdtemp(prefix="zeroshard-demo-moe-"))
+    try:
+        _run_arc(config, args, phases, out)
+    finally:
+        if args.out is None:
+            shutil.rmtree(out, ignore_errors=True)
     return 0
 
 
-def _check_phase(config: MoEDemoConfig, world_size: int, ep: int, world_flag: str, ep_flag: str) -> None:
+@dataclass(frozen=True)
+class Phase:
+    world_size: int
+    ep_size: int
+
+    def __str__(self) -> str:
+        return f"W={self.world_size} EP={self.ep_size}"
+
+
+def _check_phase(config: MoEDemoConfig, phase: Phase, world_flag: str, ep_flag: str) -> None:
     """Refuse a (W, EP) the run cannot use, before any rank is spawned."""
-    if world_size % ep:
-        raise ValueError(f"{ep_flag} {ep} does not divide {world_flag} {world_size}")
-    if config.model.num_experts % ep:
-        raise ValueError(f"{ep_flag} {ep} does not divide the model's {config.model.num_experts} experts")
-    if config.global_batch % world_size:
-        raise ValueError(f"--global-batch {config.global_batch} does not split into {world_size} ranks")
+    if phase.world_size % phase.ep_size:
+        raise ValueError(f"{ep_flag} {phase.ep_size} does not divide {world_flag} {phase.world_size}")
+    if config.model.num_experts % phase.ep_size:
+        raise ValueError(f"{ep_flag} {phase.ep_size} does not divide the model's {config.model.num_experts} experts")
+    if config.global_batch % phase.world_size:
+        raise ValueError(f"--global-batch {config.global_batch} does not split into {phase.world_size} ranks")
 
 
-def _run_arc(config: MoEDemoConfig, args: argparse.Namespace, world_size: int) -> None:
+def _run_arc(config: MoEDemoConfig, args: argparse.Namespace, phases: tuple[Phase, Phase], out: Path) -> None:
+    """Phase 1 trains every step and saves halfway; phase 2 resumes that checkpoint at the
+    other (W, EP) and trains the second half again, so its losses can be held against the
+    uninterrupted run's."""
     from ..launch import spawn
 
-    print(f"zeroshard demo --moe: training on {world_size} ranks, EP={args.ep}", flush=True)
-    first: MoEPhaseResult = spawn(
-        moe_train_phase,
-        world_size,
-        (config, args.ep, 0, config.steps),
-        backend=args.backend,
-        timeout_s=args.timeout,
-    )[0]
-    rows = [(f"train W={first.world_size} EP={first.ep_size}, steps 0-{config.steps - 1}", first.train_seconds, _losses(first))]
-    print(_format(config, first, rows))
+    first_phase, second_phase = phases
+    half, last = config.steps // 2, config.steps - 1
+
+    def run(phase: Phase, first_step: int, plan: CheckpointPlan) -> MoEPhaseResult:
+        steps = config.steps - first_step
+        arguments = (config, phase.ep_size, first_step, steps, plan)
+        return spawn(moe_train_phase, phase.world_size, arguments, backend=args.backend, timeout_s=args.timeout)[0]
+
+    print(f"zeroshard demo --moe: phase 1 on {first_phase}, steps 0-{last}, saving after step {half - 1}", flush=True)
+    first = run(first_phase, 0, CheckpointPlan(str(out), resume=False, save_after=half - 1))
+    print(f"zeroshard demo --moe: phase 2 resumes that checkpoint on {second_phase}, steps {half}-{last}", flush=True)
+    second = run(second_phase, half, CheckpointPlan(str(out), resume=True, save_after=last, live_state=True))
+    rows = [
+        (f"train {first_phase}, steps 0-{last}", first.train_seconds, _losses(first)),
+        _save_row(f"save after step {half - 1} at {first_phase}", first),
+        (f"load it at {second_phase} (resharded)", second.load_seconds, ""),
+        (f"train {second_phase}, steps {half}-{last}", second.train_seconds, _losses(second)),
+        _save_row(f"save after step {last} at {second_phase}", second),
+    ]
+    print(_format(config, first, second, rows))
+
+
+def _save_row(name: str, result: MoEPhaseResult) -> tuple[str, float, str]:
+    """The background write time; the stall it cost training and the checkpoint's size."""
+    save = result.save
+    assert save is not None and save.write_s is not None  # waited for by the phase
+    detail = f"{size_of(Path(result.checkpoint))}; training stalled {1e3 * save.stall_s:.1f} ms"
+    return name, save.write_s, detail
 
 
 def _losses(result: MoEPhaseResult) -> str:
     return f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}"
 
 
-def _format(config: MoEDemoConfig, first: MoEPhaseResult, rows: list[tuple[str, float, str]]) -> str:
+def _format(config: MoEDemoConfig, first: MoEPhaseResult, second: MoEPhaseResult, rows: list[tuple[str, float, str]]) -> str:
     model = config.model
     lines = [
         "",
@@ -71,8 +114,31 @@ def _format(config: MoEDemoConfig, first: MoEPhaseResult, rows: list[tuple[str, 
         f"  {'stage':<44} {'time':>9}  result",
     ]
     lines += [f"  {name:<44} {seconds:>8.2f}s  {detail}" for name, seconds, detail in rows]
-    lines += ["", *_phase_lines(config, first)]
+    lines += ["", *continuation_lines(first, second)]
+    for result in (first, second):
+        lines += ["", *_phase_lines(config, result)]
     return "\n".join(lines)
+
+
+def continuation_lines(uninterrupted: MoEPhaseResult, resumed: MoEPhaseResult) -> list[str]:
+    """The resumed run's losses next to the uninterrupted run's, step by step."""
+    offset = resumed.first_step - uninterrupted.first_step
+    pairs = list(zip(uninterrupted.losses[offset:], resumed.losses))
+    worst = max(abs(a - b) for a, b in pairs)
+    lines = [
+        f"  loss continuation: resumed at W={resumed.world_size} EP={resumed.ep_size} from step {resumed.first_step - 1}'s "
+        f"checkpoint of the W={uninterrupted.world_size} EP={uninterrupted.ep_size} run, which trained on; "
+        f"max |difference| over {len(pairs)} steps = {worst:.2e}",
+        f"    {'step':>6} {'uninterrupted':>14} {'resumed':>10} {'|difference|':>13}",
+    ]
+    shown = pairs if len(pairs) <= 6 else pairs[:3] + [None] + pairs[-2:]
+    for index, pair in enumerate(shown):
+        if pair is None:
+            lines.append(f"    {'...':>6}")
+            continue
+        step = resumed.first_step + (index if index < 3 or len(pairs) <= 6 else len(pairs) - (len(shown) - index))
+        lines.append(f"    {step:>6} {pair[0]:>14.6f} {pair[1]:>10.6f} {abs(pair[0] - pair[1]):>13.2e}")
+    return lines
 
 
 def _phase_lines(config: MoEDemoConfig, result: MoEPhaseResult) -> list[str]:
