@@ -4,6 +4,9 @@ groups, EP and the expert map, on synthesised version-2 layouts; dense reports u
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -116,3 +119,37 @@ def test_model_json_still_reads(tmp_path, capsys):
     model.write_text(json.dumps({"groups": [[[8, 4]], [[3]]]}))
     assert main(["layout", "--model", str(model), "--world-size", "2"]) == 0
     assert "2 parameters in 2 group(s)" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    """A native checkpoint of an expert layout at W=8, EP=4, saved by thread ranks."""
+    from universal_helpers import save_synthetic
+
+    return save_synthetic(tmp_path_factory.mktemp("moe84"), expert_layout(8, 4))
+
+
+def test_inspect_shows_shard_groups_ep_and_the_expert_map(moe_checkpoint, capsys):
+    assert main(["inspect", str(moe_checkpoint)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    start = out.index("groups:")
+    assert out[start + 1].startswith("  group 0 (bfloat16, dense, over dp (8 ranks)): 2 parameters, 96 elements")
+    assert out[start + 2].startswith("  group 1 (bfloat16, experts, over expert_dp (2 ranks)): 2 parameters, 512 elements")
+    assert out[start + 3 : start + 9] == shard_group_lines(expert_layout(8, 4))
+    assert "parameters: 4 trainable (608 elements with one EP rank's experts, 2,144 with all)" in out[start + 9]
+    assert "world size: 8" in out
+
+
+def test_inspect_of_an_moe_checkpoint_needs_no_torch(moe_checkpoint):
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["torch"] = None  # any import of torch fails
+        from zeroshard.cli.main import main
+        assert main(["inspect", {str(moe_checkpoint)!r}]) == 0 and main(["inspect", "--verify", {str(moe_checkpoint)!r}]) == 0
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "expert parallelism EP=4" in done.stdout and "EP rank 3: experts 6, 7 on ranks 3, 7" in done.stdout
+    assert ": OK, " in done.stdout

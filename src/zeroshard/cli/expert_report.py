@@ -40,6 +40,12 @@ def shard_group_lines(layout: Layout, *, indent: str = "", listed: int | None = 
     return lines
 
 
+def every_expert_numel(layout: Layout) -> int:
+    """Elements of the whole model: the dense groups, and each expert group times EP (a
+    layout group holds one EP rank's experts)."""
+    return sum(group.param_numel * max(len(group.expert_map), 1) for group in layout.groups)
+
+
 def group_partitioning(layout: Layout, group: GroupLayout) -> str:
     """How one group is partitioned, for a layout with shard groups (``""`` for a dense one)."""
     if layout.is_dense:

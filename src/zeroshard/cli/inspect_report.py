@@ -19,7 +19,7 @@ from ..checkpoint.io.safetensors_io import VerifiedRanges, read_header
 from ..checkpoint.universal.format import MANIFEST_FILE as UNIVERSAL_MANIFEST_FILE
 from ..checkpoint.universal.read import UniversalCheckpoint
 from ..layout import Layout, LayoutPolicy, build_layout
-from .expert_report import group_partitioning, shard_group_lines
+from .expert_report import every_expert_numel, group_partitioning, shard_group_lines
 
 STEP_KEYS = ("global_step", "global_steps", "step", "iteration")
 LISTED_FILES = 8
@@ -167,7 +167,10 @@ def _layout_lines(
 
 def _trainable(layout: Layout) -> str:
     count = sum(len(group.params) for group in layout.groups)
-    return f"parameters: {count} trainable ({layout.padding().param_numel:,} elements)"
+    numel = layout.padding().param_numel
+    if layout.is_dense:
+        return f"parameters: {count} trainable ({numel:,} elements)"
+    return f"parameters: {count} trainable ({numel:,} elements with one EP rank's experts, {every_expert_numel(layout):,} with all)"
 
 
 def _padding_line(layout: Layout) -> str:
