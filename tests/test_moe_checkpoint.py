@@ -154,3 +154,122 @@ def test_non_strict_load_skips_regrouped_experts_keeping_the_base(saved_4_2):
         state = load_sharded(saved_4_2, new, 1, strict=False, base=base)
     assert torch.equal(state.fp32_partitions[0], expected_partition(new, 1, 0, "fp32"))
     assert torch.equal(state.fp32_partitions[1], torch.full_like(base.fp32_partitions[1], -1.0))
+
+
+# ---- universal and fp32 exports ------------------------------------------------------------
+
+
+def tensors_of(directory) -> dict[str, bytes]:
+    """name -> (dtype, shape, bytes) of every tensor in every safetensors file of ``directory``."""
+    found = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(path, framework="numpy") as handle:
+            for key in handle.keys():
+                array = handle.get_tensor(key)
+                found[key] = (str(array.dtype), array.shape, array.tobytes())
+    return found
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory, saved_4_2):
+    """The universal and fp32 exports of one synthetic state saved at (4, 2) and at (2, 1)."""
+    from zeroshard.checkpoint.export.fp32 import to_fp32
+    from zeroshard.checkpoint.universal import to_universal
+
+    root = tmp_path_factory.mktemp("moe-exports")
+    saved_2_1 = save_synthetic(root / "native21", moe_layout(2, 1))
+    made = {}
+    for label, native in (("4_2", saved_4_2), ("2_1", saved_2_1)):
+        made[f"universal_{label}"] = to_universal(native, root / f"universal{label}", progress=False)
+        made[f"fp32_{label}"] = to_fp32(native, root / f"fp32{label}", progress=False)
+    made["fp32_of_universal"] = to_fp32(made["universal_4_2"], root / "fp32u", progress=False)
+    return made
+
+
+def test_exports_name_each_expert_by_global_id_in_linear_orientation(exports):
+    fp32 = tensors_of(exports["fp32_4_2"])
+    for name, (d_in, d_out) in STACKED:
+        prefix, weight = name.rsplit(".", 1)
+        full = pattern(name, "fp32", EXPERTS * d_in * d_out).reshape(EXPERTS, d_in, d_out)
+        for g in range(EXPERTS):
+            dtype, shape, data = fp32[f"{prefix}.{g}.{weight}.weight"]
+            assert (dtype, shape) == ("float32", (d_out, d_in))
+            assert data == full[g].t().contiguous().numpy().tobytes(), (name, g)
+        assert name not in fp32
+    universal = tensors_of(exports["universal_4_2"])
+    assert {f"param/moe.experts.{g}.w2.weight/{key}" for g in range(4) for key in ("fp32", *ADAM_STATES)} <= set(universal)
+
+
+@pytest.mark.parametrize("kind", ["universal", "fp32"])
+def test_exports_at_different_ep_and_dp_are_byte_identical_per_name(exports, kind):
+    assert tensors_of(exports[f"{kind}_4_2"]) == tensors_of(exports[f"{kind}_2_1"])
+
+
+def test_fp32_export_of_the_universal_export_is_the_same(exports):
+    assert tensors_of(exports["fp32_of_universal"]) == tensors_of(exports["fp32_4_2"])
+
+
+def test_universal_manifest_lists_the_experts_of_each_stacked_weight(exports):
+    import json
+
+    manifest = json.loads((exports["universal_4_2"] / "universal.json").read_text())
+    assert manifest["version"] == 2
+    assert manifest["experts"]["moe.experts.w3"] == [f"moe.experts.{g}.w3.weight" for g in range(EXPERTS)]
+    assert manifest["params"]["moe.experts.1.w2.weight"]["shape"] == [8, 6]
+
+
+@pytest.mark.parametrize("world_size, ep_size", [(4, 4), (2, 2), (1, 1), (3, 1)])
+def test_universal_loads_back_at_another_ep_and_dp_bit_for_bit(exports, world_size, ep_size):
+    from zeroshard.checkpoint.universal import load_universal
+
+    new = moe_layout(world_size, ep_size)
+    for rank in range(world_size):
+        assert_state_matches(load_universal(exports["universal_4_2"], new, rank), new, rank)
+
+
+def test_universal_manifest_with_a_bad_expert_list_is_refused(exports, tmp_path):
+    import json
+    import shutil
+
+    from zeroshard.checkpoint.universal import open_universal
+
+    copy = shutil.copytree(exports["universal_4_2"], tmp_path / "u")
+    manifest = json.loads((copy / "universal.json").read_text())
+    manifest["experts"]["moe.experts.w1"][1] = "moe.experts.0.w1.weight"
+    (copy / "universal.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="expert weight 'moe.experts.w1' lists an expert tensor listed before"):
+        open_universal(copy)
+
+
+def test_export_refuses_expert_weights_that_are_not_stacked_matrices(tmp_path):
+    from zeroshard.checkpoint.export.fp32 import to_fp32
+
+    mesh = ExpertMesh(2, 2)
+    dense = [ParamSpec.of("wte", (5, 4), "float32")]
+    layout = build_layout([dense, mesh.expert_group([ParamSpec.of("moe.experts.bias", (1, 4), "float32")], 2)], 2)
+    directory = save_synthetic(tmp_path / "ckpt", layout)
+    with pytest.raises(ValueError, match=r"expert weight 'moe.experts.bias' has shape \[1, 4\]"):
+        to_fp32(directory, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_conversions_of_an_expert_checkpoint_need_no_torch(saved_4_2, tmp_path):
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["torch"] = None  # any import of torch fails
+        from zeroshard.cli.main import main
+        assert main(["to-universal", {str(saved_4_2)!r}, {str(tmp_path / "u")!r}]) == 0
+        assert main(["to-fp32", {str(tmp_path / "u")!r}, {str(tmp_path / "f")!r}]) == 0
+        assert main(["inspect", "--verify", {str(saved_4_2)!r}]) == 0
+        assert main(["inspect", "--verify", {str(tmp_path / "u")!r}]) == 0
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    assert done.returncode == 0, done.stderr
+    assert "moe.experts.3.w1.weight" in tensors_of(tmp_path / "f")

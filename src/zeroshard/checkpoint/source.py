@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -105,10 +105,3 @@ def read_whole_param(source: ShardSource, name: str, key: str) -> np.ndarray:
         start = pieces[0].partition_start
         return source.read(pieces[0].rank, group.index, key, start, start + slot.numel)
     return read_param(source, name, key)
-
-
-def iter_params(source: ShardSource) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """Trained parameters in layout order (group by group, buffer order)."""
-    for group in source.info.layout.groups:
-        for slot in group.params:
-            yield slot.name, slot.spec.shape
