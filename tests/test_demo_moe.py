@@ -86,6 +86,11 @@ def test_moe_demo_trains_resumes_at_another_ep_and_every_expert_view_is_aligned_
     assert float(re.search(r"max \|difference\| over 3 steps = (\S+)", out).group(1)) == pytest.approx(max(differences), abs=1e-6)
     assert (tmp_path / "checkpoints" / "step-00000002").is_dir() and (tmp_path / "checkpoints" / "step-00000005").is_dir()
 
+    # The last checkpoint, converted: every expert under its global name, equal to the live masters.
+    assert "70 of 70 tensors (48 per-expert weights) bit-for-bit equal to the live fp32 masters" in out
+    assert "MoEGPT(EP=1).load_state_dict(strict=True) ok" in out
+    assert (tmp_path / "universal" / "universal.json").is_file() and (tmp_path / "fp32" / "model.safetensors").is_file()
+
 
 def test_the_recorder_reports_the_address_the_kernel_was_given():
     """A misaligned view, outside any flat buffer, is reported as such (the demo's numbers are read, not assumed)."""

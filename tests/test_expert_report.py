@@ -140,16 +140,36 @@ def test_inspect_shows_shard_groups_ep_and_the_expert_map(moe_checkpoint, capsys
     assert "world size: 8" in out
 
 
-def test_inspect_of_an_moe_checkpoint_needs_no_torch(moe_checkpoint):
+@pytest.fixture(scope="module")
+def moe_universal(moe_checkpoint, tmp_path_factory):
+    from zeroshard.checkpoint.universal import to_universal
+
+    return to_universal(moe_checkpoint, tmp_path_factory.mktemp("moe84u") / "universal")
+
+
+def test_inspect_of_a_universal_moe_checkpoint_names_its_experts(moe_universal, capsys):
+    assert main(["inspect", str(moe_universal)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "experts: 2 stacked expert weights of 8 experts each, stored as one [out, in] tensor per expert by global id "
+        "(moe.w1 -> moe.0.w1.weight, ...); any expert parallelism that divides the experts loads them\n"
+    ) in out
+    assert "parameters: 18 trainable (2,144 elements)" in out  # 2 dense, 2 x 8 experts
+    assert "padding overhead: none (the source run's expert parallelism is not recorded" in out
+
+
+def test_inspect_of_moe_checkpoints_needs_no_torch(moe_checkpoint, moe_universal):
     script = textwrap.dedent(
         f"""
         import sys
         sys.modules["torch"] = None  # any import of torch fails
         from zeroshard.cli.main import main
-        assert main(["inspect", {str(moe_checkpoint)!r}]) == 0 and main(["inspect", "--verify", {str(moe_checkpoint)!r}]) == 0
+        for path in ({str(moe_checkpoint)!r}, {str(moe_universal)!r}):
+            assert main(["inspect", path]) == 0 and main(["inspect", "--verify", path]) == 0
         """
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "expert parallelism EP=4" in done.stdout and "EP rank 3: experts 6, 7 on ranks 3, 7" in done.stdout
-    assert ": OK, " in done.stdout
+    assert "experts: 2 stacked expert weights of 8 experts each" in done.stdout
+    assert done.stdout.count(": OK, ") == 2

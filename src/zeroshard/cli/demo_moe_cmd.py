@@ -10,10 +10,11 @@ import argparse
 import math
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..demo_moe import CheckpointPlan, GroupedMMCall, MoEDemoConfig, MoEPhaseResult, moe_train_phase
+from ..demo_moe import LIVE_STATE_FILE, CheckpointPlan, GroupedMMCall, MoEDemoConfig, MoEPhaseResult, moe_train_phase
 from ..layout import ExpertMesh, Layout
 from .demo_cmd import memory_lines, size_of
 from .expert_report import format_ids, shard_group_lines
@@ -87,8 +88,42 @@ def _run_arc(config: MoEDemoConfig, args: argparse.Namespace, phases: tuple[Phas
         (f"load it at {second_phase} (resharded)", second.load_seconds, ""),
         (f"train {second_phase}, steps {half}-{last}", second.train_seconds, _losses(second)),
         _save_row(f"save after step {last} at {second_phase}", second),
+        *_convert(Path(second.checkpoint), out, config),
     ]
     print(_format(config, first, second, rows))
+
+
+def _convert(checkpoint: Path, out: Path, config: MoEDemoConfig) -> list[tuple[str, float, str]]:
+    """To universal, then fp32; the export against the live masters, and loaded into the
+    MoE model holding every expert (EP = 1) with strict=True."""
+    import torch
+    from safetensors.torch import load_file
+
+    from ..checkpoint.export.fp32 import to_fp32
+    from ..checkpoint.universal import to_universal
+    from ..moe import MoEGPT
+
+    rows = []
+    start = time.perf_counter()
+    universal = to_universal(checkpoint, out / "universal", overwrite=True)
+    rows.append(("to-universal", time.perf_counter() - start, size_of(universal)))
+    start = time.perf_counter()
+    exported = to_fp32(universal, out / "fp32", overwrite=True)
+    rows.append(("to-fp32 (from the universal checkpoint)", time.perf_counter() - start, size_of(exported)))
+
+    state = load_file(str(exported / "model.safetensors"))
+    live = load_file(str(out / LIVE_STATE_FILE))  # every parameter, experts by global id
+    exact = sum(name in state and torch.equal(state[name], tensor) for name, tensor in live.items())
+    experts = sum(".moe.experts." in name for name in state)
+    MoEGPT(config.model).load_state_dict(state, strict=True)
+    verdict = (
+        f"{exact} of {len(live)} tensors ({experts} per-expert weights) bit-for-bit equal to the live fp32 masters; "
+        "MoEGPT(EP=1).load_state_dict(strict=True) ok"
+    )
+    rows.append(("check the export", 0.0, verdict))
+    if exact != len(live):
+        raise ValueError(f"the fp32 export differs from the live masters in {len(live) - exact} tensors")
+    return rows
 
 
 def _save_row(name: str, result: MoEPhaseResult) -> tuple[str, float, str]:

@@ -10,7 +10,7 @@ arrangement the engine builds its process groups from: EP rank ``e`` is every ra
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from ..layout import ExpertMesh, GroupLayout, Layout
 
@@ -44,6 +44,20 @@ def every_expert_numel(layout: Layout) -> int:
     """Elements of the whole model: the dense groups, and each expert group times EP (a
     layout group holds one EP rank's experts)."""
     return sum(group.param_numel * max(len(group.expert_map), 1) for group in layout.groups)
+
+
+def universal_expert_lines(experts: Mapping[str, Sequence[str]]) -> list[str]:
+    """The expert weights of a universal checkpoint (its manifest's ``experts``: stacked
+    weight -> its experts' tensor names by global id); ``[]`` without experts."""
+    if not experts:
+        return []
+    counts = sorted({len(names) for names in experts.values()})
+    first_stack, first_names = next(iter(experts.items()))
+    return [
+        f"experts: {len(experts)} stacked expert weights of {'/'.join(map(str, counts))} experts each, stored as one "
+        f"[out, in] tensor per expert by global id ({first_stack} -> {first_names[0]}, ...); "
+        "any expert parallelism that divides the experts loads them"
+    ]
 
 
 def group_partitioning(layout: Layout, group: GroupLayout) -> str:
