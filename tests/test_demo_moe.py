@@ -110,3 +110,38 @@ def test_the_recorder_reports_the_address_the_kernel_was_given():
     assert second.weight_mod_16 == weight.data_ptr() % 16 != 0
     assert second.expert_mod_16 == (weight[0].data_ptr() % 16, weight[1].data_ptr() % 16)
     assert second.row_stride_bytes == 16 and second.shape == (2, 8, 8)
+
+
+def test_moe_demo_phase_under_torchrun_saves_then_resumes_at_another_ep(tmp_path):
+    command = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(BIN / "zeroshard"), "demo", "--moe"]
+    command += ["--steps", "4", "--out", str(tmp_path)]
+    first = _run([*command, "--ep", "2"])
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "W=2 EP=2 (gloo): steps 0-1" in first.stdout
+    second = _run([*command, "--ep", "1"])  # finds the checkpoint and resumes from it, experts regrouped
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "W=2 EP=1 (gloo): resumed from step 1's checkpoint, steps 2-3" in second.stdout
+    assert "terminate called" not in first.stderr + second.stderr
+    _check_calls(_calls(first.stdout)[0], ep_size=2, world_size=2)
+    _check_calls(_calls(second.stdout)[2], ep_size=1, world_size=2)
+    tags = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-"))
+    assert tags == ["step-00000001", "step-00000003"]
+
+
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        (["--ep", "3"], "--ep 3 does not divide --world-size 4"),
+        (["--world-size", "16", "--ep", "16"], "--ep 16 does not divide the model's 8 experts"),
+        (["--global-batch", "10"], "--global-batch 10 does not split into 4 ranks"),
+        (["--resume-world-size", "3", "--resume-ep", "3"], "--resume-ep 3 does not divide the model's 8 experts"),
+        (["--resume-ep", "4"], "--resume-ep 4 does not divide --resume-world-size 2"),
+        (["--micro-batches", "2"], "--moe trains one micro-batch per step"),
+    ],
+)
+def test_bad_moe_demo_arguments_fail_before_spawning_anything(args, error, capsys):
+    from zeroshard.cli.main import main
+
+    assert main(["demo", "--moe", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and error in err[0], err

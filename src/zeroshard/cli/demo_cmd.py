@@ -46,10 +46,11 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
     if args.moe:
         from .demo_moe_cmd import run_moe
 
-        return run_moe(args)
+        return run_moe(args, under_torchrun)
     args.world_size = args.world_size or 2
     args.resume_world_size = args.resume_world_size or 3
     config = DemoConfig(
@@ -60,7 +61,6 @@ def run(args: argparse.Namespace) -> int:
         micro_batches=args.micro_batches,
         lr=args.lr,
     )
-    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
     world_sizes = [args.world_size, args.resume_world_size]
     for world_size in [int(os.environ.get("WORLD_SIZE", 1))] if under_torchrun else world_sizes:
         if config.global_batch % (world_size * config.micro_batches):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import shutil
 import tempfile
 import time
@@ -20,7 +21,7 @@ from .demo_cmd import memory_lines, size_of
 from .expert_report import format_ids, shard_group_lines
 
 
-def run_moe(args: argparse.Namespace) -> int:
+def run_moe(args: argparse.Namespace, under_torchrun: bool = False) -> int:
     config = MoEDemoConfig(
         steps=args.steps or MoEDemoConfig.steps,
         stage=args.stage,
@@ -34,6 +35,10 @@ def run_moe(args: argparse.Namespace) -> int:
     )
     if args.micro_batches != 1:
         raise ValueError("--moe trains one micro-batch per step; leave --micro-batches at 1")
+    if under_torchrun:
+        torchrun_phase = Phase(int(os.environ["WORLD_SIZE"]), args.ep)
+        _check_phase(config, torchrun_phase, "the torchrun world size", "--ep")
+        return _run_under_torchrun(config, args, torchrun_phase)
     _check_phase(config, phases[0], "--world-size", "--ep")
     _check_phase(config, phases[1], "--resume-world-size", "--resume-ep")
     out = args.out or Path(tempfile.mkdtemp(prefix="zeroshard-demo-moe-"))
@@ -124,6 +129,32 @@ def _convert(checkpoint: Path, out: Path, config: MoEDemoConfig) -> list[tuple[s
     if exact != len(live):
         raise ValueError(f"the fp32 export differs from the live masters in {len(live) - exact} tensors")
     return rows
+
+
+def _run_under_torchrun(config: MoEDemoConfig, args: argparse.Namespace, phase: Phase) -> int:
+    """One phase on the torchrun ranks: the first half of the steps, or, when --out has a
+    checkpoint, the second half resumed from it (at this run's W and --ep); saves at its end."""
+    import torch.distributed as dist
+
+    from ..launch import init_from_env
+
+    if args.out is None:
+        raise ValueError("under torchrun, pass --out DIR for the checkpoints")
+    init_from_env(args.backend)
+    try:
+        resume = (args.out / "checkpoints" / "latest").is_file()
+        first_step = config.steps // 2 if resume else 0
+        steps = config.steps - first_step if resume else config.steps // 2
+        plan = CheckpointPlan(str(args.out), resume=resume, save_after=first_step + steps - 1)
+        result = moe_train_phase(dist.get_rank(), dist.get_world_size(), config, phase.ep_size, first_step, steps, plan)
+        if result is not None:
+            resumed = f"resumed from step {first_step - 1}'s checkpoint, " if resume else ""
+            print(f"\n{phase} ({result.backend}): {resumed}steps {first_step}-{first_step + steps - 1}, {_losses(result)}")
+            print(f"  checkpoint {result.checkpoint}")
+            print("\n".join(_phase_lines(config, result)))
+    finally:
+        dist.destroy_process_group()
+    return 0
 
 
 def _save_row(name: str, result: MoEPhaseResult) -> tuple[str, float, str]:
