@@ -58,7 +58,9 @@ def apply_plan(old, new, rank, kind="fp32"):
         out = torch.zeros(new.groups[plan.group].partition_numel)
         for copy in plan.copies:
             source = expected_partition(old, copy.source_rank, copy.source_group, kind)
-            out[copy.dest_start : copy.dest_start + copy.length] = source[copy.source_start : copy.source_start + copy.length]
+            out[copy.dest_start : copy.dest_start + copy.length] = source[
+                copy.source_start : copy.source_start + copy.length
+            ]
         partitions.append(out)
     return partitions
 

@@ -52,7 +52,9 @@ def exported_params(layout: Layout) -> list[ExportedParam]:
                     "matrix per expert, so stacked expert weights must be [experts, in, out]"
                 )
             experts, d_in, d_out = shape
-            exported += [ExportedParam(per_expert_name(slot.name, g), (d_out, d_in), slot.name, g) for g in range(experts)]
+            exported += [
+                ExportedParam(per_expert_name(slot.name, g), (d_out, d_in), slot.name, g) for g in range(experts)
+            ]
     return exported
 
 

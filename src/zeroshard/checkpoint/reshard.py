@@ -49,7 +49,8 @@ class GroupPlan:
 
 
 def plan_reads(old: Layout, new: Layout, rank: int, params: Collection[str] | None = None) -> tuple[GroupPlan, ...]:
-    """One GroupPlan per new group for ``rank``; ``params`` limits it to those names (None: all).
+    """One GroupPlan per new group for global rank ``rank``; ``params`` limits it to those
+    names (None: all). Copies name old global ranks (the rank files).
 
     When the layouts are equal the plan copies each old partition of ``rank`` whole.
     """

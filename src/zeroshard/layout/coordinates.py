@@ -89,7 +89,9 @@ def rank_runs(group: GroupLayout, rank: int) -> tuple[GlobalRun, ...]:
             local, within = divmod(position, per_expert)
             length = min(per_expert - within, end - position)
             first = group.expert_map[ep][local] * per_expert + within
-            runs.append(GlobalRun(rank, slot.name, fragment.partition_start + position - fragment.param_start, first, length))
+            runs.append(
+                GlobalRun(rank, slot.name, fragment.partition_start + position - fragment.param_start, first, length)
+            )
             position += length
     return tuple(runs)
 
