@@ -82,7 +82,7 @@ def test_moe_demo_trains_resumes_at_another_ep_and_every_expert_view_is_aligned_
     assert [int(step) for step, _, _ in rows] == [3, 4, 5]
     differences = [abs(float(a) - float(b)) for _, a, b in rows]
     assert differences[0] <= 1e-5  # the same weights: only the loss sum's order differs
-    assert max(differences) <= 5e-3  # bf16, as the engine tests (the seen: 2e-5)
+    assert max(differences) <= 5e-3  # bf16, as the engine tests (seen 2e-5 over these 3 steps)
     assert float(re.search(r"max \|difference\| over 3 steps = (\S+)", out).group(1)) == pytest.approx(max(differences), abs=1e-6)
     assert (tmp_path / "checkpoints" / "step-00000002").is_dir() and (tmp_path / "checkpoints" / "step-00000005").is_dir()
 
