@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zeroshard.demo_moe import GroupedMMRecorder
+from zeroshard.moe.recorder import GroupedMMRecorder
 
 BIN = Path(sys.executable).parent
 CALL = re.compile(

@@ -1,11 +1,11 @@
 """The MoE demo: MoEGPT trained with ZeRO and expert parallelism, its grouped GEMMs watched.
 
-``moe_train_phase`` runs on every rank (spawned by the CLI) at a world size W and an expert
-parallelism EP: each rank holds E / EP experts of every layer, tokens reach them by
-all-to-all, expert state is sharded over the W / EP ranks holding the same experts. Every
-``torch._grouped_mm`` call is recorded as it happens: the address of the stacked weight it
-read and of each expert's matrix in it, so the report shows the alignment the kernel saw,
-not the alignment of the parameters at rest. Rank 0 returns a ``MoEPhaseResult``.
+``moe_train_phase`` runs on every rank (spawned by the CLI, or under torchrun) at W ranks
+with expert parallelism EP: each rank holds E / EP experts of every layer, tokens reach them
+by all-to-all, expert state is sharded over the W / EP ranks holding the same experts. Every
+``torch._grouped_mm`` call is recorded as it happens (:mod:`.moe.recorder`), so the report
+shows the alignment the kernel was given. Checkpoints go through one function,
+:func:`checkpointing`. Rank 0 returns a ``MoEPhaseResult``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from .moe import (
     per_expert_state_dict,
 )
 from .moe.experts import WEIGHTS, per_expert_name
+from .moe.recorder import GroupedMMCall, GroupedMMRecorder
 
 MOE_MODEL = MoEConfig(num_experts=8, top_k=2)  # 2 layers, width 32, expert hidden 48
 LIVE_STATE_FILE = "live_fp32_state.safetensors"
@@ -43,28 +44,6 @@ class MoEDemoConfig(DemoConfig):
 
     steps: int = 40
     model: MoEConfig = MOE_MODEL
-
-
-@dataclass(frozen=True)
-class GroupedMMCall:
-    """One ``torch._grouped_mm`` call as it happened: the stacked expert weight it read."""
-
-    rank: int
-    step: int
-    index: int  # the call's place in the step's forward
-    param: str  # the expert parameter whose storage it read; "" if none of them
-    shape: tuple[int, ...]
-    dtype: str
-    expert_ids: tuple[int, ...]  # global ids of the stacked experts, in order
-    address: int  # data_ptr() of the stacked weight
-    weight_mod_16: int  # data_ptr() % 16 of the stacked weight
-    expert_mod_16: tuple[int, ...]  # data_ptr() % 16 of each expert's matrix
-    row_stride_bytes: int  # of each expert's matrix (CUDA wants a multiple of 16)
-    in_flat_buffer: bool  # the weight is a view of the engine's flat buffer
-
-    @property
-    def aligned(self) -> bool:
-        return self.weight_mod_16 == 0 and not any(self.expert_mod_16) and self.row_stride_bytes % 16 == 0
 
 
 @dataclass
@@ -111,65 +90,16 @@ def build_moe_engine(config: MoEDemoConfig, groups: ExpertGroups) -> tuple[MoEGP
     return model, engine
 
 
-class GroupedMMRecorder:
-    """Records every ``torch._grouped_mm`` call while :meth:`watching`, tagged with ``step``.
-
-    ``experts`` names the stacked expert weights a call may read: name -> (the weight, the
-    global ids of its experts, whether it is a view of the engine's flat buffer).
-    """
-
-    def __init__(self, rank: int, experts: dict[str, tuple[torch.Tensor, tuple[int, ...], bool]]) -> None:
-        self.rank = rank
-        self.step = 0
-        self.calls: dict[int, list[GroupedMMCall]] = {}  # by step
-        self._by_address = {weight.data_ptr(): (name, ids, in_buffer) for name, (weight, ids, in_buffer) in experts.items()}
-
-    @classmethod
-    def of_engine(cls, model: MoEGPT, engine: ZeroOptimizer) -> GroupedMMRecorder:
-        experts = {}
-        for prefix, module in model.named_modules():
-            if isinstance(module, GroupedExperts):
-                for name, weight in module.named_parameters():
-                    buffer = engine.buffers[engine.layout.param(f"{prefix}.{name}")[0].index]
-                    experts[f"{prefix}.{name}"] = (weight, module.expert_ids, owns_storage(buffer, weight))
-        return cls(engine.rank, experts)
-
-    @contextlib.contextmanager
-    def watching(self) -> Iterator[None]:
-        real = torch._grouped_mm
-
-        def recording(tokens: torch.Tensor, weight: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-            self._record(weight)
-            return real(tokens, weight, *args, **kwargs)
-
-        torch._grouped_mm = recording
-        try:
-            yield
-        finally:
-            torch._grouped_mm = real
-
-    def at_step(self, step: int) -> list[GroupedMMCall]:
-        return self.calls.get(step, [])
-
-    def _record(self, weight: torch.Tensor) -> None:
-        name, expert_ids, in_buffer = self._by_address.get(weight.data_ptr(), ("", (), False))
-        calls = self.calls.setdefault(self.step, [])
-        calls.append(
-            GroupedMMCall(
-                rank=self.rank,
-                step=self.step,
-                index=len(calls),
-                param=name,
-                shape=tuple(weight.shape),
-                dtype=str(weight.dtype).removeprefix("torch."),
-                expert_ids=tuple(expert_ids),
-                address=weight.data_ptr(),
-                weight_mod_16=weight.data_ptr() % 16,
-                expert_mod_16=tuple(expert.data_ptr() % 16 for expert in weight),
-                row_stride_bytes=weight.stride(1) * weight.element_size(),
-                in_flat_buffer=in_buffer,
-            )
-        )
+def expert_weights(model: MoEGPT, engine: ZeroOptimizer) -> dict[str, tuple[torch.Tensor, tuple[int, ...], bool]]:
+    """Every stacked expert weight: (the tensor, its experts' global ids, whether it is a view
+    of the engine's flat buffer), by parameter name."""
+    weights = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, GroupedExperts):
+            for name, weight in module.named_parameters():
+                buffer = engine.buffers[engine.layout.param(f"{prefix}.{name}")[0].index]
+                weights[f"{prefix}.{name}"] = (weight, module.expert_ids, owns_storage(buffer, weight))
+    return weights
 
 
 @dataclass(frozen=True)
@@ -243,7 +173,7 @@ def moe_train_phase(
     groups = new_expert_groups(ep_size)
     model, engine = build_moe_engine(config, groups)
     result = MoEPhaseResult(world_size, ep_size, engine.comm.backend, first_step)
-    recorder = GroupedMMRecorder.of_engine(model, engine)
+    recorder = GroupedMMRecorder(engine.rank, expert_weights(model, engine))
     recorder.step = first_step
     bar = progress_bar(config, rank, first_step, steps)
     with checkpointing(engine, plan, first_step, result) as save:

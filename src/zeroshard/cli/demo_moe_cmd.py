@@ -15,8 +15,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..demo_moe import LIVE_STATE_FILE, CheckpointPlan, GroupedMMCall, MoEDemoConfig, MoEPhaseResult, moe_train_phase
+from ..demo_moe import LIVE_STATE_FILE, CheckpointPlan, MoEDemoConfig, MoEPhaseResult, moe_train_phase
 from ..layout import ExpertMesh, Layout
+from ..moe.recorder import GroupedMMCall
 from .demo_cmd import memory_lines, size_of
 from .expert_report import format_ids, shard_group_lines
 
