@@ -30,16 +30,13 @@ def run_moe(args: argparse.Namespace, under_torchrun: bool = False) -> int:
         global_batch=args.global_batch,
         lr=args.lr,
     )
-    phases = (
-        Phase(args.world_size or 4, args.ep),
-        Phase(args.resume_world_size or 2, args.resume_ep),
-    )
     if args.micro_batches != 1:
         raise ValueError("--moe trains one micro-batch per step; leave --micro-batches at 1")
     if under_torchrun:
-        torchrun_phase = Phase(int(os.environ["WORLD_SIZE"]), args.ep)
+        torchrun_phase = Phase(int(os.environ.get("WORLD_SIZE", 1)), args.ep)
         _check_phase(config, torchrun_phase, "the torchrun world size", "--ep")
         return _run_under_torchrun(config, args, torchrun_phase)
+    phases = (Phase(args.world_size or 4, args.ep), Phase(args.resume_world_size or 2, args.resume_ep))
     _check_phase(config, phases[0], "--world-size", "--ep")
     _check_phase(config, phases[1], "--resume-world-size", "--resume-ep")
     out = args.out or Path(tempfile.mkdtemp(prefix="zeroshard-demo-moe-"))
@@ -198,13 +195,14 @@ def continuation_lines(uninterrupted: MoEPhaseResult, resumed: MoEPhaseResult) -
         f"max |difference| over {len(pairs)} steps = {worst:.2e}",
         f"    {'step':>6} {'uninterrupted':>14} {'resumed':>10} {'|difference|':>13}",
     ]
-    shown = pairs if len(pairs) <= 6 else pairs[:3] + [None] + pairs[-2:]
-    for index, pair in enumerate(shown):
-        if pair is None:
+    rows = [(resumed.first_step + index, a, b) for index, (a, b) in enumerate(pairs)]
+    shown = rows if len(rows) <= 6 else [*rows[:3], None, *rows[-2:]]
+    for row in shown:
+        if row is None:
             lines.append(f"    {'...':>6}")
-            continue
-        step = resumed.first_step + (index if index < 3 or len(pairs) <= 6 else len(pairs) - (len(shown) - index))
-        lines.append(f"    {step:>6} {pair[0]:>14.6f} {pair[1]:>10.6f} {abs(pair[0] - pair[1]):>13.2e}")
+        else:
+            step, a, b = row
+            lines.append(f"    {step:>6} {a:>14.6f} {b:>10.6f} {abs(a - b):>13.2e}")
     return lines
 
 
@@ -236,7 +234,8 @@ def grouped_mm_lines(result: MoEPhaseResult) -> list[str]:
 
 
 def _call_line(call: GroupedMMCall) -> str:
-    experts = " ".join(f"{expert}:{mod}" for expert, mod in zip(call.expert_ids, call.expert_mod_16))
+    ids = call.expert_ids or tuple(f"local {index}" for index in range(len(call.expert_mod_16)))  # unknown weight
+    experts = " ".join(f"{expert}:{mod}" for expert, mod in zip(ids, call.expert_mod_16))
     where = "" if call.in_flat_buffer else "  NOT a view of the flat buffer"
     return (
         f"call {call.index}  {call.param or '?':<24} {str(list(call.shape)):<12} {call.dtype:<8} "
