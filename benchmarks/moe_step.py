@@ -206,7 +206,10 @@ def main() -> None:
 def print_checkpoint_bytes(per_rank: list[dict]) -> None:
     print()
     print("checkpoint bytes written per rank (tensor payload of its rank file; fp32 master + 2 AdamW states)")
-    print("EP | dense/rank | vs 12 P_d/W | expert/rank | vs 12 P_e E/W | expert, all ranks | vs 12 P_e E | rank file | model file (rank 0) | manifest")
+    print(
+        "EP | dense/rank | vs 12 P_d/W | expert/rank | vs 12 P_e E/W | expert, all ranks | vs 12 P_e E"
+        " | rank file | model file (rank 0) | manifest"
+    )
     for ep in EP_SIZES:
         first = per_rank[0][ep]
         dense_formula = 12 * first["dense_numel"] / WORLD_SIZE

@@ -41,7 +41,9 @@ def _calls(out: str) -> dict[int, list[tuple[int, str, list[int], int, dict[int,
         if found:
             experts = dict(tuple(map(int, pair.split(":"))) for pair in found.group(6).split())
             shape = [int(dim) for dim in found.group(3).strip("[]").split(",")]
-            calls.append((rank, found.group(2), shape, int(found.group(5)), experts, int(found.group(7)), found.group(8)))
+            calls.append(
+                (rank, found.group(2), shape, int(found.group(5)), experts, int(found.group(7)), found.group(8))
+            )
     return phases
 
 
@@ -84,8 +86,12 @@ def test_moe_demo_trains_resumes_at_another_ep_and_every_expert_view_is_aligned_
     assert [int(step) for step, _, _ in rows] == [3, 4, 5]
     differences = [abs(float(a) - float(b)) for _, a, b in rows]
     assert max(differences) <= 1e-5  # fp32, as the engine tests (seen 4.8e-7 over 20 resumed steps)
-    assert float(re.search(r"max \|difference\| over 3 steps = (\S+)", out).group(1)) == pytest.approx(max(differences), abs=1e-6)
-    assert (tmp_path / "checkpoints" / "step-00000002").is_dir() and (tmp_path / "checkpoints" / "step-00000005").is_dir()
+    assert float(re.search(r"max \|difference\| over 3 steps = (\S+)", out).group(1)) == pytest.approx(
+        max(differences), abs=1e-6
+    )
+    assert (tmp_path / "checkpoints" / "step-00000002").is_dir() and (
+        tmp_path / "checkpoints" / "step-00000005"
+    ).is_dir()
 
     # The last checkpoint, converted: every expert under its global name, equal to the live masters.
     assert "70 of 70 tensors (48 per-expert weights) bit-for-bit equal to the live fp32 masters" in out
@@ -106,7 +112,12 @@ def test_the_recorder_reports_the_address_the_kernel_was_given():
         torch._grouped_mm(tokens, weight, offs=offsets)
     assert torch._grouped_mm is real  # restored
     [first], [second] = recorder.at_step(0), recorder.at_step(1)
-    assert (first.param, first.expert_ids, first.in_flat_buffer, first.aligned) == ("aligned", (5, 6), True, aligned.data_ptr() % 16 == 0)
+    assert (first.param, first.expert_ids, first.in_flat_buffer, first.aligned) == (
+        "aligned",
+        (5, 6),
+        True,
+        aligned.data_ptr() % 16 == 0,
+    )
     assert second.param == "" and not second.in_flat_buffer and not second.aligned
     assert second.weight_mod_16 == weight.data_ptr() % 16 != 0
     assert second.expert_mod_16 == (weight[0].data_ptr() % 16, weight[1].data_ptr() % 16)

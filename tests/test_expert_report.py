@@ -41,7 +41,10 @@ def test_an_expert_map_read_from_json_is_shown_as_stored():
     data = expert_layout(4, 2).to_dict()
     data["groups"][1]["expert_map"] = [[0, 2, 5, 7], [1, 3, 4, 6]]  # not contiguous: still valid
     lines = shard_group_lines(Layout.from_dict(data))
-    assert lines[2:] == ["  EP rank 0: experts 0, 2, 5, 7 on ranks 0, 2", "  EP rank 1: experts 1, 3, 4, 6 on ranks 1, 3"]
+    assert lines[2:] == [
+        "  EP rank 0: experts 0, 2, 5, 7 on ranks 0, 2",
+        "  EP rank 1: experts 1, 3, 4, 6 on ranks 1, 3",
+    ]
 
 
 def test_every_rank_holds_all_experts_at_ep_1():
@@ -70,8 +73,15 @@ def test_dense_layouts_have_no_such_lines():
 
 @pytest.mark.parametrize(
     "ids, text",
-    [((), ""), ((3,), "3"), ((4, 5), "4, 5"), ((0, 1, 2), "0-2"), ((1, 3, 5, 7), "1, 3, 5, 7"), ((1, 3, 5, 7, 9), "1, 3, ..., 9"),
-     ((0, 9, 2, 8, 4, 7, 1), "0, 9, 2, 8, 4, 7, ... (7 in all)")],
+    [
+        ((), ""),
+        ((3,), "3"),
+        ((4, 5), "4, 5"),
+        ((0, 1, 2), "0-2"),
+        ((1, 3, 5, 7), "1, 3, 5, 7"),
+        ((1, 3, 5, 7, 9), "1, 3, ..., 9"),
+        ((0, 9, 2, 8, 4, 7, 1), "0, 9, 2, 8, 4, 7, ... (7 in all)"),
+    ],
 )
 def test_format_ids(ids, text):
     assert format_ids(ids) == text
@@ -97,7 +107,18 @@ def test_dense_layout_report_is_unchanged(capsys):
     out = capsys.readouterr().out
     assert "shard groups" not in out and "expert" not in out
     header = next(line for line in out.splitlines() if "tail pad" in line)
-    assert header.split() == ["D", "tail", "pad", "partition/rank", "padding", "bytes", "overhead", "ranks", "with", "padding"]
+    assert header.split() == [
+        "D",
+        "tail",
+        "pad",
+        "partition/rank",
+        "padding",
+        "bytes",
+        "overhead",
+        "ranks",
+        "with",
+        "padding",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -134,7 +155,9 @@ def test_inspect_shows_shard_groups_ep_and_the_expert_map(moe_checkpoint, capsys
     out = capsys.readouterr().out.splitlines()
     start = out.index("groups:")
     assert out[start + 1].startswith("  group 0 (bfloat16, dense, over dp (8 ranks)): 2 parameters, 96 elements")
-    assert out[start + 2].startswith("  group 1 (bfloat16, experts, over expert_dp (2 ranks)): 2 parameters, 512 elements")
+    assert out[start + 2].startswith(
+        "  group 1 (bfloat16, experts, over expert_dp (2 ranks)): 2 parameters, 512 elements"
+    )
     assert out[start + 3 : start + 9] == shard_group_lines(expert_layout(8, 4))
     assert "parameters: 4 trainable (608 elements with one EP rank's experts, 2,144 with all)" in out[start + 9]
     assert "world size: 8" in out

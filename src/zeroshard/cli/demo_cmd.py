@@ -23,15 +23,22 @@ from .arguments import at_least, positive_float, positive_int
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("demo", help="train a small GPT with ZeRO, resume at another D, convert")
     parser.add_argument(
-        "--world-size", type=positive_int, default=None, help="ranks for the first phase (default 2, with --moe 4; ignored under torchrun)"
+        "--world-size",
+        type=positive_int,
+        default=None,
+        help="ranks for the first phase (default 2, with --moe 4; ignored under torchrun)",
     )
     parser.add_argument(
-        "--resume-world-size", type=positive_int, default=None, help="ranks for the resumed phase (default 3, with --moe 2)"
+        "--resume-world-size", type=positive_int, default=None, help="ranks for the resumed phase (default 3, --moe 2)"
     )
-    parser.add_argument("--steps", type=at_least(2), default=None, help="steps in all, half per phase (default 60, with --moe 40)")
+    parser.add_argument(
+        "--steps", type=at_least(2), default=None, help="steps in all, half per phase (default 60, with --moe 40)"
+    )
     parser.add_argument("--moe", action="store_true", help="train MoEGPT (8 experts, top-2) with expert parallelism")
     parser.add_argument("--ep", type=positive_int, default=2, help="with --moe: expert parallelism of the first phase")
-    parser.add_argument("--resume-ep", type=positive_int, default=1, help="with --moe: expert parallelism of the resumed phase")
+    parser.add_argument(
+        "--resume-ep", type=positive_int, default=1, help="with --moe: expert parallelism of the resumed phase"
+    )
     parser.add_argument("--stage", type=int, choices=(1, 2), default=DemoConfig.stage)
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=DemoConfig.dtype)
     parser.add_argument("--micro-batches", type=positive_int, default=DemoConfig.micro_batches)

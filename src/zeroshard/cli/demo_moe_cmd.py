@@ -147,7 +147,9 @@ def _run_under_torchrun(config: MoEDemoConfig, args: argparse.Namespace, phase: 
         result = moe_train_phase(dist.get_rank(), dist.get_world_size(), config, phase.ep_size, first_step, steps, plan)
         if result is not None:
             resumed = f"resumed from step {first_step - 1}'s checkpoint, " if resume else ""
-            print(f"\n{phase} ({result.backend}): {resumed}steps {first_step}-{first_step + steps - 1}, {_losses(result)}")
+            print(
+                f"\n{phase} ({result.backend}): {resumed}steps {first_step}-{first_step + steps - 1}, {_losses(result)}"
+            )
             print(f"  checkpoint {result.checkpoint}")
             print("\n".join(_phase_lines(config, result)))
     finally:
@@ -167,7 +169,9 @@ def _losses(result: MoEPhaseResult) -> str:
     return f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}"
 
 
-def _format(config: MoEDemoConfig, first: MoEPhaseResult, second: MoEPhaseResult, rows: list[tuple[str, float, str]]) -> str:
+def _format(
+    config: MoEDemoConfig, first: MoEPhaseResult, second: MoEPhaseResult, rows: list[tuple[str, float, str]]
+) -> str:
     model = config.model
     lines = [
         "",
@@ -242,4 +246,3 @@ def _call_line(call: GroupedMMCall) -> str:
         f"data_ptr % 16 = {call.weight_mod_16}; experts {experts}; "
         f"row stride {call.row_stride_bytes} B{where}"
     )
-

@@ -29,9 +29,7 @@ def shard_group_lines(layout: Layout, *, indent: str = "", listed: int | None = 
     a dense layout. ``listed`` caps the EP ranks shown per expert map (None: all)."""
     if layout.is_dense:
         return []
-    groups = ", ".join(
-        f"{name} ({size} rank{'s' if size != 1 else ''})" for name, size in layout.shard_groups.items()
-    )
+    groups = ", ".join(f"{name} ({size} rank{'s' if size != 1 else ''})" for name, size in layout.shard_groups.items())
     ep = expert_parallel_size(layout)
     lines = [f"{indent}shard groups: {groups}" + (f"; expert parallelism EP={ep}" if ep else "")]
     for group in layout.groups:

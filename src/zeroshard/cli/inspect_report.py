@@ -174,7 +174,8 @@ def _trainable(layout: Layout) -> str:
     numel = layout.padding().param_numel
     if layout.is_dense:
         return f"parameters: {count} trainable ({numel:,} elements)"
-    return f"parameters: {count} trainable ({numel:,} elements with one EP rank's experts, {every_expert_numel(layout):,} with all)"
+    every = every_expert_numel(layout)
+    return f"parameters: {count} trainable ({numel:,} elements with one EP rank's experts, {every:,} with all)"
 
 
 def _padding_line(layout: Layout) -> str:

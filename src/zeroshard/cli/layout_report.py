@@ -36,7 +36,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--bucket-numel", type=positive_int, default=None)
     parser.add_argument("--json", action="store_true", help="print the Layout itself (first world size)")
     parser.add_argument(
-        "--moe", action="store_true", help="the MoE demo model (MoEGPT) with expert parallelism --ep, instead of --model"
+        "--moe",
+        action="store_true",
+        help="the MoE demo model (MoEGPT) with expert parallelism --ep, instead of --model",
     )
     parser.add_argument("--ep", type=positive_int, default=2, help="expert parallelism for --moe (default 2)")
     parser.set_defaults(run=run)
@@ -71,7 +73,8 @@ def _print_group(layouts: list[Layout], group_index: int) -> None:
     partitioning = group_partitioning(layouts[0], first)
     print()
     print(
-        f"group {group_index} ({first.dtype}{', ' + partitioning if partitioning else ''}): {len(first.params)} parameters, "
+        f"group {group_index} ({first.dtype}{', ' + partitioning if partitioning else ''}): "
+        f"{len(first.params)} parameters, "
         f"{first.param_numel:,} elements, {len(first.buckets)} bucket(s), padding between parameters "
         f"{first.inter_param_padding:,} elements"
     )

@@ -48,7 +48,9 @@ class GroupedMMRecorder:
         self.rank = rank
         self.step = 0
         self.calls: dict[int, list[GroupedMMCall]] = {}  # by step
-        self._by_address = {weight.data_ptr(): (name, ids, in_buffer) for name, (weight, ids, in_buffer) in experts.items()}
+        self._by_address = {
+            weight.data_ptr(): (name, ids, in_buffer) for name, (weight, ids, in_buffer) in experts.items()
+        }
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
