@@ -17,7 +17,13 @@ the machine hits every EP alike. Per EP it prints:
   reduce-scatter and all-gather payloads (dense over all W ranks plus expert over the expert-DP
   group) against the minimum, the fp32 gradient and bf16 parameters of what the rank holds
   (P_d + P_e E/EP), padding excluded;
-* the median step time (forward, backward, step), and its ratio to EP = 1.
+* the median step time (forward, backward, step), and its ratio to EP = 1;
+* checkpoint bytes each rank writes (``save_checkpoint`` after the steps): its rank file's
+  dense and expert tensors (fp32 master and AdamW's two states, 12 bytes an element) against
+  ``12 P_d / W`` and ``12 P_e E / W`` (an expert's state is sharded over the W/EP ranks of
+  its expert-DP group, which hold E/EP experts), and the expert bytes of all ranks together
+  against ``12 P_e E``: every expert written once. Rank 0 also writes the model file (dense
+  bf16 weights and buffers; expert weights are the masters cast, left out) and the manifest.
 
     .venv/bin/python benchmarks/moe_step.py [--steps 20]
 """
@@ -26,12 +32,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 from collections import Counter
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from zeroshard.checkpoint.engine_io import save_checkpoint
+from zeroshard.checkpoint.format import MANIFEST_FILE, MODEL_FILE, rank_file_name
+from zeroshard.checkpoint.io.safetensors_io import read_header
 from zeroshard.engine import ZeroOptimizer
 from zeroshard.launch import spawn
 from zeroshard.moe import MoEConfig, MoEGPT, moe_param_groups, new_expert_groups, per_expert_state_dict
@@ -100,7 +111,20 @@ def build(ep_size: int, state: dict[str, torch.Tensor]):
     return groups, model, engine
 
 
-def worker(rank: int, world_size: int, steps: int) -> dict:
+def checkpoint_bytes(engine: ZeroOptimizer, root: Path) -> dict:
+    """Save; the bytes of this rank's file by kind of group (tensor payload), its size, and
+    on rank 0 the model file and manifest."""
+    directory = save_checkpoint(engine, root)
+    path = directory / rank_file_name(engine.rank, engine.world_size)
+    payload = Counter()
+    for name, entry in read_header(path, path.stat().st_size).items():
+        group = engine.layout.groups[int(name.split(".")[0].removeprefix("group"))]
+        payload["expert" if group.is_expert_group else "dense"] += entry.end - entry.begin
+    shared = {"model": (directory / MODEL_FILE).stat().st_size, "manifest": (directory / MANIFEST_FILE).stat().st_size}
+    return {**payload, "file": path.stat().st_size, **(shared if engine.rank == 0 else {})}
+
+
+def worker(rank: int, world_size: int, steps: int, checkpoint_root: str) -> dict:
     torch.manual_seed(0)
     state = per_expert_state_dict(MoEGPT(CONFIG))
     runs = {ep: build(ep, state) for ep in EP_SIZES}
@@ -143,6 +167,9 @@ def worker(rank: int, world_size: int, steps: int) -> dict:
             "all_gather": moved["all_gather"] / steps,
             "all_gather_min": 2 * (dense + expert),
             "step_s": statistics.median(times[ep]),
+            "checkpoint": checkpoint_bytes(engine, Path(checkpoint_root) / f"ep{ep}"),
+            "dense_numel": dense,
+            "expert_numel_all": expert * ep,  # every expert of the model
         }
     return results
 
@@ -151,7 +178,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
-    per_rank = spawn(worker, WORLD_SIZE, (args.steps,), backend="gloo", timeout_s=1800)
+    with tempfile.TemporaryDirectory(prefix="moe-step-") as root:
+        per_rank = spawn(worker, WORLD_SIZE, (args.steps, root), backend="gloo", timeout_s=1800)
     print(f"MoEGPT {CONFIG}, W={WORLD_SIZE}, stage 2, bf16, {args.steps} steps")
     print("figures of rank 0, all-to-all: mean over ranks, step time: max over ranks of the median")
     base = max(result[1]["step_s"] for result in per_rank)
@@ -171,6 +199,30 @@ def main() -> None:
             f"{r['reduce_scatter'] / 1e3:.1f} kB | {r['reduce_scatter'] / r['reduce_scatter_min']:.3f}x | "
             f"{r['all_gather'] / 1e3:.1f} kB | {r['all_gather'] / r['all_gather_min']:.3f}x | "
             f"{step * 1e3:.1f} ms | {step / base:.2f}x"
+        )
+    print_checkpoint_bytes(per_rank)
+
+
+def print_checkpoint_bytes(per_rank: list[dict]) -> None:
+    print()
+    print("checkpoint bytes written per rank (tensor payload of its rank file; fp32 master + 2 AdamW states)")
+    print(
+        "EP | dense/rank | vs 12 P_d/W | expert/rank | vs 12 P_e E/W | expert, all ranks | vs 12 P_e E"
+        " | rank file | model file (rank 0) | manifest"
+    )
+    for ep in EP_SIZES:
+        first = per_rank[0][ep]
+        dense_formula = 12 * first["dense_numel"] / WORLD_SIZE
+        expert_formula = 12 * first["expert_numel_all"] / WORLD_SIZE
+        dense = [result[ep]["checkpoint"]["dense"] for result in per_rank]
+        expert = [result[ep]["checkpoint"]["expert"] for result in per_rank]
+        files = [result[ep]["checkpoint"]["file"] for result in per_rank]
+        print(
+            f"{ep} | {max(dense) / 1e3:.1f} kB | {min(dense) / dense_formula:.3f}-{max(dense) / dense_formula:.3f}x | "
+            f"{max(expert) / 1e3:.1f} kB | {min(expert) / expert_formula:.3f}-{max(expert) / expert_formula:.3f}x | "
+            f"{sum(expert) / 1e3:.1f} kB | {sum(expert) / (12 * first['expert_numel_all']):.3f}x | "
+            f"{max(files) / 1e3:.1f} kB | {first['checkpoint']['model'] / 1e3:.1f} kB | "
+            f"{first['checkpoint']['manifest'] / 1e3:.1f} kB"
         )
 
 

@@ -136,7 +136,7 @@ def train_phase(
                 ckpt.save(step)
                 _report_saves(ckpt.history[:-1], result.saves, rank, config)  # the earlier ones are done
 
-        bar = _progress_bar(config, rank, first_step, steps)
+        bar = progress_bar(config, rank, first_step, steps)
         start = time.perf_counter()
         result.losses = train_steps(model, engine, config, first_step, steps, bar, save_now)
         result.train_seconds = time.perf_counter() - start
@@ -185,7 +185,7 @@ def _alignment(engine: ZeroOptimizer) -> list[ParamAlignment]:
     return rows
 
 
-def _progress_bar(config: DemoConfig, rank: int, first_step: int, steps: int):
+def progress_bar(config: DemoConfig, rank: int, first_step: int, steps: int):
     """A tqdm bar on rank 0's terminal; plain lines every 10 steps otherwise."""
     if rank != 0 or not config.progress:
         return lambda step, loss: None

@@ -23,10 +23,22 @@ from .arguments import at_least, positive_float, positive_int
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("demo", help="train a small GPT with ZeRO, resume at another D, convert")
     parser.add_argument(
-        "--world-size", type=positive_int, default=2, help="ranks for the first phase (ignored under torchrun)"
+        "--world-size",
+        type=positive_int,
+        default=None,
+        help="ranks for the first phase (default 2, with --moe 4; ignored under torchrun)",
     )
-    parser.add_argument("--resume-world-size", type=positive_int, default=3, help="ranks for the resumed phase")
-    parser.add_argument("--steps", type=at_least(2), default=DemoConfig.steps, help="steps in all, half per phase")
+    parser.add_argument(
+        "--resume-world-size", type=positive_int, default=None, help="ranks for the resumed phase (default 3, --moe 2)"
+    )
+    parser.add_argument(
+        "--steps", type=at_least(2), default=None, help="steps in all, half per phase (default 60, with --moe 40)"
+    )
+    parser.add_argument("--moe", action="store_true", help="train MoEGPT (8 experts, top-2) with expert parallelism")
+    parser.add_argument("--ep", type=positive_int, default=2, help="with --moe: expert parallelism of the first phase")
+    parser.add_argument(
+        "--resume-ep", type=positive_int, default=1, help="with --moe: expert parallelism of the resumed phase"
+    )
     parser.add_argument("--stage", type=int, choices=(1, 2), default=DemoConfig.stage)
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=DemoConfig.dtype)
     parser.add_argument("--micro-batches", type=positive_int, default=DemoConfig.micro_batches)
@@ -41,15 +53,21 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+    if args.moe:
+        from .demo_moe_cmd import run_moe
+
+        return run_moe(args, under_torchrun)
+    args.world_size = args.world_size or 2
+    args.resume_world_size = args.resume_world_size or 3
     config = DemoConfig(
-        steps=args.steps,
+        steps=args.steps or DemoConfig.steps,
         stage=args.stage,
         dtype=args.dtype,
         global_batch=args.global_batch,
         micro_batches=args.micro_batches,
         lr=args.lr,
     )
-    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
     world_sizes = [args.world_size, args.resume_world_size]
     for world_size in [int(os.environ.get("WORLD_SIZE", 1))] if under_torchrun else world_sizes:
         if config.global_batch % (world_size * config.micro_batches):
@@ -78,7 +96,7 @@ def _run_arc(config: DemoConfig, args: argparse.Namespace, out: Path) -> None:
         train_phase, args.world_size, (config, str(out), 0, first_steps, False), backend=args.backend, timeout_s=args.timeout
     )[0]
     rows.append((f"train D={first.world_size}, steps 0-{first_steps - 1}", first.train_seconds, _losses(first)))
-    rows.append((f"save checkpoint at D={first.world_size}", first.save_seconds, _size(Path(first.checkpoint))))
+    rows.append((f"save checkpoint at D={first.world_size}", first.save_seconds, size_of(Path(first.checkpoint))))
 
     print(f"zeroshard demo: phase 2 resumes on {args.resume_world_size} ranks", flush=True)
     second: PhaseResult = spawn(
@@ -90,7 +108,7 @@ def _run_arc(config: DemoConfig, args: argparse.Namespace, out: Path) -> None:
     )[0]
     rows.append((f"load it at D={second.world_size} (resharded)", second.load_seconds, ""))
     rows.append((f"train D={second.world_size}, steps {first_steps}-{config.steps - 1}", second.train_seconds, _losses(second)))
-    rows.append((f"save checkpoint at D={second.world_size}", second.save_seconds, _size(Path(second.checkpoint))))
+    rows.append((f"save checkpoint at D={second.world_size}", second.save_seconds, size_of(Path(second.checkpoint))))
     rows += _convert(Path(second.checkpoint), out)
     print(_format(config, first, second, rows))
 
@@ -105,10 +123,10 @@ def _convert(checkpoint: Path, out: Path) -> list[tuple[str, float, str]]:
     rows = []
     start = time.perf_counter()
     universal = to_universal(checkpoint, out / "universal", overwrite=True)
-    rows.append(("to-universal", time.perf_counter() - start, _size(universal)))
+    rows.append(("to-universal", time.perf_counter() - start, size_of(universal)))
     start = time.perf_counter()
     exported = to_fp32(universal, out / "fp32", overwrite=True)
-    rows.append(("to-fp32 (from the universal checkpoint)", time.perf_counter() - start, _size(exported)))
+    rows.append(("to-fp32 (from the universal checkpoint)", time.perf_counter() - start, size_of(exported)))
 
     from safetensors.torch import load_file
 
@@ -128,7 +146,7 @@ def _losses(result: PhaseResult) -> str:
     return f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}"
 
 
-def _size(path: Path) -> str:
+def size_of(path: Path) -> str:
     files = [f for f in path.rglob("*") if f.is_file()]
     return f"{sum(f.stat().st_size for f in files) / 1e6:.2f} MB in {len(files)} files"
 
@@ -142,11 +160,11 @@ def _format(config: DemoConfig, first: PhaseResult, second: PhaseResult, rows: l
         f"  {'stage':<44} {'time':>9}  result",
     ]
     lines += [f"  {name:<44} {seconds:>8.2f}s  {detail}" for name, seconds, detail in rows]
-    lines += ["", _memory_lines(config, first), _padding_line(first), *_alignment_lines(first)]
+    lines += ["", memory_lines(config, first), _padding_line(first), *_alignment_lines(first)]
     return "\n".join(lines)
 
 
-def _memory_lines(config: DemoConfig, result: PhaseResult) -> str:
+def memory_lines(config: DemoConfig, result: PhaseResult) -> str:
     memory = result.memory
     per_rank = sum(memory[k] for k in ("param_buffer_bytes", "master_bytes", "optimizer_state_bytes", "gradient_bytes"))
     return "\n".join(
@@ -198,7 +216,7 @@ def _run_under_torchrun(config: DemoConfig, args: argparse.Namespace) -> int:
         result = train_phase(dist.get_rank(), dist.get_world_size(), config, str(args.out), first_step, config.steps // 2, resume)
         if result is not None:
             print(f"\nD={result.world_size} ({result.backend}): {_losses(result)}; checkpoint {result.checkpoint}")
-            print(_memory_lines(config, result))
+            print(memory_lines(config, result))
             print(_padding_line(result))
     finally:
         dist.destroy_process_group()

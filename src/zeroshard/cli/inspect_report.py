@@ -19,6 +19,7 @@ from ..checkpoint.io.safetensors_io import VerifiedRanges, read_header
 from ..checkpoint.universal.format import MANIFEST_FILE as UNIVERSAL_MANIFEST_FILE
 from ..checkpoint.universal.read import UniversalCheckpoint
 from ..layout import Layout, LayoutPolicy, build_layout
+from .expert_report import every_expert_numel, group_partitioning, shard_group_lines, universal_expert_lines
 
 STEP_KEYS = ("global_step", "global_steps", "step", "iteration")
 LISTED_FILES = 8
@@ -89,7 +90,11 @@ def describe_universal(ckpt: UniversalCheckpoint, *, list_all_files: bool = Fals
         f"parameters: {len(manifest.params)} trainable ({sum(p.numel for p in manifest.params.values()):,} elements); "
         f"model state: {len(manifest.model_entries)} buffers or frozen tensors, {len(manifest.aliases)} tied alias(es)"
     )
-    lines.append(_source_padding_line(manifest.param_specs(), source))
+    lines += universal_expert_lines(manifest.experts)
+    if manifest.experts:  # the per-expert tensors do not give the source run's layout
+        lines.append("padding overhead: none (the source run's expert parallelism is not recorded, nor its padding)")
+    else:
+        lines.append(_source_padding_line(manifest.param_specs(), source))
     manifest_size = (ckpt.directory / UNIVERSAL_MANIFEST_FILE).stat().st_size
     shards = {name: record.size for name, record in manifest.shards.items()}
     lines += _file_lines({UNIVERSAL_MANIFEST_FILE: manifest_size}, shards, "shards", list_all_files)
@@ -154,17 +159,23 @@ def _layout_lines(
     ]
     for group in layout.groups:
         padding = group.inter_param_padding + group.tail_padding
+        partitioning = group_partitioning(layout, group)
         lines.append(
-            f"  group {group.index} ({group.dtype}): {len(group.params)} parameters, {group.param_numel:,} elements, "
+            f"  group {group.index} ({group.dtype}{', ' + partitioning if partitioning else ''}): "
+            f"{len(group.params)} parameters, {group.param_numel:,} elements, "
             f"{len(group.buckets)} bucket(s), {group.partition_numel:,} elements per rank, {padding:,} padding; "
             f"state {', '.join(states[group.index]) or '-'}; scalars {', '.join(scalars[group.index]) or '-'}"
         )
-    return lines
+    return lines + shard_group_lines(layout)
 
 
 def _trainable(layout: Layout) -> str:
     count = sum(len(group.params) for group in layout.groups)
-    return f"parameters: {count} trainable ({layout.padding().param_numel:,} elements)"
+    numel = layout.padding().param_numel
+    if layout.is_dense:
+        return f"parameters: {count} trainable ({numel:,} elements)"
+    every = every_expert_numel(layout)
+    return f"parameters: {count} trainable ({numel:,} elements with one EP rank's experts, {every:,} with all)"
 
 
 def _padding_line(layout: Layout) -> str:

@@ -5,10 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Callable
 
 from ..checkpoint.io import jsonvalue
-from ..layout import Layout, LayoutPolicy, ParamSpec, build_layout, itemsize
+from ..layout import ExpertMesh, GroupSpec, Layout, LayoutPolicy, ParamSpec, build_layout, itemsize
 from .arguments import positive_int
+from .expert_report import group_partitioning, shard_group_lines
+
+GroupInput = list[ParamSpec] | GroupSpec
 
 POLICIES = {
     "native": lambda args: LayoutPolicy.native(args.alignment, bucket_numel=args.bucket_numel),
@@ -31,18 +35,25 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--alignment", type=positive_int, default=16, help="alignment in bytes for native/compact")
     parser.add_argument("--bucket-numel", type=positive_int, default=None)
     parser.add_argument("--json", action="store_true", help="print the Layout itself (first world size)")
+    parser.add_argument(
+        "--moe",
+        action="store_true",
+        help="the MoE demo model (MoEGPT) with expert parallelism --ep, instead of --model",
+    )
+    parser.add_argument("--ep", type=positive_int, default=2, help="expert parallelism for --moe (default 2)")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    groups, title = _load_groups(args.model, args.dtype)
+    groups_at, title = _model_groups(args)
     policy = POLICIES[args.policy](args)
-    layouts = [build_layout(groups, world, policy) for world in args.world_size]
+    layouts = [build_layout(groups_at(world), world, policy) for world in args.world_size]
     if args.json:
         print(layouts[0].to_json(indent=2))
         return 0
-    print(f"{title}: {sum(len(g) for g in groups)} parameters in {len(groups)} group(s), policy {policy.describe()}")
-    for group_index in range(len(groups)):
+    first = layouts[0]
+    print(f"{title}: {len(first.param_names)} parameters in {len(first.groups)} group(s), policy {policy.describe()}")
+    for group_index in range(len(first.groups)):
         _print_group(layouts, group_index)
     print()
     print("whole model:")
@@ -52,29 +63,58 @@ def run(args: argparse.Namespace) -> int:
             f"  D={layout.world_size:<6} padding {stats.padding_elements:>10,} elements "
             f"{stats.padding_bytes:>12,} bytes  {100 * stats.fraction:7.3f}% of {stats.param_bytes:,} parameter bytes"
         )
+    _print_shard_groups(layouts)
     return 0
 
 
 def _print_group(layouts: list[Layout], group_index: int) -> None:
     first = layouts[0].groups[group_index]
     size = itemsize(first.dtype)
+    partitioning = group_partitioning(layouts[0], first)
     print()
     print(
-        f"group {group_index} ({first.dtype}): {len(first.params)} parameters, {first.param_numel:,} elements, "
-        f"{len(first.buckets)} bucket(s), padding between parameters {first.inter_param_padding:,} elements"
+        f"group {group_index} ({first.dtype}{', ' + partitioning if partitioning else ''}): "
+        f"{len(first.params)} parameters, "
+        f"{first.param_numel:,} elements, {len(first.buckets)} bucket(s), padding between parameters "
+        f"{first.inter_param_padding:,} elements"
     )
-    print(f"  {'D':>6} {'tail pad':>10} {'partition/rank':>15} {'padding bytes':>14} {'overhead':>9}  ranks with padding")
+    ranks_column = "" if layouts[0].is_dense else f" {'ranks':>6}"  # the shard group's size
+    print(
+        f"  {'D':>6}{ranks_column} {'tail pad':>10} {'partition/rank':>15} {'padding bytes':>14} {'overhead':>9}  "
+        "ranks with padding"
+    )
     for layout in layouts:
         group = layout.groups[group_index]
         padding = group.inter_param_padding + group.tail_padding
         per_rank = group.padding_per_rank()
         padded_ranks = sum(1 for pad in per_rank if pad)
         only_padding = sum(1 for pad in per_rank if pad and pad == group.partition_numel)
+        ranks = "" if layout.is_dense else f" {group.world_size:>6}"
         print(
-            f"  {layout.world_size:>6} {group.tail_padding:>10,} {group.partition_numel:>15,} "
+            f"  {layout.world_size:>6}{ranks} {group.tail_padding:>10,} {group.partition_numel:>15,} "
             f"{padding * size:>14,} {100 * padding / max(group.param_numel, 1):>8.3f}%  "
             f"{padded_ranks} ({only_padding} hold padding only)"
         )
+
+
+def _print_shard_groups(layouts: list[Layout]) -> None:
+    """Shard groups, EP and the expert map at each world size (nothing for dense layouts)."""
+    for layout in layouts:
+        lines = shard_group_lines(layout, indent="    ")
+        if lines:
+            print()
+            print(f"  D={layout.world_size}:")
+            print("\n".join(lines))
+
+
+def _model_groups(args: argparse.Namespace) -> tuple[Callable[[int], list[GroupInput]], str]:
+    """The model's layout groups at a world size, and what to call the model."""
+    if args.moe:
+        if args.model is not None:
+            raise ValueError("--moe reports the MoE demo model; give either --moe or --model")
+        return _moe_demo_groups(args.dtype, args.ep)
+    groups, title = _load_groups(args.model, args.dtype)
+    return (lambda world: groups), title
 
 
 
@@ -107,3 +147,29 @@ def _demo_groups(dtype: str) -> list[list[ParamSpec]]:
     specs = {spec.name: spec for spec in param_specs(model, dtype)}
     decay, no_decay = gpt_param_groups(model)
     return [[specs[name] for name in names if name in specs] for names in (decay, no_decay)]
+
+
+def _moe_demo_groups(dtype: str, ep: int) -> tuple[Callable[[int], list[GroupInput]], str]:
+    """The MoE demo model's groups: dense over all ranks, the E / EP experts of one EP rank
+    over the W / EP ranks that hold them."""
+    import torch
+
+    from ..demo_moe import MOE_MODEL
+    from ..moe import MoEGPT, layout_groups
+
+    with torch.device("meta"):
+        model = MoEGPT(MOE_MODEL)  # every expert: EP = 1
+    dense, all_experts = layout_groups(model, ExpertMesh(1, 1), dtype)
+    assert isinstance(all_experts, GroupSpec)
+    experts = MOE_MODEL.num_experts
+    if experts % ep:
+        raise ValueError(f"--ep {ep} does not divide the demo model's {experts} experts")
+    local = [ParamSpec(spec.name, (spec.shape[0] // ep, *spec.shape[1:]), spec.dtype) for spec in all_experts.params]
+
+    def groups_at(world_size: int) -> list[GroupInput]:
+        if world_size % ep:
+            raise ValueError(f"--ep {ep} does not divide --world-size {world_size}")
+        return [dense, ExpertMesh(world_size, ep).expert_group(local, experts)]
+
+    title = f"MoE demo model (MoEGPT, {experts} experts, top-{MOE_MODEL.top_k}) at EP={ep}"
+    return groups_at, title

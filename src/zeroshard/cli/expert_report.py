@@ -1,0 +1,100 @@
+"""Report lines for layouts with expert groups: shard groups, expert parallelism, expert map.
+
+Shared by ``zeroshard inspect`` and ``zeroshard layout``. Pure: a :class:`Layout` in, lines out
+(no torch). A dense layout has no such lines, so dense reports are unchanged.
+
+Which ranks hold an EP rank's experts follows :class:`~zeroshard.layout.ExpertMesh`, the
+arrangement the engine builds its process groups from: EP rank ``e`` is every rank
+``e, e + EP, ...`` (its expert-data-parallel group).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from ..layout import ExpertMesh, GroupLayout, Layout
+
+LISTED_EP_RANKS = 8  # expert-map lines shown per group before "... N more"
+_LISTED_IDS = 6  # ids shown of a list that is not a run or a stride
+
+
+def expert_parallel_size(layout: Layout) -> int | None:
+    """EP: how many expert-parallel ranks share the experts (None for a dense layout)."""
+    sizes = {len(group.expert_map) for group in layout.groups if group.is_expert_group}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def shard_group_lines(layout: Layout, *, indent: str = "", listed: int | None = LISTED_EP_RANKS) -> list[str]:
+    """The shard groups (name, ranks), EP and, per expert group, the expert map; ``[]`` for
+    a dense layout. ``listed`` caps the EP ranks shown per expert map (None: all)."""
+    if layout.is_dense:
+        return []
+    groups = ", ".join(f"{name} ({size} rank{'s' if size != 1 else ''})" for name, size in layout.shard_groups.items())
+    ep = expert_parallel_size(layout)
+    lines = [f"{indent}shard groups: {groups}" + (f"; expert parallelism EP={ep}" if ep else "")]
+    for group in layout.groups:
+        if group.is_expert_group:
+            lines += _expert_map_lines(layout.world_size, group, indent, listed)
+    return lines
+
+
+def every_expert_numel(layout: Layout) -> int:
+    """Elements of the whole model: the dense groups, and each expert group times EP (a
+    layout group holds one EP rank's experts)."""
+    return sum(group.param_numel * max(len(group.expert_map), 1) for group in layout.groups)
+
+
+def universal_expert_lines(experts: Mapping[str, Sequence[str]]) -> list[str]:
+    """The expert weights of a universal checkpoint (its manifest's ``experts``: stacked
+    weight -> its experts' tensor names by global id); ``[]`` without experts."""
+    if not experts:
+        return []
+    counts = sorted({len(names) for names in experts.values()})
+    first_stack, first_names = next(iter(experts.items()))
+    return [
+        f"experts: {len(experts)} stacked expert weights of {'/'.join(map(str, counts))} experts each, stored as one "
+        f"[out, in] tensor per expert by global id ({first_stack} -> {first_names[0]}, ...); "
+        "any expert parallelism that divides the experts loads them"
+    ]
+
+
+def group_partitioning(layout: Layout, group: GroupLayout) -> str:
+    """How one group is partitioned, for a layout with shard groups (``""`` for a dense one)."""
+    if layout.is_dense:
+        return ""
+    what = "experts" if group.is_expert_group else "dense"
+    return f"{what}, over {group.shard_group} ({group.world_size} ranks)"
+
+
+def _expert_map_lines(world_size: int, group: GroupLayout, indent: str, listed: int | None) -> list[str]:
+    ep = len(group.expert_map)
+    experts = sum(len(ids) for ids in group.expert_map)
+    holders = ExpertMesh(world_size, ep).expert_dp_groups()  # the layout checked that EP divides W
+    lines = [
+        f"{indent}expert map of group {group.index}: {experts} experts, {experts // ep} per EP rank; "
+        f"{group.param_numel:,} elements per EP rank, {group.param_numel * ep:,} in all"
+    ]
+    shown = group.expert_map if listed is None else group.expert_map[:listed]
+    for ep_rank, ids in enumerate(shown):
+        ranks = holders[ep_rank]
+        lines.append(
+            f"{indent}  EP rank {ep_rank}: experts {format_ids(ids)} on rank{'s' if len(ranks) > 1 else ''} {format_ids(ranks)}"
+        )
+    if len(shown) < ep:
+        lines.append(f"{indent}  ... {ep - len(shown)} more EP ranks")
+    return lines
+
+
+def format_ids(ids: Sequence[int]) -> str:
+    """``0-3`` for a run, ``1, 3, ..., 9`` for a longer stride, else a list (long ones cut)."""
+    ids = list(ids)
+    if len(ids) <= 2:
+        return ", ".join(map(str, ids))
+    steps = {b - a for a, b in zip(ids, ids[1:])}
+    if steps == {1}:
+        return f"{ids[0]}-{ids[-1]}"
+    if len(steps) == 1 and len(ids) > 4:
+        return f"{ids[0]}, {ids[1]}, ..., {ids[-1]}"
+    if len(ids) > _LISTED_IDS:
+        return ", ".join(map(str, ids[:_LISTED_IDS])) + f", ... ({len(ids)} in all)"
+    return ", ".join(map(str, ids))

@@ -1,0 +1,201 @@
+"""The MoE demo: MoEGPT trained with ZeRO and expert parallelism, its grouped GEMMs watched.
+
+``moe_train_phase`` runs on every rank (spawned by the CLI, or under torchrun) at W ranks
+with expert parallelism EP: each rank holds E / EP experts of every layer, tokens reach them
+by all-to-all, expert state is sharded over the W / EP ranks holding the same experts. Every
+``torch._grouped_mm`` call is recorded as it happens (:mod:`.moe.recorder`), so the report
+shows the alignment the kernel was given. Checkpoints go through one function,
+:func:`checkpointing`. Rank 0 returns a ``MoEPhaseResult``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from .buffers import owns_storage
+from .checkpoint.checkpointer import Checkpointer, SaveStats
+from .demo import DTYPES, DemoConfig, progress_bar, train_steps
+from .engine import ZeroOptimizer
+from .moe import (
+    ExpertGroups,
+    GroupedExperts,
+    MoEConfig,
+    MoEGPT,
+    moe_param_groups,
+    new_expert_groups,
+    per_expert_state_dict,
+)
+from .moe.experts import WEIGHTS, per_expert_name
+from .moe.recorder import GroupedMMCall, GroupedMMRecorder
+
+MOE_MODEL = MoEConfig(num_experts=8, top_k=2)  # 2 layers, width 32, expert hidden 48
+LIVE_STATE_FILE = "live_fp32_state.safetensors"
+
+
+@dataclass(frozen=True)
+class MoEDemoConfig(DemoConfig):
+    """The dense demo's training settings, with an MoE model."""
+
+    steps: int = 40
+    model: MoEConfig = MOE_MODEL
+
+
+@dataclass
+class MoEPhaseResult:
+    """What rank 0 reports of one phase at (W, EP)."""
+
+    world_size: int
+    ep_size: int
+    backend: str
+    first_step: int
+    losses: list[float] = field(default_factory=list)
+    train_seconds: float = 0.0
+    load_seconds: float = 0.0
+    save: SaveStats | None = None  # the phase's save: its training stall and background write
+    checkpoint: str = ""
+    calls: list[GroupedMMCall] = field(default_factory=list)  # every rank's, at the phase's first step
+    storage_kept: bool = False  # every call of the last step read the addresses of the first
+    memory: dict = field(default_factory=dict)
+    layout: dict = field(default_factory=dict)  # the run's layout (JSON), shard groups and expert map
+
+
+def build_moe_engine(config: MoEDemoConfig, groups: ExpertGroups) -> tuple[MoEGPT, ZeroOptimizer]:
+    """This rank's MoEGPT (its E / EP experts) under ZeRO with expert groups.
+
+    Every rank draws the same full model and loads its own experts from it by global id, so
+    the run starts from the same weights at any (W, EP).
+    """
+    torch.manual_seed(config.seed)
+    full = per_expert_state_dict(MoEGPT(config.model))
+    model = MoEGPT(config.model, ep_group=groups.ep)
+    model.load_state_dict(full, strict=True)
+    engine = ZeroOptimizer(
+        model,
+        torch.optim.AdamW,
+        moe_param_groups(model),
+        stage=config.stage,
+        param_dtype=DTYPES[config.dtype],
+        expert_process_group=groups.expert_dp,
+        max_grad_norm=config.max_grad_norm,
+        lr=config.lr,
+        betas=(0.9, 0.95),
+        weight_decay=config.weight_decay,
+    )
+    return model, engine
+
+
+def expert_weights(model: MoEGPT, engine: ZeroOptimizer) -> dict[str, tuple[torch.Tensor, tuple[int, ...], bool]]:
+    """Every stacked expert weight: (the tensor, its experts' global ids, whether it is a view
+    of the engine's flat buffer), by parameter name."""
+    weights = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, GroupedExperts):
+            for name, weight in module.named_parameters():
+                buffer = engine.buffers[engine.layout.param(f"{prefix}.{name}")[0].index]
+                weights[f"{prefix}.{name}"] = (weight, module.expert_ids, owns_storage(buffer, weight))
+    return weights
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """Where a phase's checkpoints live, whether it resumes from the latest, after which step
+    it saves, and whether rank 0 writes the live fp32 state (``LIVE_STATE_FILE``) at the end."""
+
+    out_dir: str
+    resume: bool
+    save_after: int
+    live_state: bool = False
+
+
+@contextlib.contextmanager
+def checkpointing(
+    engine: ZeroOptimizer, plan: CheckpointPlan | None, first_step: int, result: MoEPhaseResult
+) -> Iterator[Callable[[int], None]]:
+    """Load the latest checkpoint if the plan resumes; yield the after-step hook that saves
+    after ``plan.save_after``; on exit wait for the save and record it in ``result``.
+    Without a plan, nothing is loaded or saved."""
+    if plan is None:
+        yield lambda step: None
+        return
+    with Checkpointer(engine, Path(plan.out_dir) / "checkpoints", keep_last=2, async_save=True) as ckpt:
+        if plan.resume:
+            start = time.perf_counter()
+            resumed_at = ckpt.load()
+            result.load_seconds = time.perf_counter() - start
+            if resumed_at != first_step:
+                raise ValueError(f"the latest checkpoint resumes at step {resumed_at}, not at {first_step}")
+
+        def save(step: int) -> None:
+            if step == plan.save_after:
+                ckpt.save(step)
+
+        yield save
+        result.save = ckpt.wait()
+        result.checkpoint = str(result.save.path) if result.save is not None else ""
+
+
+def save_live_fp32_state(model: MoEGPT, engine: ZeroOptimizer, path: Path) -> None:
+    """Collective: rank 0 writes every trained parameter's fp32 master under its export name
+    (each expert by global id, ``[out, in]``), gathered from the live engine's every EP rank."""
+    from safetensors.torch import save_file
+
+    masters = {name: engine.get_full_fp32_param(name) for name in engine.layout.param_names}
+    for prefix, module in model.named_modules():
+        if isinstance(module, GroupedExperts):
+            for weight in WEIGHTS:
+                stacked = masters.pop(f"{prefix}.{weight}")
+                for local, expert_id in enumerate(module.expert_ids):
+                    masters[per_expert_name(f"{prefix}.", expert_id, weight)] = stacked[local].t().contiguous()
+    every_rank = engine.comm.all_gather_object(masters)  # EP ranks hold different experts
+    if engine.rank == 0:
+        save_file({name: value for state in every_rank for name, value in state.items()}, str(path))
+
+
+def moe_train_phase(
+    rank: int,
+    world_size: int,
+    config: MoEDemoConfig,
+    ep_size: int,
+    first_step: int,
+    steps: int,
+    plan: CheckpointPlan | None = None,
+) -> MoEPhaseResult | None:
+    """Train ``steps`` steps from ``first_step`` at (W, EP), recording the grouped GEMMs;
+    resume and save as ``plan`` says."""
+    if config.global_batch % world_size:
+        raise ValueError(f"global batch {config.global_batch} does not split into {world_size} ranks")
+    groups = new_expert_groups(ep_size)
+    model, engine = build_moe_engine(config, groups)
+    result = MoEPhaseResult(world_size, ep_size, engine.comm.backend, first_step)
+    recorder = GroupedMMRecorder(engine.rank, expert_weights(model, engine))
+    recorder.step = first_step
+    bar = progress_bar(config, rank, first_step, steps)
+    with checkpointing(engine, plan, first_step, result) as save:
+
+        def after_step(step: int) -> None:
+            recorder.step = step + 1
+            save(step)
+
+        start = time.perf_counter()
+        with recorder.watching():
+            result.losses = train_steps(model, engine, config, first_step, steps, bar, after_step)
+        result.train_seconds = time.perf_counter() - start
+        bar(None, None)
+    if plan is not None and plan.live_state:
+        save_live_fp32_state(model, engine, Path(plan.out_dir) / LIVE_STATE_FILE)
+
+    first, last = recorder.at_step(first_step), recorder.at_step(first_step + steps - 1)
+    kept = len(first) == len(last) > 0 and all(a.address == b.address for a, b in zip(first, last))
+    calls = engine.comm.all_gather_object(first)
+    everywhere_kept = engine.comm.all_gather_object(kept)
+    result.calls = [call for per_rank in calls for call in per_rank]
+    result.storage_kept = all(everywhere_kept)
+    result.memory = asdict(engine.memory_report())
+    result.layout = engine.layout.to_dict()
+    return result if rank == 0 else None
