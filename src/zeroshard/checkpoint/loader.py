@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from ..layout import Layout
+from ..layout import Fragment, Layout
 from ..state import ParamGroupState, ShardedState
 from .compat import Mismatch, compare_module, compare_params
 from .io.dtypes import arrays_to_torch, cast, dtype_info, dtype_of, to_numpy, to_torch
@@ -70,12 +70,16 @@ def load_state(
         raise ValueError("base must be this rank's state under the layout being loaded")
     loadable = _check_match(source, layout, module_state, strict)
     param_groups = _map_param_groups(source, layout, loadable)
-    weights = _module_weights(source, layout, loadable, None if strict else module_state)
+    plans = plan_reads(info.layout, layout, rank, loadable)
     full = load_optimizer_states and not load_module_only
+    # Weights cast from whole fp32 masters: their fragments also fill the rank's fp32
+    # partitions, so no master byte is read twice.
+    from_masters = _partitions_from_masters(source, layout, plans, base) if full and info.weights_from_masters else {}
+    weights = _module_weights(source, layout, rank, loadable, None if strict else module_state, from_masters)
     fp32, states, scalars = [], [], []
-    for plan in plan_reads(info.layout, layout, rank, loadable):
+    for plan in plans:
         if full:
-            group_fp32, group_states, group_scalars = _read_group(source, layout, plan, base)
+            group_fp32, group_states, group_scalars = _read_group(source, layout, plan, base, from_masters.get(plan.group))
         else:
             group_fp32 = _fp32_from_weights(layout, rank, plan.group, weights, loadable, base)
             group_states, group_scalars = {}, {}
@@ -120,9 +124,9 @@ def _check_match(
 
 
 def _read_group(
-    source: ShardSource, layout: Layout, plan: GroupPlan, base: ShardedState | None
+    source: ShardSource, layout: Layout, plan: GroupPlan, base: ShardedState | None, fp32: np.ndarray | None
 ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, torch.Tensor]]:
-    """fp32 master, optimizer states and scalars of one new group."""
+    """fp32 master (unless given: filled already), optimizer states and scalars of one new group."""
     group = plan.group
     if not plan.source_groups and base is not None:  # the checkpoint has none of its parameters
         own_states = base.optimizer_states[group]
@@ -136,7 +140,8 @@ def _read_group(
         return _fill(source, plan, key, _start(base, layout, group, name, _stored_dtype(source, plan, key)))
 
     names = _state_names(group, [tuple(source.info.state_keys[g]) for g in plan.source_groups])
-    fp32, states = read("fp32", None), {name: read(name, name) for name in names}
+    fp32 = read("fp32", None) if fp32 is None else fp32
+    states = {name: read(name, name) for name in names}
     # Last: a source may take them from a file it has opened for the partitions.
     scalars = _torch_scalars(source.scalars(plan.source_groups[0])) if plan.source_groups else {}
     return fp32, states, scalars
@@ -182,18 +187,40 @@ def _fp32_from_weights(
     return partition
 
 
+def _partitions_from_masters(
+    source: ShardSource, layout: Layout, plans: tuple[GroupPlan, ...], base: ShardedState | None
+) -> dict[int, np.ndarray]:
+    """The fp32 partitions :func:`_module_weights` fills from the masters it reads whole, as
+    they start (the base's values, or zeros), by new group; groups the checkpoint has none of
+    are read as usual."""
+    return {
+        plan.group: _start(base, layout, plan.group, None, _stored_dtype(source, plan, "fp32"))
+        for plan in plans
+        if plan.source_groups
+    }
+
+
 def _module_weights(
-    source: ShardSource, layout: Layout, loadable: set[str], keep_only: Mapping[str, Any] | None
+    source: ShardSource,
+    layout: Layout,
+    rank: int,
+    loadable: set[str],
+    keep_only: Mapping[str, Any] | None,
+    fp32: Mapping[int, np.ndarray],
 ) -> dict[str, np.ndarray]:
     """The module state_dict entries to load, tied names left out: the trained parameters'
     weights in the run's dtype, buffers and frozen parameters as stored (only those
-    ``keep_only`` names, when given)."""
+    ``keep_only`` names, when given). A weight cast from its fp32 master also copies the
+    master's fragments of ``rank`` into the partition of its group in ``fp32``, if there."""
     info = source.info
     weights: dict[str, np.ndarray] = {}
     for group in layout.groups:
+        partition = fp32.get(group.index)
+        fragments = _fragments_by_param(group.fragments(rank)) if partition is not None else {}
         for slot in group.params:
             if slot.name in loadable:
-                weights[slot.name] = _weight(source, slot.name, group.dtype).reshape(slot.spec.shape)
+                weight = _weight(source, slot.name, group.dtype, fragments.get(slot.name, ()), partition)
+                weights[slot.name] = weight.reshape(slot.spec.shape)
             elif slot.numel == 0:
                 weights[slot.name] = np.empty(slot.spec.shape, dtype=dtype_info(group.dtype).numpy)
     for entry in info.model_entries:
@@ -202,10 +229,23 @@ def _module_weights(
     return weights
 
 
-def _weight(source: ShardSource, name: str, dtype: str) -> np.ndarray:
-    if source.info.weights_from_masters:
-        return cast(read_whole_param(source, name, "fp32"), dtype)
-    return source.model_tensor(name)  # its dtype is the run's: a change is refused before
+def _weight(
+    source: ShardSource, name: str, dtype: str, fragments: Sequence[Fragment], partition: np.ndarray | None
+) -> np.ndarray:
+    if not source.info.weights_from_masters:
+        return source.model_tensor(name)  # its dtype is the run's: a change is refused before
+    master = read_whole_param(source, name, "fp32")
+    for fragment in fragments:
+        end = fragment.param_start + fragment.length
+        partition[fragment.partition_start : fragment.partition_start + fragment.length] = master[fragment.param_start : end]
+    return cast(master, dtype)
+
+
+def _fragments_by_param(fragments: Sequence[Fragment]) -> dict[str, list[Fragment]]:
+    found: dict[str, list[Fragment]] = {}
+    for fragment in fragments:
+        found.setdefault(fragment.name, []).append(fragment)
+    return found
 
 
 def _to_torch_keeping_ties(weights: Mapping[str, np.ndarray], aliases: Mapping[str, str]) -> dict[str, torch.Tensor]:
