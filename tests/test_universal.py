@@ -296,6 +296,25 @@ def test_read_param_on_a_native_source_matches_the_pattern(tmp_path):
             source.read(0, 0, "momentum", 0, 1)
 
 
+def test_universal_source_reads_ranges_across_parameters_in_place(tmp_path):
+    """Ranges of a universal source's compact partition that span parameters and the tail's
+    padding: read() and read_into() (which fills the caller's array, padding as zeros) agree
+    with the pattern."""
+    path = to_universal(save_synthetic(tmp_path / "a", build_layout(SPECS, 3, NATIVE)), tmp_path / "u", progress=False)
+    with UniversalSource(path) as source:
+        for group in source.layout.groups:
+            whole = expected_partition(source.layout, 0, group.index, "exp_avg").numpy()
+            numel = group.partition_numel
+            assert numel > group.params[-1].end  # tail padding, read as zeros
+            for start, end in ((0, numel), (1, numel - 1), (group.params[0].end - 2, numel), (3, 3)):
+                assert np.array_equal(source.read(0, group.index, "exp_avg", start, end), whole[start:end])
+                out = np.full(end - start, 99.0, dtype=np.float32)
+                source.read_into(0, group.index, "exp_avg", start, out)
+                assert np.array_equal(out, whole[start:end])
+        with pytest.raises(ValueError, match="outside group 0's partition"):
+            source.read_into(0, 0, "exp_avg", 1, np.empty(source.layout.groups[0].partition_numel, dtype=np.float32))
+
+
 # ---- bad input, atomic output, the command line ---------------------------------------------
 
 

@@ -36,7 +36,7 @@ from ..state import ParamGroupState, ShardedState
 from .compat import Mismatch, compare_module, compare_params
 from .io.dtypes import arrays_to_torch, cast, dtype_info, dtype_of, to_numpy, to_torch
 from .reshard import GroupPlan, plan_reads
-from .source import ShardSource, read_whole_param
+from .source import ShardSource, read_into, read_whole_param
 
 
 def load_state(
@@ -150,9 +150,8 @@ def _read_group(
 def _fill(source: ShardSource, plan: GroupPlan, key: str, dest: np.ndarray) -> np.ndarray:
     """Copy the plan's ranges of ``key`` into ``dest``, in place."""
     for copy in plan.copies:
-        end = copy.source_start + copy.length
-        values = source.read(copy.source_rank, copy.source_group, key, copy.source_start, end)
-        dest[copy.dest_start : copy.dest_start + copy.length] = values  # cast (exactly) if stored narrower
+        target = dest[copy.dest_start : copy.dest_start + copy.length]
+        read_into(source, copy.source_rank, copy.source_group, key, copy.source_start, target)
     return dest
 
 

@@ -81,6 +81,18 @@ class ShardSource(Protocol):
     def close(self) -> None: ...
 
 
+def read_into(source: ShardSource, rank: int, group: int, key: str, start: int, out: np.ndarray) -> None:
+    """``source.read(rank, group, key, start, start + len(out))`` into ``out`` (cast exactly
+    if ``out`` is wider). A source whose ranges may be assembled from several stored
+    tensors can define ``read_into(rank, group, key, start, out)`` to fill ``out`` in
+    place, without a buffer for the range."""
+    own = getattr(source, "read_into", None)
+    if own is not None:
+        own(rank, group, key, start, out)
+    else:
+        out[:] = source.read(rank, group, key, start, start + len(out))
+
+
 def read_param(source: ShardSource, name: str, key: str, start: int = 0, end: int | None = None) -> np.ndarray:
     """Elements [start, end) of parameter ``name``'s ``key`` tensor, flattened, as fp32,
     assembled from the ranks that hold them (each piece read once)."""
