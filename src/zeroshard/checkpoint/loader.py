@@ -150,8 +150,8 @@ def _read_group(
 def _fill(source: ShardSource, plan: GroupPlan, key: str, dest: np.ndarray) -> np.ndarray:
     """Copy the plan's ranges of ``key`` into ``dest``, in place."""
     for copy in plan.copies:
-        target = dest[copy.dest_start : copy.dest_start + copy.length]
-        read_into(source, copy.source_rank, copy.source_group, key, copy.source_start, target)
+        out = dest[copy.dest_start : copy.dest_start + copy.length]
+        read_into(source, copy.source_rank, copy.source_group, key, copy.source_start, out)
     return dest
 
 

@@ -82,15 +82,15 @@ class ShardSource(Protocol):
 
 
 def read_into(source: ShardSource, rank: int, group: int, key: str, start: int, out: np.ndarray) -> None:
-    """``source.read(rank, group, key, start, start + len(out))`` into ``out`` (cast exactly
-    if ``out`` is wider). A source whose ranges may be assembled from several stored
-    tensors can define ``read_into(rank, group, key, start, out)`` to fill ``out`` in
-    place, without a buffer for the range."""
-    own = getattr(source, "read_into", None)
-    if own is not None:
-        own(rank, group, key, start, out)
+    """Elements [start, start + out.size) of ``rank``'s partition of ``key`` in ``group``
+    into the 1-D array ``out``, cast (exactly, if the checkpoint stores them narrower) to its
+    dtype. A source with a ``read_into`` method of this signature fills ``out`` itself (the
+    native one reads the file's bytes straight into it); others go through ``read``."""
+    fill = getattr(source, "read_into", None)
+    if fill is not None:
+        fill(rank, group, key, start, out)
     else:
-        out[:] = source.read(rank, group, key, start, start + len(out))
+        out[...] = source.read(rank, group, key, start, start + out.size)
 
 
 def read_param(source: ShardSource, name: str, key: str, start: int = 0, end: int | None = None) -> np.ndarray:

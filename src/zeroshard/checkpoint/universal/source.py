@@ -72,7 +72,7 @@ class UniversalSource:
 
     def read_into(self, rank: int, group: int, key: str, start: int, out: np.ndarray) -> None:
         """:meth:`read` into ``out``: each parameter's range lands there, with no buffer between."""
-        self._fill(self._slots(rank, group, start, start + len(out)), key, start, out)
+        self._fill(self._slots(rank, group, start, start + out.size), key, start, out)
 
     def scalars(self, group: int) -> dict[str, Any]:
         """The scalars of the param group layout group ``group`` belongs to."""
@@ -109,7 +109,7 @@ class UniversalSource:
 
     def _fill(self, slots: tuple[ParamSlot, ...], key: str, start: int, out: np.ndarray) -> None:
         """Elements [start, start + len(out)) from ``slots``; padding between them is zeros."""
-        end, cursor = start + len(out), start
+        end, cursor = start + out.size, start
         for slot in slots:
             if slot.offset >= end:
                 break
