@@ -156,31 +156,6 @@ def _partition_misalignment(engine: ZeroOptimizer) -> list[int]:
     ]
 
 
-def checkpoint_refusals(rank: int, world_size: int, root: str) -> dict:
-    """save_checkpoint, load_checkpoint and export_state of an engine with expert groups:
-    the error each raises (on every rank), and what was left in ``root``."""
-    from pathlib import Path
-
-    from zeroshard.checkpoint.engine_io import load_checkpoint, save_checkpoint
-
-    groups = new_expert_groups(2)
-    model = MoEGPT(MODEL, ep_group=groups.ep)
-    engine = ZeroOptimizer(model, torch.optim.AdamW, moe_param_groups(model), expert_process_group=groups.expert_dp)
-    errors = {}
-    for label, call in (
-        ("save", lambda: save_checkpoint(engine, root)),
-        ("load", lambda: load_checkpoint(engine, root)),
-        ("export", engine.export_state),
-    ):
-        try:
-            call()
-            errors[label] = "no error"
-        except (ValueError, FileNotFoundError) as error:
-            errors[label] = f"{type(error).__name__}: {error}"
-    engine.comm.barrier()
-    return {"errors": errors, "written": sorted(str(p.relative_to(root)) for p in Path(root).rglob("*"))}
-
-
 def overflow_in_experts(rank: int, world_size: int, ep_size: int = 2) -> dict:
     """fp16: at step 1 the last rank alone makes its experts' w1 gradient inf. Only the ranks
     of its expert-DP group see the inf after reduction; every rank must skip that step."""
@@ -213,11 +188,7 @@ def overflow_in_experts(rank: int, world_size: int, ep_size: int = 2) -> dict:
     return {"stepped": stepped, "masters_changed": masters_changed, "scales": scales + [engine.scaler.scale]}
 
 
-def run_moe_cases(
-    rank: int, world_size: int, cases: list[MoECase], root: str | None = None, overflow: bool = False
-) -> list[dict]:
-    """The training comparisons, then (given a directory) the checkpoint refusals, then
-    (if asked) the fp16 overflow in one rank's experts."""
+def run_moe_cases(rank: int, world_size: int, cases: list[MoECase], overflow: bool = False) -> list[dict]:
+    """The training comparisons, then (if asked) the fp16 overflow in one rank's experts."""
     results = [train_case(rank, world_size, case) for case in cases]
-    results += [checkpoint_refusals(rank, world_size, root)] if root else []
     return results + ([overflow_in_experts(rank, world_size)] if overflow else [])

@@ -221,6 +221,28 @@ def test_state_dict_round_trip_resumes_bit_for_bit_in_bf16():
     )
 
 
+def test_import_state_copies_the_optimizer_state_unless_it_is_taken():
+    """By default the caller's state is left alone by later steps; ``take=True`` (a checkpoint
+    load, which built the state for the call) hands its tensors to the optimizer uncopied."""
+    batches = _batches(3, seed=2)
+    model = _model()
+    engine = _engine(model)
+    _steps(engine, model, batches[:1])
+    given = engine.export_state()
+    before = {key: value.clone() for key, value in given.optimizer_states[0].items()}
+    engine.import_state(given)
+    _steps(engine, model, batches[1:2])
+    assert all(torch.equal(given.optimizer_states[0][key], value) for key, value in before.items())
+
+    taken = engine.export_state()
+    imported = taken.optimizer_states[0]["exp_avg"].clone()
+    engine.import_state(taken, take=True)
+    live = engine.optimizer.state[engine.masters[0]]
+    assert all(live[key].data_ptr() == taken.optimizer_states[0][key].data_ptr() for key in before)
+    _steps(engine, model, batches[2:])  # steps on the taken tensors themselves
+    assert not torch.equal(taken.optimizer_states[0]["exp_avg"], imported)
+
+
 def _refused(engine: ZeroOptimizer, state_dict, match: str) -> None:
     masters = [m.detach().clone() for m in engine.masters]
     params = [b.data.clone() for b in engine.buffers]

@@ -29,7 +29,9 @@ class ShardedState:
 
     ``fp32_partitions[g]`` and every tensor in ``optimizer_states[g]`` have shape
     ``[layout.groups[g].partition_numel]`` (this rank's partition, padding included, zeros
-    in the padding). ``optimizer_scalars[g]`` holds state that is not partition-shaped
+    in the padding); for an expert group, the partition of the rank's place in its
+    expert-data-parallel group of the experts of its EP rank (``zeroshard.layout.coordinates``),
+    so every rank's share is its own. ``optimizer_scalars[g]`` holds state that is not partition-shaped
     (such as ``step``), the same on every rank, carried as is when resharding.
     """
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
-from ..layout import Layout
+from ..layout import Layout, global_shape
 from .native.manifest import dtype_name
 from .source import SourceInfo
 
@@ -21,9 +22,10 @@ class Mismatch:
     unexpected: tuple[str, ...] = ()  # in the checkpoint, not in the run
     reshaped: tuple[str, ...] = ()  # "name (checkpoint [..], run [..])"
     retyped: tuple[str, ...] = ()  # "name (checkpoint bfloat16, run float16)"
+    regrouped: tuple[str, ...] = ()  # "name (checkpoint expert, run dense)"
 
     def __bool__(self) -> bool:
-        return bool(self.missing or self.unexpected or self.reshaped or self.retyped)
+        return bool(self.missing or self.unexpected or self.reshaped or self.retyped or self.regrouped)
 
     def describe(self, what: str) -> str:
         parts = []
@@ -32,6 +34,7 @@ class Mismatch:
             ("not in the run", self.unexpected),
             ("with another shape", self.reshaped),
             ("with another dtype", self.retyped),
+            ("expert weights on one side, dense on the other", self.regrouped),
         ):
             if names:
                 parts.append(f"{len(names)} {label}: {', '.join(names)}")
@@ -39,17 +42,38 @@ class Mismatch:
 
     def skipped(self) -> set[str]:
         """Names a non-strict load leaves out (present on one side only, or reshaped)."""
-        return set(self.missing) | set(self.unexpected) | {entry.split(" (")[0] for entry in self.reshaped}
+        changed = {entry.split(" (")[0] for entry in self.reshaped + self.regrouped}
+        return set(self.missing) | set(self.unexpected) | changed
 
 
 def compare_params(old: Layout, new: Layout) -> Mismatch:
-    """The run's trainable parameters (``new``) against the checkpoint's (``old``)."""
-    old_specs = {slot.name: slot.spec for group in old.groups for slot in group.params}
-    new_specs = {slot.name: slot.spec for group in new.groups for slot in group.params}
-    return _compare(
-        {name: (spec.shape, spec.dtype) for name, spec in old_specs.items()},
-        {name: (spec.shape, spec.dtype) for name, spec in new_specs.items()},
+    """The run's trainable parameters (``new``) against the checkpoint's (``old``). Expert
+    weights compare by their global shape (every expert stacked), so a change of EP is no
+    difference and a change of expert count is one."""
+    old_specs, new_specs = _param_specs(old), _param_specs(new)
+    found = _compare(
+        {name: (shape, dtype) for name, (shape, dtype, _) in old_specs.items()},
+        {name: (shape, dtype) for name, (shape, dtype, _) in new_specs.items()},
     )
+    regrouped = tuple(
+        f"{name} (checkpoint {_kind(old_specs[name][2])}, run {_kind(expert)})"
+        for name, (_, _, expert) in new_specs.items()
+        if name in old_specs and old_specs[name][2] != expert
+    )
+    return dataclasses.replace(found, regrouped=regrouped)
+
+
+def _param_specs(layout: Layout) -> dict[str, tuple[tuple[int, ...], str, bool]]:
+    """Name -> (global shape, dtype, is an expert weight)."""
+    return {
+        slot.name: (global_shape(group, slot), slot.spec.dtype, group.is_expert_group)
+        for group in layout.groups
+        for slot in group.params
+    }
+
+
+def _kind(expert: bool) -> str:
+    return "expert" if expert else "dense"
 
 
 def compare_module(info: SourceInfo, run_layout: Layout, module_state: Mapping[str, torch.Tensor]) -> Mismatch:

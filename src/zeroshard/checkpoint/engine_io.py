@@ -76,9 +76,7 @@ def load_checkpoint(
     if any(their_options != options for _, their_options, _ in reports):
         per_rank = {rank: their_options for rank, (_, their_options, _) in enumerate(reports)}
         raise ValueError(f"checkpoint {path} not loaded (nothing changed): the ranks' options differ: {per_rank}")
-    engine.import_state(
-        state, load_optimizer_states=load_optimizer_states, load_module_only=load_module_only, strict=strict
-    )
+    engine.import_state(state, **options, take=True)  # the state was read for this call: no copies
     if lr_scheduler is not None and LR_SCHEDULER_KEY in state.extra and not load_module_only:
         lr_scheduler.load_state_dict(state.extra[LR_SCHEDULER_KEY])
     return dict(state.extra)

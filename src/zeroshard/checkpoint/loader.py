@@ -31,12 +31,13 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..layout import Fragment, Layout
+from ..layout import Fragment, GroupLayout, Layout, ParamSlot
+from ..layout.coordinates import ep_rank, expert_numel, shard_rank
 from ..state import ParamGroupState, ShardedState
 from .compat import Mismatch, compare_module, compare_params
 from .io.dtypes import arrays_to_torch, cast, dtype_info, dtype_of, to_numpy, to_torch
 from .reshard import GroupPlan, plan_reads
-from .source import ShardSource, read_into, read_whole_param
+from .source import ShardSource, read_into, read_model_tensors, read_param, read_whole_param
 
 
 def load_state(
@@ -179,7 +180,7 @@ def _fp32_from_weights(
     layout: Layout, rank: int, group: int, weights: Mapping[str, np.ndarray], loadable: set[str], base: ShardedState | None
 ) -> np.ndarray:
     partition = _start(base, layout, group, None, "float32")
-    for fragment in layout.groups[group].fragments(rank):
+    for fragment in layout.groups[group].fragments(shard_rank(layout.groups[group], rank)):
         if fragment.name in loadable:
             weight = weights[fragment.name].reshape(-1)[fragment.param_start : fragment.param_start + fragment.length]
             partition[fragment.partition_start : fragment.partition_start + fragment.length] = cast(weight, "float32")
@@ -190,12 +191,12 @@ def _partitions_from_masters(
     source: ShardSource, layout: Layout, plans: tuple[GroupPlan, ...], base: ShardedState | None
 ) -> dict[int, np.ndarray]:
     """The fp32 partitions :func:`_module_weights` fills from the masters it reads whole, as
-    they start (the base's values, or zeros), by new group; groups the checkpoint has none of
-    are read as usual."""
+    they start (the base's values, or zeros), by new group; groups the checkpoint has none of,
+    and expert groups (whose weights are read expert by expert), are read as usual."""
     return {
         plan.group: _start(base, layout, plan.group, None, _stored_dtype(source, plan, "fp32"))
         for plan in plans
-        if plan.source_groups
+        if plan.source_groups and not layout.groups[plan.group].is_expert_group
     }
 
 
@@ -208,31 +209,38 @@ def _module_weights(
     fp32: Mapping[int, np.ndarray],
 ) -> dict[str, np.ndarray]:
     """The module state_dict entries to load, tied names left out: the trained parameters'
-    weights in the run's dtype, buffers and frozen parameters as stored (only those
-    ``keep_only`` names, when given). A weight cast from its fp32 master also copies the
-    master's fragments of ``rank`` into the partition of its group in ``fp32``, if there."""
+    weights in the run's dtype (of expert weights, the experts ``rank`` holds), buffers and
+    frozen parameters as stored (only those ``keep_only`` names, when given). A weight cast
+    from its fp32 master also copies the master's fragments of ``rank`` into the partition
+    of its group in ``fp32``, if there."""
     info = source.info
-    weights: dict[str, np.ndarray] = {}
+    planned: dict[str, np.ndarray | tuple[int, ...]] = {}  # an array, or the shape of one read as stored
     for group in layout.groups:
         partition = fp32.get(group.index)
-        fragments = _fragments_by_param(group.fragments(rank)) if partition is not None else {}
+        fragments = _fragments_by_param(group.fragments(shard_rank(group, rank))) if partition is not None else {}
         for slot in group.params:
-            if slot.name in loadable:
-                weight = _weight(source, slot.name, group.dtype, fragments.get(slot.name, ()), partition)
-                weights[slot.name] = weight.reshape(slot.spec.shape)
-            elif slot.numel == 0:
-                weights[slot.name] = np.empty(slot.spec.shape, dtype=dtype_info(group.dtype).numpy)
+            if slot.name not in loadable:
+                if slot.numel == 0:
+                    planned[slot.name] = np.empty(slot.spec.shape, dtype=dtype_info(group.dtype).numpy)
+            elif group.is_expert_group:
+                planned[slot.name] = _local_experts(source, group, slot, rank)
+            elif info.weights_from_masters:
+                weight = _master_weight(source, slot.name, group.dtype, fragments.get(slot.name, ()), partition)
+                planned[slot.name] = weight.reshape(slot.spec.shape)
+            else:
+                planned[slot.name] = slot.spec.shape  # its dtype is the run's: a change is refused before
     for entry in info.model_entries:
-        if entry.name not in weights and (keep_only is None or entry.name in keep_only):
-            weights[entry.name] = source.model_tensor(entry.name)
-    return weights
+        if entry.name not in planned and (keep_only is None or entry.name in keep_only):
+            planned[entry.name] = entry.shape
+    # All at once: the native source reads neighbouring tensors in one read.
+    found = read_model_tensors(source, [name for name, value in planned.items() if isinstance(value, tuple)])
+    return {name: found[name].reshape(value) if isinstance(value, tuple) else value for name, value in planned.items()}
 
 
-def _weight(
+def _master_weight(
     source: ShardSource, name: str, dtype: str, fragments: Sequence[Fragment], partition: np.ndarray | None
 ) -> np.ndarray:
-    if not source.info.weights_from_masters:
-        return source.model_tensor(name)  # its dtype is the run's: a change is refused before
+    """Parameter ``name``'s fp32 master cast to ``dtype``; its ``fragments`` copied into ``partition``."""
     master = read_whole_param(source, name, "fp32")
     for fragment in fragments:
         end = fragment.param_start + fragment.length
@@ -245,6 +253,17 @@ def _fragments_by_param(fragments: Sequence[Fragment]) -> dict[str, list[Fragmen
     for fragment in fragments:
         found.setdefault(fragment.name, []).append(fragment)
     return found
+
+
+def _local_experts(source: ShardSource, group: GroupLayout, slot: ParamSlot, rank: int) -> np.ndarray:
+    """The stacked weight of the experts ``rank`` holds: their fp32 masters (read by global
+    expert id) cast to the run's dtype, as the engine makes its parameters from its masters.
+    No checkpoint stores expert weights in low precision (a native one keeps one module
+    file, written by rank 0, which holds only its own experts)."""
+    per_expert = expert_numel(slot)
+    experts = group.expert_map[ep_rank(group, rank)]
+    masters = [read_param(source, slot.name, "fp32", g * per_expert, (g + 1) * per_expert) for g in experts]
+    return cast(np.concatenate(masters), group.dtype).reshape(slot.spec.shape)
 
 
 def _to_torch_keeping_ties(weights: Mapping[str, np.ndarray], aliases: Mapping[str, str]) -> dict[str, torch.Tensor]:

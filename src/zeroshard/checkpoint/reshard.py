@@ -1,11 +1,15 @@
 """Which ranges of which old rank files fill one new rank's partitions.
 
-Pure layout math. A parameter's elements sit at the same logical offsets at every world
-size, so a new fragment (param, param_start, length) is old logical range
-``old_slot.logical_offset + param_start`` of the same length, which the old group's
-``locate_logical`` splits into (old rank, old partition offset) runs. Parameters are matched
-by name, so the old and new layouts may differ in world size, policy, bucket size and even
-grouping. Padding in the new partition is never a destination: it stays zero.
+Pure layout math. Both layouts name a parameter's elements by global element
+(:mod:`zeroshard.layout.coordinates`): a dense parameter's own, an expert weight's with every
+expert stacked by global expert id, so the same element has the same global index at any
+(W, EP). A new rank's partition is a list of global runs (``rank_runs``: fragments, split
+where experts change); each is found in the old layout by ``locate_global``: expert by expert
+(global expert ``g`` is local index ``l`` on old EP rank ``j`` with ``expert_map[j][l] == g``,
+a contiguous range of the stacked weight), then by logical offset over the old shard group's
+ranks (global rank ``shard_rank * EP + j``). Parameters are matched by name, so the layouts
+may differ in world size, EP, policy, bucket size and even grouping. Padding in the new
+partition is never a destination: it stays zero.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Collection
 
-from ..layout import Layout
+from ..layout import Layout, locate_global, rank_runs
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,8 @@ class GroupPlan:
 
 
 def plan_reads(old: Layout, new: Layout, rank: int, params: Collection[str] | None = None) -> tuple[GroupPlan, ...]:
-    """One GroupPlan per new group for ``rank``; ``params`` limits it to those names (None: all).
+    """One GroupPlan per new group for global rank ``rank``; ``params`` limits it to those
+    names (None: all). Copies name old global ranks (the rank files).
 
     When the layouts are equal the plan copies each old partition of ``rank`` whole.
     """
@@ -59,15 +64,15 @@ def plan_reads(old: Layout, new: Layout, rank: int, params: Collection[str] | No
 
 
 def _plan_group(old: Layout, new: Layout, group_index: int, rank: int, wanted: set[str] | None) -> GroupPlan:
-    group = new.groups[group_index]
     copies: list[Copy] = []
-    for fragment in group.fragments(rank):
-        if wanted is not None and fragment.name not in wanted:
+    for run in rank_runs(new.groups[group_index], rank):
+        if wanted is not None and run.name not in wanted:
             continue
-        old_group, old_slot = old.param(fragment.name)
-        logical_start = old_slot.logical_offset + fragment.param_start
-        for piece in old_group.locate_logical(logical_start, fragment.length):
-            dest = fragment.partition_start + piece.logical_start - logical_start
+        old_group, old_slot = old.param(run.name)
+        if old_group.is_expert_group != new.groups[group_index].is_expert_group:
+            raise ValueError(f"parameter {run.name!r} is an expert weight in one layout and dense in the other")
+        for piece in locate_global(old_group, old_slot, run.global_start, run.length):
+            dest = run.partition_start + piece.global_start - run.global_start
             copies.append(Copy(piece.rank, old_group.index, piece.partition_start, dest, piece.length))
     return GroupPlan(group_index, _source_groups(old, new, group_index, wanted), coalesce(copies))
 

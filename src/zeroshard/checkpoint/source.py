@@ -8,13 +8,14 @@ numpy arrays (see :mod:`.dtypes`): reading a checkpoint needs no torch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
-from ..layout import Layout
+from ..layout import Layout, global_shape, locate_global
 from ..state import ParamGroupState
 
 
@@ -93,33 +94,36 @@ def read_into(source: ShardSource, rank: int, group: int, key: str, start: int, 
         out[...] = source.read(rank, group, key, start, start + out.size)
 
 
+def read_model_tensors(source: ShardSource, names: list[str]) -> dict[str, np.ndarray]:
+    """``source.model_tensor`` of each name, the arrays the caller's. A source with a
+    ``model_tensors`` method of this signature reads them together (the native one in a few
+    large reads); others one by one."""
+    read_all = getattr(source, "model_tensors", None)
+    if read_all is not None:
+        return read_all(names)
+    return {name: source.model_tensor(name) for name in names}
+
+
 def read_param(source: ShardSource, name: str, key: str, start: int = 0, end: int | None = None) -> np.ndarray:
-    """Elements [start, end) of parameter ``name``'s ``key`` tensor, flattened, as fp32,
-    assembled from the ranks that hold them (each piece read once)."""
+    """Elements [start, end) of parameter ``name``'s global ``key`` tensor (an expert weight:
+    every expert stacked by global id, see :mod:`zeroshard.layout.coordinates`), flattened,
+    as fp32, assembled from the ranks that hold them (each piece read once)."""
     group, slot = source.info.layout.param(name)
-    end = slot.numel if end is None else end
+    end = math.prod(global_shape(group, slot)) if end is None else end
     out = np.empty(end - start, dtype=np.float32)
-    for piece in group.pieces(slot.index):
-        lo, hi = max(piece.param_start, start), min(piece.param_start + piece.length, end)
-        if lo >= hi:
-            continue
-        offset = piece.partition_start + lo - piece.param_start
-        out[lo - start : hi - start] = source.read(piece.rank, group.index, key, offset, offset + hi - lo)
+    for run in locate_global(group, slot, start, end - start):
+        begin = run.global_start - start
+        out[begin : begin + run.length] = source.read(
+            run.rank, group.index, key, run.partition_start, run.partition_start + run.length
+        )
     return out
 
 
 def read_whole_param(source: ShardSource, name: str, key: str) -> np.ndarray:
     """:func:`read_param` of a whole parameter, without its copy when one rank holds all of it."""
     group, slot = source.info.layout.param(name)
-    pieces = group.pieces(slot.index)
+    pieces = () if group.is_expert_group else group.pieces(slot.index)
     if len(pieces) == 1:
         start = pieces[0].partition_start
         return source.read(pieces[0].rank, group.index, key, start, start + slot.numel)
     return read_param(source, name, key)
-
-
-def iter_params(source: ShardSource) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """Trained parameters in layout order (group by group, buffer order)."""
-    for group in source.info.layout.groups:
-        for slot in group.params:
-            yield slot.name, slot.spec.shape

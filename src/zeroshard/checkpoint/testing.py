@@ -3,17 +3,21 @@
 Tests and benchmarks build every rank's state straight from a layout, at any world size,
 without an engine or processes, then check loaded values against :func:`expected_partition`
 bit for bit. Each tensor kind ("fp32", "exp_avg", ...) has its own pattern; every parameter
-element is a nonzero integer below 2**23 (exact in float32), padding is zero.
+element is a nonzero integer below 2**23 (exact in float32), padding is zero. Patterns run over
+a parameter's global elements (an expert weight's experts stacked by global id), so the same
+expert carries the same values at every (W, EP).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import zlib
 
 import torch
 
-from ..layout import Layout
+from ..layout import Layout, global_shape, rank_runs
+from ..layout.coordinates import ep_rank, expert_numel
 from ..state import ParamGroupState, ShardedState
 from .io.dtypes import torch_dtype
 
@@ -31,28 +35,40 @@ def pattern(name: str, kind: str, numel: int) -> torch.Tensor:
 def expected_partition(
     layout: Layout, rank: int, group: int, kind: str, params: set[str] | None = None
 ) -> torch.Tensor:
-    """``rank``'s partition of ``group`` filled with the ``kind`` pattern (only ``params``, if given)."""
+    """Global rank ``rank``'s partition of ``group`` filled with the ``kind`` pattern (only
+    ``params``, if given)."""
     layout_group = layout.groups[group]
     partition = torch.zeros(layout_group.partition_numel, dtype=torch.float32)
-    for fragment in layout_group.fragments(rank):
-        if params is not None and fragment.name not in params:
+    numel = {slot.name: math.prod(global_shape(layout_group, slot)) for slot in layout_group.params}
+    for run in rank_runs(layout_group, rank):
+        if params is not None and run.name not in params:
             continue
-        values = pattern(fragment.name, kind, layout_group.params[fragment.param_index].numel)
-        end = fragment.param_start + fragment.length
-        partition[fragment.partition_start : fragment.partition_start + fragment.length] = values[
-            fragment.param_start : end
-        ]
+        values = pattern(run.name, kind, numel[run.name])
+        partition[run.partition_start : run.partition_start + run.length] = values[run.global_start : run.global_start + run.length]
     return partition
 
 
-def synthetic_model_state(layout: Layout, *, tied_alias: str | None = "tied.alias") -> dict[str, torch.Tensor]:
-    """Weights from the "fp32" pattern in each group's dtype, a frozen weight, a buffer, a tied name."""
+def local_pattern(layout: Layout, rank: int, name: str, kind: str) -> torch.Tensor:
+    """Parameter ``name``'s ``kind`` pattern as global rank ``rank`` holds it, in its shape
+    (an expert weight: the stacked experts of the rank's EP rank)."""
+    group, slot = layout.param(name)
+    values = pattern(name, kind, math.prod(global_shape(group, slot)))
+    if group.is_expert_group:
+        per_expert = expert_numel(slot)
+        experts = group.expert_map[ep_rank(group, rank)]
+        values = torch.cat([values[g * per_expert : (g + 1) * per_expert] for g in experts])
+    return values.reshape(slot.spec.shape)
+
+
+def synthetic_model_state(
+    layout: Layout, *, tied_alias: str | None = "tied.alias", rank: int = 0
+) -> dict[str, torch.Tensor]:
+    """Weights from the "fp32" pattern in each group's dtype (global rank ``rank``'s experts),
+    a frozen weight, a buffer, a tied name."""
     state: dict[str, torch.Tensor] = {}
     for group in layout.groups:
         for slot in group.params:
-            state[slot.name] = (
-                pattern(slot.name, "fp32", slot.numel).to(torch_dtype(group.dtype)).reshape(slot.spec.shape)
-            )
+            state[slot.name] = local_pattern(layout, rank, slot.name, "fp32").to(torch_dtype(group.dtype))
     state["frozen.weight"] = pattern("frozen.weight", "fp32", 6).reshape(2, 3).clone()
     state["positions"] = torch.arange(5, dtype=torch.int64)
     first = layout.groups[0].params[0].name

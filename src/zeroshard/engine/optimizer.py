@@ -39,6 +39,7 @@ from ..layout import (
     LayoutPolicy,
     build_layout,
 )
+from ..layout.coordinates import shard_rank
 from ..state import ShardedState
 from . import state_io
 from .fragments import FragmentAccess
@@ -344,10 +345,17 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         load_optimizer_states: bool = True,
         load_module_only: bool = False,
         strict: bool = True,
+        take: bool = False,
     ) -> None:
-        """Collective. Load a state laid out for this engine; see ``state_io.import_state``."""
+        """Collective. Load a state laid out for this engine; see ``state_io.import_state``
+        (``take=True``: the optimizer keeps the state's tensors, not copies)."""
         state_io.import_state(
-            self, state, load_optimizer_states=load_optimizer_states, load_module_only=load_module_only, strict=strict
+            self,
+            state,
+            load_optimizer_states=load_optimizer_states,
+            load_module_only=load_module_only,
+            strict=strict,
+            take=take,
         )
 
     def sync_params_from_masters(self) -> None:
@@ -424,11 +432,25 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         return [reduce_dtype or torch_dtype(group.dtype) for group in self.layout.groups]
 
     def _check_same_layout_on_every_rank(self) -> None:
+        """Every rank has rank 0's layout, and sits in its expert-DP group where the layout's
+        expert mesh puts it (checkpoints name a rank's experts by that mesh)."""
         self.layout_digest = digest = hashlib.sha256(self.layout.to_json().encode()).hexdigest()
-        digests = self.comm.all_gather_object(digest)
-        differing = [rank for rank, other in enumerate(digests) if other != digests[0]]
+        reports = self.comm.all_gather_object((digest, self._expert_mesh_problem()))
+        differing = [rank for rank, (other, _) in enumerate(reports) if other != reports[0][0]]
         if differing:
             raise ValueError(f"ranks {differing} have other parameters or param groups than rank 0 (their layouts differ)")
+        misplaced = [f"rank {rank}: {problem}" for rank, (_, problem) in enumerate(reports) if problem]
+        if misplaced:
+            raise ValueError(
+                f"the expert process group is not the expert mesh's column ({misplaced[0]}); "
+                "create it with zeroshard.moe.new_expert_groups"
+            )
+
+    def _expert_mesh_problem(self) -> str | None:
+        for group in self.layout.groups:
+            if group.is_expert_group and self.rank_in(group) != shard_rank(group, self.rank):
+                return f"it is rank {self.rank_in(group)} of its expert-DP group, the mesh's rank {shard_rank(group, self.rank)}"
+        return None
 
     def _initial_values(self, sync: bool) -> list[torch.Tensor]:
         """Each group's parameters in fp32 at their flat offsets, rank 0's values if ``sync``."""

@@ -23,24 +23,12 @@ def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def refuse_expert_groups(engine: ZeroOptimizer, what: str) -> None:
-    """ShardedState and the checkpoints built on it know one partition per rank of all W
-    ranks; expert groups (partitioned over W / EP ranks, different per EP rank) are not
-    expressed yet, so refuse them rather than write or read something wrong."""
-    if not engine.layout.is_dense:
-        raise ValueError(
-            f"{what}: the layout has expert groups (shard groups {engine.layout.shard_groups}); "
-            "checkpoints of mixture-of-experts runs are not supported yet"
-        )
-
-
 def state_views(engine: ZeroOptimizer) -> ShardedState:
     """This rank's share as views of the live tensors (on the engine's devices), no copies.
 
     Valid until the engine changes its state (the next step or load): copy it before that,
     as :func:`export_state` and the Checkpointer's host snapshot do.
     """
-    refuse_expert_groups(engine, "export_state")
     states, scalars = [], []
     for master in engine.masters:
         partitioned, scalar = {}, {}
@@ -99,8 +87,13 @@ def import_state(
     load_optimizer_states: bool = True,
     load_module_only: bool = False,
     strict: bool = True,
+    take: bool = False,
 ) -> None:
     """Collective. Load ``state`` (already laid out for this engine) into the engine.
+
+    ``take=True`` hands ``state`` over: the optimizer keeps its state tensors as they are
+    instead of copies (the caller must not use them afterwards; a checkpoint load that built
+    the state for this call does so).
 
     Every rank validates its state first and the ranks agree on the outcome: either every
     rank loads, or every rank raises the same error and nothing changes.
@@ -110,7 +103,6 @@ def import_state(
       optimizer state;
     * ``load_module_only=True``: model weights only (masters rebuilt from them).
     """
-    refuse_expert_groups(engine, "import_state")
     full = load_optimizer_states and not load_module_only
     options = f"load_optimizer_states={load_optimizer_states}, load_module_only={load_module_only}, strict={strict}"
     call = f"import_state({options})"
@@ -125,7 +117,7 @@ def import_state(
         return
     for master, values in zip(engine.masters, state.fp32_partitions):
         master.data.copy_(values)
-    engine.optimizer.load_state_dict(_torch_optimizer_state(engine, state))
+    engine.optimizer.load_state_dict(_torch_optimizer_state(engine, state, take))
     engine.global_steps = int(state.extra.get("global_steps", 0))
     engine.scaler.load_state_dict(state.extra.get("loss_scaler", engine.scaler.state_dict()))
     engine.sync_params_from_masters()
@@ -174,18 +166,19 @@ def _cast_like(current: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]
 
 def _rebuild_masters_from_params(engine: ZeroOptimizer) -> None:
     for master, buffer in zip(engine.masters, engine.buffers):
-        parts = [buffer.data[begin:end] for begin, end in buffer.group.partition_ranges(engine.rank)]
+        parts = [buffer.data[begin:end] for begin, end in buffer.group.partition_ranges(engine.rank_in(buffer.group))]
         master.data.copy_(torch.cat(parts).float() if parts else master.data)
 
 
-def _torch_optimizer_state(engine: ZeroOptimizer, state: ShardedState) -> dict[str, Any]:
+def _torch_optimizer_state(engine: ZeroOptimizer, state: ShardedState, take: bool) -> dict[str, Any]:
     """The state in torch.optim's own state_dict form, so the optimizer casts it its way."""
     index_of = {id(master): i for i, master in enumerate(engine.masters)}
     per_param = {}
     for group_index, master in enumerate(engine.masters):
-        # Clones: torch keeps tensors it needs no cast for, and would update ours in place.
+        # Unless taken, clones: torch keeps tensors it needs no cast for, and would update
+        # the caller's in place.
         saved = {**state.optimizer_scalars[group_index], **state.optimizer_states[group_index]}
-        entry = {key: value.clone() for key, value in saved.items()}
+        entry = {key: value if take else value.clone() for key, value in saved.items()}
         if entry:
             per_param[index_of[id(master)]] = entry
     groups = []

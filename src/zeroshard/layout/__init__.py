@@ -11,6 +11,7 @@ from .group import Bucket, Fragment, GroupLayout, LogicalPiece, LogicalRange, Pa
 from .layout import FORMAT_VERSION, Layout, PaddingStats, build_layout
 from .policy import LayoutPolicy
 from .experts import ExpertMesh, contiguous_expert_map
+from .coordinates import GlobalRun, global_shape, locate_global, rank_runs
 from .specs import DENSE_SHARD_GROUP, EXPERT_SHARD_GROUP, GroupSpec, ParamSpec
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "Bucket",
     "ExpertMesh",
     "Fragment",
+    "GlobalRun",
     "GroupLayout",
     "GroupSpec",
     "Layout",
@@ -33,5 +35,8 @@ __all__ = [
     "build_layout",
     "canonical_dtype",
     "contiguous_expert_map",
+    "global_shape",
+    "locate_global",
+    "rank_runs",
     "itemsize",
 ]

@@ -3,7 +3,9 @@
 Every name of the module's state_dict is written: trained parameters from their fp32
 masters (cast to ``dtype``), frozen parameters (floating ones cast to ``dtype``) and
 buffers (in their own dtype), and a tied parameter under each of its names with its own
-bytes (safetensors refuses shared storage). One ``model.safetensors``, or, when
+bytes (safetensors refuses shared storage). Expert weights are one ``[out, in]`` tensor per
+global expert (``blocks.0.moe.experts.3.w1.weight``, see :mod:`..experts`), the form
+``GroupedExperts`` loads with ``strict=True``. One ``model.safetensors``, or, when
 ``max_shard_size`` is given and exceeded, ``model-00001-of-0000N.safetensors`` shards and a
 ``model.safetensors.index.json``. Streaming and atomic like :func:`to_universal`, and like
 it torch-free: :func:`load_fp32_state_dict` alone hands out torch tensors.
@@ -27,7 +29,8 @@ from ..format import DEFAULT_BLOCK_SIZE
 from ..formats import open_source
 from ..io.output_dir import staged_output
 from ..io.safetensors_io import PlannedTensor
-from ..source import ModelEntry, ShardSource, iter_params, read_whole_param
+from ..experts import exported_params, read_exported
+from ..source import ModelEntry, ShardSource
 from ..io.streaming import OutputTensor, plan_shards, write_shards
 from ..universal.read import UniversalCheckpoint
 from ..universal.source import UniversalSource
@@ -150,11 +153,12 @@ def _open(path: Input) -> _ModelView:
 
 
 def _source_view(source: ShardSource, *, close: bool) -> _ModelView:
+    exported = {param.name: param for param in exported_params(source.info.layout)}
     return _ModelView(
-        trained=list(iter_params(source)),
+        trained=[(name, param.shape) for name, param in exported.items()],
         entries=list(source.info.model_entries),
         aliases=dict(source.info.aliases),
-        master=lambda name: read_whole_param(source, name, "fp32"),
+        master=lambda name: read_exported(source, exported[name], "fp32"),
         model_tensor=source.model_tensor,
         close=source.close if close else _nothing,
     )

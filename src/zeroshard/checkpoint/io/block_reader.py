@@ -10,6 +10,12 @@ cached, so the cache stays a few blocks big whatever the range sizes.
 Big ranges (whole tensors of a large model) are memory-mapped instead of read: the checksum
 is computed on the file's cached pages and a converter writes them out from there, so the
 bytes are copied once (into the output) rather than twice.
+
+A loader, which keeps what it reads, uses :meth:`RangeReader.read_into` instead: the blocks
+wholly inside the range are read straight into the caller's array, a few at a time, and each
+is checked there right after its read, while it is still in the CPU cache. That is one copy
+(the kernel's, from the page cache) and a checksum pass on hot memory: about the cost of
+reading the bytes once.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from .safetensors_io import ReadStats, check_blocks, map_range, pread_into
 
 DEFAULT_CACHE_BYTES = 32 << 20
 MAP_BYTES = 8 << 20  # spans at least this big are memory-mapped, not copied in
+READ_CHUNK = 1 << 20  # read_into reads whole blocks in preads of about this much, then checks them
 
 
 class RangeReader:
@@ -34,7 +41,7 @@ class RangeReader:
 
     def __init__(self, stats: ReadStats | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self.stats = stats
-        self._cache: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, int], bytes | memoryview] = OrderedDict()
         self._cache_bytes = cache_bytes
         self._cached = 0
 
@@ -66,6 +73,70 @@ class RangeReader:
         if last != first and end < span_end:
             self._keep(key, last, record, view, span_start)
         return view[begin - span_start : end - span_start]
+
+    def read_into(self, path: Path, record: FileRecord, begin: int, out: memoryview) -> None:
+        """Fill ``out`` (writable bytes) with bytes [begin, begin + len(out)) of ``path``, every
+        block under them checked against ``record`` before this returns.
+
+        Blocks wholly inside the range are read into ``out`` itself and checked there as
+        they arrive; a block the range holds only part of comes from the edge cache, or is
+        read whole into a buffer of its own, checked and kept there for the neighbouring
+        range, and its part copied. On a mismatch or a short file, ValueError naming
+        ``path``; ``out`` is then partly written and the caller must drop it."""
+        end = begin + len(out)
+        if not 0 <= begin <= end <= record.size:
+            raise ValueError(f"{path}: byte range [{begin}, {end}) is outside its {record.size} bytes")
+        blocks = record.blocks_covering(begin, end)
+        if not blocks:
+            return
+        first, last = blocks[0], blocks[-1]
+        if not _inside(record, first, begin, end):
+            self._copy_edge(path, record, first, begin, out)
+            first += 1
+        if first <= last and not _inside(record, last, begin, end):
+            self._copy_edge(path, record, last, begin, out)
+            last -= 1
+        if first <= last:
+            start = record.block_range(first)[0]
+            self._read_checked(path, record, first, last, out[start - begin :])
+
+    def _copy_edge(self, path: Path, record: FileRecord, index: int, begin: int, out: memoryview) -> None:
+        """Copy the part of block ``index`` that ``out`` (bytes from ``begin``) holds."""
+        block_start, block_end = record.block_range(index)
+        lo, hi = max(begin, block_start), min(begin + len(out), block_end)
+        out[lo - begin : hi - begin] = self._edge_block(path, record, index)[lo - block_start : hi - block_start]
+
+    def _read_checked(self, path: Path, record: FileRecord, first: int, last: int, out: memoryview) -> None:
+        """Read blocks first..last into ``out`` (which starts at block ``first``), checking
+        each chunk of them right after its pread."""
+        per_chunk = max(1, READ_CHUNK // record.block_size)
+        origin = record.block_range(first)[0]
+        fd = open_member(path)
+        try:
+            for chunk_first in range(first, last + 1, per_chunk):
+                chunk_last = min(chunk_first + per_chunk - 1, last)
+                begin, end = record.block_range(chunk_first)[0], record.block_range(chunk_last)[1]
+                target = out[begin - origin : end - origin]
+                pread_into(fd, target, begin, path)
+                check_blocks(path, record, chunk_first, chunk_last, begin, target)
+                if self.stats is not None:
+                    self.stats.add(path.name, end - begin)
+        finally:
+            os.close(fd)
+
+    def _edge_block(self, path: Path, record: FileRecord, index: int) -> memoryview:
+        """Block ``index`` of ``path``, checked: from the cache, or read and kept there."""
+        key = (str(path), index)
+        cached = self._cache.get(key)
+        if cached is not None:
+            self._cache.move_to_end(key)
+            return memoryview(cached)
+        begin, end = record.block_range(index)
+        block = memoryview(np.empty(end - begin, dtype=np.uint8))
+        self._read_checked(path, record, index, index, block)
+        block = block.toreadonly()
+        self._store(key, block)
+        return block
 
     def _copy(self, path: Path, record: FileRecord, first: int, last: int, span_start: int, span_end: int) -> memoryview:
         """Blocks first..last of ``path`` read into a new buffer and checked, the edge
@@ -126,8 +197,10 @@ class RangeReader:
         if (key, index) in self._cache:
             return
         begin, end = record.block_range(index)
-        data = bytes(view[begin - span_start : end - span_start])
-        self._cache[(key, index)] = data
+        self._store((key, index), bytes(view[begin - span_start : end - span_start]))
+
+    def _store(self, key: tuple[str, int], data: bytes | memoryview) -> None:
+        self._cache[key] = data
         self._cached += len(data)
         while self._cached > self._cache_bytes and len(self._cache) > 1:
             _, dropped = self._cache.popitem(last=False)
@@ -136,6 +209,11 @@ class RangeReader:
     def clear(self) -> None:
         self._cache.clear()
         self._cached = 0
+
+
+def _inside(record: FileRecord, index: int, begin: int, end: int) -> bool:
+    block_start, block_end = record.block_range(index)
+    return begin <= block_start and block_end <= end
 
 
 def array_view(data: memoryview, dtype: str) -> np.ndarray:

@@ -279,7 +279,7 @@ class VerifiedRanges:
         self, path: Path, record: FileRecord, ranges: Iterable[tuple[int, int]], stats: ReadStats | None
     ) -> None:
         self.path = path
-        self._runs: list[tuple[int, bytearray]] = []
+        self._runs: list[tuple[int, memoryview]] = []
         blocks = sorted({index for begin, end in ranges for index in record.blocks_covering(begin, end)})
         with open(open_member(path), "rb", buffering=0) as handle:
             for first, last in _consecutive_runs(blocks):
@@ -324,9 +324,9 @@ def _consecutive_runs(indices: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def pread_exact(fd: int, offset: int, count: int, path: Path) -> bytearray:
-    data = bytearray(count)
-    pread_into(fd, memoryview(data), offset, path)
+def pread_exact(fd: int, offset: int, count: int, path: Path) -> memoryview:
+    data = memoryview(np.empty(count, dtype=np.uint8))  # not a bytearray: no zero-filling first
+    pread_into(fd, data, offset, path)
     return data
 
 
@@ -347,15 +347,15 @@ def pread_into(fd: int, view: memoryview, offset: int, path: Path) -> None:
     done = 0
     while done < len(view):
         got = os.preadv(fd, [view[done:]], offset + done)
-        if got == 0:
+        if got == 0:  # the file ends before offset + done (a read that starts past the end gets 0 too)
             raise ValueError(
-                f"{path}: truncated: expected {offset + len(view)} bytes, the file ends at {offset + done}"
+                f"{path}: truncated: expected {offset + len(view)} bytes, the file ends at {os.fstat(fd).st_size}"
             )
         done += got
 
 
 def check_blocks(
-    path: Path, record: FileRecord, first: int, last: int, run_start: int, data: bytearray | memoryview
+    path: Path, record: FileRecord, first: int, last: int, run_start: int, data: memoryview
 ) -> None:
     """CRC-check blocks ``first``..``last`` held in ``data``, which starts at file offset ``run_start``."""
     view = memoryview(data)

@@ -202,14 +202,25 @@ class Manifest:
         for alias, target in self.aliases.items():
             if target not in self.model_tensors or alias in self.model_tensors:
                 raise ValueError(f"{source}: alias {alias!r} -> {target!r} does not name a stored tensor")
-        problem = _model_tensor_kind_problem(self.model_tensors, set(self.layout.param_names))
+        problem = _model_tensor_kind_problem(
+            self.model_tensors, set(self.layout.param_names) - expert_param_names(self.layout), expert_param_names(self.layout)
+        )
         if problem:
             raise ValueError(f"{source}: {problem}")
 
 
-def _model_tensor_kind_problem(tensors: dict[str, ModelTensorRecord], trained: set[str]) -> str | None:
-    """A module tensor's ``kind`` must be known, and "trainable" exactly for the layout's parameters."""
+def expert_param_names(layout: Layout) -> set[str]:
+    """The layout's expert weights: their values differ per EP rank, so the model file (rank
+    0's) leaves them out; the rank files hold them by global expert id."""
+    return {slot.name for group in layout.groups if group.is_expert_group for slot in group.params}
+
+
+def _model_tensor_kind_problem(tensors: dict[str, ModelTensorRecord], trained: set[str], experts: set[str]) -> str | None:
+    """A module tensor's ``kind`` must be known, and "trainable" exactly for the layout's dense
+    parameters; expert weights are not in the model file."""
     for name, record in tensors.items():
+        if name in experts:
+            return f"module tensor {name!r} is an expert weight, which the model file does not hold"
         if record.kind not in TENSOR_KINDS:
             expected = ", ".join(TENSOR_KINDS)
             return f"module tensor {name!r} has unknown kind {record.kind!r} (expected one of {expected})"

@@ -5,7 +5,8 @@
   if another process holds it), removes leftovers of interrupted saves and creates the
   staging directory ``<root>/.<tag>.tmp-<id>``; the result is a :class:`SavePlan`;
 * write (local, the bulk of the time): every rank writes ``rank-RRRRR-of-DDDDD.safetensors``
-  (rank 0 also ``model.safetensors``), hashing while writing, then fsyncs it;
+  (rank 0 also ``model.safetensors``, without expert weights: those differ per EP rank and
+  are the rank files' fp32 masters), hashing while writing, then fsyncs it;
 * commit (collective): the block checksums are gathered on rank 0 (also the barrier that
   says every rank's files are durable); rank 0 writes manifest.json and fsyncs, renames the
   directory to ``<root>/<tag>`` and replaces ``latest``; then it broadcasts the outcome, so
@@ -44,7 +45,7 @@ from ..format import (
     scalar_key,
     state_key,
 )
-from .manifest import GroupRecord, Manifest, ModelTensorRecord, dtype_name
+from .manifest import GroupRecord, Manifest, ModelTensorRecord, dtype_name, expert_param_names
 from .model_file import save_model_state
 from ..io.safetensors_io import write_safetensors
 from ..io.writer_lock import WriterLock, WriterLockedError
@@ -286,8 +287,10 @@ def _write_own_files(plan: SavePlan, state: ShardedState, buffer_names: Collecti
         files = {name: _write_rank_file(plan.staging / name, state, plan.block_size)}
         if state.rank != 0:
             return WrittenFiles(files)
-        trainable = set(state.layout.param_names)
-        model = save_model_state(plan.staging / MODEL_FILE, state.model_state, trainable, buffer_names, plan.block_size)
+        experts = expert_param_names(state.layout)  # the rank files hold them, by global expert id
+        module_state = {name: t for name, t in state.model_state.items() if name not in experts}
+        trainable = set(state.layout.param_names) - experts
+        model = save_model_state(plan.staging / MODEL_FILE, module_state, trainable, buffer_names, plan.block_size)
         files[MODEL_FILE] = model.record
         return WrittenFiles(files, (model.tensors, model.aliases))
     except Exception as err:  # any error: this rank must still reach the commit's collective

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from ..io.block_reader import RangeReader, array_view
-from ..io.dtypes import itemsize_of, to_float32
+from ..io.checksum import FileRecord
+from ..io.dtypes import dtype_info, itemsize_of, to_float32
 from ..format import LATEST_FILE, MANIFEST_FILE, MODEL_FILE, fp32_key, rank_file_name, scalar_key, state_key
 from ..formats import SourceFormat
 from .handle import Checkpoint, open_checkpoint
+from .manifest import ModelTensorRecord
 from ..io.safetensors_io import ReadStats, TensorEntry, check_entries, read_header
 from ..source import ModelEntry, ShardSource, SourceInfo
 
@@ -56,24 +59,22 @@ class NativeSource:
 
     def read(self, rank: int, group: int, key: str, start: int, end: int) -> np.ndarray:
         """Elements [start, end) of ``rank``'s partition of ``key`` in ``group``, as fp32."""
-        manifest = self.checkpoint.manifest
-        if not 0 <= group < len(manifest.groups):
-            raise ValueError(f"{self.path}: group {group} does not exist (the checkpoint has {len(manifest.groups)})")
-        record = manifest.groups[group]
-        if key == "fp32":
-            tensor_key, dtype = fp32_key(group), record.fp32_dtype
-        elif key in record.states:
-            tensor_key, dtype = state_key(group, key), record.states[key]
-        else:
-            raise KeyError(f"{self.path}: group {group} has no optimizer state {key!r} (it has {sorted(record.states)})")
-        partition_numel = manifest.layout.groups[group].partition_numel
-        if not 0 <= start <= end <= partition_numel:
-            raise ValueError(f"range [{start}, {end}) is outside group {group}'s partition of {partition_numel} elements")
-        file_name = self._rank_file(rank)
-        entry = self._header(file_name)[tensor_key]
+        file_name, entry, dtype = self._locate(rank, group, key, start, end)
         itemsize = itemsize_of(dtype)
         data = self._read(file_name, entry.begin + start * itemsize, entry.begin + end * itemsize)
         return to_float32(array_view(data, dtype))
+
+    def read_into(self, rank: int, group: int, key: str, start: int, out: np.ndarray) -> None:
+        """Elements [start, start + out.size) of ``rank``'s partition of ``key`` in ``group``
+        into ``out``, a 1-D array. In the stored dtype and contiguous, the bytes are read
+        straight into it (no copy); otherwise read as fp32 and cast."""
+        end = start + out.size
+        file_name, entry, dtype = self._locate(rank, group, key, start, end)
+        if out.dtype != dtype_info(dtype).numpy or not out.flags.c_contiguous or not out.flags.writeable:
+            out[...] = self.read(rank, group, key, start, end)
+            return
+        begin = entry.begin + start * itemsize_of(dtype)
+        self._reader.read_into(self.checkpoint.path(file_name), self._record(file_name), begin, _bytes_of(out))
 
     def scalars(self, group: int) -> dict[str, np.ndarray]:
         """The group's non-partitioned optimizer state: the same in every rank file, so
@@ -89,14 +90,37 @@ class NativeSource:
         return found
 
     def model_tensor(self, name: str) -> np.ndarray:
-        """A module state_dict entry from model.safetensors, aliases followed."""
+        """A module state_dict entry from model.safetensors, aliases followed (an array of its own)."""
+        return self.model_tensors([name])[name]
+
+    def model_tensors(self, names: list[str]) -> dict[str, np.ndarray]:
+        """:meth:`model_tensor` of each name. Tensors that lie next to each other in the
+        file are read with one read into one buffer and come back as views of it: one
+        buffer per run instead of one per tensor (each its own allocation, page by page)."""
+        header = self._header(MODEL_FILE)
+        records = {name: self._model_record(name) for name in names}
+
+        def entry_of(name: str) -> TensorEntry:
+            return header[records[name][0]]
+
+        found = {}
+        for run in _adjacent_runs(sorted(records, key=lambda name: entry_of(name).begin), entry_of):
+            begin, end = entry_of(run[0]).begin, entry_of(run[-1]).end
+            data = memoryview(np.empty(end - begin, dtype=np.uint8))
+            self._reader.read_into(self.checkpoint.path(MODEL_FILE), self._record(MODEL_FILE), begin, data)
+            for name in run:
+                entry, record = entry_of(name), records[name][1]
+                piece = array_view(data[entry.begin - begin : entry.end - begin], record.dtype)  # copied if misaligned
+                found[name] = piece.reshape(record.shape)
+        return found
+
+    def _model_record(self, name: str) -> tuple[str, ModelTensorRecord]:
+        """The stored name (aliases followed) and manifest record of a module tensor."""
         stored = self.info.aliases.get(name, name)
         record = self.checkpoint.manifest.model_tensors.get(stored)
         if record is None:
             raise KeyError(f"{self.path / MODEL_FILE}: no module tensor {name!r}")
-        entry = self._header(MODEL_FILE)[stored]
-        data = self._read(MODEL_FILE, entry.begin, entry.end)
-        return array_view(data, record.dtype).reshape(record.shape)
+        return stored, record
 
     def close(self) -> None:
         self._reader.clear()
@@ -114,6 +138,24 @@ class NativeSource:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         return rank_file_name(rank, world_size)
 
+    def _locate(self, rank: int, group: int, key: str, start: int, end: int) -> tuple[str, TensorEntry, str]:
+        """The rank file, tensor entry and stored dtype of a partition range, checked."""
+        manifest = self.checkpoint.manifest
+        if not 0 <= group < len(manifest.groups):
+            raise ValueError(f"{self.path}: group {group} does not exist (the checkpoint has {len(manifest.groups)})")
+        record = manifest.groups[group]
+        if key == "fp32":
+            tensor_key, dtype = fp32_key(group), record.fp32_dtype
+        elif key in record.states:
+            tensor_key, dtype = state_key(group, key), record.states[key]
+        else:
+            raise KeyError(f"{self.path}: group {group} has no optimizer state {key!r} (it has {sorted(record.states)})")
+        partition_numel = manifest.layout.groups[group].partition_numel
+        if not 0 <= start <= end <= partition_numel:
+            raise ValueError(f"range [{start}, {end}) is outside group {group}'s partition of {partition_numel} elements")
+        file_name = self._rank_file(rank)
+        return file_name, self._header(file_name)[tensor_key], dtype
+
     def _header(self, file_name: str) -> dict[str, TensorEntry]:
         header = self._headers.get(file_name)
         if header is None:
@@ -126,8 +168,26 @@ class NativeSource:
         return header
 
     def _read(self, file_name: str, begin: int, end: int) -> memoryview:
-        record = self.checkpoint.manifest.files[file_name]
-        return self._reader.read(self.checkpoint.path(file_name), record, begin, end)
+        return self._reader.read(self.checkpoint.path(file_name), self._record(file_name), begin, end)
+
+    def _record(self, file_name: str) -> FileRecord:
+        return self.checkpoint.manifest.files[file_name]
+
+
+def _adjacent_runs(names: list[str], entry_of: Callable[[str], TensorEntry]) -> list[list[str]]:
+    """``names`` (sorted by offset) cut where a tensor does not start where the previous one ends."""
+    runs: list[list[str]] = []
+    for name in names:
+        if runs and entry_of(runs[-1][-1]).end == entry_of(name).begin:
+            runs[-1].append(name)
+        else:
+            runs.append([name])
+    return runs
+
+
+def _bytes_of(array: np.ndarray) -> memoryview:
+    """The writable bytes of a contiguous array (of any dtype, bfloat16 included)."""
+    return memoryview(array.reshape(-1).view(np.uint8))
 
 
 def is_native_checkpoint(path: Path) -> bool:

@@ -2,8 +2,11 @@
 
 A universal checkpoint holds every trained parameter's fp32 master and optimizer states in
 the parameter's own shape, with no padding and no ranks, so any world size, policy or bucket
-size loads it by range reads. docs/FORMAT.md describes it; this module spells its names and
-parses its manifest.
+size loads it by range reads. Expert weights are one tensor per expert, named by global id in
+``nn.Linear`` orientation (:mod:`..experts`); the manifest's ``experts`` lists, per stacked
+weight of the run, its per-expert names in expert order (version 2; a checkpoint without
+experts is written as version 1, as before). docs/FORMAT.md describes it; this module spells
+its names and parses its manifest.
 """
 
 from __future__ import annotations
@@ -14,14 +17,15 @@ from pathlib import Path
 from typing import Any
 
 from ... import __version__
-from ...layout import ParamSpec, canonical_dtype
+from ...layout import EXPERT_SHARD_GROUP, GroupSpec, ParamSpec, canonical_dtype, contiguous_expert_map
 from ..io import jsonvalue
 from ..io.checksum import FileRecord
 from ..io.directory import read_json_file
 from ..source import ModelEntry
 
 FORMAT_NAME = "zeroshard.universal"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest read and written; without experts, version 1 is written
+_WITHOUT_EXPERTS_VERSION = 1
 MANIFEST_FILE = "universal.json"
 DEFAULT_MAX_SHARD_SIZE = 2**31
 MODEL_ENTRY_KINDS = ("buffer", "frozen", "other")  # "other": written by a run that did not tell them apart
@@ -85,8 +89,26 @@ class UniversalManifest:
     extra: dict[str, Any]
     shards: dict[str, FileRecord] = field(default_factory=dict)
     weight_map: dict[str, str] = field(default_factory=dict)  # tensor key -> shard file
-    version: int = FORMAT_VERSION
+    # the run's stacked expert weight -> the names of its experts' tensors, by global expert id
+    experts: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    version: int | None = None  # None: the lowest version that expresses the manifest
     created_by: str = f"zeroshard {__version__}"
+
+    @property
+    def format_version(self) -> int:
+        if self.version is not None:
+            return self.version
+        return FORMAT_VERSION if self.experts else _WITHOUT_EXPERTS_VERSION
+
+    def stacked(self, name: str) -> UniversalParam:
+        """A trained parameter of the run: a stored one, or a stacked expert weight (shape
+        ``[E, in, out]``, from its experts' ``[out, in]`` tensors)."""
+        names = self.experts.get(name)
+        if names is None:
+            return self.params[name]
+        first = self.params[names[0]]
+        d_out, d_in = first.shape
+        return UniversalParam((len(names), d_in, d_out), first.dtype, first.group, first.states)
 
     def tensor_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """Every tensor the shards hold, by key, in the order they are written: (dtype name, shape)."""
@@ -99,16 +121,43 @@ class UniversalManifest:
         return specs
 
     def param_specs(self) -> list[list[ParamSpec]]:
-        """Layout groups as a run would form them: one per (param group, dtype), first seen first."""
+        """The stored parameters in groups: one per (param group, dtype), first seen first."""
         groups: dict[tuple[int, str], list[ParamSpec]] = {}
         for name, param in self.params.items():
             groups.setdefault((param.group, param.dtype), []).append(ParamSpec.of(name, param.shape, param.dtype))
         return list(groups.values())
 
+    def layout_groups(self, ep_size: int = 1) -> list[list[ParamSpec] | GroupSpec]:
+        """Layout groups as a run would form them, one per (param group, dtype, dense or
+        experts), first seen first; each stacked expert weight once, ``[E / ep_size, in, out]``,
+        in an expert group with the contiguous expert map."""
+        stack_of = {name: stack for stack, names in self.experts.items() for name in names}
+        groups: dict[tuple[int, str, bool], list[ParamSpec]] = {}
+        experts: dict[tuple[int, str, bool], int] = {}
+        for name, param in self.params.items():
+            stack = stack_of.get(name)
+            if stack is not None and name != self.experts[stack][0]:
+                continue  # the stack is listed at its first expert
+            key = (param.group, param.dtype, stack is not None)
+            if stack is None:
+                groups.setdefault(key, []).append(ParamSpec.of(name, param.shape, param.dtype))
+                continue
+            whole = self.stacked(stack)
+            local = (whole.shape[0] // ep_size, *whole.shape[1:])
+            groups.setdefault(key, []).append(ParamSpec.of(stack, local, param.dtype))
+            experts[key] = whole.shape[0]
+        return [
+            GroupSpec(tuple(specs), EXPERT_SHARD_GROUP, None, contiguous_expert_map(experts[key], ep_size))
+            if key[2]
+            else specs
+            for key, specs in groups.items()
+        ]
+
     def to_dict(self) -> dict[str, Any]:
+        stacks = {"experts": {stack: list(names) for stack, names in self.experts.items()}} if self.experts else {}
         return {
             "format": FORMAT_NAME,
-            "version": self.version,
+            "version": self.format_version,
             "created_by": self.created_by,
             "source": self.source,
             "optimizer": {
@@ -136,6 +185,7 @@ class UniversalManifest:
             "extra": jsonvalue.encode(self.extra, "extra"),
             "shards": {name: record.to_dict() for name, record in self.shards.items()},
             "weight_map": dict(self.weight_map),
+            **stacks,
         }
 
     def to_json(self) -> str:
@@ -190,6 +240,23 @@ class UniversalManifest:
         unlisted = sorted(set(self.weight_map.values()) - set(self.shards))
         if unlisted:
             return f"weight_map names shards not in the shard list: {unlisted[:3]}"
+        return self._experts_inconsistency()
+
+    def _experts_inconsistency(self) -> str | None:
+        """Each stacked weight lists >= 1 stored [out, in] tensors, alike in shape, dtype,
+        param group and states, none listed twice; its name is no stored name."""
+        listed: set[str] = set()
+        for stack, names in self.experts.items():
+            if stack in self.params or stack in self.model_entries or stack in self.aliases:
+                return f"expert weight {stack!r} is also a stored name"
+            if not names or any(name not in self.params for name in names):
+                return f"expert weight {stack!r} lists experts that are not trained parameters"
+            if listed & set(names) or len(set(names)) != len(names):
+                return f"expert weight {stack!r} lists an expert tensor listed before"
+            listed.update(names)
+            first = self.params[names[0]]
+            if len(first.shape) != 2 or any(self.params[name] != first for name in names):
+                return f"the experts of {stack!r} are not alike [out, in] matrices (shape, dtype, group, states)"
         return None
 
 
@@ -224,6 +291,10 @@ def _fields_from_dict(data: dict[str, Any]) -> UniversalManifest:
         extra=jsonvalue.decode(data["extra"]),
         shards={str(name): FileRecord.from_dict(record) for name, record in data["shards"].items()},
         weight_map={str(k): str(v) for k, v in data["weight_map"].items()},
+        experts={
+            str(stack): tuple(str(name) for name in names)
+            for stack, names in (data.get("experts", {}) if data["version"] > _WITHOUT_EXPERTS_VERSION else {}).items()
+        },
         version=int(data["version"]),
         created_by=str(data.get("created_by", "")),
     )

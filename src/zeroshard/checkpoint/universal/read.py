@@ -66,9 +66,10 @@ class UniversalCheckpoint:
             for name, value in self.manifest.param_groups[group].scalars.items()
         }
 
-    def build_layout(self, world_size: int, policy: LayoutPolicy | None = None) -> Layout:
-        """The layout a run of these parameters would have at ``world_size`` under ``policy``."""
-        return build_layout(self.manifest.param_specs(), world_size, policy)
+    def build_layout(self, world_size: int, policy: LayoutPolicy | None = None, *, ep_size: int = 1) -> Layout:
+        """The layout a run of these parameters would have at ``world_size`` under ``policy``
+        (expert weights stacked, over ``ep_size`` expert-parallel ranks)."""
+        return build_layout(self.manifest.layout_groups(ep_size), world_size, policy)
 
     def close(self) -> None:
         self._reader.clear()

@@ -7,6 +7,11 @@ partition range then maps onto the parameters it covers, each read by range. Tra
 weights are the fp32 masters cast to the dtype each parameter trained in (the format keeps
 no low-precision copy), so ``info.weights_from_masters`` is set: a run may load them in
 another dtype.
+
+Expert weights come back as the run held them: each stacked weight is one parameter
+``[E, in, out]`` of an expert group at EP = 1 (the contiguous expert map over one rank), whose
+ranges are read from the per-expert ``[out, in]`` tensors, transposed back. So the loader
+reshards a universal checkpoint to any (W, EP) as it does a native one.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from ..io.dtypes import cast
 from ..io.safetensors_io import ReadStats
 from ..formats import SourceFormat
 from ..source import SourceInfo
-from .format import FORMAT_NAME, is_universal_checkpoint
+from ..experts import stacked_from_exported
+from .format import FORMAT_NAME, UniversalManifest, is_universal_checkpoint
 from .read import UniversalCheckpoint, open_universal
 
 # Parameters back to back, each group's tail padded to 16 bytes.
@@ -40,8 +46,8 @@ class UniversalSource:
         self.checkpoint = open_universal(checkpoint, stats=stats)
         self.path: Path = self.checkpoint.directory
         manifest = self.checkpoint.manifest
-        layout = build_layout(manifest.param_specs(), 1, _POLICY)
-        self._owner = [manifest.params[group.params[0].name].group for group in layout.groups]
+        layout = build_layout(manifest.layout_groups(), 1, _POLICY)
+        self._owner = [manifest.stacked(group.params[0].name).group for group in layout.groups]
         self.info = SourceInfo(
             layout=layout,
             optimizer_class=manifest.optimizer_class,
@@ -49,13 +55,14 @@ class UniversalSource:
                 ParamGroupState(dict(group.hyperparameters), [g for g, owner in enumerate(self._owner) if owner == index])
                 for index, group in enumerate(manifest.param_groups)
             ],
-            state_keys=[_state_keys(layout, g, manifest.params) for g in range(len(layout.groups))],
+            state_keys=[_state_keys(layout, g, manifest) for g in range(len(layout.groups))],
             model_entries=list(manifest.model_entries.values()),
             aliases=dict(manifest.aliases),
             extra=dict(manifest.extra),
             weights_from_masters=True,
         )
         self._param_ends = [[slot.end for slot in group.params] for group in layout.groups]
+        self._expert_cache: dict[tuple[str, str, int], np.ndarray] = {}
 
     @property
     def layout(self) -> Layout:
@@ -65,7 +72,7 @@ class UniversalSource:
         """Elements [start, end) of layout group ``group``'s only partition of ``key``, as fp32."""
         slots = self._slots(rank, group, start, end)
         if slots and slots[0].offset <= start and end <= slots[0].end:  # within one parameter: no copy
-            return self.checkpoint.read_param(slots[0].name, key, start - slots[0].offset, end - slots[0].offset)
+            return self._read_param(slots[0].name, key, start - slots[0].offset, end - slots[0].offset)
         out = np.empty(end - start, dtype=np.float32)
         self._fill(slots, key, start, out)
         return out
@@ -73,6 +80,32 @@ class UniversalSource:
     def read_into(self, rank: int, group: int, key: str, start: int, out: np.ndarray) -> None:
         """:meth:`read` into ``out``: each parameter's range lands there, with no buffer between."""
         self._fill(self._slots(rank, group, start, start + out.size), key, start, out)
+
+    def _read_param(self, name: str, key: str, start: int, end: int) -> np.ndarray:
+        """Elements [start, end) of a parameter of the layout: a stored one, or a stacked
+        expert weight assembled from its experts' tensors."""
+        experts = self.checkpoint.manifest.experts.get(name)
+        if experts is None:
+            return self.checkpoint.read_param(name, key, start, end)
+        per_expert = self.checkpoint.manifest.params[experts[0]].numel
+        out = np.empty(end - start, dtype=np.float32)
+        position = start
+        while position < end:
+            expert, within = divmod(position, per_expert)
+            run = min(per_expert - within, end - position)
+            out[position - start : position - start + run] = self._stacked_expert(name, key, expert)[within : within + run]
+            position += run
+        return out
+
+    def _stacked_expert(self, name: str, key: str, expert: int) -> np.ndarray:
+        """One expert's ``key`` tensor in the stacked orientation [in, out], flat. The last one
+        read is kept: a rank's reads of one expert come in a row."""
+        cache_key = (name, key, expert)
+        if cache_key not in self._expert_cache:
+            stored = self.checkpoint.manifest.experts[name][expert]
+            shape = self.checkpoint.manifest.params[stored].shape
+            self._expert_cache = {cache_key: stacked_from_exported(self.checkpoint.read_param(stored, key), shape)}
+        return self._expert_cache[cache_key]
 
     def scalars(self, group: int) -> dict[str, Any]:
         """The scalars of the param group layout group ``group`` belongs to."""
@@ -82,12 +115,17 @@ class UniversalSource:
     def model_tensor(self, name: str) -> np.ndarray:
         """A buffer or frozen parameter as stored; a trained parameter's fp32 master cast to
         the dtype it trained in."""
-        param = self.checkpoint.manifest.params.get(name)
+        manifest = self.checkpoint.manifest
+        if name in manifest.experts:
+            param = manifest.stacked(name)
+            return cast(self._read_param(name, "fp32", 0, param.numel), param.dtype).reshape(param.shape)
+        param = manifest.params.get(name)
         if param is None:
             return self.checkpoint.model_tensor(name)
         return cast(self.checkpoint.read_param(name, "fp32"), param.dtype).reshape(param.shape)
 
     def close(self) -> None:
+        self._expert_cache = {}
         self.checkpoint.close()
 
     def __enter__(self) -> UniversalSource:
@@ -116,7 +154,7 @@ class UniversalSource:
             lo, hi = max(slot.offset, start), min(slot.end, end)
             if lo < hi:
                 out[cursor - start : lo - start] = 0
-                out[lo - start : hi - start] = self.checkpoint.read_param(slot.name, key, lo - slot.offset, hi - slot.offset)
+                out[lo - start : hi - start] = self._read_param(slot.name, key, lo - slot.offset, hi - slot.offset)
                 cursor = hi
         out[cursor - start :] = 0
 
@@ -127,15 +165,16 @@ class UniversalSource:
         return groups[group]
 
 
-def _state_keys(layout: Layout, group: int, params: dict[str, Any]) -> list[str]:
+def _state_keys(layout: Layout, group: int, manifest: UniversalManifest) -> list[str]:
     """The optimizer states of a layout group: every parameter in it must have the same ones."""
     slots = layout.groups[group].params
-    names = params[slots[0].name].states
+    names = manifest.stacked(slots[0].name).states
     for slot in slots[1:]:
-        if set(params[slot.name].states) != set(names):
+        states = manifest.stacked(slot.name).states
+        if set(states) != set(names):
             raise ValueError(
                 f"parameters {slots[0].name!r} and {slot.name!r} share a param group and dtype but have optimizer "
-                f"states {sorted(names)} and {sorted(params[slot.name].states)}"
+                f"states {sorted(names)} and {sorted(states)}"
             )
     return list(names)
 

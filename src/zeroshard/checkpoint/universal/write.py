@@ -5,7 +5,8 @@ ranks that hold its pieces (:func:`read_param`), written, and dropped, so memory
 the largest parameter whatever the checkpoint's size. Parameters go in layout order, each
 with its fp32 master then its optimizer states, so a checksum block shared by neighbouring
 pieces (or, in a rank file smaller than one block, by all of a parameter's tensors) is
-still in the reader's small cache when it is needed again.
+still in the reader's small cache when it is needed again. A stacked expert weight is written
+as one tensor per global expert in ``nn.Linear`` orientation (:mod:`..experts`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from ..format import DEFAULT_BLOCK_SIZE
 from ..formats import open_source
 from ..io.output_dir import staged_output
 from ..io.safetensors_io import PlannedTensor
-from ..source import ShardSource, read_whole_param
+from ..experts import exported_params, read_exported
+from ..source import ShardSource
 from ..io.streaming import OutputTensor, plan_shards, write_shards
 from .format import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -92,14 +94,17 @@ def describe(source: ShardSource) -> UniversalManifest:
     layout = info.layout
     owner = _param_group_of_layout_groups(source)
     params: dict[str, UniversalParam] = {}
-    for group in layout.groups:
+    exported: dict[str, list[str]] = {}  # layout parameter -> its exported names
+    for param in exported_params(layout):
+        group = layout.param(param.param)[0]
         states = tuple(info.state_keys[group.index])
-        for slot in group.params:
-            params[slot.name] = UniversalParam(slot.spec.shape, group.dtype, owner[group.index], states)
+        params[param.name] = UniversalParam(param.shape, group.dtype, owner[group.index], states)
+        exported.setdefault(param.param, []).append(param.name)
+    experts = {slot.name: tuple(exported[slot.name]) for g in layout.groups if g.is_expert_group for slot in g.params}
     param_groups = [
         UniversalParamGroup(
             hyperparameters=dict(state.hyperparameters),
-            params=tuple(slot.name for g in state.layout_groups for slot in layout.groups[g].params),
+            params=tuple(name for g in state.layout_groups for slot in layout.groups[g].params for name in exported[slot.name]),
             scalars=_scalars_of(source, index, state.layout_groups),
         )
         for index, state in enumerate(info.param_groups)
@@ -117,6 +122,7 @@ def describe(source: ShardSource) -> UniversalManifest:
         model_entries={entry.name: entry for entry in info.model_entries},
         aliases=dict(info.aliases),
         extra=dict(info.extra),
+        experts=experts,
     )
 
 
@@ -124,11 +130,10 @@ def output_tensors(source: ShardSource, manifest: UniversalManifest) -> list[Out
     """Every tensor of the universal shards, in write order, each with its producer."""
     layout = source.info.layout
     tensors: list[OutputTensor] = []
-    for group in layout.groups:
-        for slot in group.params:
-            for key in ("fp32", *source.info.state_keys[group.index]):
-                planned = PlannedTensor(param_key(slot.name, key), "float32", slot.spec.shape)
-                tensors.append(OutputTensor(planned, functools.partial(read_whole_param, source, slot.name, key)))
+    for param in exported_params(layout):
+        for key in ("fp32", *source.info.state_keys[layout.param(param.param)[0].index]):
+            planned = PlannedTensor(param_key(param.name, key), "float32", param.shape)
+            tensors.append(OutputTensor(planned, functools.partial(read_exported, source, param, key)))
     for name, entry in manifest.model_entries.items():
         planned = PlannedTensor(model_key(name), entry.dtype, entry.shape)
         tensors.append(OutputTensor(planned, functools.partial(_model_tensor, source, name, planned)))
