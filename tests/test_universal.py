@@ -20,10 +20,12 @@ from universal_helpers import (
 from zeroshard.checkpoint import ReadStats, load_sharded, open_checkpoint, run_ranks, save_sharded
 from zeroshard.checkpoint.io.dtypes import to_torch, torch_dtype
 from zeroshard.checkpoint.formats import open_source
+from zeroshard.checkpoint.loader import load_state
 from zeroshard.checkpoint.native.source import NativeSource
 from zeroshard.checkpoint.source import read_param
 from zeroshard.checkpoint.testing import ADAM_STATES, expected_partition, pattern, synthesize_state
 from zeroshard.checkpoint.universal import load_from_source, load_universal, open_universal, to_universal
+from zeroshard.checkpoint.universal.source import UniversalSource
 from zeroshard.layout import LayoutPolicy, ParamSpec, build_layout
 
 SPECS = [
@@ -123,6 +125,29 @@ def test_conversion_reads_each_input_byte_once(tmp_path):
     for name, record in ckpt.manifest.files.items():
         header = 8 + int.from_bytes((ckpt.directory / name).read_bytes()[:8], "little")
         assert stats.bytes_by_file.get(name, 0) <= record.size + header, name
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_universal_load_reads_each_master_once(tmp_path, world):
+    """The fp32 masters a load reads whole for the module weights also give the rank's fp32
+    partition: no master byte is read twice (they were, by range, for the partition), and
+    the partition is the one a native checkpoint of the same run gives."""
+    old = build_layout(SPECS, 4, NATIVE)
+    native = save_synthetic(tmp_path / "a", old)
+    # One tensor per shard and small blocks: a second read of any range shows in its shard's count.
+    block = 16
+    path = to_universal(native, tmp_path / "u", max_shard_size=1, block_size=block, progress=False)
+    manifest = open_universal(path).manifest
+    new = build_layout(SPECS, world, COMPACT)
+    stats = ReadStats()
+    with UniversalSource(path, stats=stats) as source:
+        loaded = load_state(source, new, 0)
+    expected = load_sharded(native, new, 0)
+    for g in range(len(new.groups)):
+        assert torch.equal(loaded.fp32_partitions[g], expected.fp32_partitions[g])
+    for key, shard in manifest.weight_map.items():
+        if key.endswith("/fp32"):  # the header, then the data's blocks (the first holds the header's tail)
+            assert stats.bytes_by_file[shard] <= (path / shard).stat().st_size + block, key
 
 
 @pytest.mark.parametrize("new_policy", [NATIVE, BUCKETED, DEEPSPEED_ALIGNED])
@@ -269,6 +294,25 @@ def test_read_param_on_a_native_source_matches_the_pattern(tmp_path):
         assert torch.equal(to_torch(source.model_tensor("tied.alias")), to_torch(source.model_tensor("embed")))
         with pytest.raises(KeyError, match="no optimizer state 'momentum'"):
             source.read(0, 0, "momentum", 0, 1)
+
+
+def test_universal_source_reads_ranges_across_parameters_in_place(tmp_path):
+    """Ranges of a universal source's compact partition that span parameters and the tail's
+    padding: read() and read_into() (which fills the caller's array, padding as zeros) agree
+    with the pattern."""
+    path = to_universal(save_synthetic(tmp_path / "a", build_layout(SPECS, 3, NATIVE)), tmp_path / "u", progress=False)
+    with UniversalSource(path) as source:
+        for group in source.layout.groups:
+            whole = expected_partition(source.layout, 0, group.index, "exp_avg").numpy()
+            numel = group.partition_numel
+            assert numel > group.params[-1].end  # tail padding, read as zeros
+            for start, end in ((0, numel), (1, numel - 1), (group.params[0].end - 2, numel), (3, 3)):
+                assert np.array_equal(source.read(0, group.index, "exp_avg", start, end), whole[start:end])
+                out = np.full(end - start, 99.0, dtype=np.float32)
+                source.read_into(0, group.index, "exp_avg", start, out)
+                assert np.array_equal(out, whole[start:end])
+        with pytest.raises(ValueError, match="outside group 0's partition"):
+            source.read_into(0, 0, "exp_avg", 1, np.empty(source.layout.groups[0].partition_numel, dtype=np.float32))
 
 
 # ---- bad input, atomic output, the command line ---------------------------------------------

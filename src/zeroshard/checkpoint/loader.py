@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from ..layout import GroupLayout, Layout, ParamSlot
+from ..layout import Fragment, GroupLayout, Layout, ParamSlot
 from ..layout.coordinates import ep_rank, expert_numel, shard_rank
 from ..state import ParamGroupState, ShardedState
 from .compat import Mismatch, compare_module, compare_params
@@ -71,12 +71,16 @@ def load_state(
         raise ValueError("base must be this rank's state under the layout being loaded")
     loadable = _check_match(source, layout, module_state, strict)
     param_groups = _map_param_groups(source, layout, loadable)
-    weights = _module_weights(source, layout, rank, loadable, None if strict else module_state)
+    plans = plan_reads(info.layout, layout, rank, loadable)
     full = load_optimizer_states and not load_module_only
+    # Weights cast from whole fp32 masters: their fragments also fill the rank's fp32
+    # partitions, so no master byte is read twice.
+    from_masters = _partitions_from_masters(source, layout, plans, base) if full and info.weights_from_masters else {}
+    weights = _module_weights(source, layout, rank, loadable, None if strict else module_state, from_masters)
     fp32, states, scalars = [], [], []
-    for plan in plan_reads(info.layout, layout, rank, loadable):
+    for plan in plans:
         if full:
-            group_fp32, group_states, group_scalars = _read_group(source, layout, plan, base)
+            group_fp32, group_states, group_scalars = _read_group(source, layout, plan, base, from_masters.get(plan.group))
         else:
             group_fp32 = _fp32_from_weights(layout, rank, plan.group, weights, loadable, base)
             group_states, group_scalars = {}, {}
@@ -121,9 +125,9 @@ def _check_match(
 
 
 def _read_group(
-    source: ShardSource, layout: Layout, plan: GroupPlan, base: ShardedState | None
+    source: ShardSource, layout: Layout, plan: GroupPlan, base: ShardedState | None, fp32: np.ndarray | None
 ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, torch.Tensor]]:
-    """fp32 master, optimizer states and scalars of one new group."""
+    """fp32 master (unless given: filled already), optimizer states and scalars of one new group."""
     group = plan.group
     if not plan.source_groups and base is not None:  # the checkpoint has none of its parameters
         own_states = base.optimizer_states[group]
@@ -137,7 +141,8 @@ def _read_group(
         return _fill(source, plan, key, _start(base, layout, group, name, _stored_dtype(source, plan, key)))
 
     names = _state_names(group, [tuple(source.info.state_keys[g]) for g in plan.source_groups])
-    fp32, states = read("fp32", None), {name: read(name, name) for name in names}
+    fp32 = read("fp32", None) if fp32 is None else fp32
+    states = {name: read(name, name) for name in names}
     # Last: a source may take them from a file it has opened for the partitions.
     scalars = _torch_scalars(source.scalars(plan.source_groups[0])) if plan.source_groups else {}
     return fp32, states, scalars
@@ -182,15 +187,37 @@ def _fp32_from_weights(
     return partition
 
 
+def _partitions_from_masters(
+    source: ShardSource, layout: Layout, plans: tuple[GroupPlan, ...], base: ShardedState | None
+) -> dict[int, np.ndarray]:
+    """The fp32 partitions :func:`_module_weights` fills from the masters it reads whole, as
+    they start (the base's values, or zeros), by new group; groups the checkpoint has none of,
+    and expert groups (whose weights are read expert by expert), are read as usual."""
+    return {
+        plan.group: _start(base, layout, plan.group, None, _stored_dtype(source, plan, "fp32"))
+        for plan in plans
+        if plan.source_groups and not layout.groups[plan.group].is_expert_group
+    }
+
+
 def _module_weights(
-    source: ShardSource, layout: Layout, rank: int, loadable: set[str], keep_only: Mapping[str, Any] | None
+    source: ShardSource,
+    layout: Layout,
+    rank: int,
+    loadable: set[str],
+    keep_only: Mapping[str, Any] | None,
+    fp32: Mapping[int, np.ndarray],
 ) -> dict[str, np.ndarray]:
     """The module state_dict entries to load, tied names left out: the trained parameters'
     weights in the run's dtype (of expert weights, the experts ``rank`` holds), buffers and
-    frozen parameters as stored (only those ``keep_only`` names, when given)."""
+    frozen parameters as stored (only those ``keep_only`` names, when given). A weight cast
+    from its fp32 master also copies the master's fragments of ``rank`` into the partition
+    of its group in ``fp32``, if there."""
     info = source.info
     planned: dict[str, np.ndarray | tuple[int, ...]] = {}  # an array, or the shape of one read as stored
     for group in layout.groups:
+        partition = fp32.get(group.index)
+        fragments = _fragments_by_param(group.fragments(shard_rank(group, rank))) if partition is not None else {}
         for slot in group.params:
             if slot.name not in loadable:
                 if slot.numel == 0:
@@ -198,7 +225,7 @@ def _module_weights(
             elif group.is_expert_group:
                 planned[slot.name] = _local_experts(source, group, slot, rank)
             elif info.weights_from_masters:
-                weight = cast(read_whole_param(source, slot.name, "fp32"), group.dtype)
+                weight = _master_weight(source, slot.name, group.dtype, fragments.get(slot.name, ()), partition)
                 planned[slot.name] = weight.reshape(slot.spec.shape)
             else:
                 planned[slot.name] = slot.spec.shape  # its dtype is the run's: a change is refused before
@@ -208,6 +235,24 @@ def _module_weights(
     # All at once: the native source reads neighbouring tensors in one read.
     found = read_model_tensors(source, [name for name, value in planned.items() if isinstance(value, tuple)])
     return {name: found[name].reshape(value) if isinstance(value, tuple) else value for name, value in planned.items()}
+
+
+def _master_weight(
+    source: ShardSource, name: str, dtype: str, fragments: Sequence[Fragment], partition: np.ndarray | None
+) -> np.ndarray:
+    """Parameter ``name``'s fp32 master cast to ``dtype``; its ``fragments`` copied into ``partition``."""
+    master = read_whole_param(source, name, "fp32")
+    for fragment in fragments:
+        end = fragment.param_start + fragment.length
+        partition[fragment.partition_start : fragment.partition_start + fragment.length] = master[fragment.param_start : end]
+    return cast(master, dtype)
+
+
+def _fragments_by_param(fragments: Sequence[Fragment]) -> dict[str, list[Fragment]]:
+    found: dict[str, list[Fragment]] = {}
+    for fragment in fragments:
+        found.setdefault(fragment.name, []).append(fragment)
+    return found
 
 
 def _local_experts(source: ShardSource, group: GroupLayout, slot: ParamSlot, rank: int) -> np.ndarray:

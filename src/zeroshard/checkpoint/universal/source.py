@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ...layout import Layout, LayoutPolicy, build_layout
+from ...layout import Layout, LayoutPolicy, ParamSlot, build_layout
 from ...state import ParamGroupState
 from ..io.dtypes import cast
 from ..io.safetensors_io import ReadStats
@@ -70,25 +70,16 @@ class UniversalSource:
 
     def read(self, rank: int, group: int, key: str, start: int, end: int) -> np.ndarray:
         """Elements [start, end) of layout group ``group``'s only partition of ``key``, as fp32."""
-        if rank != 0:
-            raise ValueError(f"rank {rank} is outside world size 1 (a universal checkpoint has no ranks)")
-        layout_group = self._group(group)
-        if not 0 <= start <= end <= layout_group.partition_numel:
-            raise ValueError(
-                f"range [{start}, {end}) is outside group {group}'s partition of {layout_group.partition_numel} elements"
-            )
-        first = bisect.bisect_right(self._param_ends[group], start)
-        slots = layout_group.params[first:]
+        slots = self._slots(rank, group, start, end)
         if slots and slots[0].offset <= start and end <= slots[0].end:  # within one parameter: no copy
             return self._read_param(slots[0].name, key, start - slots[0].offset, end - slots[0].offset)
-        out = np.zeros(end - start, dtype=np.float32)
-        for slot in slots:
-            if slot.offset >= end:
-                break
-            lo, hi = max(slot.offset, start), min(slot.end, end)
-            if lo < hi:
-                out[lo - start : hi - start] = self._read_param(slot.name, key, lo - slot.offset, hi - slot.offset)
+        out = np.empty(end - start, dtype=np.float32)
+        self._fill(slots, key, start, out)
         return out
+
+    def read_into(self, rank: int, group: int, key: str, start: int, out: np.ndarray) -> None:
+        """:meth:`read` into ``out``: each parameter's range lands there, with no buffer between."""
+        self._fill(self._slots(rank, group, start, start + out.size), key, start, out)
 
     def _read_param(self, name: str, key: str, start: int, end: int) -> np.ndarray:
         """Elements [start, end) of a parameter of the layout: a stored one, or a stacked
@@ -142,6 +133,30 @@ class UniversalSource:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _slots(self, rank: int, group: int, start: int, end: int) -> tuple[ParamSlot, ...]:
+        """The parameters from the one that holds (or follows) element ``start`` on."""
+        if rank != 0:
+            raise ValueError(f"rank {rank} is outside world size 1 (a universal checkpoint has no ranks)")
+        layout_group = self._group(group)
+        if not 0 <= start <= end <= layout_group.partition_numel:
+            raise ValueError(
+                f"range [{start}, {end}) is outside group {group}'s partition of {layout_group.partition_numel} elements"
+            )
+        return layout_group.params[bisect.bisect_right(self._param_ends[group], start) :]
+
+    def _fill(self, slots: tuple[ParamSlot, ...], key: str, start: int, out: np.ndarray) -> None:
+        """Elements [start, start + len(out)) from ``slots``; padding between them is zeros."""
+        end, cursor = start + out.size, start
+        for slot in slots:
+            if slot.offset >= end:
+                break
+            lo, hi = max(slot.offset, start), min(slot.end, end)
+            if lo < hi:
+                out[cursor - start : lo - start] = 0
+                out[lo - start : hi - start] = self._read_param(slot.name, key, lo - slot.offset, hi - slot.offset)
+                cursor = hi
+        out[cursor - start :] = 0
 
     def _group(self, group: int):
         groups = self.info.layout.groups
