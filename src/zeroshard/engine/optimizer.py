@@ -20,36 +20,22 @@ over all W ranks counts each once.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
 from torch import nn
 
-from ..buffers import FlatParamBuffer, bind_flat_buffer, torch_dtype
+from ..buffers import FlatParamBuffer, bind_flat_buffer
 from ..comm import Collectives
-from ..layout import (
-    DENSE_SHARD_GROUP,
-    EXPERT_SHARD_GROUP,
-    ExpertMesh,
-    GroupLayout,
-    GroupSpec,
-    Layout,
-    LayoutPolicy,
-    build_layout,
-)
-from ..layout.coordinates import shard_rank
+from ..layout import GroupLayout, Layout, LayoutPolicy
 from ..state import ShardedState
-from . import state_io
+from . import setup, state_io
 from .fragments import FragmentAccess
 from .gradients import GradientReducer
 from .grouping import Grouping, resolve_groups
 from .scaler import LossScaler
 from .shard_state import load_shard, shard_mismatch, shard_state_dict
-
-DEFAULT_STAGE2_BUCKET_NUMEL = 1 << 25  # 128 MiB of fp32 gradient per bucket in flight
-REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -141,19 +127,22 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         self.offload = offload
         self.comm = Collectives(process_group)
         self.grouping: Grouping = resolve_groups(model, param_groups, param_dtype)
-        self.comms = self._shard_group_collectives(expert_process_group)
-        self.layout = self._resolve_layout(layout, policy)
-        self._check_same_layout_on_every_rank()
+        self.comms = setup.shard_group_collectives(self.comm, self.grouping, expert_process_group)
+        self.layout = setup.resolve_layout(self.grouping, self.comms, stage, layout, policy)
+        self.layout_digest = setup.check_same_layout_on_every_rank(self.layout, self.comms)
 
         self.device = self.grouping.layout_params[0][0].device
         self.master_device = torch.device("cpu") if offload else self.device
-        initial = self._initial_values(sync_module_states)
+        initial = setup.initial_values(self.layout, self.grouping, self.comms, self.device, sync_module_states)
         self.group_comms = [self.comms[group.shard_group] for group in self.layout.groups]
         self.buffers: list[FlatParamBuffer] = [
             bind_flat_buffer(group, params, self.device, self.layout.policy)
             for group, params in zip(self.layout.groups, self.grouping.layout_params)
         ]
-        self.masters = [self._master_from(values, group) for values, group in zip(initial, self.layout.groups)]
+        self.masters = [
+            setup.master_partition(values, group, self.rank_in(group), self.master_device)
+            for values, group in zip(initial, self.layout.groups)
+        ]
         for buffer, values in zip(self.buffers, initial):
             buffer.data.copy_(values)  # every rank now holds rank 0's values
         del initial
@@ -165,7 +154,7 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         torch.optim.Optimizer.__init__(self, list(self.optimizer.param_groups), self.optimizer.defaults)
         self._groups_fixed = True
         positions = {name: index for index, (name, _) in enumerate(model.named_parameters())}
-        self.reduce_dtypes = self._resolve_reduce_dtypes(reduce_dtype)
+        self.reduce_dtypes = setup.resolve_reduce_dtypes(self.layout, reduce_dtype)
         self.reducer = GradientReducer(self.buffers, self.comm, stage, positions, self.reduce_dtypes, self.group_comms)
         has_fp16 = any(group.dtype == "float16" for group in self.layout.groups)
         self.scaler = loss_scaler or (LossScaler() if has_fp16 else LossScaler.disabled())
@@ -363,111 +352,6 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         self._write_back_and_gather()
 
     # ---- internals ----------------------------------------------------------------------------
-
-    def _shard_group_collectives(self, expert_process_group: Any) -> dict[str, Collectives]:
-        """One Collectives per shard group: ``"dp"`` (all ranks) and, with experts, ``"expert_dp"``."""
-        comms = {DENSE_SHARD_GROUP: self.comm}
-        has_experts = any(user.expert for user in self.grouping.user_groups)
-        if has_experts and expert_process_group is None:
-            raise ValueError("a param group is flagged 'expert' but no expert_process_group was given")
-        if has_experts:
-            comms[EXPERT_SHARD_GROUP] = Collectives(expert_process_group)
-        return comms
-
-    def _group_inputs(self) -> list[list | GroupSpec]:
-        """The layout's input: dense groups as plain lists, expert groups as GroupSpecs over
-        the expert-DP group, with the contiguous expert map of ``zeroshard.moe``."""
-        if EXPERT_SHARD_GROUP not in self.comms:
-            return list(self.grouping.layout_specs)
-        expert_dp_size = self.comms[EXPERT_SHARD_GROUP].world_size
-        mesh = ExpertMesh(self.world_size, self.world_size // expert_dp_size)
-        inputs: list[list | GroupSpec] = []
-        for index, specs in enumerate(self.grouping.layout_specs):
-            if not self.grouping.is_expert(index):
-                inputs.append(specs)
-                continue
-            local = {spec.shape[0] if spec.shape else 0 for spec in specs}
-            if len(local) != 1 or 0 in local:
-                raise ValueError(
-                    f"expert parameters {[spec.name for spec in specs]} must stack the same number "
-                    f"(>= 1) of local experts in their first dimension, got shapes {[list(s.shape) for s in specs]}"
-                )
-            inputs.append(mesh.expert_group(specs, local.pop() * mesh.ep_size))
-        return inputs
-
-    def _resolve_layout(self, layout: Layout | None, policy: LayoutPolicy | None) -> Layout:
-        if EXPERT_SHARD_GROUP in self.comms:
-            self._check_expert_group_size()
-        inputs = self._group_inputs()
-        if layout is not None:
-            if layout.world_size != self.comm.world_size:
-                raise ValueError(
-                    f"the layout is for world size {layout.world_size} but the process group has {self.comm.world_size} ranks"
-                )
-            if layout.specs() != self.grouping.layout_specs:
-                raise ValueError("the layout's parameters differ from the model's (names, shapes, dtypes or grouping)")
-            if layout.group_specs() != build_layout(inputs, self.world_size, layout.policy).group_specs():
-                raise ValueError(
-                    "the layout's shard groups differ from the param groups' (expert flags or expert parallelism)"
-                )
-            return layout
-        if policy is None:
-            policy = LayoutPolicy.native(bucket_numel=DEFAULT_STAGE2_BUCKET_NUMEL if self.stage == 2 else None)
-        return build_layout(inputs, self.comm.world_size, policy)
-
-    def _check_expert_group_size(self) -> None:
-        size = self.comms[EXPERT_SHARD_GROUP].world_size
-        if self.world_size % size:
-            raise ValueError(
-                f"the expert process group has {size} ranks, which does not divide the world size {self.world_size}"
-            )
-
-    def _resolve_reduce_dtypes(self, reduce_dtype: torch.dtype | None) -> list[torch.dtype]:
-        """Each layout group's reduction dtype; float32 means today's fp32 reduction."""
-        if reduce_dtype not in (None, *REDUCE_DTYPES):
-            allowed = ", ".join(map(str, REDUCE_DTYPES))
-            raise ValueError(f"reduce_dtype must be None or one of {allowed}, got {reduce_dtype!r}")
-        if self.world_size == 1:
-            return [torch.float32] * len(self.layout.groups)
-        return [reduce_dtype or torch_dtype(group.dtype) for group in self.layout.groups]
-
-    def _check_same_layout_on_every_rank(self) -> None:
-        """Every rank has rank 0's layout, and sits in its expert-DP group where the layout's
-        expert mesh puts it (checkpoints name a rank's experts by that mesh)."""
-        self.layout_digest = digest = hashlib.sha256(self.layout.to_json().encode()).hexdigest()
-        reports = self.comm.all_gather_object((digest, self._expert_mesh_problem()))
-        differing = [rank for rank, (other, _) in enumerate(reports) if other != reports[0][0]]
-        if differing:
-            raise ValueError(f"ranks {differing} have other parameters or param groups than rank 0 (their layouts differ)")
-        misplaced = [f"rank {rank}: {problem}" for rank, (_, problem) in enumerate(reports) if problem]
-        if misplaced:
-            raise ValueError(
-                f"the expert process group is not the expert mesh's column ({misplaced[0]}); "
-                "create it with zeroshard.moe.new_expert_groups"
-            )
-
-    def _expert_mesh_problem(self) -> str | None:
-        for group in self.layout.groups:
-            if group.is_expert_group and self.rank_in(group) != shard_rank(group, self.rank):
-                return f"it is rank {self.rank_in(group)} of its expert-DP group, the mesh's rank {shard_rank(group, self.rank)}"
-        return None
-
-    def _initial_values(self, sync: bool) -> list[torch.Tensor]:
-        """Each group's parameters in fp32 at their flat offsets, rank 0's values if ``sync``."""
-        values = []
-        for group, params in zip(self.layout.groups, self.grouping.layout_params):
-            flat = torch.zeros(group.numel, dtype=torch.float32, device=self.device)
-            for slot, param in zip(group.params, params):
-                flat[slot.offset : slot.end].copy_(param.detach().reshape(-1))
-            if sync:  # expert groups: from the first rank holding the same experts
-                self.comms[group.shard_group].broadcast_(flat, src=0)
-            values.append(flat)
-        return values
-
-    def _master_from(self, values: torch.Tensor, group) -> nn.Parameter:
-        parts = [values[begin:end] for begin, end in group.partition_ranges(self.rank_in(group))]
-        master = torch.cat(parts) if parts else values.new_zeros(0)
-        return nn.Parameter(master.to(self.master_device, copy=True))
 
     def _torch_param_groups(self) -> list[dict[str, Any]]:
         return [

@@ -1,0 +1,153 @@
+"""How a ZeroOptimizer is set up: its shard groups' collectives, its layout, its reduction
+dtypes and the initial values of its flat buffers and fp32 masters.
+
+Plain functions over what the constructor has (the grouping of the model's parameters and
+the process groups), so the optimizer module holds the training step and torch's surface."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..buffers import torch_dtype
+from ..comm import Collectives
+from ..layout import (
+    DENSE_SHARD_GROUP,
+    EXPERT_SHARD_GROUP,
+    ExpertMesh,
+    GroupLayout,
+    GroupSpec,
+    Layout,
+    LayoutPolicy,
+    build_layout,
+)
+from ..layout.coordinates import shard_rank
+from .grouping import Grouping
+
+DEFAULT_STAGE2_BUCKET_NUMEL = 1 << 25  # 128 MiB of fp32 gradient per bucket in flight
+REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def shard_group_collectives(comm: Collectives, grouping: Grouping, expert_process_group: Any) -> dict[str, Collectives]:
+    """One Collectives per shard group: ``"dp"`` (all ranks) and, with experts, ``"expert_dp"``."""
+    comms = {DENSE_SHARD_GROUP: comm}
+    has_experts = any(user.expert for user in grouping.user_groups)
+    if has_experts and expert_process_group is None:
+        raise ValueError("a param group is flagged 'expert' but no expert_process_group was given")
+    if has_experts:
+        comms[EXPERT_SHARD_GROUP] = Collectives(expert_process_group)
+    return comms
+
+
+def resolve_layout(
+    grouping: Grouping, comms: dict[str, Collectives], stage: int, layout: Layout | None, policy: LayoutPolicy | None
+) -> Layout:
+    """The given layout, checked against the parameters and shard groups, or a new one."""
+    world_size = comms[DENSE_SHARD_GROUP].world_size
+    inputs = _layout_inputs(grouping, comms, world_size)
+    if layout is not None:
+        if layout.world_size != world_size:
+            raise ValueError(
+                f"the layout is for world size {layout.world_size} but the process group has {world_size} ranks"
+            )
+        if layout.specs() != grouping.layout_specs:
+            raise ValueError("the layout's parameters differ from the model's (names, shapes, dtypes or grouping)")
+        if layout.group_specs() != build_layout(inputs, world_size, layout.policy).group_specs():
+            raise ValueError(
+                "the layout's shard groups differ from the param groups' (expert flags or expert parallelism)"
+            )
+        return layout
+    if policy is None:
+        policy = LayoutPolicy.native(bucket_numel=DEFAULT_STAGE2_BUCKET_NUMEL if stage == 2 else None)
+    return build_layout(inputs, world_size, policy)
+
+
+def _layout_inputs(grouping: Grouping, comms: dict[str, Collectives], world_size: int) -> list[list | GroupSpec]:
+    """The layout's input: dense groups as plain lists, expert groups as GroupSpecs over
+    the expert-DP group, with the contiguous expert map of ``zeroshard.moe``."""
+    if EXPERT_SHARD_GROUP not in comms:
+        return list(grouping.layout_specs)
+    expert_dp_size = comms[EXPERT_SHARD_GROUP].world_size
+    if world_size % expert_dp_size:
+        raise ValueError(
+            f"the expert process group has {expert_dp_size} ranks, which does not divide the world size {world_size}"
+        )
+    mesh = ExpertMesh(world_size, world_size // expert_dp_size)
+    inputs: list[list | GroupSpec] = []
+    for index, specs in enumerate(grouping.layout_specs):
+        if not grouping.is_expert(index):
+            inputs.append(specs)
+            continue
+        local = {spec.shape[0] if spec.shape else 0 for spec in specs}
+        if len(local) != 1 or 0 in local:
+            raise ValueError(
+                f"expert parameters {[spec.name for spec in specs]} must stack the same number "
+                f"(>= 1) of local experts in their first dimension, got shapes {[list(s.shape) for s in specs]}"
+            )
+        inputs.append(mesh.expert_group(specs, local.pop() * mesh.ep_size))
+    return inputs
+
+
+def resolve_reduce_dtypes(layout: Layout, reduce_dtype: torch.dtype | None) -> list[torch.dtype]:
+    """Each layout group's reduction dtype; float32 means today's fp32 reduction."""
+    if reduce_dtype not in (None, *REDUCE_DTYPES):
+        allowed = ", ".join(map(str, REDUCE_DTYPES))
+        raise ValueError(f"reduce_dtype must be None or one of {allowed}, got {reduce_dtype!r}")
+    if layout.world_size == 1:
+        return [torch.float32] * len(layout.groups)
+    return [reduce_dtype or torch_dtype(group.dtype) for group in layout.groups]
+
+
+def check_same_layout_on_every_rank(layout: Layout, comms: dict[str, Collectives]) -> str:
+    """Collective: every rank has rank 0's layout, and sits in its expert-DP group where the
+    layout's expert mesh puts it (checkpoints name a rank's experts by that mesh). Returns
+    the layout's digest."""
+    digest = hashlib.sha256(layout.to_json().encode()).hexdigest()
+    reports = comms[DENSE_SHARD_GROUP].all_gather_object((digest, _expert_mesh_problem(layout, comms)))
+    differing = [rank for rank, (other, _) in enumerate(reports) if other != reports[0][0]]
+    if differing:
+        raise ValueError(f"ranks {differing} have other parameters or param groups than rank 0 (their layouts differ)")
+    misplaced = [f"rank {rank}: {problem}" for rank, (_, problem) in enumerate(reports) if problem]
+    if misplaced:
+        raise ValueError(
+            f"the expert process group is not the expert mesh's column ({misplaced[0]}); "
+            "create it with zeroshard.moe.new_expert_groups"
+        )
+    return digest
+
+
+def _expert_mesh_problem(layout: Layout, comms: dict[str, Collectives]) -> str | None:
+    rank = comms[DENSE_SHARD_GROUP].rank
+    for group in layout.groups:
+        rank_in_group = comms[group.shard_group].rank
+        if group.is_expert_group and rank_in_group != shard_rank(group, rank):
+            return f"it is rank {rank_in_group} of its expert-DP group, the mesh's rank {shard_rank(group, rank)}"
+    return None
+
+
+def initial_values(
+    layout: Layout, grouping: Grouping, comms: dict[str, Collectives], device: torch.device, sync: bool
+) -> list[torch.Tensor]:
+    """Collective if ``sync``: each group's parameters in fp32 at their flat offsets, rank 0's
+    values if ``sync`` (expert groups: those of the first rank holding the same experts)."""
+    values = []
+    for group, params in zip(layout.groups, grouping.layout_params):
+        flat = torch.zeros(group.numel, dtype=torch.float32, device=device)
+        for slot, param in zip(group.params, params):
+            flat[slot.offset : slot.end].copy_(param.detach().reshape(-1))
+        if sync:
+            comms[group.shard_group].broadcast_(flat, src=0)
+        values.append(flat)
+    return values
+
+
+def master_partition(
+    values: torch.Tensor, group: GroupLayout, rank_in_group: int, device: torch.device
+) -> nn.Parameter:
+    """This rank's fp32 master partition of ``group``, copied out of its flat ``values``."""
+    parts = [values[begin:end] for begin, end in group.partition_ranges(rank_in_group)]
+    master = torch.cat(parts) if parts else values.new_zeros(0)
+    return nn.Parameter(master.to(device, copy=True))
