@@ -114,6 +114,14 @@ def train_steps(
     return losses
 
 
+def resume_at(ckpt: Checkpointer, first_step: int) -> float:
+    """Load the latest checkpoint, which must resume at ``first_step``; the seconds it took."""
+    start = time.perf_counter()
+    resumed_at = ckpt.load()
+    if resumed_at != first_step:
+        raise ValueError(f"the latest checkpoint resumes at step {resumed_at}, not at {first_step}")
+    return time.perf_counter() - start
+
 def train_phase(
     rank: int, world_size: int, config: DemoConfig, out_dir: str, first_step: int, steps: int, resume: bool
 ) -> PhaseResult | None:
@@ -125,11 +133,7 @@ def train_phase(
     last_step = first_step + steps - 1
     with Checkpointer(engine, Path(out_dir) / "checkpoints", keep_last=3, async_save=True) as ckpt:
         if resume:
-            start = time.perf_counter()
-            resumed_at = ckpt.load()
-            result.load_seconds = time.perf_counter() - start
-            if resumed_at != first_step:
-                raise ValueError(f"the latest checkpoint resumes at step {resumed_at}, not at {first_step}")
+            result.load_seconds = resume_at(ckpt, first_step)
 
         def save_now(step: int) -> None:
             if (step + 1) % config.save_every == 0 or step == last_step:

@@ -20,7 +20,7 @@ import torch
 
 from .buffers import owns_storage
 from .checkpoint.checkpointer import Checkpointer, SaveStats
-from .demo import DTYPES, DemoConfig, progress_bar, train_steps
+from .demo import DTYPES, DemoConfig, progress_bar, resume_at, train_steps
 from .engine import ZeroOptimizer
 from .moe import (
     ExpertGroups,
@@ -125,11 +125,7 @@ def checkpointing(
         return
     with Checkpointer(engine, Path(plan.out_dir) / "checkpoints", keep_last=2, async_save=True) as ckpt:
         if plan.resume:
-            start = time.perf_counter()
-            resumed_at = ckpt.load()
-            result.load_seconds = time.perf_counter() - start
-            if resumed_at != first_step:
-                raise ValueError(f"the latest checkpoint resumes at step {resumed_at}, not at {first_step}")
+            result.load_seconds = resume_at(ckpt, first_step)
 
         def save(step: int) -> None:
             if step == plan.save_after:

@@ -113,23 +113,28 @@ def _run_arc(config: DemoConfig, args: argparse.Namespace, out: Path) -> None:
     print(_format(config, first, second, rows))
 
 
-def _convert(checkpoint: Path, out: Path) -> list[tuple[str, float, str]]:
-    import torch
-
+def convert_timed(checkpoint: Path, out: Path) -> tuple[list[tuple[str, float, str]], Path]:
+    """``checkpoint`` to universal (``out/universal``), then that to fp32 (``out/fp32``): the
+    rows timing each, and the fp32 export's folder."""
     from ..checkpoint.export.fp32 import to_fp32
     from ..checkpoint.universal import to_universal
-    from ..models import GPTConfig, TinyGPT
 
-    rows = []
     start = time.perf_counter()
     universal = to_universal(checkpoint, out / "universal", overwrite=True)
-    rows.append(("to-universal", time.perf_counter() - start, size_of(universal)))
+    rows = [("to-universal", time.perf_counter() - start, size_of(universal))]
     start = time.perf_counter()
     exported = to_fp32(universal, out / "fp32", overwrite=True)
     rows.append(("to-fp32 (from the universal checkpoint)", time.perf_counter() - start, size_of(exported)))
+    return rows, exported
 
+
+def _convert(checkpoint: Path, out: Path) -> list[tuple[str, float, str]]:
+    import torch
     from safetensors.torch import load_file
 
+    from ..models import GPTConfig, TinyGPT
+
+    rows, exported = convert_timed(checkpoint, out)
     state = load_file(str(exported / "model.safetensors"))  # what any safetensors user would do
     live = load_file(str(out / LIVE_MASTERS_FILE))
     exact = sum(torch.equal(state[name], tensor) for name, tensor in live.items())

@@ -11,14 +11,13 @@ import math
 import os
 import shutil
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..demo_moe import LIVE_STATE_FILE, CheckpointPlan, MoEDemoConfig, MoEPhaseResult, moe_train_phase
 from ..layout import ExpertMesh, Layout
 from ..moe.recorder import GroupedMMCall
-from .demo_cmd import memory_lines, size_of
+from .demo_cmd import convert_timed, memory_lines, size_of
 from .expert_report import format_ids, shard_group_lines
 
 
@@ -102,17 +101,9 @@ def _convert(checkpoint: Path, out: Path, config: MoEDemoConfig) -> list[tuple[s
     import torch
     from safetensors.torch import load_file
 
-    from ..checkpoint.export.fp32 import to_fp32
-    from ..checkpoint.universal import to_universal
     from ..moe import MoEGPT
 
-    rows = []
-    start = time.perf_counter()
-    universal = to_universal(checkpoint, out / "universal", overwrite=True)
-    rows.append(("to-universal", time.perf_counter() - start, size_of(universal)))
-    start = time.perf_counter()
-    exported = to_fp32(universal, out / "fp32", overwrite=True)
-    rows.append(("to-fp32 (from the universal checkpoint)", time.perf_counter() - start, size_of(exported)))
+    rows, exported = convert_timed(checkpoint, out)
 
     state = load_file(str(exported / "model.safetensors"))
     live = load_file(str(out / LIVE_STATE_FILE))  # every parameter, experts by global id

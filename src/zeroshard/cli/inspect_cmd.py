@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..checkpoint.io.directory import resolve_checkpoint
 from ..checkpoint.formats import NATIVE, UnsupportedCheckpointError, open_source, recognise
+from ..checkpoint.io.directory import resolve_checkpoint
 from ..checkpoint.native.handle import Checkpoint, open_checkpoint
 from ..checkpoint.native.manifest import read_manifest
 from ..checkpoint.universal.format import read_universal_manifest
