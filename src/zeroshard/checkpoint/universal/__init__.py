@@ -13,8 +13,7 @@ docs/FORMAT.md describes the format.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ...lazy_exports import lazy_exports
 
 # Imported on first use (PEP 562), like zeroshard.checkpoint's own exports: the converters
 # import .format, .read and .write without paying for the loader.
@@ -35,10 +34,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -14,7 +14,6 @@ import torch
 from ...layout import Layout
 from ...state import ShardedState
 from ..loader import load_state
-from ..source import ShardSource
 from .read import UniversalCheckpoint
 from .source import UniversalSource
 
@@ -51,26 +50,7 @@ def load_universal(
         )
 
 
-def load_from_source(
-    source: ShardSource,
-    layout: Layout,
-    rank: int,
-    *,
-    load_optimizer_states: bool = True,
-    load_module_only: bool = False,
-    strict: bool = True,
-    module_state: Mapping[str, torch.Tensor] | None = None,
-    base: ShardedState | None = None,
-) -> ShardedState:
-    """This rank's state under ``layout``, read range by range from any ShardSource (a
-    DeepSpeed checkpoint, a native or universal one): :func:`~zeroshard.checkpoint.loader.load_state`."""
-    return load_state(
-        source,
-        layout,
-        rank,
-        load_optimizer_states=load_optimizer_states,
-        load_module_only=load_module_only,
-        strict=strict,
-        module_state=module_state,
-        base=base,
-    )
+load_from_source = load_state
+"""This rank's state under a layout, read range by range from any opened ShardSource (a
+DeepSpeed checkpoint, a native or universal one): the one loader,
+:func:`~zeroshard.checkpoint.loader.load_state`, under its older name."""
