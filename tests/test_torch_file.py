@@ -626,6 +626,35 @@ def test_a_flipped_bit_in_tensor_data_fails_the_record_crc(saved, tmp_path):
             assert str(caught.value).startswith(f"{path}: record saved/data/1 is corrupt: its CRC-32 is ")
 
 
+@pytest.mark.parametrize("flip", [None, 0, 12 << 20, (24 << 20) - 1])
+def test_read_into_fills_the_array_and_checks_the_record(tmp_path, monkeypatch, flip):
+    """read_into equals read; over the whole record it checks the CRC on the bytes it read
+    (no separate pass), over part of it the record first; a flipped byte fails either way."""
+    from zeroshard.importers import torch_records
+
+    path = tmp_path / "big.pt"
+    torch.save({"big": torch.arange(6 << 20, dtype=torch.float32)}, path)  # 24 MiB: many chunks
+    if flip is not None:
+        data = bytearray(path.read_bytes())
+        data[load_torch_file(path)["big"].data_offset + flip] ^= 0x10
+        path.write_bytes(bytes(data))
+    passes = []
+    original = torch_records._record_crc
+    monkeypatch.setattr(torch_records, "_record_crc", lambda *args: passes.append(1) or original(*args))
+    for start, count in ((0, 6 << 20), (3, 1000)):  # the whole record, then a part of it
+        tensor = load_torch_file(path)["big"]  # a new load: nothing checked yet
+        out = np.empty(count, np.float32)
+        if flip is not None:
+            with pytest.raises(TorchFileError, match=r"record big/data/0 is corrupt: its CRC-32 is "):
+                tensor.read_into(start, out)
+            continue
+        tensor.read_into(start, out)
+        assert np.array_equal(out, np.arange(start, start + count, dtype=np.float32))
+    assert len(passes) == 1  # only the partial read needed a pass of its own
+    with pytest.raises(ValueError, match="an array of its dtype"):
+        load_torch_file(path)["big"].read_into(0, np.empty(4, np.float64))
+
+
 def test_records_are_checked_once_and_with_flat_memory(tmp_path, monkeypatch):
     from zeroshard.importers import torch_records
 

@@ -86,6 +86,27 @@ class DeepSpeedSource:
         """Elements [start, end) of ``rank``'s partition of ``key`` ("fp32" or an optimizer
         state name) in layout group ``group``, as an fp32 array the caller may keep (read-only
         when big: a view of a mapping)."""
+        saved = self._saved(rank, group, key, start, end)
+        with _named_errors():
+            if key == "fp32":
+                return _read_zero_extended(saved, start, end)
+            return to_float32(saved.read(start, end))
+
+    def read_into(self, rank: int, group: int, key: str, start: int, out: np.ndarray) -> None:
+        """:meth:`read` into the 1-D array ``out``: an fp32 partition read straight into its
+        memory (the record's CRC-32 checked on the bytes as they arrive when it covers the
+        record), without the mapping and the copy out of it that :meth:`read` costs."""
+        end = start + out.size
+        saved = self._saved(rank, group, key, start, end)
+        if out.dtype != np.float32 or saved.dtype != "float32" or not saved.is_contiguous():
+            out[...] = self.read(rank, group, key, start, end)
+            return
+        stop = max(start, min(end, saved.numel())) if key == "fp32" else end  # fp32: saved without tail padding
+        with _named_errors():
+            saved.read_into(start, out[: stop - start])
+        out[stop - start :] = 0
+
+    def _saved(self, rank: int, group: int, key: str, start: int, end: int) -> StoredTensor:
         partition_numel = self._group(group).partition_numel
         if not 0 <= start <= end <= partition_numel:
             raise ValueError(
@@ -93,12 +114,10 @@ class DeepSpeedSource:
             )
         shard = self._rank(rank)
         if key == "fp32":
-            with _named_errors():
-                return _read_zero_extended(shard.fp32[group], start, end)
+            return shard.fp32[group]
         if key not in shard.states[group]:
             raise KeyError(f"group {group} has no optimizer state {key!r} (it has {sorted(shard.states[group])})")
-        with _named_errors():
-            return to_float32(shard.states[group][key].read(start, end))
+        return shard.states[group][key]
 
     def scalars(self, group: int) -> dict[str, Any]:
         """Non-partitioned optimizer state of ``group`` (``step``), as saved by rank 0."""

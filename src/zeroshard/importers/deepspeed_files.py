@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.formats import UnsupportedCheckpointError
-from .deepspeed_pickle import DeepSpeedFormatError, FragmentAddress, LossScaler, ZeroStageEnum, load_checkpoint_file
 from . import deepspeed_fields as fields
+from .deepspeed_pickle import DeepSpeedFormatError, FragmentAddress, LossScaler, ZeroStageEnum, load_checkpoint_file
 from .torch_file import StoredTensor, TorchFileError
 from .torch_records import one_line
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import pickletools
 import re
-import struct
 
 from .torch_records import FileProblem
 

@@ -54,6 +54,7 @@ STORAGE_CLASSES: dict[str, str | None] = {
     "uint64": None,
 }
 _READ_CHUNK = 1 << 30
+_HOT_CHUNK = 1 << 20  # read and checked while still in the CPU's cache
 MAP_BYTES = 8 << 20  # reads at least this big are memory-mapped, not copied in
 
 
@@ -168,6 +169,17 @@ class StoredTensor:
             raise IndexError(f"elements [{start}, {end}) are outside a tensor of {numel} elements")
         return _read(self.storage, self.dtype, self.storage_offset + start, end - start)
 
+    def read_into(self, start: int, out: np.ndarray) -> None:
+        """Elements ``[start, start + out.size)`` of the flattened tensor (contiguous tensors
+        only) read straight into ``out``, a contiguous 1-D array of the tensor's dtype; the
+        record's CRC-32 is checked as for :meth:`read`, on ``out`` itself when it holds the
+        whole record."""
+        if not self.is_contiguous() or out.dtype != dtype_info(self.dtype).numpy or not out.flags.c_contiguous:
+            raise ValueError(f"{self.path}: read_into() needs a contiguous tensor and an array of its dtype")
+        if not 0 <= start <= start + out.size <= self.numel():
+            raise IndexError(f"elements [{start}, {start + out.size}) are outside a tensor of {self.numel()} elements")
+        _read_into(self.storage, (self.storage_offset + start) * out.itemsize, out)
+
     def numpy(self) -> np.ndarray:
         """The whole tensor in its shape, an array the caller owns (as :meth:`read`)."""
         if self.is_contiguous():
@@ -212,6 +224,45 @@ def _read(storage: StorageRecord, dtype: str, first: int, count: int) -> np.ndar
         raise TorchFileError(f"{storage.path}: cannot be read: {err.strerror or err}") from None
 
 
+def _read_into(storage: StorageRecord, begin: int, out: np.ndarray) -> None:
+    """The bytes of ``out`` from byte ``begin`` of a storage, read straight into it. A range
+    that is the whole record is checked against its CRC-32 on ``out`` as it arrives; any
+    other range after its record is checked (once per load)."""
+    buffer = memoryview(out.view(np.uint8))
+    try:
+        fd = os.open(storage.path, os.O_RDONLY)
+        try:
+            whole_record = begin == 0 and len(buffer) == storage.record_size
+            checked = whole_record and not _was_verified(storage, fd)
+            if not whole_record:
+                verify_record(storage, fd)
+            value = 0
+            for done in range(0, len(buffer), _HOT_CHUNK):
+                chunk = buffer[done : done + _HOT_CHUNK]
+                if _pread_full(fd, chunk, storage.data_offset + begin + done) < len(chunk):
+                    raise _ends_early(storage)
+                if checked:
+                    value = crc32(chunk, value)
+            if checked:
+                _check_crc(storage, value)
+                _mark_verified(storage, fd)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        raise TorchFileError(f"{storage.path}: cannot be read: {err.strerror or err}") from None
+
+
+def _pread_full(fd: int, buffer: memoryview, offset: int) -> int:
+    """Bytes read into ``buffer`` from ``offset``: all of it unless the file ends first."""
+    done = 0
+    while done < len(buffer):
+        got = _pread_into(fd, buffer[done:], offset + done)
+        if not got:
+            break
+        done += got
+    return done
+
+
 def _read_range(storage: StorageRecord, fd: int, numpy_dtype: np.dtype, begin: int, count: int) -> np.ndarray:
     """``count`` elements from absolute offset ``begin``: mapped when MAP_BYTES or more."""
     end = begin + count * numpy_dtype.itemsize
@@ -245,11 +296,23 @@ def verify_record(storage: StorageRecord, fd: int) -> None:
     """Check the zip CRC-32 of ``storage``'s whole record, unless it was checked already in
     the same load, in the same file (same inode, size and mtime). Reads the record window by
     window, so memory stays flat; raises TorchFileError naming the file and the record on a mismatch."""
-    stat = os.fstat(fd)
-    key = (storage.load, storage.record_name, stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
-    if key in _verified:
+    if _was_verified(storage, fd):
         return
     _check_crc(storage, _record_crc(storage, fd))
+    _mark_verified(storage, fd)
+
+
+def _verified_key(storage: StorageRecord, fd: int) -> tuple[Any, ...]:
+    stat = os.fstat(fd)
+    return (storage.load, storage.record_name, stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+def _was_verified(storage: StorageRecord, fd: int) -> bool:
+    return _verified_key(storage, fd) in _verified
+
+
+def _mark_verified(storage: StorageRecord, fd: int) -> None:
+    key = _verified_key(storage, fd)
     with _verified_lock:
         if len(_verified) >= _VERIFIED_LIMIT:
             _verified.clear()

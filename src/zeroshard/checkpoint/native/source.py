@@ -13,15 +13,15 @@ from typing import Callable
 
 import numpy as np
 
+from ..format import LATEST_FILE, MANIFEST_FILE, MODEL_FILE, fp32_key, rank_file_name, scalar_key, state_key
+from ..formats import SourceFormat
 from ..io.block_reader import RangeReader, array_view
 from ..io.checksum import FileRecord
 from ..io.dtypes import dtype_info, itemsize_of, to_float32
-from ..format import LATEST_FILE, MANIFEST_FILE, MODEL_FILE, fp32_key, rank_file_name, scalar_key, state_key
-from ..formats import SourceFormat
+from ..io.safetensors_io import ReadStats, TensorEntry, check_entries, read_header
+from ..source import ModelEntry, SourceInfo
 from .handle import Checkpoint, open_checkpoint
 from .manifest import ModelTensorRecord
-from ..io.safetensors_io import ReadStats, TensorEntry, check_entries, read_header
-from ..source import ModelEntry, ShardSource, SourceInfo
 
 NATIVE_KIND = "zeroshard.checkpoint"
 
