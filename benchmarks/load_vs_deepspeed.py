@@ -7,8 +7,8 @@ checkpoint. Then, in rounds whose order rotates every round, every rank times:
 
 * ``floor``: ``os.preadv`` of the bytes the rank's load needs (its rank file's partitions and all
   of model.safetensors; for a resharded load the ranges of the old rank files it draws from)
-  into fresh ``np.empty`` buffers, one per contiguous extent: reading those bytes once into new
-  memory, no checksum;
+  into one fresh ``np.empty`` buffer, a megabyte per call: reading those bytes once into new
+  memory (as much as the load returns, so the same first-touch page faults), no checksum;
 * ``load_sharded``: zeroshard's load of the rank's state (checks, CRCs, tensors) for the same D,
   and for D = 3 and D = 1 (resharded: rank ``r % D`` of the new layout);
 * ``zeroshard engine``: ``engine_io.load_checkpoint`` (the load above, then the import into the
@@ -43,6 +43,7 @@ from pathlib import Path
 
 LR, BETAS = 3e-4, (0.9, 0.95)
 RESHARD_WORLDS = (3, 1)
+FLOOR_CHUNK = 1 << 20  # bytes per preadv of the floor, as the load reads
 
 
 # ---- worker (one rank under torchrun) ----------------------------------------------------------
@@ -143,22 +144,25 @@ def _needed_extents(checkpoint_dir: Path, layout, rank: int) -> list[tuple[Path,
     return [(checkpoint.path(name), begin, end) for name, begin, end in merged]
 
 
-def _read_floor(extents: list[tuple[Path, int, int]]) -> list:
-    """Each extent read once into a new buffer of its own."""
+def _read_floor(extents: list[tuple[Path, int, int]]):
+    """Every extent read once, one after another, into one new buffer: new memory of the
+    size the load returns, so the floor pays the same first-touch page faults at any D
+    (buffers of their own would reuse freed heap pages when under glibc's mmap threshold)."""
     import numpy as np
 
-    buffers = []
+    buffer = np.empty(sum(end - begin for _, begin, end in extents), dtype=np.uint8)
+    view, at = memoryview(buffer), 0
     for path, begin, end in extents:
-        buffer = np.empty(end - begin, dtype=np.uint8)
-        view, done = memoryview(buffer), 0
         fd = os.open(path, os.O_RDONLY)
         try:
-            while done < len(view):
-                done += os.preadv(fd, [view[done:]], begin + done)
+            done = 0
+            while done < end - begin:  # a megabyte per call: one call for hundreds of MB runs slower here
+                stop = min(end - begin, done + FLOOR_CHUNK)
+                done += os.preadv(fd, [view[at + done : at + stop]], begin + done)
         finally:
             os.close(fd)
-        buffers.append(buffer)
-    return buffers
+        at += end - begin
+    return buffer
 
 
 def _memory_kb(field: str) -> int:
