@@ -14,6 +14,7 @@ from dist_helpers import RunConfig, build_model, make_engine, run_checks, torch_
 from torch import nn
 
 from zeroshard.engine import ZeroOptimizer
+from zeroshard.engine.gradients import MAX_IN_FLIGHT
 from zeroshard.launch import spawn
 from zeroshard.models import OddSizedModel
 
@@ -67,11 +68,21 @@ def test_compact_policy_does_misalign_the_odd_fixture(per_rank):
 # ---- gradient memory -------------------------------------------------------------------------------
 
 
-def test_stage2_holds_only_gradient_partitions_after_backward(per_rank):
-    for result in (ranks["memory"][2] for ranks in per_rank):
-        assert max(result["num_buckets"]) > 1
-        assert result["held_numels"] == result["partition_numels"]
-        assert all(held < full for held, full in zip(result["held_numels"], result["group_numels"]))
+@pytest.mark.parametrize("reduce_dtype", ["float32", "bfloat16"])
+def test_stage2_keeps_only_the_partitions_and_a_bounded_bucket_pool_across_backwards(per_rank, reduce_dtype):
+    """What outlives a stage-2 backward is the gradient partition plus the bucket pool: the
+    same storages after every step's backward (reused, not grown), within MAX_IN_FLIGHT + 1
+    of the largest bucket's reduction buffers. Two micro-batches per step: the second one's
+    fp32 temporaries come from the pool too."""
+    for result in (ranks["memory"][f"2-{reduce_dtype}"] for ranks in per_rank):
+        assert sum(result["num_buckets"]) >= 5
+        first, *later = result["held_after_backward"]
+        assert len(later) == 2
+        for held in result["held_after_backward"]:
+            assert held == first, "the reducer's storages changed from one backward to the next"
+            assert set(held["partitions"]) <= set(map(tuple, held["held"]))
+        pool_bytes = sum(nbytes for _, nbytes in first["held"]) - sum(nbytes for _, nbytes in first["partitions"])
+        assert 0 < pool_bytes <= (MAX_IN_FLIGHT + 1) * result["largest_bucket_reduction_bytes"]
         assert result["grads_none"]
 
 

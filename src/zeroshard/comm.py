@@ -96,31 +96,42 @@ class Collectives:
             return _Done()
         return _reduce_scatter(output, input, group=self.group, async_op=async_op) or _Done()
 
-    def reduce_scatter_widened(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+    def reduce_scatter_widened(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, scratch: torch.Tensor | None = None
+    ):
         """output (float32, one partition) <- sum over ranks of this rank's partition of input.
 
         The payload moves in ``input``'s lower precision (bf16, fp16). On gloo, whose
         reduce-scatter is an all-reduce (2(D-1)/D of the buffer sent per rank), it is an
         all-to-all ((D-1)/D) and the D received partitions are summed here in float32, in
         rank order, once the handle is waited on. Other backends reduce-scatter in input's
-        dtype (summing in it) and the result is widened on wait.
+        dtype (summing in it) and the result is widened on wait. ``scratch``, if given, is
+        the receive buffer: ``widening_scratch_numel(input.numel())`` elements of input's
+        dtype, free until the handle is waited on; else one is allocated.
         """
         self.bytes_moved["reduce_scatter"] += input.numel() * input.element_size()
         if self.world_size == 1:
             output.copy_(input)
             return _Done()
+        if scratch is None:
+            scratch = torch.empty(self.widening_scratch_numel(input.numel()), dtype=input.dtype, device=input.device)
         if self.backend == "gloo":
-            received = torch.empty_like(input)
-            work = dist.all_to_all_single(received, input, group=self.group, async_op=True)
-            handle = _Widening(work, received.view(self.world_size, -1), output)
+            work = dist.all_to_all_single(scratch, input, group=self.group, async_op=True)
+            handle = _Widening(work, scratch.view(self.world_size, -1), output)
         else:
-            partial = torch.empty(output.numel(), dtype=input.dtype, device=input.device)
-            work = _reduce_scatter(partial, input, group=self.group, async_op=True)
-            handle = _Widening(work, partial.view(1, -1), output)
+            work = _reduce_scatter(scratch, input, group=self.group, async_op=True)
+            handle = _Widening(work, scratch.view(1, -1), output)
         if not async_op:
             handle.wait()
             return _Done()
         return handle
+
+    def widening_scratch_numel(self, input_numel: int) -> int:
+        """Elements of the receive buffer ``reduce_scatter_widened`` needs for an input of
+        ``input_numel``: all of it on gloo (every rank's part), one partition elsewhere."""
+        if self.world_size == 1:
+            return 0
+        return input_numel if self.backend == "gloo" else input_numel // self.world_size
 
     def all_gather_into(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """output <- concatenation of every rank's input (input may be a slice of output)."""
