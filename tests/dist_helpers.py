@@ -601,6 +601,7 @@ def check_gradient_memory(rank: int, world_size: int) -> dict[str, Any]:
                 idx, targets = batch_for(config, step, rank, micro)
                 engine.backward(model(idx, targets))
             after_backward.append(_held_gradient_storages(engine))
+            report = engine.memory_report()
             engine.step()
             engine.zero_grad()
         result[stage if stage == 1 else f"2-{reduce_dtype}"] = {
@@ -613,6 +614,7 @@ def check_gradient_memory(rank: int, world_size: int) -> dict[str, Any]:
                 _reduction_bytes(bucket, reduce_dtype) for group in engine.layout.groups for bucket in group.buckets
             ),
             "grads_none": all(param.grad is None for param in model.parameters()),
+            "report_bytes": (report.gradient_bytes, report.bucket_pool_bytes),
         }
         engine.reducer.remove_hooks()
     return result

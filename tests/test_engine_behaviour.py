@@ -83,6 +83,8 @@ def test_stage2_keeps_only_the_partitions_and_a_bounded_bucket_pool_across_backw
             assert set(held["partitions"]) <= set(map(tuple, held["held"]))
         pool_bytes = sum(nbytes for _, nbytes in first["held"]) - sum(nbytes for _, nbytes in first["partitions"])
         assert 0 < pool_bytes <= (MAX_IN_FLIGHT + 1) * result["largest_bucket_reduction_bytes"]
+        partition_bytes = sum(nbytes for _, nbytes in first["partitions"])
+        assert tuple(result["report_bytes"]) == (partition_bytes, pool_bytes)  # memory_report tells them apart
         assert result["grads_none"]
 
 

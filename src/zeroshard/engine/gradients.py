@@ -327,6 +327,11 @@ class GradientReducer:
             held += [reduction.input, *temporary, *getattr(reduction.handle, "buffers", ())]
         return held + [t for t in self._full if t is not None] + self._pool.held()
 
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes the bucket pool keeps right now (part of ``held_tensors``)."""
+        return self._pool.held_bytes
+
     def remove_hooks(self) -> None:
         for handle in self._hooks:
             handle.remove()
