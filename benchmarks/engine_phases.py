@@ -1,6 +1,7 @@
 """Where a zeroshard stage-2 step goes, phase by phase, on the model of engine_vs_deepspeed.py.
 
-Same medium TinyGPT, data, bf16 parameters, AdamW and clipping as ``engine_vs_deepspeed.py``,
+Same medium TinyGPT, data, bf16 parameters, AdamW and clipping as ``engine_vs_deepspeed.py``
+(bf16 reduction unless ``--reduce-dtype float32``),
 on gloo at D = 2 and 4 under torchrun. The engine's methods are wrapped (in this process
 only) so that every phase is timed exclusively of the phases nested in it: forward,
 autograd's backward, the hooks' copies into buckets, each collective's launch and wait,
@@ -12,6 +13,7 @@ CPU) are printed too, next to the floor (the bare model's forward and backward p
 on the partition), as in engine_vs_deepspeed.py.
 
     .venv/bin/python benchmarks/engine_phases.py [--world-sizes 2 4] [--steps 15] [--bucket-numel N]
+        [--reduce-dtype bfloat16|float32]
 """
 
 from __future__ import annotations
@@ -168,14 +170,14 @@ def _step(variant, clock: PhaseClock | None, step: int, rank: int) -> dict:
     return record
 
 
-def worker(out_path: Path, steps: int, bucket_numel: int | None) -> None:
+def worker(out_path: Path, steps: int, bucket_numel: int | None, reduce_dtype: str) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    zeroshard = bench.ZeroshardVariant(torch.bfloat16, bucket_numel)
+    zeroshard = bench.ZeroshardVariant(getattr(torch, reduce_dtype), bucket_numel)
     floor = bench.FloorVariant(world_size)
     clock = PhaseClock()
     _instrument(zeroshard.engine, clock)
@@ -194,14 +196,14 @@ def worker(out_path: Path, steps: int, bucket_numel: int | None) -> None:
     dist.destroy_process_group()
 
 
-def launch(world_size: int, steps: int, bucket_numel: int | None) -> dict:
+def launch(world_size: int, steps: int, bucket_numel: int | None, reduce_dtype: str) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "result.json"
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         command = [
             sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size),
             "--master_addr", "127.0.0.1", "--master_port", str(bench._free_port()),
-            __file__, "--worker", str(out), "--steps", str(steps),
+            __file__, "--worker", str(out), "--steps", str(steps), "--reduce-dtype", reduce_dtype,
         ] + (["--bucket-numel", str(bucket_numel)] if bucket_numel else [])  # fmt: skip
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
         if not out.is_file():
@@ -236,14 +238,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=15)
-    parser.add_argument("--bucket-numel", type=int, default=None)
+    parser.add_argument("--bucket-numel", type=int, default=None, help="stage-2 bucket size (default: the engine's)")
+    parser.add_argument("--reduce-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
-        worker(args.worker, args.steps, args.bucket_numel)
+        worker(args.worker, args.steps, args.bucket_numel, args.reduce_dtype)
         return
     for world_size in args.world_sizes:
-        report(launch(world_size, args.steps, args.bucket_numel))
+        report(launch(world_size, args.steps, args.bucket_numel, args.reduce_dtype))
 
 
 if __name__ == "__main__":
