@@ -31,7 +31,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-import engine_vs_deepspeed as bench  # noqa: E402
+import engine_vs_deepspeed as bench
 
 
 class PhaseClock:
@@ -207,7 +207,9 @@ def launch(world_size: int, steps: int, bucket_numel: int | None, reduce_dtype: 
         ] + (["--bucket-numel", str(bucket_numel)] if bucket_numel else [])  # fmt: skip
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
         if not out.is_file():
-            raise RuntimeError(f"D={world_size} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+            raise RuntimeError(
+                f"D={world_size} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+            )
         return json.loads(out.read_text())
 
 
@@ -227,11 +229,15 @@ def report(result: dict) -> None:
     for phase in ("forward", "bwd: autograd", "step: torch AdamW"):
         floor_phases[phase] = statistics.median(r["phases"][phase][1] for records in ranks for r in records["floor"])
     print("  floor, main thread CPU: " + ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in floor_phases.items()))
-    print(f"  {'phase (exclusive)':<34}{'wall ms':>9}{'main thread CPU':>17}{'process CPU':>13}{'idle ms':>9}{'faults':>9}")
+    print(
+        f"  {'phase (exclusive)':<34}{'wall ms':>9}{'main thread CPU':>17}{'process CPU':>13}{'idle ms':>9}{'faults':>9}"
+    )
     for phase in phases:
         values = [r["phases"].get(phase, [0.0, 0.0, 0, 0.0]) for records in ranks for r in records["zeroshard"]]
         wall, thread, faults, cpu = (statistics.median(v[i] for v in values) for i in range(4))
-        print(f"  {phase:<34}{1e3 * wall:>9.2f}{1e3 * thread:>17.2f}{1e3 * cpu:>13.2f}{1e3 * (wall - cpu):>9.2f}{faults:>9.0f}")
+        print(
+            f"  {phase:<34}{1e3 * wall:>9.2f}{1e3 * thread:>17.2f}{1e3 * cpu:>13.2f}{1e3 * (wall - cpu):>9.2f}{faults:>9.0f}"
+        )
 
 
 def main() -> None:
