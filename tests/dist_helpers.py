@@ -820,6 +820,31 @@ def check_reduce_dtype(rank: int, world_size: int) -> dict[str, Any]:
     return results
 
 
+def check_all_gather(rank: int, world_size: int) -> dict[str, float]:
+    """Collectives.all_gather_into against torch's all-gather, per way of calling it: the
+    input a slice of the output (the engine's) or a separate tensor, sync or async, bf16
+    and fp32; the max abs difference of each (0 when equal)."""
+    from zeroshard.comm import Collectives
+
+    comm = Collectives()
+    differences = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        mine = torch.arange(1000, dtype=torch.float32).to(dtype) * (rank + 1) - 7 * rank
+        expected = torch.empty(world_size * 1000, dtype=dtype)
+        _all_gather_tensor(expected, mine)
+        for aliased in (True, False):
+            for async_op in (True, False):
+                output = torch.full((world_size * 1000,), float("nan"), dtype=dtype)
+                own = output[rank * 1000 : (rank + 1) * 1000]
+                if aliased:
+                    own.copy_(mine)
+                handle = comm.all_gather_into(output, own if aliased else mine.clone(), async_op=async_op)
+                handle.wait()
+                name = f"{dtype}-{'slice' if aliased else 'separate'}-{'async' if async_op else 'sync'}"
+                differences[name] = (output.float() - expected.float()).abs().nan_to_num(float("inf")).max().item()
+    return differences
+
+
 def run_checks(rank: int, world_size: int, checks: list[tuple[str, str, tuple]]) -> dict[str, Any]:
     """Spawn target: run (label, check name, extra args) in order on every rank; results by label."""
     functions: dict[str, Callable[..., Any]] = {
@@ -832,5 +857,6 @@ def run_checks(rank: int, world_size: int, checks: list[tuple[str, str, tuple]])
         "shard_state_dict": check_shard_state_dict,
         "reduce_dtype": check_reduce_dtype,
         "equivalence": run_equivalence,
+        "all_gather": check_all_gather,
     }
     return {label: functions[name](rank, world_size, *args) for label, name, args in checks}

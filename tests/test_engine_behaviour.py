@@ -30,6 +30,7 @@ CHECKS = [
     ("different-models", "different_models", ()),
     ("shard-state-dict", "shard_state_dict", ()),
     ("reduce-dtype", "reduce_dtype", ()),
+    ("all-gather", "all_gather", ()),
 ]
 
 
@@ -109,6 +110,17 @@ def test_stage2_peak_gradient_memory_during_backward_is_bounded_by_buckets(per_r
             f"peak {result['peak_bytes']} B > partitions + 3 buckets {bound} B "
             f"(full fp32 gradient {result['full_gradient_bytes']} B, {result['num_buckets']} buckets)"
         )
+
+
+# ---- collectives ------------------------------------------------------------------------------------
+
+
+def test_all_gather_into_equals_torchs_all_gather_however_called(per_rank):
+    """Two gloo ranks swap their inputs by an all-to-all instead of gloo's all-gather: the
+    result must be torch's all-gather's, with the input a slice of the output or not."""
+    for result in (ranks["all-gather"] for ranks in per_rank):
+        assert len(result) == 8
+        assert all(difference == 0.0 for difference in result.values()), result
 
 
 # ---- reduce dtype ----------------------------------------------------------------------------------
