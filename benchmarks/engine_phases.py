@@ -95,7 +95,7 @@ def _instrument(engine, clock: PhaseClock) -> None:
     original_wait = comm_module._Widening.wait
 
     def widening_wait(handle):
-        if handle._partials is None:
+        if getattr(handle, "_parts", getattr(handle, "_partials", None)) is None:  # _partials: older trees
             return True
         clock.enter("bwd: reduction wait")
         try:

@@ -628,8 +628,9 @@ def _held_gradient_storages(engine: ZeroOptimizer) -> dict[str, Any]:
 
 
 def _reduction_bytes(bucket, reduce_dtype: str) -> int:
-    """One bucket's reduction buffers: staging, the receive buffer of a bf16 reduction on
-    gloo (the whole bucket), an fp32 temporary for its reduced partition."""
+    """One bucket's reduction buffers, at most: staging, the receive buffer of a bf16
+    reduction on gloo (the whole bucket; half at two ranks), an fp32 temporary for its
+    reduced partition."""
     if reduce_dtype == "float32":
         return 4 * bucket.numel + 4 * bucket.partition_numel
     return 2 * bucket.numel + 2 * bucket.numel + 4 * bucket.partition_numel
