@@ -151,12 +151,12 @@ class Collectives:
         loopback (benchmarks/README.md, engine_phases.py)."""
         self.bytes_moved["all_gather"] += output.numel() * output.element_size()
         own = output.view(self.world_size, -1)[self.rank]
-        if self.world_size == 1 or (self.world_size == 2 and self.backend == "gloo"):
-            if input.data_ptr() != own.data_ptr():
-                own.copy_(input)
+        swap = self.world_size == 2 and self.backend == "gloo"
+        if (self.world_size == 1 or swap) and input.data_ptr() != own.data_ptr():
+            own.copy_(input)
         if self.world_size == 1:
             return _Done()
-        if self.world_size == 2 and self.backend == "gloo":
+        if swap:
             return self._swap_with_peer(output.view(2, -1)[1 - self.rank], own, async_op) or _Done()
         return _all_gather(output, input, group=self.group, async_op=async_op) or _Done()
 
