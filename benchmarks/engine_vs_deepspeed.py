@@ -16,7 +16,8 @@ Each round every variant runs ``--steps`` steps, in an order that rotates every 
 load on the machine hits all alike; the figures are medians over rounds and ranks of the
 per-step times (forward, backward, step, total), and of the CPU time the rank's process
 used per step (all its threads: a figure that contention on a busy machine disturbs less
-than wall time; "cpu fwd+bwd" up to the end of backward). Bytes per step per rank are what the
+than wall time; "cpu fwd+bwd" up to the end of backward), and of the idle time (wall - CPU:
+waiting on a collective, on another rank or for a core). Bytes per step per rank are what the
 process wrote in that step (``wchar`` of /proc/self/io: gloo's socket writes; nothing else
 writes during a step), and for zeroshard also the payloads its ``comm.bytes_moved`` records.
 
@@ -193,6 +194,7 @@ def _timed_step(variant, step: int, rank: int) -> dict[str, float]:
         "total": done - start,
         "cpu": cpu_done - cpu_start,
         "cpu_backward": cpu_backward - cpu_start,
+        "idle": (done - start) - (cpu_done - cpu_start),
         "wire_bytes": _written() - written,
         "loss": float(loss),
     }
@@ -273,7 +275,7 @@ def report(result: dict) -> None:
     print(f"\nD = {world_size}: {result['params']:,} parameters; medians over ranks and steps")
     header = (
         f"{'variant':<31}{'total ms':>10}{'fwd ms':>9}{'bwd ms':>9}{'step ms':>9}{'vs DS':>8}"
-        f"{'cpu ms':>9}{'cpu fwd+bwd':>13}{'vs DS':>8}{'wire MB/step':>14}{'vs DS':>8}{'payload MB':>12}"
+        f"{'cpu ms':>9}{'cpu fwd+bwd':>13}{'vs DS':>8}{'idle ms':>9}{'wire MB/step':>14}{'vs DS':>8}{'payload MB':>12}"
     )
     print(header)
     print("-" * len(header))
@@ -288,7 +290,7 @@ def report(result: dict) -> None:
             f"{1e3 * _median(result, name, 'backward'):>9.1f}{1e3 * _median(result, name, 'step'):>9.1f}"
             f"{total / ds_total:>8.3f}{1e3 * _median(result, name, 'cpu'):>9.1f}"
             f"{1e3 * _median(result, name, 'cpu_backward'):>13.1f}{_median(result, name, 'cpu') / ds_cpu:>8.3f}"
-            f"{wire / 1e6:>14.2f}{wire / ds_wire:>8.3f}{payload:>12.2f}"
+            f"{1e3 * _median(result, name, 'idle'):>9.1f}{wire / 1e6:>14.2f}{wire / ds_wire:>8.3f}{payload:>12.2f}"
         )
     floor_cpu = _median(result, VARIANTS[-1], "cpu")
     print(f"floor / DeepSpeed CPU time: {floor_cpu / ds_cpu:.3f}; engine's own CPU per step (CPU - floor):")

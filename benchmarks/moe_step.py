@@ -111,6 +111,11 @@ def build(ep_size: int, state: dict[str, torch.Tensor]):
     return groups, model, engine
 
 
+def state_bytes(report) -> int:
+    """The report's training state: its total less stage 2's reusable bucket buffers."""
+    return report.total_bytes - report.bucket_pool_bytes
+
+
 def checkpoint_bytes(engine: ZeroOptimizer, root: Path) -> dict:
     """Save; the bytes of this rank's file by kind of group (tensor payload), its size, and
     on rank 0 the model file and manifest."""
@@ -158,7 +163,7 @@ def worker(rank: int, world_size: int, steps: int, checkpoint_root: str) -> dict
         expert = sum(g.param_numel for g in engine.layout.groups if g.is_expert_group)  # E/EP experts
         row_bytes = CONFIG.n_embd * 2  # bf16 rows
         results[ep] = {
-            "memory": engine.memory_report().total_bytes,
+            "memory": state_bytes(engine.memory_report()),
             "formula": 2 * (dense + expert) + 16 * dense / world_size + 16 * expert * ep / world_size,
             "all_to_all": (sent[ep]["rows"] + sent[ep]["counts"]) / steps,
             "all_to_all_min": 4 * minimum_rows[ep] * row_bytes / steps,  # dispatch, combine, both backward

@@ -588,24 +588,52 @@ def _inside_own_buffer(engine: ZeroOptimizer) -> dict[str, bool]:
 
 
 def check_gradient_memory(rank: int, world_size: int) -> dict[str, Any]:
-    """Sizes of the gradient tensors the reducer holds after one backward, per stage."""
+    """The gradient tensors the reducer holds after a backward: stage 1 after one, stage 2
+    (fp32 and bf16 reduction) after the last micro-batch of each of three steps."""
     result = {}
-    for stage in (1, 2):
-        config = RunConfig(f"memory-stage{stage}", stage=stage, bucket_numel=128)
+    for stage, reduce_dtype in ((1, "float32"), (2, "float32"), (2, "bfloat16")):
+        config = RunConfig(f"memory-stage{stage}", stage=stage, bucket_numel=128, reduce_dtype=reduce_dtype)
         model = build_model(config)
         engine = make_engine(model, config)
-        idx, targets = batch_for(config, 0, rank, 0)
-        engine.backward(model(idx, targets))
-        result[stage] = {
+        after_backward = []
+        for step in range(3 if stage == 2 else 1):
+            for micro in range(config.accumulation):
+                idx, targets = batch_for(config, step, rank, micro)
+                engine.backward(model(idx, targets))
+            after_backward.append(_held_gradient_storages(engine))
+            report = engine.memory_report()
+            engine.step()
+            engine.zero_grad()
+        result[stage if stage == 1 else f"2-{reduce_dtype}"] = {
             "held_numels": sorted(t.numel() for t in engine.reducer.held_tensors()),
+            "held_after_backward": after_backward,
             "partition_numels": sorted(group.partition_numel for group in engine.layout.groups),
             "group_numels": sorted(group.numel for group in engine.layout.groups),
             "num_buckets": [len(group.buckets) for group in engine.layout.groups],
-            "largest_bucket_numel": max(b.numel for g in engine.layout.groups for b in g.buckets),
+            "largest_bucket_reduction_bytes": max(
+                _reduction_bytes(bucket, reduce_dtype) for group in engine.layout.groups for bucket in group.buckets
+            ),
             "grads_none": all(param.grad is None for param in model.parameters()),
+            "report_bytes": (report.gradient_bytes, report.bucket_pool_bytes),
         }
         engine.reducer.remove_hooks()
     return result
+
+
+def _held_gradient_storages(engine: ZeroOptimizer) -> dict[str, Any]:
+    """The storages the reducer holds, as (data_ptr, bytes), and which are the partitions."""
+    held = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in engine.reducer.held_tensors()}
+    partitions = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in engine.reducer.partition_grads}
+    return {"held": sorted(held), "partitions": sorted(partitions)}
+
+
+def _reduction_bytes(bucket, reduce_dtype: str) -> int:
+    """One bucket's reduction buffers, at most: staging, the receive buffer of a bf16
+    reduction on gloo (the whole bucket; half at two ranks), an fp32 temporary for its
+    reduced partition."""
+    if reduce_dtype == "float32":
+        return 4 * bucket.numel + 4 * bucket.partition_numel
+    return 2 * bucket.numel + 2 * bucket.numel + 4 * bucket.partition_numel
 
 
 def check_stage2_peak_gradient_memory(rank: int, world_size: int, reduce_dtype: str = "float32") -> dict[str, Any]:
@@ -793,6 +821,31 @@ def check_reduce_dtype(rank: int, world_size: int) -> dict[str, Any]:
     return results
 
 
+def check_all_gather(rank: int, world_size: int) -> dict[str, float]:
+    """Collectives.all_gather_into against torch's all-gather, per way of calling it: the
+    input a slice of the output (the engine's) or a separate tensor, sync or async, bf16
+    and fp32; the max abs difference of each (0 when equal)."""
+    from zeroshard.comm import Collectives
+
+    comm = Collectives()
+    differences = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        mine = torch.arange(1000, dtype=torch.float32).to(dtype) * (rank + 1) - 7 * rank
+        expected = torch.empty(world_size * 1000, dtype=dtype)
+        _all_gather_tensor(expected, mine)
+        for aliased in (True, False):
+            for async_op in (True, False):
+                output = torch.full((world_size * 1000,), float("nan"), dtype=dtype)
+                own = output[rank * 1000 : (rank + 1) * 1000]
+                if aliased:
+                    own.copy_(mine)
+                handle = comm.all_gather_into(output, own if aliased else mine.clone(), async_op=async_op)
+                handle.wait()
+                name = f"{dtype}-{'slice' if aliased else 'separate'}-{'async' if async_op else 'sync'}"
+                differences[name] = (output.float() - expected.float()).abs().nan_to_num(float("inf")).max().item()
+    return differences
+
+
 def run_checks(rank: int, world_size: int, checks: list[tuple[str, str, tuple]]) -> dict[str, Any]:
     """Spawn target: run (label, check name, extra args) in order on every rank; results by label."""
     functions: dict[str, Callable[..., Any]] = {
@@ -805,5 +858,6 @@ def run_checks(rank: int, world_size: int, checks: list[tuple[str, str, tuple]])
         "shard_state_dict": check_shard_state_dict,
         "reduce_dtype": check_reduce_dtype,
         "equivalence": run_equivalence,
+        "all_gather": check_all_gather,
     }
     return {label: functions[name](rank, world_size, *args) for label, name, args in checks}

@@ -14,6 +14,7 @@ from dist_helpers import RunConfig, build_model, make_engine, run_checks, torch_
 from torch import nn
 
 from zeroshard.engine import ZeroOptimizer
+from zeroshard.engine.gradients import MAX_IN_FLIGHT
 from zeroshard.launch import spawn
 from zeroshard.models import OddSizedModel
 
@@ -29,6 +30,7 @@ CHECKS = [
     ("different-models", "different_models", ()),
     ("shard-state-dict", "shard_state_dict", ()),
     ("reduce-dtype", "reduce_dtype", ()),
+    ("all-gather", "all_gather", ()),
 ]
 
 
@@ -67,11 +69,23 @@ def test_compact_policy_does_misalign_the_odd_fixture(per_rank):
 # ---- gradient memory -------------------------------------------------------------------------------
 
 
-def test_stage2_holds_only_gradient_partitions_after_backward(per_rank):
-    for result in (ranks["memory"][2] for ranks in per_rank):
-        assert max(result["num_buckets"]) > 1
-        assert result["held_numels"] == result["partition_numels"]
-        assert all(held < full for held, full in zip(result["held_numels"], result["group_numels"]))
+@pytest.mark.parametrize("reduce_dtype", ["float32", "bfloat16"])
+def test_stage2_keeps_only_the_partitions_and_a_bounded_bucket_pool_across_backwards(per_rank, reduce_dtype):
+    """What outlives a stage-2 backward is the gradient partition plus the bucket pool: the
+    same storages after every step's backward (reused, not grown), within MAX_IN_FLIGHT + 1
+    of the largest bucket's reduction buffers. Two micro-batches per step: the second one's
+    fp32 temporaries come from the pool too."""
+    for result in (ranks["memory"][f"2-{reduce_dtype}"] for ranks in per_rank):
+        assert sum(result["num_buckets"]) >= 5
+        first, *later = result["held_after_backward"]
+        assert len(later) == 2
+        for held in result["held_after_backward"]:
+            assert held == first, "the reducer's storages changed from one backward to the next"
+            assert set(held["partitions"]) <= set(map(tuple, held["held"]))
+        pool_bytes = sum(nbytes for _, nbytes in first["held"]) - sum(nbytes for _, nbytes in first["partitions"])
+        assert 0 < pool_bytes <= (MAX_IN_FLIGHT + 1) * result["largest_bucket_reduction_bytes"]
+        partition_bytes = sum(nbytes for _, nbytes in first["partitions"])
+        assert tuple(result["report_bytes"]) == (partition_bytes, pool_bytes)  # memory_report tells them apart
         assert result["grads_none"]
 
 
@@ -96,6 +110,17 @@ def test_stage2_peak_gradient_memory_during_backward_is_bounded_by_buckets(per_r
             f"peak {result['peak_bytes']} B > partitions + 3 buckets {bound} B "
             f"(full fp32 gradient {result['full_gradient_bytes']} B, {result['num_buckets']} buckets)"
         )
+
+
+# ---- collectives ------------------------------------------------------------------------------------
+
+
+def test_all_gather_into_equals_torchs_all_gather_however_called(per_rank):
+    """Two gloo ranks swap their inputs by an all-to-all instead of gloo's all-gather: the
+    result must be torch's all-gather's, with the input a slice of the output or not."""
+    for result in (ranks["all-gather"] for ranks in per_rank):
+        assert len(result) == 8
+        assert all(difference == 0.0 for difference in result.values()), result
 
 
 # ---- reduce dtype ----------------------------------------------------------------------------------

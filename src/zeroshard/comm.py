@@ -48,25 +48,26 @@ class _Done:
 
 
 class _Widening:
-    """Handle of ``reduce_scatter_widened``: on wait, output <- the float32 sum of the rows
-    of ``partials`` (one per rank, or one already summed), in row order."""
+    """Handle of ``reduce_scatter_widened``: on wait, output <- the float32 sum of ``parts``
+    (every rank's part in rank order, or one already summed), in that order."""
 
-    def __init__(self, work: Any, partials: torch.Tensor, output: torch.Tensor) -> None:
-        self._work, self._partials, self._output = work, partials, output
+    def __init__(self, work: Any, parts: list[torch.Tensor], output: torch.Tensor, scratch: torch.Tensor) -> None:
+        self._work, self._parts, self._output, self._scratch = work, parts, output, scratch
 
     @property
     def buffers(self) -> list[torch.Tensor]:
         """The temporaries it holds until waited on (for memory accounting)."""
-        return [] if self._partials is None else [self._partials]
+        return [] if self._parts is None else [self._scratch]
 
     def wait(self) -> bool:
-        if self._partials is None:
+        if self._parts is None:
             return True
         self._work.wait()
-        self._output.copy_(self._partials[0])
-        for row in self._partials[1:]:
-            self._output.add_(row)
-        self._work = self._partials = None
+        first, *rest = self._parts
+        self._output.copy_(first)
+        for part in rest:
+            self._output.add_(part)
+        self._work = self._parts = self._scratch = None
         return True
 
 
@@ -96,40 +97,77 @@ class Collectives:
             return _Done()
         return _reduce_scatter(output, input, group=self.group, async_op=async_op) or _Done()
 
-    def reduce_scatter_widened(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+    def reduce_scatter_widened(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, scratch: torch.Tensor | None = None
+    ):
         """output (float32, one partition) <- sum over ranks of this rank's partition of input.
 
         The payload moves in ``input``'s lower precision (bf16, fp16). On gloo, whose
         reduce-scatter is an all-reduce (2(D-1)/D of the buffer sent per rank), it is an
         all-to-all ((D-1)/D) and the D received partitions are summed here in float32, in
-        rank order, once the handle is waited on. Other backends reduce-scatter in input's
-        dtype (summing in it) and the result is widened on wait.
+        rank order, once the handle is waited on (two ranks send each other only the
+        other's half; a rank's own part is read where it is). Other backends reduce-scatter
+        in input's dtype (summing in it) and the result is widened on wait. ``scratch``, if
+        given, is the receive buffer: ``widening_scratch_numel(input.numel())`` elements of
+        input's dtype, free once the handle is waited on; else one is allocated.
         """
         self.bytes_moved["reduce_scatter"] += input.numel() * input.element_size()
         if self.world_size == 1:
             output.copy_(input)
             return _Done()
-        if self.backend == "gloo":
-            received = torch.empty_like(input)
-            work = dist.all_to_all_single(received, input, group=self.group, async_op=True)
-            handle = _Widening(work, received.view(self.world_size, -1), output)
+        if scratch is None:
+            scratch = torch.empty(self.widening_scratch_numel(input.numel()), dtype=input.dtype, device=input.device)
+        if self.backend == "gloo" and self.world_size == 2:
+            halves = input.view(2, -1)
+            work = self._swap_with_peer(scratch, halves[1 - self.rank], async_op=True)
+            parts = [halves[0], scratch] if self.rank == 0 else [scratch, halves[1]]
+        elif self.backend == "gloo":
+            work = dist.all_to_all_single(scratch, input, group=self.group, async_op=True)
+            parts = list(scratch.view(self.world_size, -1))
         else:
-            partial = torch.empty(output.numel(), dtype=input.dtype, device=input.device)
-            work = _reduce_scatter(partial, input, group=self.group, async_op=True)
-            handle = _Widening(work, partial.view(1, -1), output)
+            work = _reduce_scatter(scratch, input, group=self.group, async_op=True)
+            parts = [scratch]
+        handle = _Widening(work, parts, output, scratch)
         if not async_op:
             handle.wait()
             return _Done()
         return handle
 
-    def all_gather_into(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
-        """output <- concatenation of every rank's input (input may be a slice of output)."""
-        self.bytes_moved["all_gather"] += output.numel() * output.element_size()
+    def widening_scratch_numel(self, input_numel: int) -> int:
+        """Elements of the receive buffer ``reduce_scatter_widened`` needs for an input of
+        ``input_numel``: all of it on gloo (every rank's part), one partition for two gloo
+        ranks (the peer's part) and on other backends (the sum)."""
         if self.world_size == 1:
-            if input.data_ptr() != output.data_ptr():
-                output.copy_(input)
+            return 0
+        if self.backend == "gloo" and self.world_size > 2:
+            return input_numel
+        return input_numel // self.world_size
+
+    def all_gather_into(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        """output <- concatenation of every rank's input (input may be a slice of output).
+
+        Two gloo ranks swap their inputs with one all-to-all that sends nothing to itself:
+        the same bytes on the wire as gloo's all-gather, at about half its time and CPU on
+        loopback (benchmarks/README.md, engine_phases.py)."""
+        self.bytes_moved["all_gather"] += output.numel() * output.element_size()
+        own = output.view(self.world_size, -1)[self.rank]
+        swap = self.world_size == 2 and self.backend == "gloo"
+        if (self.world_size == 1 or swap) and input.data_ptr() != own.data_ptr():
+            own.copy_(input)
+        if self.world_size == 1:
             return _Done()
+        if swap:
+            return self._swap_with_peer(output.view(2, -1)[1 - self.rank], own, async_op) or _Done()
         return _all_gather(output, input, group=self.group, async_op=async_op) or _Done()
+
+    def _swap_with_peer(self, received: torch.Tensor, sent: torch.Tensor, async_op: bool):
+        """Of two ranks: send ``sent`` to the peer and receive what it sends into ``received``
+        (an all-to-all that sends nothing to itself). Returns the work, or None if sync."""
+        splits = [0, 0]
+        splits[1 - self.rank] = sent.numel()
+        return dist.all_to_all_single(
+            received, sent, output_split_sizes=splits, input_split_sizes=splits, group=self.group, async_op=async_op
+        )
 
     def all_reduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         self.bytes_moved["all_reduce"] += tensor.numel() * tensor.element_size()

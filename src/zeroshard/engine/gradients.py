@@ -7,11 +7,12 @@ the reduce-scatter runs and what stays allocated:
 * stage 1 adds it in fp32 to a full-size gradient buffer per group, kept across steps, and
   reduce-scatters that at the step (or when a reduced gradient is first asked for);
 * stage 2 fills one bucket at a time and reduce-scatters each as soon as all its
-  parameters have their gradient, while backward goes on; the bucket's buffer is freed once
-  its partition has been added to the rank's fp32 gradient partition. A bucket buffer is
-  not zero-filled: each parameter's gradient is written into it (a second one in the same
-  backward is added), and at launch the padding and any parameter that got no gradient are
-  zeroed.
+  parameters have their gradient, while backward goes on; the bucket's buffers go back to
+  a bounded pool (``bucket_pool``) once its partition has been added to the rank's fp32
+  gradient partition, and the next bucket or the next backward takes them from there. A
+  bucket buffer is not zero-filled: each parameter's gradient is written into it (a second
+  one in the same backward is added), and at launch the padding and any parameter that got
+  no gradient are zeroed.
 
 Either way the result is ``partition_grads[g]``: this rank's partition of the sum over ranks
 of the accumulated (loss-scaled) gradients divided by the world size.
@@ -41,8 +42,10 @@ stale first, so every reader and writer sees the gradient so far.
 Buckets are reduced in a fixed order on every rank, so the collectives match even when
 hooks fire in another order: the order backward usually completes them, latest-registered
 parameters first. At most ``MAX_IN_FLIGHT`` bucket reductions are outstanding; launching
-another first folds the oldest into the partition and frees its buffers, so stage 2 never
-holds more than a few buckets of full-size gradient.
+another first folds the oldest into the partition and returns its buffers to the pool, so
+stage 2 never holds more than a few buckets of full-size gradient: what outlives a backward
+is the gradient partition and the pool, whose size the layout, the bucket size and the
+reduce dtypes fix (``MAX_IN_FLIGHT + 1`` of the largest bucket's reduction buffers at most).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from torch.autograd import Variable
 
 from ..buffers import FlatParamBuffer
 from ..comm import Collectives
+from .bucket_pool import BufferPool
 
 MAX_IN_FLIGHT = 2
 
@@ -64,6 +68,7 @@ class _BucketReduction:
     output: torch.Tensor  # this rank's partition of it: a temporary, or the partition slice itself
     handle: object
     in_place: bool  # output is the partition slice, which held nothing: no addition to make
+    pooled: list[torch.Tensor]  # buffers to give back to the pool once folded in
 
 
 @dataclass
@@ -92,6 +97,7 @@ class GradientReducer:
         self._full: list[torch.Tensor | None] = [
             torch.zeros(b.group.numel, dtype=torch.float32, device=device) if self.stage == 1 else None for b in self.buffers
         ]
+        self._pool = BufferPool(device, self._pool_budget() if self.stage == 2 else 0)
         self._staging: dict[tuple[int, int], torch.Tensor] = {}
         self._pending: dict[tuple[int, int], set[int]] = {}  # params of a staged bucket yet to report
         self._gaps = {key: self._gaps_of(*key) for key in self._all_buckets()}
@@ -132,6 +138,19 @@ class GradientReducer:
 
     def _all_buckets(self) -> list[tuple[int, int]]:
         return [(g, b) for g, buffer in enumerate(self.buffers) for b in range(len(buffer.group.buckets))]
+
+    def _pool_budget(self) -> int:
+        """Bytes the bucket pool may keep: the buffers of ``MAX_IN_FLIGHT`` reductions in
+        flight and one bucket filling, each as large as the largest bucket's."""
+        largest = 0
+        for group_index, buffer in enumerate(self.buffers):
+            dtype = self.reduce_dtypes[group_index]
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            comm = self.group_comms[group_index]
+            for bucket in buffer.group.buckets:
+                scratch = comm.widening_scratch_numel(bucket.numel) if self._widened[group_index] else 0
+                largest = max(largest, itemsize * (bucket.numel + scratch) + 4 * bucket.partition_numel)
+        return (MAX_IN_FLIGHT + 1) * largest
 
     def _gaps_of(self, group_index: int, bucket_index: int) -> list[tuple[int, int]]:
         """The bucket's ranges outside every parameter (padding), relative to its start."""
@@ -187,7 +206,7 @@ class GradientReducer:
             group_index, bucket_index = key
             bucket = self.buffers[group_index].group.buckets[bucket_index]
             dtype = self.reduce_dtypes[group_index]
-            self._staging[key] = torch.empty(bucket.numel, dtype=dtype, device=self._grads[0].device)
+            self._staging[key] = self._pool.take(bucket.numel, dtype)
             self._pending[key] = set(range(bucket.first_param, bucket.first_param + bucket.num_params))
         return self._staging[key]
 
@@ -211,31 +230,44 @@ class GradientReducer:
             del self._staging[key]
             self._zero_unwritten(key, staging, self._pending.pop(key))
             self._retire_in_flight(keep=MAX_IN_FLIGHT - 1)
-            self._in_flight.append((key, self._reduce_bucket(key, staging, async_op=True)))
+            self._in_flight.append((key, self._reduce_bucket(key, staging, pooled=True)))
             self._next_launch += 1
 
     def _retire_in_flight(self, keep: int) -> None:
-        """Wait for the oldest reductions until ``keep`` remain; fold them in, free their buffers."""
+        """Wait for the oldest reductions until ``keep`` remain; fold them in, give their
+        buffers back to the pool."""
         while len(self._in_flight) > keep:
             key, reduction = self._in_flight.pop(0)
             reduction.handle.wait()
             self._accumulate(key, reduction)
+            for buffer in reduction.pooled:
+                self._pool.give(buffer)
 
-    def _reduce_bucket(self, key: tuple[int, int], payload: torch.Tensor, async_op: bool) -> _BucketReduction:
-        """Reduce-scatter one bucket's gradient, in fp32 or (already divided) in the reduce dtype."""
+    def _reduce_bucket(self, key: tuple[int, int], payload: torch.Tensor, pooled: bool) -> _BucketReduction:
+        """Launch the reduce-scatter of one bucket's gradient, in fp32 or (already divided)
+        in the reduce dtype. ``pooled`` (stage 2): the payload came from the pool, and the
+        temporaries come from it too."""
         group_index = key[0]
+        comm = self.group_comms[group_index]
         in_place = key in self._stale
         if in_place:  # the slice holds nothing yet: reduce straight into it
             self._stale.discard(key)
             output = self._partition_slice(*key)
         else:
-            output = torch.empty_like(self._partition_slice(*key))
-        comm = self.group_comms[group_index]
+            output = self._temporary(self._partition_slice(*key).numel(), torch.float32, pooled)
+        borrowed = [payload] + ([] if in_place else [output])
         if self._widened[group_index]:
-            handle = comm.reduce_scatter_widened(output, payload, async_op=async_op)
+            scratch = self._temporary(comm.widening_scratch_numel(payload.numel()), payload.dtype, pooled)
+            borrowed.append(scratch)
+            handle = comm.reduce_scatter_widened(output, payload, async_op=True, scratch=scratch)
         else:
-            handle = comm.reduce_scatter_sum(output, payload, async_op=async_op)
-        return _BucketReduction(payload, output, handle, in_place)
+            handle = comm.reduce_scatter_sum(output, payload, async_op=True)
+        return _BucketReduction(payload, output, handle, in_place, borrowed if pooled else [])
+
+    def _temporary(self, numel: int, dtype: torch.dtype, pooled: bool) -> torch.Tensor:
+        if pooled:
+            return self._pool.take(numel, dtype)
+        return torch.empty(numel, dtype=dtype, device=self._grads[0].device)
 
     def finish_backward(self) -> None:
         """Stage 2, end of a backward pass: reduce what is left and wait for everything."""
@@ -266,7 +298,7 @@ class GradientReducer:
                     key = (group_index, bucket.index)
                     payload = self._stage1_payload(group_index, full[bucket.start : bucket.end])
                     self._retire_in_flight(keep=MAX_IN_FLIGHT - 1)
-                    self._in_flight.append((key, self._reduce_bucket(key, payload, async_op=True)))
+                    self._in_flight.append((key, self._reduce_bucket(key, payload, pooled=False)))
             self._retire_in_flight(keep=0)
             for full in self._full:
                 full.zero_()
@@ -293,7 +325,12 @@ class GradientReducer:
         for _, reduction in self._in_flight:
             temporary = [] if reduction.in_place else [reduction.output]
             held += [reduction.input, *temporary, *getattr(reduction.handle, "buffers", ())]
-        return held + [t for t in self._full if t is not None]
+        return held + [t for t in self._full if t is not None] + self._pool.held()
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes the bucket pool keeps right now (part of ``held_tensors``)."""
+        return self._pool.held_bytes
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:

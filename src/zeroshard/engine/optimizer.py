@@ -40,17 +40,20 @@ from .shard_state import load_shard, shard_mismatch, shard_state_dict
 
 @dataclass(frozen=True)
 class MemoryReport:
-    """Bytes of training state on one rank; ``unsharded_bytes`` is plain data parallelism's."""
+    """Bytes of training state on one rank; ``unsharded_bytes`` is plain data parallelism's.
+    ``total_bytes`` also counts stage 2's bucket pool, reusable scratch that is no state."""
 
     param_buffer_bytes: int
     master_bytes: int
     optimizer_state_bytes: int
     gradient_bytes: int
     unsharded_bytes: int
+    bucket_pool_bytes: int = 0  # stage 2's reusable bucket buffers (scratch, not state)
 
     @property
     def total_bytes(self) -> int:
-        return self.param_buffer_bytes + self.master_bytes + self.optimizer_state_bytes + self.gradient_bytes
+        state = self.param_buffer_bytes + self.master_bytes + self.optimizer_state_bytes + self.gradient_bytes
+        return state + self.bucket_pool_bytes
 
 
 class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
@@ -306,7 +309,8 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
             for t in self.optimizer.state.get(m, {}).values()
             if torch.is_tensor(t) and t.dim() > 0
         )
-        grads = sum(t.numel() * t.element_size() for t in self.reducer.held_tensors())
+        pool = self.reducer.pool_bytes
+        grads = sum(t.numel() * t.element_size() for t in self.reducer.held_tensors()) - pool
         params = sum(b.data.numel() * b.data.element_size() for b in self.buffers)
         real = sum(group.param_numel for group in self.layout.groups)
         partition = sum(group.partition_numel for group in self.layout.groups)
@@ -316,7 +320,7 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
             + real * (4 + 4)  # fp32 master and fp32 gradient
             + int(real * state_per_element)
         )
-        return MemoryReport(params, master, state, grads, unsharded)
+        return MemoryReport(params, master, state, grads, unsharded, pool)
 
     def export_state(self) -> ShardedState:
         """This rank's state as a plain value (CPU tensors) for the checkpoint layer."""

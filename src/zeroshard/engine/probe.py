@@ -30,8 +30,8 @@ class GradientMemoryProbe:
             param.register_post_accumulate_grad_hook(lambda _: self.sample())
 
     def _sampling(self, reduce_scatter):
-        def reduce_scatter_and_sample(output, input, async_op=False):
-            handle = reduce_scatter(output, input, async_op=async_op)
+        def reduce_scatter_and_sample(output, input, async_op=False, **options):
+            handle = reduce_scatter(output, input, async_op=async_op, **options)
             # With the handle's own temporaries (a widening reduction's receive buffer).
             buffers = [output, input, *getattr(handle, "buffers", ())]
             self._collective_buffers += [weakref.ref(tensor) for tensor in buffers]
