@@ -39,19 +39,19 @@ class BufferPool:
         free = self._free.get((numel, dtype))
         if free:
             buffer = free.pop()
-            self._held_bytes -= _nbytes(buffer)
+            self._held_bytes -= buffer.nbytes
         else:
-            self._drop_until(self.budget_bytes - self._lent_bytes - numel * _itemsize(dtype))
+            self._drop_until(self.budget_bytes - self._lent_bytes - numel * dtype.itemsize)
             buffer = torch.empty(numel, dtype=dtype, device=self.device)
-        self._lent_bytes += _nbytes(buffer)
+        self._lent_bytes += buffer.nbytes
         return buffer
 
     def give(self, buffer: torch.Tensor) -> None:
         """Take back a buffer ``take`` lent; keep it for a later ``take`` if the budget allows."""
-        self._lent_bytes -= _nbytes(buffer)
-        if self._lent_bytes + self._held_bytes + _nbytes(buffer) <= self.budget_bytes:
+        self._lent_bytes -= buffer.nbytes
+        if self._lent_bytes + self._held_bytes + buffer.nbytes <= self.budget_bytes:
             self._free.setdefault((buffer.numel(), buffer.dtype), []).append(buffer)
-            self._held_bytes += _nbytes(buffer)
+            self._held_bytes += buffer.nbytes
 
     def held(self) -> list[torch.Tensor]:
         """The buffers kept right now, not lent (for memory accounting)."""
@@ -64,13 +64,5 @@ class BufferPool:
     def _drop_until(self, limit: int) -> None:
         """Drop kept buffers (largest first) until at most ``limit`` bytes are kept."""
         while self._held_bytes > max(limit, 0):
-            key = max((k for k, free in self._free.items() if free), key=lambda k: k[0] * _itemsize(k[1]))
-            self._held_bytes -= _nbytes(self._free[key].pop())
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
+            key = max((k for k, free in self._free.items() if free), key=lambda k: k[0] * k[1].itemsize)
+            self._held_bytes -= self._free[key].pop().nbytes
