@@ -185,6 +185,25 @@ def test_each_rank_file_is_parsed_once(deepspeed_runs, monkeypatch, tmp_path):
     assert sorted(parsed) == sorted(run.tag_dir.glob("*.pt"))
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+def test_opening_leaves_the_garbage_collector_as_it_was(deepspeed_runs, copy_of, enabled):
+    """The collector is paused while the rank files are parsed, and set back after, also on an error."""
+    import gc
+
+    tag_dir = copy_of("w4_s1")
+    rank_file(tag_dir, 3).write_bytes(b"not a zip")
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled else gc.disable()
+        open_deepspeed(deepspeed_runs["w4_s1"].save_dir).close()
+        assert gc.isenabled() == enabled
+        with pytest.raises(DeepSpeedFormatError, match="rank_3"):
+            open_deepspeed(tag_dir)
+        assert gc.isenabled() == enabled
+    finally:
+        gc.enable() if was else gc.disable()
+
+
 def test_reads_without_deepspeed_or_torch(deepspeed_runs):
     run = deepspeed_runs["w2_s2_align_rr"]
     script = (

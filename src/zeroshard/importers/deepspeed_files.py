@@ -206,7 +206,7 @@ def read_rank_shard(path: Path, rank: int, like: RankShard | None = None) -> Ran
         path=path,
         rank=rank,
         zero_stage=stage,
-        fp32=[fields.vector(t, f"{fp32_key}[{i}]", path) for i, t in enumerate(fp32)],
+        fp32=[t if fields.is_vector(t) else fields.vector(t, f"{fp32_key}[{i}]", path) for i, t in enumerate(fp32)],
         states=states,
         scalars=scalars,
         param_groups=_hyperparameters(param_groups, path, like.param_groups if like else None),
@@ -276,7 +276,9 @@ def _split_optimizer_state(
         vectors.append({})
         scalars.append({})
         for key, value in entries.items():
-            if _is_vector(value):
+            if fields.is_vector(value):
+                vectors[-1][key] = value
+            elif _is_vector(value):  # 1-D, but not a flat partition: an error naming the entry
                 vectors[-1][key] = fields.vector(value, f"{where}[{key!r}]", path)
             else:
                 scalars[-1][key] = _as_value(value, f"{where}[{key!r}]", path)
@@ -299,15 +301,22 @@ def _slice_mappings(value: Any, path: Path) -> list[dict[str, tuple[int, int]]]:
         where = f"param_slice_mappings[{index}]"
         group: dict[str, tuple[int, int]] = {}
         for name, address in fields.mapping(mapping, where, path).items():
-            field = f"{where}[{name!r}]"
-            if not isinstance(address, FragmentAddress):
-                raise fields.field_error(path, field, f"is {type(address).__name__}, expected a fragment_address")
-            numel, start = vars(address).get("numel"), vars(address).get("start")
-            if not (type(numel) is int and type(start) is int and numel >= 0 and start >= 0):  # else: which one, why
-                numel, start = (fields.integer(vars(address).get(k), f"{field}.{k}", path) for k in ("numel", "start"))
-            group[name] = (numel, start)
+            if isinstance(address, FragmentAddress):
+                numel, start = vars(address).get("numel"), vars(address).get("start")
+                if type(numel) is int and type(start) is int and numel >= 0 and start >= 0:
+                    group[name] = (numel, start)
+                    continue
+            group[name] = _fragment(address, f"{where}[{name!r}]", path)
         parsed.append(group)
     return parsed
+
+
+def _fragment(address: Any, field: str, path: Path) -> tuple[int, int]:
+    """(numel, start) of a fragment_address, or the error saying what is wrong with it."""
+    if not isinstance(address, FragmentAddress):
+        raise fields.field_error(path, field, f"is {type(address).__name__}, expected a fragment_address")
+    numel, start = (fields.integer(vars(address).get(k), f"{field}.{k}", path) for k in ("numel", "start"))
+    return numel, start
 
 
 def _loss_scaler(value: Any) -> dict[str, Any]:
