@@ -845,6 +845,34 @@ def test_the_opcode_scan_refuses_a_truncated_pickle(cut):
         assert scan_verdict(sample[:-cut]) == "corrupt" == genops_verdict(sample[:-cut])
 
 
+def test_a_pickle_that_passed_the_scan_is_not_scanned_again(monkeypatch):
+    """Passed pickles are remembered by content (a few, small ones): the same bytes skip the
+    scan, any other bytes are scanned, and a refused pickle is never remembered."""
+    from zeroshard.importers import pickle_scan
+    from zeroshard.importers.torch_records import FileProblem
+
+    scanned = []
+    original = pickle_scan._scan
+    monkeypatch.setattr(pickle_scan, "_scan", lambda data: scanned.append(data) or original(data))
+    monkeypatch.setattr(pickle_scan, "_PASSED", {})
+    good = pickle.dumps({"a": [1, 2]}, protocol=2)
+    for _ in range(3):
+        pickle_scan.check_opcodes(bytes(good))  # equal bytes, a new object each time
+    assert scanned == [good]
+    bad = good.replace(b"}", b"i", 1)  # INST: outside the allow-list
+    for _ in range(2):
+        with pytest.raises(FileProblem, match="opcode INST is not allowed"):
+            pickle_scan.check_opcodes(bad)
+    assert scanned == [good, bad, bad]
+    others = [pickle.dumps(i, protocol=2) for i in range(pickle_scan._PASSED_COUNT + 5)]
+    for data in others:
+        pickle_scan.check_opcodes(data)
+    assert len(pickle_scan._PASSED) == pickle_scan._PASSED_COUNT and good not in pickle_scan._PASSED
+    big = pickle.dumps("x" * (pickle_scan._PASSED_BYTES + 1), protocol=2)
+    pickle_scan.check_opcodes(big)
+    assert big not in pickle_scan._PASSED
+
+
 # ---- the zip directory ----------------------------------------------------------------------------
 
 

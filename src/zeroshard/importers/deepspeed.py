@@ -53,7 +53,7 @@ def open_deepspeed(path: str | Path) -> DeepSpeedSource:
     return DeepSpeedSource(find_tag_dir(path))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RankTensors:
     """What reading needs of one rank's file: its tensors, per layout group."""
 
