@@ -57,11 +57,19 @@ def sequence(value: Any, field: str, path: Path) -> list[Any]:
     return list(value)
 
 
+def is_mapping(value: Any) -> bool:
+    """Whether ``value`` is a plain dict that :func:`mapping` takes as it is."""
+    return type(value) is dict and set(map(type, value)) <= _STRINGS
+
+
+_STRINGS = frozenset((str,))
+
+
 def mapping(value: Any, field: str, path: Path) -> dict[str, Any]:
     """A dict whose keys are strings."""
     if not isinstance(value, dict):
         raise field_error(path, field, f"is {_kind(value)}, expected a dict")
-    if not set(map(type, value)) <= {str}:
+    if not set(map(type, value)) <= _STRINGS:
         bad = next((key for key in value if not isinstance(key, str)), None)
         if bad is not None:
             raise field_error(path, field, f"has a key of type {type(bad).__name__}, expected strings")

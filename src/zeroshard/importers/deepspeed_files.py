@@ -197,7 +197,7 @@ def read_rank_shard(path: Path, rank: int, like: RankShard | None = None) -> Ran
     fp32_key = "single_partition_of_fp32_groups"
     fp32 = fields.sequence(_require(state, fp32_key, path), fp32_key, path)
     param_groups = [
-        fields.mapping(group, f"base_optimizer_state['param_groups'][{index}]", path)
+        group if fields.is_mapping(group) else fields.mapping(group, f"base_optimizer_state['param_groups'][{index}]", path)
         for index, group in enumerate(fields.sequence(_require(base, "param_groups", path), "param_groups", path))
     ]
     optimizer_state = fields.optional_dict(base.get("state"), "base_optimizer_state['state']", path)
@@ -271,17 +271,20 @@ def _split_optimizer_state(
             raise DeepSpeedFormatError(
                 f"{path}: optimizer group {index} should hold one flat partition: params={found}"
             )
-        where = f"base_optimizer_state['state'][{ids[0]}]"
-        entries = fields.optional_mapping(state.get(ids[0]), where, path)
-        vectors.append({})
-        scalars.append({})
+        entries = state.get(ids[0])
+        if not fields.is_mapping(entries):
+            entries = fields.optional_mapping(entries, f"base_optimizer_state['state'][{ids[0]}]", path)
+        group_vectors: dict[str, StoredTensor] = {}
+        group_scalars: dict[str, Any] = {}
         for key, value in entries.items():
             if fields.is_vector(value):
-                vectors[-1][key] = value
+                group_vectors[key] = value
             elif _is_vector(value):  # 1-D, but not a flat partition: an error naming the entry
-                vectors[-1][key] = fields.vector(value, f"{where}[{key!r}]", path)
+                group_vectors[key] = fields.vector(value, f"base_optimizer_state['state'][{ids[0]}][{key!r}]", path)
             else:
-                scalars[-1][key] = _as_value(value, f"{where}[{key!r}]", path)
+                group_scalars[key] = _as_value(value, f"base_optimizer_state['state'][{ids[0]}][{key!r}]", path)
+        vectors.append(group_vectors)
+        scalars.append(group_scalars)
     return vectors, scalars
 
 
@@ -298,15 +301,16 @@ def _alignment_paddings(value: Any, path: Path, checked: list[list[int]] | None)
 def _slice_mappings(value: Any, path: Path) -> list[dict[str, tuple[int, int]]]:
     parsed: list[dict[str, tuple[int, int]]] = []
     for index, mapping in enumerate(fields.sequence(value, "param_slice_mappings", path)):
-        where = f"param_slice_mappings[{index}]"
+        if not fields.is_mapping(mapping):
+            mapping = fields.mapping(mapping, f"param_slice_mappings[{index}]", path)
         group: dict[str, tuple[int, int]] = {}
-        for name, address in fields.mapping(mapping, where, path).items():
+        for name, address in mapping.items():
             if isinstance(address, FragmentAddress):
                 numel, start = vars(address).get("numel"), vars(address).get("start")
                 if type(numel) is int and type(start) is int and numel >= 0 and start >= 0:
                     group[name] = (numel, start)
                     continue
-            group[name] = _fragment(address, f"{where}[{name!r}]", path)
+            group[name] = _fragment(address, f"param_slice_mappings[{index}][{name!r}]", path)
         parsed.append(group)
     return parsed
 
