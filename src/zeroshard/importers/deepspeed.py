@@ -18,7 +18,6 @@ DeepSpeed is imported.
 from __future__ import annotations
 
 import contextlib
-import gc
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ import numpy as np
 
 from ..checkpoint.io.dtypes import to_float32
 from ..checkpoint.source import ModelEntry, SourceInfo
+from ..collector import collector_paused
 from ..layout import GroupLayout, Layout, LayoutPolicy, ParamSpec, build_layout, canonical_dtype
 from ..state import ParamGroupState
 from .deepspeed_files import (
@@ -73,7 +73,7 @@ class DeepSpeedSource:
         layout = rebuild_layout(self._model, first, world_size=len(rank_paths))
         self._ranks: list[RankTensors] = []
         checks = RankChecks(layout)
-        with _collector_paused():
+        with collector_paused():
             for rank, path in enumerate(rank_paths):
                 shard = first if rank == 0 else read_rank_shard(path, rank, like=first)
                 checks.check(shard)
@@ -157,22 +157,6 @@ class DeepSpeedSource:
         if not 0 <= rank < len(self._ranks):
             raise ValueError(f"rank {rank} is outside world size {len(self._ranks)}")
         return self._ranks[rank]
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """No cyclic garbage collection inside. Parsing thousands of rank files allocates a few
-    hundred thousand small containers, tens of thousands of which are kept (every rank's
-    tensor records), and none of which form cycles; the collector, which runs every 700
-    allocations, would walk the growing set of survivors again and again (8-15% of opening
-    a checkpoint at D=4096). Nothing is freed later than it would be without cycles."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 @contextlib.contextmanager
