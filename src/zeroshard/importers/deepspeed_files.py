@@ -14,6 +14,7 @@ Parsing checks types and shapes, not the layout; that is :mod:`.deepspeed`'s job
 
 from __future__ import annotations
 
+import os
 import re
 import reprlib
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ _UNSUPPORTED_FILES = (
         "MoE checkpoints are not supported",
     ),
 )
+_ANY_UNSUPPORTED = re.compile("|".join(f"(?:{pattern.pattern})" for pattern, _ in _UNSUPPORTED_FILES))
 
 
 def find_tag_dir(path: str | Path) -> Path:
@@ -357,7 +359,9 @@ def _require(container: dict[str, Any], key: str, path: Path) -> Any:
 
 
 def refuse_unsupported(tag_dir: Path) -> None:
-    names = [p.name for p in tag_dir.iterdir()]
+    names = os.listdir(tag_dir)
+    if not any(map(_ANY_UNSUPPORTED.match, names)):  # one pass over thousands of names, not four
+        return
     for pattern, message in _UNSUPPORTED_FILES:
         found = next((n for n in names if pattern.match(n)), None)
         if found:

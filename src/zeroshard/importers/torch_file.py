@@ -248,15 +248,13 @@ class _Archive:
             info = self.info(f"data/{key}")
             if info is None:
                 raise FileProblem(f"storage record {self.prefix}data/{key} is missing")
-            if info.file_size < nbytes:
+            name, size = info.filename, info.file_size
+            if size < nbytes:
                 raise FileProblem(
-                    f"storage record {info.filename} has {info.file_size} bytes, "
-                    f"its {numel}-element {kind.dtype} storage needs {nbytes}"
+                    f"storage record {name} has {size} bytes, its {numel}-element {kind.dtype} storage needs {nbytes}"
                 )
-            record = StorageRecord(
-                self.path, key, self._data_offset(info), nbytes, kind.dtype, info.filename, info.file_size, info.CRC,
-                self.load,
-            )
+            offset = self._data_offset(info)
+            record = StorageRecord(self.path, key, offset, nbytes, kind.dtype, name, size, info.CRC, self.load)
             self.storages[key] = record
         elif record.nbytes != nbytes or record.dtype != kind.dtype:
             raise FileProblem(f"corrupt pickle data.pkl: storage {key} is declared with two types or sizes")
