@@ -183,7 +183,9 @@ def read_rank_shard(path: Path, rank: int, like: RankShard | None = None) -> Ran
     hyperparameters and paddings. (Equality with a checked value bounds a hostile one: the
     comparison stops at the checked value's depth.)"""
     raw = load_checkpoint_file(path)
-    state = fields.mapping(_require(raw, "optimizer_state_dict", path), "optimizer_state_dict", path)
+    state = _require(raw, "optimizer_state_dict", path)
+    if not fields.is_mapping(state):
+        state = fields.mapping(state, "optimizer_state_dict", path)
     if "zero_stage" not in state:
         raise DeepSpeedFormatError(
             f"{path}: no zero_stage: not written by DeepSpeed's ZeRO stage 1/2 optimizer "
@@ -195,7 +197,8 @@ def read_rank_shard(path: Path, rank: int, like: RankShard | None = None) -> Ran
     base = _require(state, "base_optimizer_state", path)
     if isinstance(base, list):
         raise DeepSpeedFormatError(f"{path}: elastic_checkpoint optimizer state is not supported")
-    base = fields.mapping(base, "base_optimizer_state", path)
+    if not fields.is_mapping(base):
+        base = fields.mapping(base, "base_optimizer_state", path)
     fp32_key = "single_partition_of_fp32_groups"
     fp32 = fields.sequence(_require(state, fp32_key, path), fp32_key, path)
     param_groups = [
