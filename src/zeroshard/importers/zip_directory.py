@@ -89,13 +89,15 @@ def _entries(data: bytes, count: int, directory_at: int) -> dict[str, Entry] | N
              header_offset) = unpack(data, position)  # fmt: skip
             if signature != b"PK\x01\x02" or _MAX_32 in (compressed, file_size, header_offset):
                 return None  # zip64 sizes: leave them to zipfile
-            start = position + _HEADER.size
-            position = start + name_length
-            name = data[start:position].decode("ascii")
-            if header_offset >= directory_at or len(name) != name_length or "\x00" in name:
+            if header_offset >= directory_at:
                 return None
+            start = position + _HEADER.size
+            position = start + name_length  # a name cut short by the end: position ends past it
+            name = data[start:position].decode("ascii")
             entries[name] = new_entry(Entry, (name, header_offset, file_size, compressed, method, flags, crc))
             position += extra_length + comment_length
     except (struct.error, UnicodeDecodeError):  # the directory ends early, or a name is not ASCII
         return None
-    return entries if position == len(data) else None
+    if position != len(data) or "\x00" in "".join(entries):
+        return None
+    return entries
