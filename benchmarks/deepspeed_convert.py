@@ -338,7 +338,8 @@ def print_table(results: dict[str, dict]) -> None:
         print(
             f"{task}: zeroshard {a['conversion'] / b['conversion']:.1f}x faster on the conversion"
             f" (conversion time {b['conversion'] / a['conversion']:.2f}x DeepSpeed's, {b['conversion']:.2f} s;"
-            f" conversion CPU {b['conversion_cpu']:.2f} s = {b['conversion_cpu'] / a['conversion_cpu']:.2f}x DeepSpeed's;"
+            f" conversion CPU {b['conversion_cpu']:.2f} s ="
+            f" {b['conversion_cpu'] / a['conversion_cpu']:.2f}x DeepSpeed's;"
             f" {a['wall'] / b['wall']:.1f}x faster on the whole process, {b['wall'] / copy:.2f}x cp -r),"
             f" {b['peak_mb'] / a['peak_mb']:.2f}x the peak RSS"
             f" ({(b['peak_mb'] - floor_b) / max(a['peak_mb'] - floor_a, 1):.2f}x above each side's import floor)"

@@ -88,7 +88,8 @@ def run_to_fp32(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, convert) -> int:
     started = time.perf_counter()
     try:
-        with collector_paused():  # a conversion makes no cycles; at large D the collector walks its records again and again
+        # A conversion makes no cycles; at large D the collector would walk its records again and again.
+        with collector_paused():
             out = convert()
     except OSError as err:
         named = name_output(err, args.out)

@@ -73,9 +73,10 @@ class DeepSpeedSource:
         layout = rebuild_layout(self._model, first, world_size=len(rank_paths))
         self._ranks: list[RankTensors] = []
         checks = RankChecks(layout)
+        shard = first
         with collector_paused():
             for rank, path in enumerate(rank_paths):
-                shard = first if rank == 0 else read_rank_shard(path, rank, like=first)
+                shard = first if rank == 0 else read_rank_shard(path, rank, like=first, after=shard)
                 checks.check(shard)
                 self._ranks.append(RankTensors(shard.fp32, shard.states))
         self.info = _source_info(layout, self._model, first)

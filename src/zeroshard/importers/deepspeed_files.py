@@ -17,13 +17,20 @@ from __future__ import annotations
 import os
 import re
 import reprlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ..checkpoint.formats import UnsupportedCheckpointError
 from . import deepspeed_fields as fields
-from .deepspeed_pickle import DeepSpeedFormatError, FragmentAddress, LossScaler, ZeroStageEnum, load_checkpoint_file
+from .deepspeed_pickle import (
+    DeepSpeedFormatError,
+    FragmentAddress,
+    LossScaler,
+    ZeroStageEnum,
+    load_checkpoint_file,
+    load_checkpoint_file_and_pickle,
+)
 from .torch_file import StoredTensor, TorchFileError
 from .torch_records import one_line
 
@@ -152,6 +159,7 @@ class RankShard:
     loss_scaler: dict[str, Any]
     clip_grad: Any
     ds_version: str | None  # (its ds_config is the model-states file's; not read here)
+    pickle: bytes = field(default=b"", repr=False, compare=False)  # what the file's pickle was
 
 
 def read_model_states(path: Path) -> ModelStates:
@@ -177,12 +185,18 @@ def read_model_states(path: Path) -> ModelStates:
     )
 
 
-def read_rank_shard(path: Path, rank: int, like: RankShard | None = None) -> RankShard:
+def read_rank_shard(
+    path: Path, rank: int, like: RankShard | None = None, after: RankShard | None = None
+) -> RankShard:
     """Rank ``rank``'s optimizer file. Values equal to those of ``like`` (rank 0's shard, its
     fields checked already) are not walked again: at large D every rank repeats the same
     hyperparameters and paddings. (Equality with a checked value bounds a hostile one: the
-    comparison stops at the checked value's depth.)"""
-    raw = load_checkpoint_file(path)
+    comparison stops at the checked value's depth.) A file whose pickle is byte for byte that
+    of ``after`` (the shard read before it) is not checked again at all: the same bytes
+    unpickle to the same values, so only its tensors, views of its own records, are new."""
+    raw, pickled = load_checkpoint_file_and_pickle(path)
+    if after is not None and after.pickle and pickled == after.pickle:
+        return _same_pickle_as(after, raw, path, rank)
     state = _require(raw, "optimizer_state_dict", path)
     if not fields.is_mapping(state):
         state = fields.mapping(state, "optimizer_state_dict", path)
@@ -201,9 +215,10 @@ def read_rank_shard(path: Path, rank: int, like: RankShard | None = None) -> Ran
         base = fields.mapping(base, "base_optimizer_state", path)
     fp32_key = "single_partition_of_fp32_groups"
     fp32 = fields.sequence(_require(state, fp32_key, path), fp32_key, path)
+    groups = fields.sequence(_require(base, "param_groups", path), "param_groups", path)
     param_groups = [
-        group if fields.is_mapping(group) else fields.mapping(group, f"base_optimizer_state['param_groups'][{index}]", path)
-        for index, group in enumerate(fields.sequence(_require(base, "param_groups", path), "param_groups", path))
+        group if fields.is_mapping(group) else fields.mapping(group, f"base_optimizer_state['param_groups'][{i}]", path)
+        for i, group in enumerate(groups)
     ]
     optimizer_state = fields.optional_dict(base.get("state"), "base_optimizer_state['state']", path)
     states, scalars = _split_optimizer_state(optimizer_state, param_groups, path)
@@ -224,7 +239,23 @@ def read_rank_shard(path: Path, rank: int, like: RankShard | None = None) -> Ran
         loss_scaler=_loss_scaler(state.get("loss_scaler")),
         clip_grad=fields.plain(state.get("clip_grad"), "clip_grad", path),
         ds_version=fields.optional_text(raw.get("ds_version"), "ds_version", path),
+        pickle=pickled,
     )
+
+
+def _same_pickle_as(checked: RankShard, raw: dict[str, Any], path: Path, rank: int) -> RankShard:
+    """The shard of a file unpickled from the bytes ``checked`` was: every value and verdict is
+    ``checked``'s, and its tensors sit where :func:`read_rank_shard` found ``checked``'s."""
+    state = raw["optimizer_state_dict"]
+    base = state["base_optimizer_state"]
+    optimizer_state = base.get("state") or {}
+    states, scalars = [], []
+    for group, vectors, others in zip(base["param_groups"], checked.states, checked.scalars):
+        entries = optimizer_state.get(group["params"][0]) or {}
+        states.append({key: entries[key] for key in vectors})
+        scalars.append({key: entries[key] for key in others})
+    fp32 = list(state["single_partition_of_fp32_groups"])
+    return replace(checked, path=path, rank=rank, fp32=fp32, states=states, scalars=scalars)
 
 
 def _param_shapes(value: Any, path: Path) -> list[dict[str, tuple[int, ...]]]:

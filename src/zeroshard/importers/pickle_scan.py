@@ -62,7 +62,9 @@ def _fast_scanner(long_binput: bool) -> re.Pattern[bytes]:
         op = _OPCODES[name]
         if op.code.encode("latin-1")[0] not in _COUNTED:
             by_width.setdefault(op.arg.n if op.arg else 0, []).append(_code(name))
-    fixed = {width: b"[" + b"".join(codes) + b"]" + (b".{%d}" % width if width else b"") for width, codes in by_width.items()}
+    fixed = {
+        width: b"[" + b"".join(codes) + b"]" + (b".{%d}" % width if width else b"") for width, codes in by_width.items()
+    }
     runs = [fixed.pop(1), fixed.pop(0), _code("BINUNICODE") + _lengths_below_256(high_zero_bytes=3), *fixed.values()]
     runs.append(_code("GLOBAL") + rb"[^\n]*\n[^\n]*\n")
     if long_binput:  # an index below 2**16, in little-endian order

@@ -66,9 +66,11 @@ _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra 
 _loads = itertools.count(1)  # numbers the loads of this process (StorageRecord.load)
 
 
-def load_torch_file(path: Path, allowed: Mapping[str, type] | None = None) -> Any:
+def load_torch_file(path: Path, allowed: Mapping[str, type] | None = None, *, with_pickle: bool = False) -> Any:
     """The object a torch.save file holds, with :class:`StoredTensor` leaves (``torch.Size``
-    comes back as a tuple, a dtype as its name).
+    comes back as a tuple, a dtype as its name); with ``with_pickle``, that object and the
+    bytes of the pickle it was unpickled from (checked), so that a caller can tell files
+    holding the same pickle apart from others.
 
     ``allowed`` maps further globals (``"module.name"``) to data-only stand-in classes: the
     pickle may call one with arguments, create one without ``__init__`` and fill its
@@ -94,7 +96,8 @@ def load_torch_file(path: Path, allowed: Mapping[str, type] | None = None) -> An
             data = archive.read("data.pkl")
             if data is None:
                 raise FileProblem(f"record {archive.prefix}data.pkl is missing")
-            return unpickle(data, globals_, archive.storage)
+            value = unpickle(data, globals_, archive.storage)
+            return (value, data) if with_pickle else value
         finally:
             os.close(fd)
     except FileProblem as problem:
