@@ -139,6 +139,22 @@ def test_a_directory_where_a_rank_file_should_be(saved, capsys):
     _assert_one_line_error((code, capsys.readouterr().err), str(rank_file))
 
 
+def test_conversions_run_with_the_collector_paused_and_set_it_back(saved, monkeypatch, capsys):
+    import gc
+
+    from zeroshard.cli import convert_cmd
+
+    seen = []
+    real = convert_cmd.to_fp32
+    monkeypatch.setattr(convert_cmd, "to_fp32", lambda *args, **kw: seen.append(gc.isenabled()) or real(*args, **kw))
+    assert gc.isenabled()
+    assert main(["to-fp32", str(saved), str(saved.parent / "out"), "--no-progress"]) == 0
+    assert seen == [False] and gc.isenabled()
+    code = main(["to-fp32", str(saved / "missing"), str(saved.parent / "out2"), "--no-progress"])
+    _assert_one_line_error((code, capsys.readouterr().err), "missing")
+    assert seen == [False, False] and gc.isenabled()
+
+
 def test_full_disk_names_the_file(saved, monkeypatch, capsys):
     """ENOSPC comes from write(), which knows no path: the error must still say where."""
     from zeroshard.checkpoint.io import safetensors_io

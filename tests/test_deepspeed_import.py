@@ -185,6 +185,75 @@ def test_each_rank_file_is_parsed_once(deepspeed_runs, monkeypatch, tmp_path):
     assert sorted(parsed) == sorted(run.tag_dir.glob("*.pt"))
 
 
+def tensor_place(tensor) -> tuple:
+    """Where a StoredTensor's bytes are and how it views them (not which load it came from)."""
+    storage = tensor.storage
+    view = (tensor.dtype, tensor.shape, tensor.stride, tensor.storage_offset, tensor.requires_grad)
+    return (*view, storage.path, storage.key, storage.data_offset, storage.nbytes, storage.dtype, storage.crc32)
+
+
+@pytest.mark.parametrize("name", ["w4_s1", "w2_s2_align_rr"])
+def test_a_file_with_the_pickle_of_the_one_before_reads_as_when_checked_in_full(deepspeed_runs, name, monkeypatch):
+    """A rank file whose pickle is byte for byte that of the file read before it takes that
+    file's checked values and only its own tensors: the same shard as a full read gives."""
+    from zeroshard.importers import deepspeed_files
+
+    run = deepspeed_runs[name]
+    taken = []
+    original = deepspeed_files._same_pickle_as
+    monkeypatch.setattr(deepspeed_files, "_same_pickle_as", lambda *args: taken.append(1) or original(*args))
+    first = read_rank_shard(rank_file(run.tag_dir, 0), 0)
+    for rank in range(run.config.world_size):
+        path = rank_file(run.tag_dir, rank)
+        full = read_rank_shard(path, rank, like=first)
+        fast = read_rank_shard(path, rank, like=first, after=full)  # the same file: the same pickle
+        assert len(taken) == rank + 1
+        assert fast.pickle == full.pickle and fast.path == path and fast.rank == rank
+        for field in dataclasses.fields(full):
+            if field.name not in ("fp32", "states", "scalars", "pickle"):
+                assert getattr(fast, field.name) == getattr(full, field.name), field.name
+        assert [tensor_place(t) for t in fast.fp32] == [tensor_place(t) for t in full.fp32]
+        assert [{k: tensor_place(t) for k, t in g.items()} for g in fast.states] == [
+            {k: tensor_place(t) for k, t in g.items()} for g in full.states
+        ]
+        assert [list(g) for g in fast.scalars] == [list(g) for g in full.scalars]
+        assert fast.fp32[0].storage.load != full.fp32[0].storage.load  # its own tensors, from its own load
+
+
+def test_a_copy_of_the_rank_file_before_still_fails_the_layout_check(copy_of, monkeypatch):
+    """A file holding the previous rank's pickle skips the field checks, never the layout's."""
+    from zeroshard.importers import deepspeed_files
+
+    taken = []
+    original = deepspeed_files._same_pickle_as
+    monkeypatch.setattr(deepspeed_files, "_same_pickle_as", lambda *args: taken.append(args[3]) or original(*args))
+    tag_dir = copy_of("w4_s1")
+    shutil.copyfile(rank_file(tag_dir, 1), rank_file(tag_dir, 2))
+    where = r"bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt, group \d, rank 2: "
+    with pytest.raises(DeepSpeedFormatError, match=where):
+        open_deepspeed(tag_dir)
+    assert taken == [2]
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_opening_leaves_the_garbage_collector_as_it_was(deepspeed_runs, copy_of, enabled):
+    """The collector is paused while the rank files are parsed, and set back after, also on an error."""
+    import gc
+
+    tag_dir = copy_of("w4_s1")
+    rank_file(tag_dir, 3).write_bytes(b"not a zip")
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled else gc.disable()
+        open_deepspeed(deepspeed_runs["w4_s1"].save_dir).close()
+        assert gc.isenabled() == enabled
+        with pytest.raises(DeepSpeedFormatError, match="rank_3"):
+            open_deepspeed(tag_dir)
+        assert gc.isenabled() == enabled
+    finally:
+        gc.enable() if was else gc.disable()
+
+
 def test_reads_without_deepspeed_or_torch(deepspeed_runs):
     run = deepspeed_runs["w2_s2_align_rr"]
     script = (

@@ -436,6 +436,25 @@ def test_a_pickle_cannot_set_attributes_of_a_global(tmp_path, target, state):
 
 
 @pytest.mark.parametrize(
+    "target",
+    ["torch._utils\n_rebuild_tensor_v2", "torch._utils\n_rebuild_parameter", "collections\nOrderedDict", "torch\nSize",
+     "builtins\nset"],
+)  # fmt: skip
+@pytest.mark.parametrize(
+    "state", [b"}X\x04\x00\x00\x00evilK\x01s", b"N}X\x04\x00\x00\x00evilK\x01s\x86"], ids=["dict", "slots"]
+)
+def test_a_global_handed_out_as_it_is_refuses_build(tmp_path, target, state):
+    """The rebuild functions and built-in types reach the unpickler unwrapped (a wrapper
+    costs a Python call per tensor): BUILD on one is still refused, and changes nothing."""
+    path = write_archive(tmp_path / "build.pt", b"\x80\x02c" + target.encode() + b"\n" + state + b"b.")
+    expect_error(path)
+    for value in torch_unpickler.ALLOWED_GLOBALS.values():
+        assert not hasattr(value, "evil")
+    newobj = write_archive(tmp_path / "newobj.pt", b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n)\x81.")
+    expect_error(newobj, "corrupt pickle data.pkl")
+
+
+@pytest.mark.parametrize(
     "data, words",
     [
         (b"\x80\x02Nr\xff\xff\xff\xff.", "memo index 4294967295"),  # would make the C unpickler allocate 64 GiB
@@ -525,6 +544,65 @@ def test_tensor_arguments_are_checked(tmp_path, tensor, words):
         assert load_torch_file(path)[0].numpy().tobytes() == bytes(range(12))
     else:
         expect_error(path, words)
+
+
+_SIZES = st.sampled_from([0, 1, 1, 2, 3, 4, 7, 16, 2**62, 2**63 - 1, 2**63, -1, True])  # the edges of each check
+_EDGES = [  # (offset, shape, stride): one check at its edge each, on a 16-byte storage
+    (0, [1], [2**63]), (0, [1], [2**63 - 1]), (2**63, [1], [1]), (3, [1], [1]), (4, [1], [1]), (0, [5], [1]),
+    (0, [2**63], [1]), (0, [True], [1]), (0, [1], [True]), (True, [1], [1]), (0, [2], [-1]), (0, [0], [1]),
+    (0, [0], [2**63]), (3, [], []), (4, [], []), (0, [], [1]), (0, [2, 2], [2, 1]), (0, [1], []),
+]  # fmt: skip
+
+
+@settings(max_examples=3000, deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    nbytes=st.sampled_from([0, 1, 2, 4, 8, 15, 16, 64]),
+    offset=st.one_of(st.just(0), _SIZES),
+    shape=st.lists(_SIZES, max_size=2),
+    extra_dims=st.sampled_from([0, 0, 0, 1]),
+    container=st.sampled_from([tuple, list]),
+    requires_grad=st.sampled_from([False, False, False, True, 0]),
+    metadata=st.sampled_from([None, None, None, {}, {"neg": True}]),
+    data=st.data(),
+)
+def test_the_inline_tensor_check_agrees_with_the_full_one(
+    dtype, nbytes, offset, shape, extra_dims, container, requires_grad, metadata, data
+):
+    """The inline path for vectors and scalars takes exactly the views the full check takes,
+    and builds the same record; anything else gets the full check's error."""
+    stride = data.draw(st.lists(_SIZES, min_size=len(shape) + extra_dims, max_size=len(shape) + extra_dims))
+    check_both_ways(dtype, nbytes, offset, container(shape), container(stride), requires_grad, metadata)
+
+
+@pytest.mark.parametrize("offset, shape, stride", _EDGES)
+def test_the_inline_tensor_check_agrees_at_each_edge(offset, shape, stride):
+    check_both_ways("float32", 16, offset, tuple(shape), tuple(stride), False, None)
+
+
+def check_both_ways(dtype, nbytes, offset, shape, stride, requires_grad, metadata) -> None:
+    from zeroshard.importers.torch_records import FileProblem, StorageRecord
+
+    storage = StorageRecord(Path("x.pt"), "0", 0, nbytes, dtype, "archive/data/0", nbytes, 0)
+    arguments = (storage, dtype, offset, shape, stride, requires_grad, metadata)
+
+    def outcome(check):
+        try:
+            return check(*arguments)
+        except FileProblem as problem:
+            return str(problem)
+
+    assert outcome(torch_unpickler._tensor) == outcome(torch_unpickler._checked_tensor), arguments
+
+
+def test_pickles_are_read_through_any_peek_window(saved, tmp_path, monkeypatch):
+    """The unpickler reads out of a peeked window of the pickle, refilled as it runs out."""
+    names = tmp_path / "names.pt"
+    torch.save({"names": [f"name{i}" for i in range(150_000)], "t": torch.ones(3)}, names)
+    check_against_torch(names)  # a pickle bigger than the window
+    monkeypatch.setattr(torch_unpickler, "_PEEK_BYTES", 7)
+    check_against_torch(saved)
+    check_against_torch(names)
 
 
 def test_one_storage_declared_two_ways_is_refused(tmp_path):
@@ -765,6 +843,34 @@ def test_the_opcode_scan_decides_as_decoding_every_opcode(sample, flips):
 def test_the_opcode_scan_refuses_a_truncated_pickle(cut):
     for sample in SCAN_SAMPLES:
         assert scan_verdict(sample[:-cut]) == "corrupt" == genops_verdict(sample[:-cut])
+
+
+def test_a_pickle_that_passed_the_scan_is_not_scanned_again(monkeypatch):
+    """Passed pickles are remembered by content (a few, small ones): the same bytes skip the
+    scan, any other bytes are scanned, and a refused pickle is never remembered."""
+    from zeroshard.importers import pickle_scan
+    from zeroshard.importers.torch_records import FileProblem
+
+    scanned = []
+    original = pickle_scan._scan
+    monkeypatch.setattr(pickle_scan, "_scan", lambda data: scanned.append(data) or original(data))
+    monkeypatch.setattr(pickle_scan, "_PASSED", {})
+    good = pickle.dumps({"a": [1, 2]}, protocol=2)
+    for _ in range(3):
+        pickle_scan.check_opcodes(bytes(good))  # equal bytes, a new object each time
+    assert scanned == [good]
+    bad = good.replace(b"}", b"i", 1)  # INST: outside the allow-list
+    for _ in range(2):
+        with pytest.raises(FileProblem, match="opcode INST is not allowed"):
+            pickle_scan.check_opcodes(bad)
+    assert scanned == [good, bad, bad]
+    others = [pickle.dumps(i, protocol=2) for i in range(pickle_scan._PASSED_COUNT + 5)]
+    for data in others:
+        pickle_scan.check_opcodes(data)
+    assert len(pickle_scan._PASSED) == pickle_scan._PASSED_COUNT and good not in pickle_scan._PASSED
+    big = pickle.dumps("x" * (pickle_scan._PASSED_BYTES + 1), protocol=2)
+    pickle_scan.check_opcodes(big)
+    assert big not in pickle_scan._PASSED
 
 
 # ---- the zip directory ----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from pathlib import Path
 from ..checkpoint.export.fp32 import to_fp32
 from ..checkpoint.universal.format import DEFAULT_MAX_SHARD_SIZE
 from ..checkpoint.universal.write import to_universal
+from ..collector import collector_paused
 from .errors import describe_error, name_output
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -87,7 +88,9 @@ def run_to_fp32(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, convert) -> int:
     started = time.perf_counter()
     try:
-        out = convert()
+        # A conversion makes no cycles; at large D the collector would walk its records again and again.
+        with collector_paused():
+            out = convert()
     except OSError as err:
         named = name_output(err, args.out)
         if named is err:

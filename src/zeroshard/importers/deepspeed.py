@@ -27,6 +27,7 @@ import numpy as np
 
 from ..checkpoint.io.dtypes import to_float32
 from ..checkpoint.source import ModelEntry, SourceInfo
+from ..collector import collector_paused
 from ..layout import GroupLayout, Layout, LayoutPolicy, ParamSpec, build_layout, canonical_dtype
 from ..state import ParamGroupState
 from .deepspeed_files import (
@@ -52,7 +53,7 @@ def open_deepspeed(path: str | Path) -> DeepSpeedSource:
     return DeepSpeedSource(find_tag_dir(path))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RankTensors:
     """What reading needs of one rank's file: its tensors, per layout group."""
 
@@ -71,11 +72,15 @@ class DeepSpeedSource:
         first = read_rank_shard(rank_paths[0], 0)
         layout = rebuild_layout(self._model, first, world_size=len(rank_paths))
         self._ranks: list[RankTensors] = []
-        for rank, path in enumerate(rank_paths):
-            shard = first if rank == 0 else read_rank_shard(path, rank, like=first)
-            check_rank(layout, shard)
-            self._ranks.append(RankTensors(shard.fp32, shard.states))
+        checks = RankChecks(layout)
+        shard = first
+        with collector_paused():
+            for rank, path in enumerate(rank_paths):
+                shard = first if rank == 0 else read_rank_shard(path, rank, like=first, after=shard)
+                checks.check(shard)
+                self._ranks.append(RankTensors(shard.fp32, shard.states))
         self.info = _source_info(layout, self._model, first)
+        self._partition_numels = [group.partition_numel for group in layout.groups]
         self._scalars = [read_scalars(group) for group in first.scalars]
 
     @property
@@ -87,10 +92,12 @@ class DeepSpeedSource:
         state name) in layout group ``group``, as an fp32 array the caller may keep (read-only
         when big: a view of a mapping)."""
         saved = self._saved(rank, group, key, start, end)
-        with _named_errors():
+        try:  # as _named_errors, without a context manager's cost on every piece
             if key == "fp32":
                 return _read_zero_extended(saved, start, end)
             return to_float32(saved.read(start, end))
+        except TorchFileError as err:
+            raise DeepSpeedFormatError(str(err)) from None
 
     def read_into(self, rank: int, group: int, key: str, start: int, out: np.ndarray) -> None:
         """:meth:`read` into the 1-D array ``out``: an fp32 partition read straight into its
@@ -107,7 +114,8 @@ class DeepSpeedSource:
         out[stop - start :] = 0
 
     def _saved(self, rank: int, group: int, key: str, start: int, end: int) -> StoredTensor:
-        partition_numel = self._group(group).partition_numel
+        self._group(group)
+        partition_numel = self._partition_numels[group]
         if not 0 <= start <= end <= partition_numel:
             raise ValueError(
                 f"range [{start}, {end}) is outside group {group}'s partition of {partition_numel} elements"
@@ -198,59 +206,74 @@ def rebuild_layout(model: ModelStates, first: RankShard, world_size: int) -> Lay
 
 def check_rank(layout: Layout, shard: RankShard) -> None:
     """Compare everything ``shard``'s file says about the layout with ``layout``."""
-    group_count = len(layout.groups)
-    per_group = {
-        "fp32 partitions": shard.fp32,
-        "optimizer groups": shard.param_groups,
-        "group_paddings": shard.group_paddings,
-        "partition_count entries": shard.partition_count,
-        "param_slice_mappings": shard.slice_mappings,
-    }
-    if shard.param_alignment_paddings is not None:  # None: written before DeepSpeed had the key
-        per_group["param_alignment_paddings"] = shard.param_alignment_paddings
-    for what, values in per_group.items():
-        if len(values) != group_count:
-            raise DeepSpeedFormatError(
-                f"{shard.path}, rank {shard.rank}: {len(values)} {what}, the layout has {group_count} groups"
-            )
-    for group in layout.groups:
-        _check_group(group, shard)
+    RankChecks(layout).check(shard)
 
 
-def _check_group(group: GroupLayout, shard: RankShard) -> None:
-    rank, index = shard.rank, group.index
+class RankChecks:
+    """:func:`check_rank` for every rank file of one layout: what the checks expect of every
+    rank alike (partition sizes, alignment paddings) is worked out once, not once per file."""
 
-    def mismatch(message: str) -> DeepSpeedFormatError:
-        return DeepSpeedFormatError(f"{shard.path}, group {index}, rank {rank}: {message}")
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self._partition_numels = [group.partition_numel for group in layout.groups]
+        self._paddings = [[slot.padding for slot in group.params] for group in layout.groups]
 
-    if shard.partition_count[index] != group.world_size:
-        raise mismatch(f"partition_count {shard.partition_count[index]}, expected {group.world_size}")
-    # DeepSpeed saves the fp32 partition without the group's tail padding.
-    stored = sum(piece.length for piece in group.logical_ranges(rank))
-    tail = group.partition_numel - stored
-    if shard.fp32[index].numel() != stored:
-        raise mismatch(f"saved fp32 partition has {shard.fp32[index].numel()} elements, the layout gives {stored}")
-    if shard.fp32[index].dtype != "float32":
-        raise mismatch(f"saved fp32 partition is {shard.fp32[index].dtype}, not float32")
-    if shard.group_paddings[index] != tail:
-        raise mismatch(f"group_paddings says {shard.group_paddings[index]}, the layout gives {tail}")
-    for key, tensor in shard.states[index].items():
-        if tensor.numel() != group.partition_numel:
+    def check(self, shard: RankShard) -> None:
+        group_count = len(self.layout.groups)
+        per_group = {
+            "fp32 partitions": shard.fp32,
+            "optimizer groups": shard.param_groups,
+            "group_paddings": shard.group_paddings,
+            "partition_count entries": shard.partition_count,
+            "param_slice_mappings": shard.slice_mappings,
+        }
+        if shard.param_alignment_paddings is not None:  # None: written before DeepSpeed had the key
+            per_group["param_alignment_paddings"] = shard.param_alignment_paddings
+        for what, values in per_group.items():
+            if len(values) != group_count:
+                raise DeepSpeedFormatError(
+                    f"{shard.path}, rank {shard.rank}: {len(values)} {what}, the layout has {group_count} groups"
+                )
+        for group in self.layout.groups:
+            self._check_group(group, shard)
+
+    def _check_group(self, group: GroupLayout, shard: RankShard) -> None:
+        rank, index = shard.rank, group.index
+        partition_numel = self._partition_numels[index]
+
+        def mismatch(message: str) -> DeepSpeedFormatError:
+            return DeepSpeedFormatError(f"{shard.path}, group {index}, rank {rank}: {message}")
+
+        if shard.partition_count[index] != group.world_size:
+            raise mismatch(f"partition_count {shard.partition_count[index]}, expected {group.world_size}")
+        # DeepSpeed saves the fp32 partition without the group's tail padding.
+        stored = sum(piece.length for piece in group.logical_ranges(rank))
+        tail = partition_numel - stored
+        fp32 = shard.fp32[index]
+        if fp32.numel() != stored:
+            raise mismatch(f"saved fp32 partition has {fp32.numel()} elements, the layout gives {stored}")
+        if fp32.dtype != "float32":
+            raise mismatch(f"saved fp32 partition is {fp32.dtype}, not float32")
+        if shard.group_paddings[index] != tail:
+            raise mismatch(f"group_paddings says {shard.group_paddings[index]}, the layout gives {tail}")
+        for key, tensor in shard.states[index].items():
+            if tensor.numel() != partition_numel:
+                raise mismatch(
+                    f"optimizer state {key!r} has {tensor.numel()} elements, the partition has {partition_numel}"
+                )
+        expected_pads = self._paddings[index]
+        if shard.param_alignment_paddings is not None and shard.param_alignment_paddings[index] != expected_pads:
             raise mismatch(
-                f"optimizer state {key!r} has {tensor.numel()} elements, the partition has {group.partition_numel}"
+                f"param_alignment_paddings {shard.param_alignment_paddings[index]}, the layout gives {expected_pads}"
             )
-    expected_pads = [slot.padding for slot in group.params]
-    if shard.param_alignment_paddings is not None and shard.param_alignment_paddings[index] != expected_pads:
-        raise mismatch(
-            f"param_alignment_paddings {shard.param_alignment_paddings[index]}, the layout gives {expected_pads}"
-        )
-    expected = {f.name: (f.length, f.partition_start) for f in group.fragments(rank)}
-    found = shard.slice_mappings[index]
-    if found != expected:
-        name = next(n for n in sorted(set(found) | set(expected)) if found.get(n) != expected.get(n))
-        raise mismatch(
-            f"param_slice_mappings[{name!r}] (numel, start) is {found.get(name)}, the layout gives {expected.get(name)}"
-        )
+        expected = {f.name: (f.length, f.partition_start) for f in group.fragments(rank)}
+        found = shard.slice_mappings[index]
+        if found != expected:
+            name = next(n for n in sorted(set(found) | set(expected)) if found.get(n) != expected.get(n))
+            raise mismatch(
+                f"param_slice_mappings[{name!r}] (numel, start) is {found.get(name)}, "
+                f"the layout gives {expected.get(name)}"
+            )
 
 
 def _uses_parameter_alignment(first: RankShard, ds_config: dict[str, Any]) -> bool:

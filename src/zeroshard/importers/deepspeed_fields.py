@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .deepspeed_pickle import DeepSpeedFormatError
-from .torch_records import StoredTensor
+from .torch_records import STORAGE_CLASSES, StoredTensor
 
 # Bounds for free-form values (lr scheduler state, hyperparameters, config): deeper or
 # bigger is not what DeepSpeed writes, and a self-containing dict is infinitely deep.
@@ -57,11 +57,19 @@ def sequence(value: Any, field: str, path: Path) -> list[Any]:
     return list(value)
 
 
+def is_mapping(value: Any) -> bool:
+    """Whether ``value`` is a plain dict that :func:`mapping` takes as it is."""
+    return type(value) is dict and set(map(type, value)) <= _STRINGS
+
+
+_STRINGS = frozenset((str,))
+
+
 def mapping(value: Any, field: str, path: Path) -> dict[str, Any]:
     """A dict whose keys are strings."""
     if not isinstance(value, dict):
         raise field_error(path, field, f"is {_kind(value)}, expected a dict")
-    if not set(map(type, value)) <= {str}:
+    if not set(map(type, value)) <= _STRINGS:
         bad = next((key for key in value if not isinstance(key, str)), None)
         if bad is not None:
             raise field_error(path, field, f"has a key of type {type(bad).__name__}, expected strings")
@@ -106,8 +114,23 @@ def tensor(value: Any, field: str, path: Path) -> StoredTensor:
     return value
 
 
+def is_vector(value: Any) -> bool:
+    """Whether :func:`vector` takes ``value`` (without the label its error would need)."""
+    return (
+        type(value) is StoredTensor
+        and len(value.shape) == 1
+        and (value.stride[0] == 1 or value.shape[0] <= 1)  # contiguous
+        and value.dtype in _FLOATING
+    )
+
+
+_FLOATING = frozenset(name for name in STORAGE_CLASSES if name.startswith(("float", "bfloat")))
+
+
 def vector(value: Any, field: str, path: Path) -> StoredTensor:
     """A contiguous 1-D floating-point tensor: a flat partition."""
+    if is_vector(value):
+        return value
     found = tensor(value, field, path)
     if len(found.shape) != 1 or not found.is_contiguous():
         raise field_error(path, field, f"is a tensor of shape {found.shape}, expected a contiguous 1-D tensor")

@@ -14,15 +14,23 @@ Parsing checks types and shapes, not the layout; that is :mod:`.deepspeed`'s job
 
 from __future__ import annotations
 
+import os
 import re
 import reprlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ..checkpoint.formats import UnsupportedCheckpointError
 from . import deepspeed_fields as fields
-from .deepspeed_pickle import DeepSpeedFormatError, FragmentAddress, LossScaler, ZeroStageEnum, load_checkpoint_file
+from .deepspeed_pickle import (
+    DeepSpeedFormatError,
+    FragmentAddress,
+    LossScaler,
+    ZeroStageEnum,
+    load_checkpoint_file,
+    load_checkpoint_file_and_pickle,
+)
 from .torch_file import StoredTensor, TorchFileError
 from .torch_records import one_line
 
@@ -43,6 +51,7 @@ _UNSUPPORTED_FILES = (
         "MoE checkpoints are not supported",
     ),
 )
+_ANY_UNSUPPORTED = re.compile("|".join(f"(?:{pattern.pattern})" for pattern, _ in _UNSUPPORTED_FILES))
 
 
 def find_tag_dir(path: str | Path) -> Path:
@@ -150,6 +159,7 @@ class RankShard:
     loss_scaler: dict[str, Any]
     clip_grad: Any
     ds_version: str | None  # (its ds_config is the model-states file's; not read here)
+    pickle: bytes = field(default=b"", repr=False, compare=False)  # what the file's pickle was
 
 
 def read_model_states(path: Path) -> ModelStates:
@@ -175,13 +185,21 @@ def read_model_states(path: Path) -> ModelStates:
     )
 
 
-def read_rank_shard(path: Path, rank: int, like: RankShard | None = None) -> RankShard:
+def read_rank_shard(
+    path: Path, rank: int, like: RankShard | None = None, after: RankShard | None = None
+) -> RankShard:
     """Rank ``rank``'s optimizer file. Values equal to those of ``like`` (rank 0's shard, its
     fields checked already) are not walked again: at large D every rank repeats the same
     hyperparameters and paddings. (Equality with a checked value bounds a hostile one: the
-    comparison stops at the checked value's depth.)"""
-    raw = load_checkpoint_file(path)
-    state = fields.mapping(_require(raw, "optimizer_state_dict", path), "optimizer_state_dict", path)
+    comparison stops at the checked value's depth.) A file whose pickle is byte for byte that
+    of ``after`` (the shard read before it) is not checked again at all: the same bytes
+    unpickle to the same values, so only its tensors, views of its own records, are new."""
+    raw, pickled = load_checkpoint_file_and_pickle(path)
+    if after is not None and after.pickle and pickled == after.pickle:
+        return _same_pickle_as(after, raw, path, rank)
+    state = _require(raw, "optimizer_state_dict", path)
+    if not fields.is_mapping(state):
+        state = fields.mapping(state, "optimizer_state_dict", path)
     if "zero_stage" not in state:
         raise DeepSpeedFormatError(
             f"{path}: no zero_stage: not written by DeepSpeed's ZeRO stage 1/2 optimizer "
@@ -193,12 +211,14 @@ def read_rank_shard(path: Path, rank: int, like: RankShard | None = None) -> Ran
     base = _require(state, "base_optimizer_state", path)
     if isinstance(base, list):
         raise DeepSpeedFormatError(f"{path}: elastic_checkpoint optimizer state is not supported")
-    base = fields.mapping(base, "base_optimizer_state", path)
+    if not fields.is_mapping(base):
+        base = fields.mapping(base, "base_optimizer_state", path)
     fp32_key = "single_partition_of_fp32_groups"
     fp32 = fields.sequence(_require(state, fp32_key, path), fp32_key, path)
+    groups = fields.sequence(_require(base, "param_groups", path), "param_groups", path)
     param_groups = [
-        fields.mapping(group, f"base_optimizer_state['param_groups'][{index}]", path)
-        for index, group in enumerate(fields.sequence(_require(base, "param_groups", path), "param_groups", path))
+        group if fields.is_mapping(group) else fields.mapping(group, f"base_optimizer_state['param_groups'][{i}]", path)
+        for i, group in enumerate(groups)
     ]
     optimizer_state = fields.optional_dict(base.get("state"), "base_optimizer_state['state']", path)
     states, scalars = _split_optimizer_state(optimizer_state, param_groups, path)
@@ -206,7 +226,7 @@ def read_rank_shard(path: Path, rank: int, like: RankShard | None = None) -> Ran
         path=path,
         rank=rank,
         zero_stage=stage,
-        fp32=[fields.vector(t, f"{fp32_key}[{i}]", path) for i, t in enumerate(fp32)],
+        fp32=[t if fields.is_vector(t) else fields.vector(t, f"{fp32_key}[{i}]", path) for i, t in enumerate(fp32)],
         states=states,
         scalars=scalars,
         param_groups=_hyperparameters(param_groups, path, like.param_groups if like else None),
@@ -219,7 +239,23 @@ def read_rank_shard(path: Path, rank: int, like: RankShard | None = None) -> Ran
         loss_scaler=_loss_scaler(state.get("loss_scaler")),
         clip_grad=fields.plain(state.get("clip_grad"), "clip_grad", path),
         ds_version=fields.optional_text(raw.get("ds_version"), "ds_version", path),
+        pickle=pickled,
     )
+
+
+def _same_pickle_as(checked: RankShard, raw: dict[str, Any], path: Path, rank: int) -> RankShard:
+    """The shard of a file unpickled from the bytes ``checked`` was: every value and verdict is
+    ``checked``'s, and its tensors sit where :func:`read_rank_shard` found ``checked``'s."""
+    state = raw["optimizer_state_dict"]
+    base = state["base_optimizer_state"]
+    optimizer_state = base.get("state") or {}
+    states, scalars = [], []
+    for group, vectors, others in zip(base["param_groups"], checked.states, checked.scalars):
+        entries = optimizer_state.get(group["params"][0]) or {}
+        states.append({key: entries[key] for key in vectors})
+        scalars.append({key: entries[key] for key in others})
+    fp32 = list(state["single_partition_of_fp32_groups"])
+    return replace(checked, path=path, rank=rank, fp32=fp32, states=states, scalars=scalars)
 
 
 def _param_shapes(value: Any, path: Path) -> list[dict[str, tuple[int, ...]]]:
@@ -271,15 +307,20 @@ def _split_optimizer_state(
             raise DeepSpeedFormatError(
                 f"{path}: optimizer group {index} should hold one flat partition: params={found}"
             )
-        where = f"base_optimizer_state['state'][{ids[0]}]"
-        entries = fields.optional_mapping(state.get(ids[0]), where, path)
-        vectors.append({})
-        scalars.append({})
+        entries = state.get(ids[0])
+        if not fields.is_mapping(entries):
+            entries = fields.optional_mapping(entries, f"base_optimizer_state['state'][{ids[0]}]", path)
+        group_vectors: dict[str, StoredTensor] = {}
+        group_scalars: dict[str, Any] = {}
         for key, value in entries.items():
-            if _is_vector(value):
-                vectors[-1][key] = fields.vector(value, f"{where}[{key!r}]", path)
+            if fields.is_vector(value):
+                group_vectors[key] = value
+            elif _is_vector(value):  # 1-D, but not a flat partition: an error naming the entry
+                group_vectors[key] = fields.vector(value, f"base_optimizer_state['state'][{ids[0]}][{key!r}]", path)
             else:
-                scalars[-1][key] = _as_value(value, f"{where}[{key!r}]", path)
+                group_scalars[key] = _as_value(value, f"base_optimizer_state['state'][{ids[0]}][{key!r}]", path)
+        vectors.append(group_vectors)
+        scalars.append(group_scalars)
     return vectors, scalars
 
 
@@ -296,18 +337,26 @@ def _alignment_paddings(value: Any, path: Path, checked: list[list[int]] | None)
 def _slice_mappings(value: Any, path: Path) -> list[dict[str, tuple[int, int]]]:
     parsed: list[dict[str, tuple[int, int]]] = []
     for index, mapping in enumerate(fields.sequence(value, "param_slice_mappings", path)):
-        where = f"param_slice_mappings[{index}]"
+        if not fields.is_mapping(mapping):
+            mapping = fields.mapping(mapping, f"param_slice_mappings[{index}]", path)
         group: dict[str, tuple[int, int]] = {}
-        for name, address in fields.mapping(mapping, where, path).items():
-            field = f"{where}[{name!r}]"
-            if not isinstance(address, FragmentAddress):
-                raise fields.field_error(path, field, f"is {type(address).__name__}, expected a fragment_address")
-            numel, start = vars(address).get("numel"), vars(address).get("start")
-            if not (type(numel) is int and type(start) is int and numel >= 0 and start >= 0):  # else: which one, why
-                numel, start = (fields.integer(vars(address).get(k), f"{field}.{k}", path) for k in ("numel", "start"))
-            group[name] = (numel, start)
+        for name, address in mapping.items():
+            if isinstance(address, FragmentAddress):
+                numel, start = vars(address).get("numel"), vars(address).get("start")
+                if type(numel) is int and type(start) is int and numel >= 0 and start >= 0:
+                    group[name] = (numel, start)
+                    continue
+            group[name] = _fragment(address, f"param_slice_mappings[{index}][{name!r}]", path)
         parsed.append(group)
     return parsed
+
+
+def _fragment(address: Any, field: str, path: Path) -> tuple[int, int]:
+    """(numel, start) of a fragment_address, or the error saying what is wrong with it."""
+    if not isinstance(address, FragmentAddress):
+        raise fields.field_error(path, field, f"is {type(address).__name__}, expected a fragment_address")
+    numel, start = (fields.integer(vars(address).get(k), f"{field}.{k}", path) for k in ("numel", "start"))
+    return numel, start
 
 
 def _loss_scaler(value: Any) -> dict[str, Any]:
@@ -344,7 +393,9 @@ def _require(container: dict[str, Any], key: str, path: Path) -> Any:
 
 
 def refuse_unsupported(tag_dir: Path) -> None:
-    names = [p.name for p in tag_dir.iterdir()]
+    names = os.listdir(tag_dir)
+    if not any(map(_ANY_UNSUPPORTED.match, names)):  # one pass over thousands of names, not four
+        return
     for pattern, message in _UNSUPPORTED_FILES:
         found = next((n for n in names if pattern.match(n)), None)
         if found:

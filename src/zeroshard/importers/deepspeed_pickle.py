@@ -70,10 +70,15 @@ def load_checkpoint_file(path: Path) -> dict[str, Any]:
 
     Raises DeepSpeedFormatError with the file name and a one-line cause.
     """
+    return load_checkpoint_file_and_pickle(path)[0]
+
+
+def load_checkpoint_file_and_pickle(path: Path) -> tuple[dict[str, Any], bytes]:
+    """:func:`load_checkpoint_file`, and the bytes of the file's pickle."""
     try:
-        loaded = load_torch_file(path, allowed=ALLOWED_GLOBALS)
+        loaded, pickled = load_torch_file(path, allowed=ALLOWED_GLOBALS, with_pickle=True)
     except TorchFileError as err:
         raise DeepSpeedFormatError(str(err)) from None
     if not isinstance(loaded, dict):
         raise DeepSpeedFormatError(f"{path}: expected a dict at the top level, found {type(loaded).__name__}")
-    return loaded
+    return loaded, pickled

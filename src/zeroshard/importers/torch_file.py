@@ -66,9 +66,11 @@ _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra 
 _loads = itertools.count(1)  # numbers the loads of this process (StorageRecord.load)
 
 
-def load_torch_file(path: Path, allowed: Mapping[str, type] | None = None) -> Any:
+def load_torch_file(path: Path, allowed: Mapping[str, type] | None = None, *, with_pickle: bool = False) -> Any:
     """The object a torch.save file holds, with :class:`StoredTensor` leaves (``torch.Size``
-    comes back as a tuple, a dtype as its name).
+    comes back as a tuple, a dtype as its name); with ``with_pickle``, that object and the
+    bytes of the pickle it was unpickled from (checked), so that a caller can tell files
+    holding the same pickle apart from others.
 
     ``allowed`` maps further globals (``"module.name"``) to data-only stand-in classes: the
     pickle may call one with arguments, create one without ``__init__`` and fill its
@@ -94,7 +96,8 @@ def load_torch_file(path: Path, allowed: Mapping[str, type] | None = None) -> An
             data = archive.read("data.pkl")
             if data is None:
                 raise FileProblem(f"record {archive.prefix}data.pkl is missing")
-            return unpickle(data, globals_, archive.storage)
+            value = unpickle(data, globals_, archive.storage)
+            return (value, data) if with_pickle else value
         finally:
             os.close(fd)
     except FileProblem as problem:
@@ -149,6 +152,12 @@ class _FileBytes:
         if self.whole is not None:
             return self.whole[offset : offset + size]
         return os.pread(self.fd, size, offset)
+
+    def unpack(self, layout: struct.Struct, offset: int) -> tuple[Any, ...]:
+        """``layout`` unpacked from ``offset``; struct.error where the file ends first."""
+        if self.whole is not None:
+            return layout.unpack_from(self.whole, offset)
+        return layout.unpack(self.read(offset, layout.size))
 
 
 def _read_whole(fd: int, size: int) -> bytes:
@@ -229,47 +238,45 @@ class _Archive:
 
     def storage(self, pid: Any) -> StorageRecord:
         """The storage a persistent id names; one record object per key."""
-        if not (
-            isinstance(pid, tuple)
-            and len(pid) == 5
-            and pid[0] == "storage"
-            and isinstance(pid[1], StorageType)
-            and isinstance(pid[2], str)
-            and type(pid[4]) is int
-            and pid[4] >= 0
-        ):
-            raise FileProblem(f"corrupt pickle data.pkl: unexpected persistent id {one_line(reprlib.repr(pid))}")
-        _, kind, key, _location, numel = pid
+        if type(pid) is not tuple or len(pid) != 5:
+            raise _unexpected_pid(pid)
+        tag, kind, key, _location, numel = pid
+        if not (tag == "storage" and isinstance(kind, StorageType) and isinstance(key, str) and type(numel) is int):
+            raise _unexpected_pid(pid)
+        if numel < 0:
+            raise _unexpected_pid(pid)
         nbytes = numel * ITEMSIZES[kind.dtype]
         record = self.storages.get(key)
         if record is None:
             info = self.info(f"data/{key}")
             if info is None:
                 raise FileProblem(f"storage record {self.prefix}data/{key} is missing")
-            if info.file_size < nbytes:
+            name, size = info.filename, info.file_size
+            if size < nbytes:
                 raise FileProblem(
-                    f"storage record {info.filename} has {info.file_size} bytes, "
-                    f"its {numel}-element {kind.dtype} storage needs {nbytes}"
+                    f"storage record {name} has {size} bytes, its {numel}-element {kind.dtype} storage needs {nbytes}"
                 )
-            record = StorageRecord(
-                self.path, key, self._data_offset(info), nbytes, kind.dtype, info.filename, info.file_size, info.CRC,
-                self.load,
-            )
+            offset = self._data_offset(info)
+            record = StorageRecord(self.path, key, offset, nbytes, kind.dtype, name, size, info.CRC, self.load)
             self.storages[key] = record
-        elif (record.dtype, record.nbytes) != (kind.dtype, nbytes):
+        elif record.nbytes != nbytes or record.dtype != kind.dtype:
             raise FileProblem(f"corrupt pickle data.pkl: storage {key} is declared with two types or sizes")
         return record
 
     def _data_offset(self, info: Any) -> int:
         # The local header repeats the name and has its own extra field (torch pads it to
         # align the data), so the data starts where that header says, not the directory.
-        header = self.file.read(info.header_offset, _LOCAL_HEADER.size)
-        if len(header) < _LOCAL_HEADER.size:
-            raise FileProblem(f"record {info.filename}: bad local zip header")
-        signature, name_length, extra_length = _LOCAL_HEADER.unpack(header)
+        try:
+            signature, name_length, extra_length = self.file.unpack(_LOCAL_HEADER, info.header_offset)
+        except struct.error:  # the file ends inside the header
+            signature = None
         if signature != b"PK\x03\x04":
             raise FileProblem(f"record {info.filename}: bad local zip header")
         start = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
         if start + info.file_size > self.file.size:
             raise FileProblem(f"record {info.filename} runs past the end of the file (truncated?)")
         return start
+
+
+def _unexpected_pid(pid: Any) -> FileProblem:
+    return FileProblem(f"corrupt pickle data.pkl: unexpected persistent id {one_line(reprlib.repr(pid))}")

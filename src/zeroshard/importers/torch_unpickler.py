@@ -25,7 +25,7 @@ from .torch_records import STORAGE_CLASSES, FileProblem, StorageRecord, StoredTe
 
 
 class _SealedGlobal(type):
-    """The type of what find_class hands out for a callable global. Calling it calls the
+    """The type of what find_class hands out for an allowed stand-in class. Calling it calls the
     target (REDUCE) and NEWOBJ gets ``target.__new__(target, *args)``, as with the target
     itself, but a BUILD on the global fails: the targets are shared by every load, and a file
     must not set their attributes (torch's weights-only unpickler refuses that too)."""
@@ -37,13 +37,33 @@ class _SealedGlobal(type):
         raise FileProblem(f"refused to unpickle data.pkl: it sets attribute {name!r} of global {cls.__name__!r}")
 
 
-def seal(qualname: str, target: Callable[..., Any]) -> type:
+def seal(qualname: str, target: Callable[..., Any]) -> Any:
+    """What find_class hands out for ``target``: a built-in type as it is (nothing of it can be
+    set), anything else wrapped in a :class:`_SealedGlobal`."""
+    if isinstance(target, type) and target.__flags__ & _IMMUTABLE_TYPE:
+        return target
+
     def new(cls: type, *args: Any) -> Any:
         if not isinstance(target, type):
             raise FileProblem(f"refused to unpickle data.pkl: NEWOBJ of {qualname!r}, which is not a class")
         return target.__new__(target, *args)
 
     return _SealedGlobal(qualname, (), {"__slots__": (), "target": target, "__new__": new})
+
+
+_IMMUTABLE_TYPE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE: built-in types, whose attributes cannot be set
+
+
+def _refuses_state(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Make a pickle's BUILD opcode on ``function`` (a global the unpickler hands out as it is,
+    to spare every call a wrapper) an error: the functions are shared by every load, and a file
+    must not set their attributes (``__defaults__``, ``__code__``)."""
+
+    def __setstate__(state: Any) -> None:
+        raise FileProblem(f"refused to unpickle data.pkl: it sets the state of global {function.__qualname__!r}")
+
+    function.__setstate__ = __setstate__  # type: ignore[attr-defined]
+    return function
 
 
 @unbuildable
@@ -56,9 +76,9 @@ class StorageType:
 
 class _Unpickler(pickle.Unpickler):
     def __init__(self, data: bytes, globals_: Mapping[str, Any], storage: Callable[[Any], StorageRecord]) -> None:
-        super().__init__(io.BytesIO(data))
+        super().__init__(_peekable(data))
         self._globals = globals_
-        self._storage = storage
+        self.persistent_load = storage  # called by the C unpickler, not through a method of ours
 
     def find_class(self, module: str, name: str) -> Any:
         qualname = f"{'builtins' if module == '__builtin__' else module}.{name}"
@@ -66,8 +86,16 @@ class _Unpickler(pickle.Unpickler):
             raise FileProblem(f"refused to unpickle data.pkl: global {qualname!r} is not allowed")
         return self._globals[qualname]
 
-    def persistent_load(self, pid: Any) -> StorageRecord:
-        return self._storage(pid)
+
+def _peekable(data: bytes) -> io.BufferedReader:
+    """``data`` as a stream the C unpickler can ``peek`` into: it then reads opcodes out of
+    the peeked bytes, where from a plain BytesIO it calls ``read`` for every opcode and every
+    argument (2.5x the cost of unpickling a small pickle). The scan has bounded every
+    argument by the pickle's size, so no read asks for more than ``data`` holds."""
+    return io.BufferedReader(io.BytesIO(data), max(1, min(len(data), _PEEK_BYTES)))
+
+
+_PEEK_BYTES = 1 << 20  # bigger pickles are peeked into a megabyte at a time
 
 
 def unpickle(data: bytes, globals_: Mapping[str, Any], storage: Callable[[Any], StorageRecord]) -> Any:
@@ -82,15 +110,18 @@ def unpickle(data: bytes, globals_: Mapping[str, Any], storage: Callable[[Any], 
 
 # The rebuild functions take what the file passes, anything: _tensor checks it. Hooks are
 # ignored (torch.save writes an empty OrderedDict; a pickle cannot make a callable hook).
+@_refuses_state
 def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad, hooks, metadata=None):
     dtype = storage.dtype if isinstance(storage, StorageRecord) else None
     return _tensor(storage, dtype, storage_offset, size, stride, requires_grad, metadata)
 
 
+@_refuses_state
 def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, hooks, dtype, metadata=None):
     return _tensor(storage, dtype, storage_offset, size, stride, requires_grad, metadata)
 
 
+@_refuses_state
 def _rebuild_parameter(data: Any, requires_grad: Any, hooks: Any) -> StoredTensor:
     if not isinstance(data, StoredTensor) or type(requires_grad) is not bool:
         raise FileProblem("corrupt pickle data.pkl: malformed parameter")
@@ -102,6 +133,34 @@ def _tensor(
 ) -> StoredTensor:
     """A StoredTensor from rebuild arguments, once they are checked to describe a view that
     lies inside its storage and holds no more elements than it."""
+    if (  # a vector or a scalar, all a DeepSpeed rank file holds: checked inline (32,000 at D=4096)
+        type(size) is tuple
+        and type(stride) is tuple
+        and len(size) == len(stride) <= 1
+        and type(storage) is StorageRecord
+        and type(storage_offset) is int
+        and type(requires_grad) is bool
+        and metadata is None
+        and dtype in ITEMSIZES
+    ):
+        numel, step = (size[0], stride[0]) if size else (1, 1)
+        if (
+            type(numel) is int
+            and type(step) is int
+            and 0 < numel
+            and 0 <= step < _INT64_LIMIT
+            and 0 <= storage_offset
+            and (storage_offset + (numel - 1) * step + 1) * ITEMSIZES[dtype] <= storage.nbytes
+            and numel * ITEMSIZES[dtype] <= storage.nbytes
+        ):
+            return StoredTensor(storage, dtype, size, stride, storage_offset, requires_grad)
+    return _checked_tensor(storage, dtype, storage_offset, size, stride, requires_grad, metadata)
+
+
+def _checked_tensor(
+    storage: Any, dtype: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any, metadata: Any
+) -> StoredTensor:
+    """:func:`_tensor` for any view, and the error naming what is wrong with one."""
     shape, steps = _sizes(size), _sizes(stride)
     if (
         not isinstance(storage, StorageRecord)
@@ -163,15 +222,10 @@ ALLOWED_GLOBALS: dict[str, Any] = {
     **{f"torch.{storage}": StorageType(name) for name, storage in STORAGE_CLASSES.items() if storage},
     "torch.storage.UntypedStorage": StorageType("uint8"),
     **{f"torch.{name}": name for name in STORAGE_CLASSES},  # dtypes (_rebuild_tensor_v3's argument)
-    **{
-        name: seal(name, target)
-        for name, target in {
-            "torch._utils._rebuild_tensor_v2": _rebuild_tensor_v2,
-            "torch._utils._rebuild_tensor_v3": _rebuild_tensor_v3,
-            "torch._utils._rebuild_parameter": _rebuild_parameter,
-            "torch.Size": tuple,
-            "collections.OrderedDict": OrderedDict,
-            "builtins.set": set,
-        }.items()
-    },
+    "torch._utils._rebuild_tensor_v2": _rebuild_tensor_v2,
+    "torch._utils._rebuild_tensor_v3": _rebuild_tensor_v3,
+    "torch._utils._rebuild_parameter": _rebuild_parameter,
+    "torch.Size": tuple,
+    "collections.OrderedDict": OrderedDict,
+    "builtins.set": set,
 }

@@ -20,7 +20,9 @@ from typing import NamedTuple
 _END = struct.Struct("<4s4H2IH")  # end of central directory record
 _ZIP64_LOCATOR = struct.Struct("<4sIQI")
 _ZIP64_END = struct.Struct("<4sQ2H2I4Q")
-_HEADER = struct.Struct("<4s6H3I5HII")  # central directory file header
+# A central directory file header: signature, flags, method, CRC-32, sizes, name, extra and
+# comment lengths, local header offset (versions, times, disk and attributes skipped).
+_HEADER = struct.Struct("<4s4x2H4x3I3H8xI")
 _MAX_32 = 0xFFFFFFFF
 
 Read = Callable[[int, int], bytes]  # (offset, size) -> up to size bytes
@@ -80,19 +82,22 @@ def _zip64_end(read: Read, end_at: int) -> tuple[int, int, int, int] | None | bo
 def _entries(data: bytes, count: int, directory_at: int) -> dict[str, Entry] | None:
     entries: dict[str, Entry] = {}
     position = 0
-    unpack = _HEADER.unpack_from
+    unpack, new_entry = _HEADER.unpack_from, tuple.__new__  # Entry(...) is a Python call
     try:
         for _ in range(count):
-            (signature, _, _, flags, method, _, _, crc, compressed, file_size, name_length, extra_length,
-             comment_length, _, _, _, header_offset) = unpack(data, position)  # fmt: skip
+            (signature, flags, method, crc, compressed, file_size, name_length, extra_length, comment_length,
+             header_offset) = unpack(data, position)  # fmt: skip
             if signature != b"PK\x01\x02" or _MAX_32 in (compressed, file_size, header_offset):
                 return None  # zip64 sizes: leave them to zipfile
-            start = position + _HEADER.size
-            name = data[start : start + name_length].decode("ascii")
-            if header_offset >= directory_at or len(name) != name_length or "\x00" in name:
+            if header_offset >= directory_at:
                 return None
-            entries[name] = Entry(name, header_offset, file_size, compressed, method, flags, crc)
-            position = start + name_length + extra_length + comment_length
+            start = position + _HEADER.size
+            position = start + name_length  # a name cut short by the end: position ends past it
+            name = data[start:position].decode("ascii")
+            entries[name] = new_entry(Entry, (name, header_offset, file_size, compressed, method, flags, crc))
+            position += extra_length + comment_length
     except (struct.error, UnicodeDecodeError):  # the directory ends early, or a name is not ASCII
         return None
-    return entries if position == len(data) else None
+    if position != len(data) or "\x00" in "".join(entries):
+        return None
+    return entries
