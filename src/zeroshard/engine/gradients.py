@@ -144,8 +144,7 @@ class GradientReducer:
         flight and one bucket filling, each as large as the largest bucket's."""
         largest = 0
         for group_index, buffer in enumerate(self.buffers):
-            dtype = self.reduce_dtypes[group_index]
-            itemsize = torch.empty((), dtype=dtype).element_size()
+            itemsize = self.reduce_dtypes[group_index].itemsize
             comm = self.group_comms[group_index]
             for bucket in buffer.group.buckets:
                 scratch = comm.widening_scratch_numel(bucket.numel) if self._widened[group_index] else 0
