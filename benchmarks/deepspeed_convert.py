@@ -38,13 +38,14 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from math import nan
 from pathlib import Path
+
+from torchrun_job import run_torchrun
 
 TAG = "bench"
 HIDDEN, LAYERS = 1024, 24  # 24 x (1024 x 1024 + 1024) + norms: 25.2 M parameters
@@ -117,23 +118,12 @@ def _train_and_save(save_dir: Path, num_layers: int, hidden: int = HIDDEN) -> No
 
 def make_checkpoint(save_dir: Path, world_size: int, num_layers: int, hidden: int = HIDDEN) -> float:
     """Train one step with DeepSpeed at ``world_size`` and save; returns the seconds it took."""
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size),
-        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-        __file__, "--train", str(save_dir), str(num_layers), str(hidden),
-    ]  # fmt: skip
     started = time.perf_counter()
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    args = ["--train", str(save_dir), str(num_layers), str(hidden)]
+    done = run_torchrun(__file__, world_size, args, timeout=600, DS_ACCELERATOR="cpu")
     if done.returncode != 0:
         raise RuntimeError(f"DeepSpeed run failed ({done.returncode}):\n{done.stderr[-6000:]}")
     return time.perf_counter() - started
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ---- the measured commands (``deepspeed_convert.py --run KIND ARGS...`` in a fresh process) ---------

@@ -19,11 +19,8 @@ on the partition), as in engine_vs_deepspeed.py.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import engine_vs_deepspeed as bench
+from torchrun_job import run_for_json, write_gathered
 
 
 class PhaseClock:
@@ -188,29 +186,16 @@ def worker(out_path: Path, steps: int, bucket_numel: int | None, reduce_dtype: s
             record = _step(variant, clock, step, rank)
             if step >= 2:
                 records[name].append(record)
-    gathered = [None] * world_size
-    dist.all_gather_object(gathered, records)
-    if rank == 0:
-        out_path.write_text(json.dumps({"world_size": world_size, "ranks": gathered}))
-    dist.barrier()
+    write_gathered(out_path, records)
     dist.destroy_process_group()
 
 
 def launch(world_size: int, steps: int, bucket_numel: int | None, reduce_dtype: str) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "result.json"
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size),
-            "--master_addr", "127.0.0.1", "--master_port", str(bench._free_port()),
-            __file__, "--worker", str(out), "--steps", str(steps), "--reduce-dtype", reduce_dtype,
-        ] + (["--bucket-numel", str(bucket_numel)] if bucket_numel else [])  # fmt: skip
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
-        if not out.is_file():
-            raise RuntimeError(
-                f"D={world_size} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-            )
-        return json.loads(out.read_text())
+        args = ["--worker", str(out), "--steps", str(steps), "--reduce-dtype", reduce_dtype]
+        args += ["--bucket-numel", str(bucket_numel)] if bucket_numel else []
+        return run_for_json(__file__, world_size, args, out, timeout=1800)
 
 
 def report(result: dict) -> None:

@@ -29,15 +29,14 @@ The launcher starts ``torchrun`` per world size with this file as the worker.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from torchrun_job import run_for_json, write_gathered
 
 VOCAB, D_MODEL, LAYERS, HEADS, SEQ, BATCH = 8192, 256, 4, 4, 64, 16
 LR, WEIGHT_DECAY, BETAS, CLIP = 3e-4, 0.1, (0.9, 0.95), 1.0
@@ -230,12 +229,8 @@ def worker(out_path: Path, rounds: int, steps: int, warmup: int) -> None:
                 record = _timed_step(variants[name], round_index * steps + step, rank)
                 if round_index >= warmup:
                     records[name].append(record)
-    gathered = [None] * world_size
-    dist.all_gather_object(gathered, records)
-    if rank == 0:
-        params = sum(p.numel() for p in variants["zeroshard stage 2"].model.parameters())
-        out_path.write_text(json.dumps({"world_size": world_size, "params": params, "ranks": gathered}))
-    dist.barrier()
+    params = sum(p.numel() for p in variants["zeroshard stage 2"].model.parameters())
+    write_gathered(out_path, records, params=params)
     deepspeed.comm.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # as tests/deepspeed_fixtures.py: skip gloo's interpreter teardown
@@ -244,26 +239,11 @@ def worker(out_path: Path, rounds: int, steps: int, warmup: int) -> None:
 # ---- launcher and report --------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(world_size: int, rounds: int, steps: int, warmup: int) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "result.json"
-        env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size),
-            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-            __file__, "--worker", str(out), "--rounds", str(rounds), "--steps", str(steps), "--warmup", str(warmup),
-        ]  # fmt: skip
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
-        if not out.is_file():
-            output = f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-            raise RuntimeError(f"D={world_size} failed ({done.returncode}):\n{output}")
-        return json.loads(out.read_text())
+        args = ["--worker", str(out), "--rounds", str(rounds), "--steps", str(steps), "--warmup", str(warmup)]
+        return run_for_json(__file__, world_size, args, out, timeout=3600, DS_ACCELERATOR="cpu")
 
 
 def _median(result: dict, name: str, key: str) -> float:

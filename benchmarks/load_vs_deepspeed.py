@@ -33,13 +33,13 @@ import gc
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from torchrun_job import run_for_json, write_gathered
 
 LR, BETAS = 3e-4, (0.9, 0.95)
 RESHARD_WORLDS = (3, 1)
@@ -227,14 +227,10 @@ def worker(out_path: Path, work: Path, rounds: int, hidden: int, layers: int) ->
     state_bytes += sum(t.nbytes for t in zs_engine.model.state_dict().values())
     floor_bytes = {world: sum(end - begin for _, begin, end in found) for world, found in extents.items()}
     mine = {"records": records, "state_bytes": state_bytes, "floor_bytes": floor_bytes}
-    gathered = [None] * world_size
-    dist.all_gather_object(gathered, mine)
-    if rank == 0:
-        params = sum(p.numel() for p in zs_engine.model.parameters())
-        kinds = ("deepspeed", "zeroshard")
-        sizes = {kind: sum(f.stat().st_size for f in (work / kind).rglob("*") if f.is_file()) for kind in kinds}
-        out_path.write_text(json.dumps({"world_size": world_size, "params": params, "disk": sizes, "ranks": gathered}))
-    dist.barrier()
+    params = sum(p.numel() for p in zs_engine.model.parameters())
+    kinds = ("deepspeed", "zeroshard")
+    sizes = {kind: sum(f.stat().st_size for f in (work / kind).rglob("*") if f.is_file()) for kind in kinds}
+    write_gathered(out_path, mine, params=params, disk=sizes)
     deepspeed.comm.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # as tests/deepspeed_fixtures.py: skip gloo's interpreter teardown
@@ -243,27 +239,13 @@ def worker(out_path: Path, work: Path, rounds: int, hidden: int, layers: int) ->
 # ---- launcher and report --------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(rounds: int, hidden: int, layers: int, directory: Path | None) -> dict:
     work = Path(tempfile.mkdtemp(prefix="zs-load-", dir=directory))
     try:
         out = work / "result.json"
-        env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-            __file__, "--worker", str(out), "--work", str(work), "--rounds", str(rounds),
-            "--hidden", str(hidden), "--layers", str(layers),
-        ]  # fmt: skip
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
-        if not out.is_file():
-            raise RuntimeError(f"the run failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
-        return json.loads(out.read_text())
+        args = ["--worker", str(out), "--work", str(work), "--rounds", str(rounds)]
+        args += ["--hidden", str(hidden), "--layers", str(layers)]
+        return run_for_json(__file__, 2, args, out, timeout=3600, DS_ACCELERATOR="cpu")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

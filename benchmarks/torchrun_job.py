@@ -1,0 +1,58 @@
+"""What the torchrun benchmarks share: start a script on local gloo ranks and collect what
+its ranks measured as JSON.
+
+The launcher runs ``python -m torch.distributed.run`` on 127.0.0.1 with one thread per rank;
+the worker side gathers every rank's records and rank 0 writes them to the file the
+launcher named. Import it from a script in this folder (a script's folder is first on
+``sys.path``, also for the ranks torchrun starts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_torchrun(script: str, nproc: int, args: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess:
+    """Run ``script args`` on ``nproc`` local ranks (OMP_NUM_THREADS=1, warnings off, ``env``
+    added); returns the finished process. Raises ``subprocess.TimeoutExpired`` past ``timeout``."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+        "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script, *args,
+    ]  # fmt: skip
+    environment = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **env)
+    return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=timeout)
+
+
+def run_for_json(script: str, nproc: int, args: list[str], out: Path, timeout: float, **env: str) -> dict:
+    """:func:`run_torchrun`, then the JSON its rank 0 wrote to ``out``. Raises RuntimeError with
+    the tail of the ranks' output if there is none."""
+    done = run_torchrun(script, nproc, args, timeout, **env)
+    if not out.is_file():
+        output = f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+        raise RuntimeError(f"{Path(script).name} at D={nproc} failed ({done.returncode}):\n{output}")
+    return json.loads(out.read_text())
+
+
+def write_gathered(out: Path, mine: Any, **fields: Any) -> None:
+    """Worker side (a collective: every rank calls it): gather every rank's ``mine``; rank 0
+    writes ``{"world_size", **fields, "ranks": [each rank's mine]}`` to ``out``."""
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps({"world_size": dist.get_world_size(), **fields, "ranks": gathered}))
+    dist.barrier()
