@@ -14,12 +14,12 @@ they add to each other only makes an exit race likelier).
 from __future__ import annotations
 
 import argparse
-from concurrent.futures import ThreadPoolExecutor
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 BIN = Path(sys.executable).parent
