@@ -183,10 +183,16 @@ class TrainLog:
     scales: list[float] = field(default_factory=list)
 
 
-def train_engine(engine: ZeroOptimizer, model: nn.Module, config: RunConfig, rank: int) -> TrainLog:
+def train_engine(
+    engine: ZeroOptimizer, model: nn.Module, config: RunConfig, rank: int, snapshots: list[Snapshot] | None = None
+) -> TrainLog:
+    """Trains ``config.steps`` steps; with ``snapshots`` (collective), appends the full state
+    before every step and after the last, for the step-by-step reference."""
     log = TrainLog()
     scheduler = make_scheduler(engine.optimizer, config)
     for step in range(config.steps):
+        if snapshots is not None:
+            snapshots.append(take_snapshot(engine))
         losses = []
         for micro in range(config.accumulation):
             idx, targets = batch_for(config, step, rank, micro)
@@ -201,7 +207,23 @@ def train_engine(engine: ZeroOptimizer, model: nn.Module, config: RunConfig, ran
         if scheduler is not None:
             scheduler.step()
         log.losses.append(losses)
+    if snapshots is not None:
+        snapshots.append(take_snapshot(engine))
     return log
+
+
+@dataclass
+class Snapshot:
+    """The full fp32 masters and optimizer state of a run at one point, by parameter name."""
+
+    masters: dict[str, torch.Tensor]
+    state: dict[str, dict[str, torch.Tensor]]
+    scale: float  # the loss scale the next step's backward uses
+
+
+def take_snapshot(engine: ZeroOptimizer) -> Snapshot:
+    """Collective: every rank gets the full masters and optimizer state."""
+    return Snapshot(engine_masters(engine), engine_optimizer_state(engine), engine.scaler.scale)
 
 
 def gather_partitions(engine: ZeroOptimizer, partitions: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -281,12 +303,36 @@ def padding_is_zero(engine: ZeroOptimizer) -> bool:
 
 @dataclass
 class Reference:
-    masters: dict[str, torch.Tensor]
-    state: dict[str, dict[str, torch.Tensor]]
-    log: TrainLog  # losses are [step][rank * accumulation + micro]
+    """The reference's side of a run, step by step from the engine's own state."""
+
+    log: TrainLog  # losses are [step][rank * accumulation + micro]; scales its own, from its overflows
+    step_errors: list[StepError]
+    final_state_keys: list[str]
 
 
-def reference_run(config: RunConfig, world_size: int) -> Reference:
+@dataclass
+class StepError:
+    """How far the engine's state after one step is from the reference's step taken from the
+    engine's state before it."""
+
+    masters: float  # max |engine - reference| over every master element
+    update: float  # max |master after - master before|: the step's largest move
+    state_relative: float  # per state tensor kind, max |engine - reference| / max |engine|
+    masters_equal: bool
+    state_equal: bool
+
+
+def reference_run(config: RunConfig, world_size: int, snapshots: list[Snapshot]) -> Reference:
+    """Every step of the run on one process, each started from the engine's own state.
+
+    Step t loads the engine's masters and optimizer state from before step t, so the two
+    runs see the same bf16/fp16 parameters at every step. Started from its own previous step
+    instead, the reference would drift from the engine chaotically: once the masters differ
+    in the last fp32 bit (another summation order), some master rounds to the neighbouring
+    bf16 value, the gradients then differ by bf16 roundings, and how far the runs drift
+    depends on the CPU's kernels, not on the engine. Step by step, each comparison measures
+    one step's arithmetic only.
+    """
     model = build_model(config)
     names = trainable_names(model)
     params = dict(model.named_parameters())
@@ -299,18 +345,23 @@ def reference_run(config: RunConfig, world_size: int) -> Reference:
     ordered_masters = [param for group in groups for param in group["params"]]  # the engine's norm order
     scheduler = make_scheduler(optimizer, config)
     dtype = config.dtype()
-    if dtype is not None:
-        for name in names:
-            params[name].data = params[name].data.to(dtype)
     scale = FP16_INITIAL_SCALE if dtype == torch.float16 else 1.0
     log = TrainLog()
+    errors = []
     for step in range(config.steps):
-        grads, losses = _reference_gradients(model, names, config, step, world_size, scale)
+        _load_snapshot(optimizer, masters, snapshots[step])
+        with torch.no_grad():
+            for name in names:
+                params[name].data = masters[name].detach().to(dtype or torch.float32).clone()
+        # The gradient is scaled by the engine's scale of this step; this run's own scale
+        # (halved on its own overflows) is logged for the comparison of the two schedules.
+        engine_scale = snapshots[step].scale
+        grads, losses = _reference_gradients(model, names, config, step, world_size, engine_scale)
         log.losses.append(losses)
         log.lrs.append([group["lr"] for group in optimizer.param_groups])
         log.scales.append(scale)
-        if scale != 1.0:
-            grads = {name: grad.div_(scale) for name, grad in grads.items()}
+        if engine_scale != 1.0:
+            grads = {name: grad.div_(engine_scale) for name, grad in grads.items()}
         if dtype == torch.float16 and not all(bool(torch.isfinite(g).all()) for g in grads.values()):
             scale /= 2
             log.stepped.append(False)
@@ -321,18 +372,58 @@ def reference_run(config: RunConfig, world_size: int) -> Reference:
             norm = torch.nn.utils.clip_grad_norm_(ordered_masters, config.max_grad_norm or math.inf)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            with torch.no_grad():
-                for name in names:
-                    params[name].copy_(masters[name])
             log.stepped.append(True)
             log.grad_norms.append(float(norm))
         if scheduler is not None:
             scheduler.step()
-    state = {
-        name: {key: value.detach().clone() for key, value in optimizer.state[master].items() if torch.is_tensor(value)}
+        errors.append(_step_error(masters, optimizer, snapshots[step], snapshots[step + 1]))
+    keys = sorted({key for master in masters.values() for key in optimizer.state[master]})
+    return Reference(log, errors, keys)
+
+
+def _load_snapshot(optimizer: torch.optim.Optimizer, masters: dict[str, nn.Parameter], snapshot: Snapshot) -> None:
+    with torch.no_grad():
+        for name, master in masters.items():
+            master.copy_(snapshot.masters[name])
+            state = snapshot.state.get(name, {})
+            if state:
+                optimizer.state[master] = {key: value.detach().clone() for key, value in state.items()}
+
+
+def _step_error(
+    masters: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer, before: Snapshot, after: Snapshot
+) -> StepError:
+    reference_masters = {name: master.detach() for name, master in masters.items()}
+    reference_state = {
+        (name, key): value
         for name, master in masters.items()
+        for key, value in optimizer.state[master].items()
+        if torch.is_tensor(value)
     }
-    return Reference({name: m.detach().clone() for name, m in masters.items()}, state, log)
+    engine_state = {(name, key): value for name, keys in after.state.items() for key, value in keys.items()}
+    same_keys = reference_state.keys() == engine_state.keys()
+    return StepError(
+        masters=max_abs_difference(reference_masters, after.masters),
+        update=max_abs_difference(after.masters, before.masters),
+        state_relative=_max_relative_by_kind(engine_state, reference_state) if same_keys else math.inf,
+        masters_equal=all_equal(reference_masters, after.masters),
+        state_equal=same_keys and all_equal(reference_state, engine_state),
+    )
+
+
+def _max_relative_by_kind(
+    engine: dict[tuple[str, str], torch.Tensor], reference: dict[tuple[str, str], torch.Tensor]
+) -> float:
+    """Per state kind (exp_avg, exp_avg_sq, ...): the largest difference over the kind's
+    largest magnitude; the kinds' magnitudes differ by orders (a gradient and its square)."""
+    worst = 0.0
+    for kind in {key for _, key in engine}:
+        names = [name for name, key in engine if key == kind]
+        difference = max(_max_abs(engine[n, kind].float() - reference[n, kind].float()) for n in names)
+        magnitude = max(_max_abs(engine[n, kind]) for n in names)
+        if difference:
+            worst = max(worst, difference / magnitude)
+    return worst
 
 
 def _names_of(model: nn.Module, params: list[nn.Parameter]) -> list[str]:
@@ -415,6 +506,10 @@ def _sum_in_rank_order(tensors: list[torch.Tensor]) -> torch.Tensor:
 # ---- comparing ------------------------------------------------------------------------------------
 
 
+def _max_abs(tensor: torch.Tensor) -> float:
+    return float(tensor.float().abs().max()) if tensor.numel() else 0.0
+
+
 def max_abs_difference(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor]) -> float:
     assert left.keys() == right.keys(), (sorted(left), sorted(right))
     return max(float((left[n].float() - right[n].float()).abs().max()) if left[n].numel() else 0.0 for n in left)
@@ -430,8 +525,7 @@ class EngineOutcome:
 
     config: RunConfig
     world_size: int
-    masters: dict[str, torch.Tensor]
-    state: dict[str, dict[str, torch.Tensor]]
+    snapshots: list[Snapshot]  # before every step, and after the last
     losses: list[list[float]]  # [step][rank * accumulation + micro]
     log: TrainLog  # this rank's
     padding_zero_on_every_rank: bool
@@ -439,15 +533,16 @@ class EngineOutcome:
     layout_facts: dict[str, Any]
 
 
-def engine_outcome(config: RunConfig, engine: ZeroOptimizer, log: TrainLog) -> EngineOutcome:
-    """Collective: every rank gets the full masters, state and losses of the run."""
+def train_and_gather(config: RunConfig, engine: ZeroOptimizer, model: nn.Module, rank: int) -> EngineOutcome:
+    """Collective: trains, and gives every rank the full state before and after every step."""
+    snapshots: list[Snapshot] = []
+    log = train_engine(engine, model, config, rank, snapshots)
     per_rank_losses = engine.comm.all_gather_object(log.losses)
     groups = engine.layout.groups
     return EngineOutcome(
         config=config,
         world_size=engine.world_size,
-        masters=engine_masters(engine),
-        state=engine_optimizer_state(engine),
+        snapshots=snapshots,
         losses=[[loss for losses in per_rank_losses for loss in losses[step]] for step in range(config.steps)],
         log=log,
         padding_zero_on_every_rank=all(engine.comm.all_gather_object(padding_is_zero(engine))),
@@ -461,27 +556,72 @@ def engine_outcome(config: RunConfig, engine: ZeroOptimizer, log: TrainLog) -> E
     )
 
 
+FP32_UNIT_ROUNDOFF = 2.0**-24
+
+
+@dataclass(frozen=True)
+class StepTolerance:
+    """How far one engine step may be from the reference's step from the same state.
+
+    Both steps start from the same fp32 masters and optimizer state, so they see the same
+    bf16/fp16 parameters, and the forward and backward are the same kernels on the same
+    values (CPU kernels are chosen by shape, dtype and instruction set, not by address):
+    each (rank, micro-batch) gradient and loss is the same on both sides, on any CPU. What
+    differs is fp32 arithmetic only, each operation within the unit roundoff u = 2^-24:
+
+    * a reduced gradient element is a sum of n = D x accumulation terms, added in another
+      order (gloo's, against rank order): two orders differ by at most 2(n - 1)u of the
+      terms' magnitude;
+    * the gradient norm adds N squares grouped by fragment on each rank, then over ranks:
+      another grouping of a sum of N terms, within 2 log2(N) u for blocked sums, plus the
+      gradient's own 2(n - 1)u, twice over in a square and halved by the root;
+    * an optimizer state is a linear function of the gradient and its square, updated with
+      a few roundings (lerp, addcmul, sqrt, division): within 2(2(n - 1) + 4)u of the
+      state kind's largest magnitude;
+    * a master is rounded at most twice per step (weight decay, then the update; the two
+      runs may round differently where a vectorised kernel's tail differs from its body):
+      4u of its magnitude, plus the update's own relative error (that of the state) times
+      the step's largest move.
+
+    A lost 1/D or 1/accumulation, a fragment counted twice or left out, a stale state or a
+    padding element taken for a parameter is off by many orders more.
+    """
+
+    grad_norm_relative: float
+    state_relative: float
+    masters: float
+
+    @classmethod
+    def of(cls, world_size: int, accumulation: int, numel: int, masters_max_abs: float, max_update: float):
+        u = FP32_UNIT_ROUNDOFF
+        gradient = 2 * (world_size * accumulation - 1) * u
+        state = 2 * gradient + 8 * u
+        return cls(
+            grad_norm_relative=2 * gradient + 2 * math.log2(max(numel, 2)) * u,
+            state_relative=state,
+            masters=4 * u * masters_max_abs + state * max_update,
+        )
+
+
 def compare_with_reference(outcome: EngineOutcome) -> dict[str, Any]:
     """Runs the reference (no collectives) and reports how the engine run differs from it."""
     config, log = outcome.config, outcome.log
-    reference = reference_run(config, outcome.world_size)
-    engine_state = {f"{n}/{k}": v for n, keys in outcome.state.items() for k, v in keys.items()}
-    reference_state = {f"{n}/{k}": v for n, keys in reference.state.items() for k, v in keys.items()}
-    same_state_keys = engine_state.keys() == reference_state.keys()
+    reference = reference_run(config, outcome.world_size, outcome.snapshots)
+    errors = reference.step_errors
+    final = outcome.snapshots[-1]
+    state_keys = sorted({k for keys in final.state.values() for k in keys})
     return {
         "name": config.name,
         "world_size": outcome.world_size,
-        "masters_equal": all_equal(outcome.masters, reference.masters),
-        "masters_max_error": max_abs_difference(outcome.masters, reference.masters),
-        "masters_moved": max_abs_difference(reference.masters, _initial_masters(config)),
-        "state_keys_match": same_state_keys,
-        "state_equal": all_equal(engine_state, reference_state),
-        "state_max_error": max_abs_difference(engine_state, reference_state) if same_state_keys else math.inf,
-        "state_keys": sorted({k for keys in outcome.state.values() for k in keys}),
+        "masters_equal": all(error.masters_equal for error in errors),
+        "masters_max_error": max(error.masters for error in errors),
+        "masters_moved": max_abs_difference(final.masters, outcome.snapshots[0].masters),
+        "state_keys_match": state_keys == reference.final_state_keys,
+        "masters_max_update": max(error.update for error in errors),
+        "state_equal": all(error.state_equal for error in errors),
+        "state_max_relative_error": max(error.state_relative for error in errors),
+        "state_keys": state_keys,
         "losses_equal": outcome.losses == reference.log.losses,
-        "step_loss_max_error": max(
-            abs(sum(e) / len(e) - sum(r) / len(r)) for e, r in zip(outcome.losses, reference.log.losses)
-        ),
         "stepped": log.stepped,
         "reference_stepped": reference.log.stepped,
         "scales": log.scales,
@@ -496,13 +636,15 @@ def compare_with_reference(outcome: EngineOutcome) -> dict[str, Any]:
         ),
         "padding_zero_on_every_rank": outcome.padding_zero_on_every_rank,
         "scalar_state_per_rank": outcome.scalar_state_per_rank,
+        "tolerance": StepTolerance.of(
+            outcome.world_size,
+            config.accumulation,
+            sum(master.numel() for master in final.masters.values()),
+            max(_max_abs(master) for master in final.masters.values()),
+            max(error.update for error in errors),
+        ),
         **outcome.layout_facts,
     }
-
-
-def _initial_masters(config: RunConfig) -> dict[str, torch.Tensor]:
-    model = build_model(config)
-    return {name: p.detach().clone().float() for name, p in model.named_parameters() if p.requires_grad}
 
 
 def run_equivalence(rank: int, world_size: int, configs: list[RunConfig]) -> list[dict[str, Any]]:
@@ -516,7 +658,7 @@ def run_equivalence(rank: int, world_size: int, configs: list[RunConfig]) -> lis
     for index, config in enumerate(configs):
         model = build_model(config)
         engine = make_engine(model, config)
-        outcome = engine_outcome(config, engine, train_engine(engine, model, config, rank))
+        outcome = train_and_gather(config, engine, model, rank)
         engine.reducer.remove_hooks()
         if index % world_size == rank:
             owned.append(outcome)
@@ -708,7 +850,7 @@ def check_frozen_and_tied(rank: int, world_size: int) -> dict[str, Any]:
     model = build_model(config)
     frozen_before = model.wpe.weight.detach().clone()
     engine = make_engine(model, config)
-    outcome = engine_outcome(config, engine, train_engine(engine, model, config, rank))
+    outcome = train_and_gather(config, engine, model, rank)
     comparison = compare_with_reference(outcome) if rank == 0 else None
     unique_trainable = {id(p): p.numel() for p in model.parameters() if p.requires_grad}
     return {
