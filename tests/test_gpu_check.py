@@ -1,0 +1,93 @@
+"""benchmarks/gpu_check.py: its --cpu mode runs every check and writes a report whose
+figures are numbers and whose verdicts are the comparisons they claim to be."""
+
+from __future__ import annotations
+
+import json
+import math
+import operator
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+CHECKS = ["engine_equal", "grouped_mm", "checkpointer", "step_time", "memory"]
+OPS = {"<=": operator.le, ">=": operator.ge, "==": operator.eq}
+
+
+@pytest.fixture(scope="module")
+def cpu_report(tmp_path_factory) -> tuple[int, dict, str]:
+    out = tmp_path_factory.mktemp("gpu_check") / "report.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    command = [sys.executable, str(BENCHMARKS / "gpu_check.py"), "--cpu", "--no-deepspeed", "--json", str(out)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert out.is_file(), done.stdout[-2000:] + done.stderr[-4000:]
+    return done.returncode, json.loads(out.read_text()), done.stdout
+
+
+def test_every_check_runs_and_reports_numbers(cpu_report):
+    returncode, report, stdout = cpu_report
+    assert returncode in (0, 1), stdout  # 1: a goal missed (the timing goals are a GPU's); never a crash
+    assert [check["name"] for check in report["checks"]] == CHECKS
+    assert (report["backend"], report["size"], report["device"]) == ("gloo", "small", "cpu")
+    for check in report["checks"]:
+        assert not check["crashed"], check["notes"]
+        assert check["figures"] and check["verdicts"], check["name"]
+        for key, value in check["figures"].items():
+            assert isinstance(value, float) and math.isfinite(value), (check["name"], key)
+        assert sum(line.startswith(check["name"]) for line in stdout.splitlines()) == 1  # one line per check
+
+
+def test_each_verdict_is_the_comparison_it_states(cpu_report):
+    returncode, report, _ = cpu_report
+    for check in report["checks"]:
+        for key, verdict in check["verdicts"].items():
+            assert verdict["value"] == check["figures"][verdict["figure"]], key
+            assert verdict["ok"] == OPS[verdict["op"]](verdict["value"], verdict["limit"]), key
+        assert check["ok"] == all(v["ok"] for v in check["verdicts"].values())
+    assert report["ok"] == all(check["ok"] for check in report["checks"])
+    assert returncode == (0 if report["ok"] else 1)
+
+
+def test_cpu_figures_that_do_not_depend_on_a_gpu(cpu_report):
+    """What the CPU can decide: the engine's arithmetic and alignment, grouped_mm against
+    the per-expert loop, the rule check's verdict on the compact copy, and tensor bytes
+    against the formula, kind by kind."""
+    _, report, _ = cpu_report
+    checks = {check["name"]: check for check in report["checks"]}
+    for name in ("engine_equal", "grouped_mm", "memory"):
+        assert checks[name]["ok"], checks[name]["verdicts"]
+    grouped = checks["grouped_mm"]
+    assert grouped["figures"]["compact_view_address_mod_16"] != 0
+    assert grouped["figures"]["compact_refused"] == 0.0  # the CPU kernel does not check
+    assert "cuda_refuses_compact" in grouped["skipped"] and "cuda_refuses_compact" not in grouped["verdicts"]
+    assert len([k for k in checks["engine_equal"]["verdicts"] if k.endswith("_masters")]) == 4  # 2 stages x 2 dtypes
+    memory = checks["memory"]["figures"]
+    assert memory["stage1_gradients_bytes"] == 2 * memory["stage1_masters_bytes"]  # D=1: partition + full accumulator
+    assert memory["stage2_optimizer_bytes"] == 2 * memory["stage2_masters_bytes"]  # AdamW: two fp32 states
+
+
+def test_without_a_gpu_and_without_cpu_flag_it_exits_2(monkeypatch, tmp_path, capsys):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import gpu_check
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main(["--json", str(tmp_path / "r.json")]) == 2
+    assert "--cpu" in capsys.readouterr().err and not (tmp_path / "r.json").exists()
+
+
+def test_a_verdict_without_its_figure_is_skipped_not_made(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from gpu_check_common import CheckResult
+
+    result = CheckResult("x")
+    result.figure("ratio", float("nan"))
+    assert result.compare("goal", "ratio", "<=", 1.0, "why") is False
+    assert "ratio" not in result.figures and set(result.skipped) == {"ratio", "goal"} and not result.verdicts
+    result.figure("error", 2.0)
+    assert result.compare("bound", "error", "<=", 1.0, "why") is False and not result.ok
