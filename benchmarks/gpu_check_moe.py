@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 from collections.abc import Iterator
 
 import torch
@@ -80,15 +81,54 @@ def _grouped_against_loop(kernel, weight: torch.Tensor, device: torch.device, se
     return results
 
 
-@contextlib.contextmanager
-def _compact_copy(weight: torch.Tensor, device: torch.device) -> Iterator[torch.Tensor]:
-    """The weight's values in a compact flat buffer, right after a one-element parameter."""
+def compact_probe(weight: torch.Tensor, device: str) -> dict:
+    """Put ``weight``'s values in a compact flat buffer on ``device``, right after a
+    one-element parameter (where a compact layout puts whatever follows an odd-sized
+    parameter), and call ``torch._grouped_mm`` on that view under the recorder. Returns
+    the view's address mod 16, the rule check's verdict and the kernel's error ("" if none)."""
     specs = [ParamSpec("lead", (1,), "bfloat16"), ParamSpec("experts", tuple(weight.shape), "bfloat16")]
     policy = LayoutPolicy.native(compact=True)
-    layout = build_layout([specs], 1, policy)
     params = [nn.Parameter(torch.zeros(1, dtype=torch.bfloat16)), nn.Parameter(weight.detach().cpu().clone())]
-    bind_flat_buffer(layout.groups[0], params, device, policy)
-    yield params[1]
+    bind_flat_buffer(build_layout([specs], 1, policy).groups[0], params, torch.device(device), policy)
+    compact = params[1]
+    experts = compact.shape[0]
+    offsets = torch.full((experts,), experts, dtype=torch.int32).cumsum(0).to(torch.int32)
+    tokens = torch.randn(int(offsets[-1]), compact.shape[1]).to(torch.bfloat16).to(device)
+    recorder = GroupedMMRecorder(0, {"compact": (compact, tuple(range(experts)), True)})
+    error = ""
+    with recorder.watching(), torch.no_grad():
+        try:
+            torch._grouped_mm(tokens, compact, offs=offsets.to(device))
+            if compact.is_cuda:
+                torch.cuda.synchronize()
+        except RuntimeError as err:
+            error = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+    [call] = recorder.at_step(0)
+    return {"address_mod_16": compact.data_ptr() % 16, "rule_check_aligned": call.aligned, "error": error}
+
+
+def _compact_probe_in_child(weight: torch.Tensor, device: str, results) -> None:
+    try:
+        results.put(compact_probe(weight, device))
+    except BaseException as err:  # noqa: BLE001 - reported to the parent
+        results.put({"crash": f"{type(err).__name__}: {err}"})
+
+
+def compact_probe_in_child(weight: torch.Tensor, device: str) -> dict:
+    """:func:`compact_probe` in a fresh process. On CUDA that is where it runs: were the
+    kernel to take the misaligned pointer and fault, the fault (sticky in a CUDA context)
+    stays there, and the other checks go on."""
+    spawn = multiprocessing.get_context("spawn")
+    results = spawn.SimpleQueue()
+    child = spawn.Process(target=_compact_probe_in_child, args=(weight.detach().cpu(), device, results))
+    child.start()
+    child.join(timeout=300)
+    if child.is_alive():
+        child.kill()
+        child.join()
+    if results.empty():
+        return {"crash": f"the probe process ended without a result (exit code {child.exitcode})"}
+    return results.get()
 
 
 def _moe_gpt(context: Context, result: CheckResult) -> None:
@@ -124,30 +164,20 @@ def _moe_gpt(context: Context, result: CheckResult) -> None:
     for key, value in worst.items():
         result.figure(f"grouped_mm_{key}_error_per_bound", value)
         result.compare(f"grouped_mm_{key}", f"grouped_mm_{key}_error_per_bound", "<=", 1.0, "bf16 rounding + fp32 sums")
-    _compact(context, result, next(iter(weights.values()))[0], recorder)
+    _compact(context, result, next(iter(weights.values()))[0])
 
 
-def _compact(context: Context, result: CheckResult, weight: torch.Tensor, recorder: GroupedMMRecorder) -> None:
-    offsets = torch.tensor([weight.shape[0]] * weight.shape[0], dtype=torch.int32).cumsum(0).to(torch.int32)
-    tokens = torch.randn(int(offsets[-1]), weight.shape[1]).to(torch.bfloat16).to(context.device)
-    offsets = offsets.to(context.device)
-    with _compact_copy(weight, context.device) as compact:
-        result.figure("compact_view_address_mod_16", compact.data_ptr() % 16)
-        recorder.step = 1
-        error = ""
-        with recorder.watching():
-            try:
-                torch._grouped_mm(tokens, compact, offs=offsets)
-                context.sync()
-            except RuntimeError as err:
-                error = str(err).splitlines()[0][:200]
-    [call] = recorder.at_step(1)
-    result.figure("compact_rule_check_aligned", int(call.aligned))
+def _compact(context: Context, result: CheckResult, weight: torch.Tensor) -> None:
+    probe = compact_probe_in_child(weight, str(context.device)) if context.cuda else compact_probe(weight, "cpu")
+    if "crash" in probe:
+        raise RuntimeError(f"compact probe: {probe['crash']}")
+    result.figure("compact_view_address_mod_16", probe["address_mod_16"])
+    result.figure("compact_rule_check_aligned", int(probe["rule_check_aligned"]))
     result.compare("rule_check_flags_compact", "compact_rule_check_aligned", "==", 0, "data_ptr % 16 != 0")
-    result.figure("compact_refused", int(bool(error)))
+    result.figure("compact_refused", int(bool(probe["error"])))
     if context.cuda:
         result.compare("cuda_refuses_compact", "compact_refused", "==", 1, "CUDA's grouped GEMM checks alignment")
-        result.notes.append(f"CUDA's error on the compact view: {error or 'none raised'}")
+        result.notes.append(f"CUDA's error on the compact view: {probe['error'] or 'none raised'}")
     else:
         result.skipped["cuda_refuses_compact"] = "the CPU kernel does not check alignment (the rule check does)"
 

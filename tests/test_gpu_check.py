@@ -91,3 +91,16 @@ def test_a_verdict_without_its_figure_is_skipped_not_made(monkeypatch):
     assert "ratio" not in result.figures and set(result.skipped) == {"ratio", "goal"} and not result.verdicts
     result.figure("error", 2.0)
     assert result.compare("bound", "error", "<=", 1.0, "why") is False and not result.ok
+
+
+def test_the_compact_probe_runs_in_a_child_process(monkeypatch):
+    """The path CUDA takes (a spawned process, so a kernel fault cannot end the run), on the
+    CPU: the copy sits 2 bytes past a 16-byte boundary, the rule check says so, and the CPU
+    kernel runs it without complaint."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import torch
+    from gpu_check_moe import compact_probe_in_child
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(BENCHMARKS), str(ROOT / "src")]))
+    weight = torch.randn(4, 32, 48).to(torch.bfloat16)
+    assert compact_probe_in_child(weight, "cpu") == {"address_mod_16": 2, "rule_check_aligned": False, "error": ""}
