@@ -26,6 +26,7 @@ from zeroshard.models import GPTConfig, TinyGPT, gpt_param_groups
 
 LR, BETAS, WEIGHT_DECAY, CLIP, ACCUMULATION = 1e-3, (0.9, 0.95), 0.1, 1.0, 2
 STAGE2_BUCKET_NUMEL = 4096  # several buckets for the demo model's ~37k parameters
+FP16_SKIPS = 2  # |c| <= 4: 4 * 2^16 / 2 and 4 * 2^15 / 2 overflow fp16 (max 65504), 4 * 2^14 / 2 does not
 CONFIGS = [(stage, dtype) for stage in (1, 2) for dtype in (torch.bfloat16, torch.float16)]
 OPS_PER_BLOCK = 12  # rounded results on a TinyGPT block's forward path (norms, matmuls, softmax, gelu, adds)
 
@@ -122,7 +123,9 @@ def run(context: Context) -> CheckResult:
         result.compare(f"{tag}_masters", f"{tag}_master_error_per_bound", "<=", 1.0, "AdamW rounding bound (master_bound)")
         differ = sum(a != b for a, b in zip(device_run["applied"], cpu_run["applied"]))
         result.figure(f"{tag}_skipped_steps_differ", differ)
-        result.figure(f"{tag}_steps_applied", sum(device_run["applied"]))
+        result.figure(f"{tag}_steps_skipped", steps - sum(device_run["applied"]))
+        must_skip = FP16_SKIPS if dtype == torch.float16 else 0
+        result.compare(f"{tag}_skips", f"{tag}_steps_skipped", "==", must_skip, "the scaler's back-offs the probe forces")
         result.compare(f"{tag}_same_overflows", f"{tag}_skipped_steps_differ", "==", 0, "fp16 overflow is exact: same steps skipped")
         norm_error = max((abs(a - b) / b if b else abs(a) for a, b in zip(device_run["norms"], cpu_run["norms"])), default=0.0)
         result.figure(f"{tag}_norm_rel_diff", norm_error)

@@ -65,7 +65,9 @@ def test_cpu_figures_that_do_not_depend_on_a_gpu(cpu_report):
     assert grouped["figures"]["compact_view_address_mod_16"] != 0
     assert grouped["figures"]["compact_refused"] == 0.0  # the CPU kernel does not check
     assert "cuda_refuses_compact" in grouped["skipped"] and "cuda_refuses_compact" not in grouped["verdicts"]
-    assert len([k for k in checks["engine_equal"]["verdicts"] if k.endswith("_masters")]) == 4  # 2 stages x 2 dtypes
+    engine = checks["engine_equal"]
+    assert len([k for k in engine["verdicts"] if k.endswith("_masters")]) == 4  # 2 stages x 2 dtypes
+    assert [engine["figures"][f"stage{s}_{d}_steps_skipped"] for s in (1, 2) for d in ("bfloat16", "float16")] == [0, 2, 0, 2]
     memory = checks["memory"]["figures"]
     assert memory["stage1_gradients_bytes"] == 2 * memory["stage1_masters_bytes"]  # D=1: partition + full accumulator
     assert memory["stage2_optimizer_bytes"] == 2 * memory["stage2_masters_bytes"]  # AdamW: two fp32 states
