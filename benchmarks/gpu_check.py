@@ -12,11 +12,13 @@ printed as one line and written to a JSON report:
 3. checkpointer (gpu_check_checkpoint.py): the async save's stall on a 1 GB-of-state
    model against one plain device-to-host copy of the same bytes and a synchronous save;
    steps during the background write against steps without one.
-4. step_time (gpu_check_step.py): the engine's step against the bare model + AdamW and
+4. memory (gpu_check_memory.py): memory per state kind against the ZeRO formula.
+5. step_time (gpu_check_step.py): the engine's step against the bare model + AdamW and
    against DeepSpeed 0.19.8 ZeRO-2 (if it imports).
-5. memory (gpu_check_memory.py): memory per state kind against the ZeRO formula.
 
 Each verdict compares one figure with a limit (a derived error bound, or the issue's goal).
+The report is rewritten after every check ("complete": false until the last), so a run
+cut short keeps what it found.
 ``--cpu`` runs the same checks on the CPU with small sizes (gloo), where the CUDA-only
 comparisons are marked skipped. Exit status: 0 every verdict holds, 1 some verdict fails,
 2 bad arguments (no CUDA device without --cpu), 3 a check crashed.
@@ -51,8 +53,8 @@ CHECKS = {
     "engine_equal": gpu_check_engine.run,
     "grouped_mm": gpu_check_moe.run,
     "checkpointer": gpu_check_checkpoint.run,
-    "step_time": gpu_check_step.run,
     "memory": gpu_check_memory.run,
+    "step_time": gpu_check_step.run,  # last: DeepSpeed's NCCL collectives are the likeliest to hang
 }
 
 
@@ -64,6 +66,7 @@ def init_single_rank_group(context: Context) -> None:
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     import_group_binding_modules()
     if context.cuda:
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")  # one rank: NCCL's bootstrap needs no network
         torch.cuda.set_device(context.device)
     store = dist.FileStore(str(Path(context.workdir) / "store"), 1)
     dist.init_process_group("nccl" if context.cuda else "gloo", store=store, rank=0, world_size=1)
@@ -112,24 +115,29 @@ def main(argv: list[str] | None = None) -> int:
         init_single_rank_group(context)
         name = torch.cuda.get_device_name(device) if context.cuda else "cpu"
         print(f"gpu_check on {name}: torch {torch.__version__}, {dist.get_backend()} group of one, size {context.size}")
+        header = {"device": name, "torch": torch.__version__, "backend": dist.get_backend(), "size": context.size}
         rows = []
         for check in args.checks:
             rows.append(run_check(check, context))
             print(summary_line(*rows[-1]), flush=True)
+            report = write_report(args.json, header, rows, complete=len(rows) == len(args.checks))
         dist.destroy_process_group()
-    report = {
-        "device": name,
-        "torch": torch.__version__,
-        "backend": "nccl" if context.cuda else "gloo",
-        "size": context.size,
-        "ok": all(result.ok and not crashed for result, _, crashed in rows),
-        "checks": [dict(result.to_json(), seconds=seconds, crashed=crashed) for result, seconds, crashed in rows],
-    }
-    args.json.write_text(json.dumps(report, indent=1, allow_nan=False))
     print(f"report: {args.json}")
     if any(crashed for _, _, crashed in rows):
         return 3
     return 0 if report["ok"] else 1
+
+
+def write_report(path: Path, header: dict, rows: list[tuple[CheckResult, float, bool]], complete: bool) -> dict:
+    """Write the report so far (after every check: a run cut short keeps what it found)."""
+    report = {
+        **header,
+        "complete": complete,
+        "ok": all(result.ok and not crashed for result, _, crashed in rows),
+        "checks": [dict(result.to_json(), seconds=seconds, crashed=crashed) for result, seconds, crashed in rows],
+    }
+    path.write_text(json.dumps(report, indent=1, allow_nan=False))
+    return report
 
 
 if __name__ == "__main__":
