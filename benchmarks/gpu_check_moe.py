@@ -245,9 +245,11 @@ def _qwen3_moe(context: Context, result: CheckResult) -> None:
         engine.backward(model(input_ids=ids, labels=ids).loss)
     context.sync()
     in_buffer = [any(owns_storage(buffer, w) for buffer in engine.buffers) and _kernel_aligned(w) for w in seen]
-    result.figure("qwen3_grouped_mm_calls", len(seen))
+    result.figure("qwen3_grouped_mm_calls", len(seen))  # each entry point counts (transformers' and torch's)
     result.figure("qwen3_calls_on_aligned_flat_views", sum(in_buffer))
-    result.compare("qwen3_calls", "qwen3_grouped_mm_calls", ">=", 1, "the experts ran through grouped_mm")
+    read = {w.data_ptr() for w in seen} & {p.data_ptr() for p in experts.values()}
+    result.figure("qwen3_expert_views_read_in_place", len(read))
+    result.compare("qwen3_calls", "qwen3_expert_views_read_in_place", "==", len(experts), "grouped_mm read every expert view")
     result.compare("qwen3_all_aligned", "qwen3_calls_on_aligned_flat_views", "==", len(seen), "aligned views of the buffer")
     result.compare("qwen3_views", "qwen3_expert_views_misaligned", "==", 0, "every expert view aligned")
     result.notes.append(f"transformers {transformers.__version__}, experts implementation "
