@@ -117,7 +117,7 @@ class StepTimer:
         begin.record()
         work()
         end.record()
-        end.synchronize()
+        torch.cuda.synchronize()  # all streams: nothing the work left running spills into the next timing
         return begin.elapsed_time(end) / 1e3
 
 

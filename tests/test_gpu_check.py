@@ -8,6 +8,7 @@ import math
 import operator
 import os
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -106,3 +107,60 @@ def test_the_compact_probe_runs_in_a_child_process(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(BENCHMARKS), str(ROOT / "src")]))
     weight = torch.randn(4, 32, 48).to(torch.bfloat16)
     assert compact_probe_in_child(weight, "cpu") == {"address_mod_16": 2, "rule_check_aligned": False, "error": ""}
+
+
+class _WallClockEvent:
+    """torch.cuda.Event's timing calls, on the wall clock."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.at = 0.0
+
+    def record(self) -> None:
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, end: "_WallClockEvent") -> float:
+        return (end.at - self.at) * 1e3
+
+
+def test_the_cuda_only_branches_run(monkeypatch, tmp_path):
+    """The code that only a GPU run reaches (events, pinned buffers, the allocator's readings,
+    the compact refusal's verdict), run on the CPU with torch.cuda's calls stood in for, so
+    that it does not rot between GPU runs. The readings are fake; what is checked is that
+    every CUDA-only figure and verdict is produced."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import torch
+    import torch.distributed as dist
+
+    import gpu_check_checkpoint
+    import gpu_check_common
+    import gpu_check_memory
+    import gpu_check_moe
+    import gpu_check_step
+    from zeroshard.launch import import_group_binding_modules
+
+    allocated = iter(range(0, 1 << 40, 4096))
+    real_empty = torch.empty
+    for name, stand_in in {
+        "Event": _WallClockEvent, "synchronize": lambda *a, **k: None, "empty_cache": lambda: None,
+        "memory_allocated": lambda *a: next(allocated), "max_memory_allocated": lambda *a: next(allocated),
+        "reset_peak_memory_stats": lambda *a: None,
+    }.items():  # fmt: skip
+        monkeypatch.setattr(torch.cuda, name, stand_in)
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: real_empty(*a, **k))
+    monkeypatch.setattr(gpu_check_common.Context, "cuda", property(lambda self: True))
+    monkeypatch.setattr(gpu_check_moe, "compact_probe_in_child", lambda weight, device: gpu_check_moe.compact_probe(weight, "cpu"))
+    import_group_binding_modules()
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        context = gpu_check_common.Context(torch.device("cpu"), "small", str(tmp_path), deepspeed=False)
+        results = {module.__name__: module.run(context) for module in (gpu_check_moe, gpu_check_checkpoint, gpu_check_memory, gpu_check_step)}
+    finally:
+        dist.destroy_process_group()
+    moe, checkpoint, memory, step = results.values()
+    assert moe.verdicts["cuda_refuses_compact"]["ok"] is False  # made, and the CPU kernel did not refuse
+    assert checkpoint.figures["plain_copy_s"] > 0 and "stall_vs_copy" in checkpoint.verdicts
+    for stage in (1, 2):
+        for phase in ("model", "engine", "first_step"):
+            assert f"stage{stage}_allocated_{phase}" in memory.verdicts
+        assert f"stage{stage}_construction_peak_bytes" in memory.figures
+    assert step.figures["engine_step_ms"] > 0 and step.figures["floor_step_ms"] > 0
