@@ -58,18 +58,18 @@ class WideModel(nn.Module):
         return x.float().pow(2).mean()
 
 
-def _build(kind: str):
+def _build(kind: str, device: str = "cpu"):
     torch.manual_seed(0)
     if kind == "demo":
-        model = TinyGPT()
-        idx = torch.randint(0, model.config.vocab_size, (4, model.config.block_size))
+        model = TinyGPT().to(device)
+        idx = torch.randint(0, model.config.vocab_size, (4, model.config.block_size)).to(device)
 
         def loss():
             return model(idx[:, :-1], idx[:, 1:])
 
     else:
-        model = WideModel()
-        x = torch.randn(4, 1024)
+        model = WideModel().to(device)
+        x = torch.randn(4, 1024).to(device)
 
         def loss():
             return model(x.to(torch.bfloat16))
@@ -83,6 +83,8 @@ def _step(engine: ZeroOptimizer, loss) -> float:
     engine.backward(loss())
     engine.step()
     engine.zero_grad()
+    if engine.device.type == "cuda":  # the step's kernels, not only their launch
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
@@ -119,11 +121,12 @@ def _state_bytes(engine: ZeroOptimizer) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def measure(rank: int, world: int, kind: str, root: str, saves: int) -> dict[str, float]:
+def measure(rank: int, world: int, kind: str, root: str, saves: int, device: str = "cpu") -> dict[str, float]:
     """Rounds of: a floor copy, a sync save, an async save followed by steps. Interleaved,
     so that each ratio compares figures taken moments apart (the load of a shared machine
-    swings by several times within minutes); medians of the per-round ratios."""
-    engine, loss = _build(kind)
+    swings by several times within minutes); medians of the per-round ratios. The model
+    lives on ``device`` (benchmarks/gpu_check.py runs it on a GPU at D=1)."""
+    engine, loss = _build(kind, device)
     for _ in range(2):  # optimizer state exists from the first step on
         _step(engine, loss)
     floor = HostSnapshot(pin_memory=engine.device.type == "cuda")

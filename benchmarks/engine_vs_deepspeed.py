@@ -53,13 +53,15 @@ VARIANTS = (
 # ---- worker (one rank under torchrun) ----------------------------------------------------------
 
 
-def _model():
+def _model(config=None, device: str = "cpu"):
+    """The medium TinyGPT (or ``config``'s), seeded, on ``device``."""
     import torch
 
     from zeroshard.models import GPTConfig, TinyGPT
 
     torch.manual_seed(0)
-    return TinyGPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=LAYERS, n_head=HEADS, n_embd=D_MODEL))
+    config = config or GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=LAYERS, n_head=HEADS, n_embd=D_MODEL)
+    return TinyGPT(config).to(device)
 
 
 def _param_groups(model) -> list[dict]:
@@ -87,12 +89,12 @@ def _written() -> int:
 
 
 class DeepSpeedVariant:
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, model_config=None, batch: int = BATCH, device: str = "cpu") -> None:
         import deepspeed
 
-        model = _model()
+        model = _model(model_config, device)
         config = {
-            "train_micro_batch_size_per_gpu": BATCH,
+            "train_micro_batch_size_per_gpu": batch,
             "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "torch_adam": True}},
             "bf16": {"enabled": True},
@@ -115,13 +117,13 @@ class DeepSpeedVariant:
 
 
 class ZeroshardVariant:
-    def __init__(self, reduce_dtype, bucket_numel: int | None = None) -> None:
+    def __init__(self, reduce_dtype, bucket_numel: int | None = None, model_config=None, device: str = "cpu") -> None:
         import torch
 
         from zeroshard.engine import ZeroOptimizer
         from zeroshard.layout import LayoutPolicy
 
-        self.model = _model()
+        self.model = _model(model_config, device)
         self.engine = ZeroOptimizer(
             self.model,
             torch.optim.AdamW,
@@ -151,12 +153,12 @@ class FloorVariant:
     """The work any ZeRO-2 engine does at least: the model's forward and backward, and the
     optimizer's update of this rank's fp32 partition."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, model_config=None, device: str = "cpu") -> None:
         import torch
 
-        self.model = _model().to(torch.bfloat16)
+        self.model = _model(model_config, device).to(torch.bfloat16)
         numel = sum(p.numel() for p in self.model.parameters())
-        partition = torch.nn.Parameter(torch.randn(numel // world_size) * 0.02)
+        partition = torch.nn.Parameter(torch.randn(numel // world_size, device=device) * 0.02)
         partition.grad = torch.randn_like(partition) * 1e-3
         self.optimizer = torch.optim.AdamW([partition], lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
         self.moved = None
