@@ -148,7 +148,7 @@ def resumed_run(rank: int, world_size: int, run: Run, checkpoint: str, reference
     return {
         "differing": differing,
         "keys": sorted(loaded) == sorted(saved),
-        "loss_diff": max(abs(a - b) for a, b in zip(losses, expected)),
+        "loss_diff": max(abs(a - b) / abs(b) for a, b in zip(losses, expected)),
         "experts": list(engine.model.blocks[0].moe.experts.expert_ids),
     }
 

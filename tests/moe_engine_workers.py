@@ -121,8 +121,8 @@ def train_case(rank: int, world_size: int, case: MoECase) -> dict:
     expert_group = next(group for group in engine.layout.groups if group.is_expert_group)
     dense_group = next(group for group in engine.layout.groups if not group.is_expert_group)
     return {
-        "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
-        "norm_diff": max(abs(a - b) for a, b in zip(norms, ref_norms)),
+        "loss_diff": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+        "norm_diff": max(abs(a - b) / abs(b) for a, b in zip(norms, ref_norms)),
         "masters_diff": max(master_diffs.values()),
         "worst_master": max(master_diffs, key=master_diffs.get),
         "dense_moved": max(float((ref_masters[n] - initial).abs().max()) for n, initial in _dense_initial(ref_masters)),

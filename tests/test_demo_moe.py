@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from zeroshard.demo_moe import MoEDemoConfig
 from zeroshard.moe.recorder import GroupedMMRecorder
 
 BIN = Path(sys.executable).parent
+DEMO_TOKENS = MoEDemoConfig.global_batch * MoEDemoConfig.model.block_size  # summed per step
 CALL = re.compile(
     r"call (\d+)\s+(\S+)\s+(\[[\d, ]+\])\s+(\w+)\s+data_ptr % 16 = (\d+); experts ((?:\d+:\d+ ?)+); row stride (\d+) B(.*)$"
 )
@@ -85,7 +87,14 @@ def test_moe_demo_trains_resumes_at_another_ep_and_every_expert_view_is_aligned_
     rows = re.findall(r"^\s+(\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+\S+$", out, re.MULTILINE)
     assert [int(step) for step, _, _ in rows] == [3, 4, 5]
     differences = [abs(float(a) - float(b)) for _, a, b in rows]
-    assert max(differences) <= 1e-5  # fp32, as the engine tests (seen 4.8e-7 over 20 resumed steps)
+    relative = [difference / float(b) for difference, (_, _, b) in zip(differences, rows)]
+    # The first resumed step sees the saved weights exactly and sums the same fp32 per-token
+    # losses split over 2 ranks instead of 4: another order of n = global batch x block size
+    # terms, within 2 n u. Later steps follow masters whose Adam updates differ where a
+    # gradient is within its rounding of zero: they show the run continues, not a precision
+    # (one bf16 ulp, 2^-8, is far below what a wrong load does to a loss).
+    assert relative[0] <= 2 * DEMO_TOKENS * 2.0**-24, rows
+    assert max(relative) <= 2.0**-8, rows
     assert float(re.search(r"max \|difference\| over 3 steps = (\S+)", out).group(1)) == pytest.approx(
         max(differences), abs=1e-6
     )
