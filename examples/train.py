@@ -81,7 +81,9 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="checkpoints go to OUT/checkpoints, the export to OUT/model")
+    parser.add_argument(
+        "--out", type=Path, required=True, help="checkpoints go to OUT/checkpoints, the export to OUT/model"
+    )
     parser.add_argument("--steps", type=int, default=20, help="train until this step (resuming first)")
     parser.add_argument("--total-steps", type=int, default=40, help="the length of the lr schedule")
     parser.add_argument("--global-batch", type=int, default=48, help="rows per step over all ranks")
@@ -98,7 +100,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     if args.global_batch % (world_size * args.micro_batches):
         raise SystemExit(f"--global-batch {args.global_batch} does not split into {world_size} x {args.micro_batches}")
-    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}") if torch.cuda.is_available() else torch.device("cpu")
+    device = (
+        torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}") if torch.cuda.is_available() else torch.device("cpu")
+    )
 
     torch.manual_seed(0)  # every rank builds the same model (the engine also broadcasts rank 0's)
     model = MLP().to(device)  # on its device before the engine is built
@@ -140,7 +144,13 @@ def main() -> None:
             if (step + 1) % args.save_every == 0 or step == args.steps - 1:
                 ckpt.save(step)  # collective; returns once the state is copied to host memory
         last = ckpt.wait()  # the last save's outcome (raises on every rank if it failed)
-        log.info("trained steps %d-%d in %.2f s on %d ranks", start, args.steps - 1, time.perf_counter() - started, world_size)
+        log.info(
+            "trained steps %d-%d in %.2f s on %d ranks",
+            start,
+            args.steps - 1,
+            time.perf_counter() - started,
+            world_size,
+        )
 
     if rank == 0 and last is not None:  # export reads the checkpoint's files: one process is enough
         exported = to_fp32(last.path, args.out / "model", overwrite=True)

@@ -78,7 +78,10 @@ def test_deepspeed_roots_are_refused(deepspeed_runs, tmp_path):
     run = deepspeed_runs["w2_s2"]
     _, engine = make_engine()
     for root in (run.save_dir, run.tag_dir, deepspeed_universal_folder(run, tmp_path)):
-        with pytest.raises(ValueError, match=r"holds a DeepSpeed ZeRO stage 1/2 checkpoint, not checkpoints of the Checkpointer's own; to start from it, .*load\(warm_start="):
+        with pytest.raises(
+            ValueError,
+            match=r"holds a DeepSpeed ZeRO stage 1/2 checkpoint, not checkpoints of the Checkpointer's own; to start from it, .*load\(warm_start=",
+        ):
             Checkpointer(engine, root)
 
 
@@ -104,7 +107,10 @@ def test_warm_start_from_a_universal_checkpoint_then_own_checkpoints_win(foreign
         assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
         train(model, engine, 1)
         ckpt.save(3)
-    assert f"warm start (no checkpoint in {tmp_path / 'mine'} yet) from {universal}: training goes on at step 3" in caplog.text
+    assert (
+        f"warm start (no checkpoint in {tmp_path / 'mine'} yet) from {universal}: training goes on at step 3"
+        in caplog.text
+    )
     with Checkpointer(engine, tmp_path / "mine") as ckpt:
         assert ckpt.load(warm_start=universal) == 4, "its own latest, not the warm start"
         assert ckpt.resumed_from == tmp_path / "mine" / "step-00000003"

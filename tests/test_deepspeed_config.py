@@ -49,7 +49,7 @@ from test_deepspeed_resume import LOSS_RELATIVE_TOLERANCE
 
 from zeroshard import from_deepspeed_config
 from zeroshard.deepspeed_config import resolve_batch_sizes
-from zeroshard.deepspeed_keys import MAPPED, NOOP, REFUSED, RULES, rule_for
+from zeroshard.deepspeed_keys import REFUSED, RULES, rule_for
 from zeroshard.engine import DeepSpeedLossScaler, ZeroOptimizer
 from zeroshard.launch import spawn
 from zeroshard.lr_schedules import WarmupCosineLR
@@ -100,7 +100,10 @@ def test_every_refused_key_is_refused_in_one_line_naming_it(rule):
         from_deepspeed_config(model, with_key(fixture_config(), rule.key, value), param_groups=param_groups(model))
     message = str(error.value)
     assert "\n" not in message and f"{rule.key} = " in message and rule.what in message
-    assert all(torch.equal(before[name], tensor) and tensor.dtype == before[name].dtype for name, tensor in model.state_dict().items())
+    assert all(
+        torch.equal(before[name], tensor) and tensor.dtype == before[name].dtype
+        for name, tensor in model.state_dict().items()
+    )
 
 
 @pytest.mark.parametrize(
@@ -123,7 +126,9 @@ def test_values_that_leave_a_refused_feature_off_are_accepted(key, value):
 
 
 def test_no_ops_are_listed_with_why_and_unknown_keys_refused():
-    config = with_key(with_key(fixture_config(), "zero_optimization.overlap_comm", True), "tensorboard", {"enabled": True})
+    config = with_key(
+        with_key(fixture_config(), "zero_optimization.overlap_comm", True), "tensorboard", {"enabled": True}
+    )
     _, run = build(config)
     assert run.ignored["zero_optimization.overlap_comm"] == rule_for("zero_optimization.overlap_comm").what
     assert "tensorboard" in run.ignored and "steps_per_print" in run.ignored
@@ -165,7 +170,11 @@ def test_batch_sizes_resolve_as_deepspeeds_config_does(train, micro, steps, worl
 
     theirs = DeepSpeedConfig.__new__(DeepSpeedConfig)  # only the batch arithmetic: no process group needed
     theirs.world_size = world
-    theirs.train_batch_size, theirs.train_micro_batch_size_per_gpu, theirs.gradient_accumulation_steps = train, micro, steps
+    theirs.train_batch_size, theirs.train_micro_batch_size_per_gpu, theirs.gradient_accumulation_steps = (
+        train,
+        micro,
+        steps,
+    )
     try:
         theirs._configure_train_batch_size()
         expected = (theirs.train_batch_size, theirs.train_micro_batch_size_per_gpu, theirs.gradient_accumulation_steps)
@@ -173,7 +182,9 @@ def test_batch_sizes_resolve_as_deepspeeds_config_does(train, micro, steps, worl
         expected = None
     values = {
         key: value
-        for key, value in zip(("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"), (train, micro, steps))
+        for key, value in zip(
+            ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"), (train, micro, steps)
+        )
         if value is not None
     }
     if expected is None:
@@ -190,8 +201,15 @@ def test_batch_sizes_resolve_as_deepspeeds_config_does(train, micro, steps, worl
 def test_the_fixture_config_maps_to_the_engine_deepspeed_ran():
     model, run = build(fixture_config("w1_s2_align"))
     engine = run.engine
-    assert (engine.stage, engine.world_size, engine.max_grad_norm, engine.gradient_accumulation_steps) == (2, 1, CLIP, 1)
-    assert isinstance(engine.scaler, DeepSpeedLossScaler) and engine.scaler.checks_overflow and engine.scaler.scale == 1.0
+    assert (engine.stage, engine.world_size, engine.max_grad_norm, engine.gradient_accumulation_steps) == (
+        2,
+        1,
+        CLIP,
+        1,
+    )
+    assert (
+        isinstance(engine.scaler, DeepSpeedLossScaler) and engine.scaler.checks_overflow and engine.scaler.scale == 1.0
+    )
     assert type(engine.optimizer) is torch.optim.AdamW
     assert [(g["lr"], g["betas"], g["weight_decay"]) for g in engine.optimizer.param_groups] == [
         (0.0, BETAS, 0.1), (0.0, BETAS, 0.0)  # WarmupCosineLR starts at lr 0, as DeepSpeed's
@@ -216,9 +234,16 @@ def test_precision_reduction_offload_and_bucket_keys():
     assert not build(with_key(fixture_config(), "bf16.check_grad_overflow", False))[1].engine.scaler.checks_overflow
     fp32 = build(with_key(fixture_config(), "bf16", {"enabled": False}))[1].engine
     assert not fp32.scaler.checks_overflow and fp32.buffers[0].data.dtype == torch.float32
-    offloaded = build(with_key(fixture_config(), "zero_optimization.offload_optimizer", {"device": "cpu", "pin_memory": True}))[1]
+    offloaded = build(
+        with_key(fixture_config(), "zero_optimization.offload_optimizer", {"device": "cpu", "pin_memory": True})
+    )[1]
     assert offloaded.engine.offload and "zero_optimization.offload_optimizer.pin_memory" in offloaded.ignored
-    assert build(with_key(fixture_config(), "zero_optimization.reduce_bucket_size", 40))[1].engine.layout.policy.bucket_numel == 40
+    assert (
+        build(with_key(fixture_config(), "zero_optimization.reduce_bucket_size", 40))[
+            1
+        ].engine.layout.policy.bucket_numel
+        == 40
+    )
     assert build(with_key(fixture_config(), "gradient_clipping", 0.0))[1].engine.max_grad_norm is None
     with pytest.raises(ValueError, match="offload_optimizer.device = 'nvme': offloading to NVMe is DeepSpeed's own"):
         build(with_key(fixture_config(), "zero_optimization.offload_optimizer", {"device": "nvme"}))
@@ -230,8 +255,18 @@ def test_precision_reduction_offload_and_bucket_keys():
     "section, expected_class, expected_options, note",
     [
         ({"type": "Adam", "params": {"lr": 1e-3}}, torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.0}, "FusedAdam"),
-        ({"type": "adam", "params": {"adam_w_mode": False, "torch_adam": True}}, torch.optim.Adam, {"weight_decay": 0.0}, None),
-        ({"type": "AdamW", "params": {"torch_adam": True, "eps": 1e-6}}, torch.optim.AdamW, {"eps": 1e-6, "weight_decay": 0.01}, None),
+        (
+            {"type": "adam", "params": {"adam_w_mode": False, "torch_adam": True}},
+            torch.optim.Adam,
+            {"weight_decay": 0.0},
+            None,
+        ),
+        (
+            {"type": "AdamW", "params": {"torch_adam": True, "eps": 1e-6}},
+            torch.optim.AdamW,
+            {"eps": 1e-6, "weight_decay": 0.01},
+            None,
+        ),
         ({"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, None),
     ],
 )
@@ -293,7 +328,10 @@ def test_fp16_overflows_skip_steps_and_the_schedule_as_deepspeed(monkeypatch):
         "fp16": {"enabled": True, "initial_scale_power": 6, "loss_scale_window": 2, "hysteresis": 2},
         "zero_optimization": {"stage": 2},
         "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.005, "warmup_max_lr": 0.01, "warmup_num_steps": 4, "warmup_type": "linear"}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.005, "warmup_max_lr": 0.01, "warmup_num_steps": 4, "warmup_type": "linear"},
+        },
     }
     model = _tiny_fp32_model()
     run = from_deepspeed_config(model, config)
@@ -341,7 +379,9 @@ def hand_written(fixture_name: str) -> tuple[torch.nn.Module, ZeroOptimizer]:
 
 def from_config(fixture_name: str, config: dict | None = None):
     model = build_model(FIXTURE[fixture_name].tiny_no_decay)
-    return model, from_deepspeed_config(model, config or _ds_config(FIXTURE[fixture_name]), param_groups=param_groups(model))
+    return model, from_deepspeed_config(
+        model, config or _ds_config(FIXTURE[fixture_name]), param_groups=param_groups(model)
+    )
 
 
 def global_mean(loss: torch.Tensor, world_size: int) -> float:
@@ -405,7 +445,11 @@ def reduce_dtypes(rank: int, world_size: int) -> dict[str, str]:
     config = {**_ds_config(FIXTURE["w2_s2"]), "communication_data_type": "fp32"}
     return {
         "fp32 key": str(from_config("w2_s2", config)[1].engine.reduce_dtypes),
-        "override": str(from_deepspeed_config(build_model(False), _ds_config(FIXTURE["w2_s2"]), reduce_dtype=torch.float32).engine.reduce_dtypes),
+        "override": str(
+            from_deepspeed_config(
+                build_model(False), _ds_config(FIXTURE["w2_s2"]), reduce_dtype=torch.float32
+            ).engine.reduce_dtypes
+        ),
     }
 
 

@@ -26,8 +26,20 @@ def _example():
 
 
 def _torchrun(ranks: int, out: Path, steps: int) -> subprocess.CompletedProcess:
-    command = [str(TORCHRUN), "--standalone", "--nproc_per_node", str(ranks), str(SCRIPT), "--out", str(out), "--steps", str(steps)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    command = [
+        str(TORCHRUN),
+        "--standalone",
+        "--nproc_per_node",
+        str(ranks),
+        str(SCRIPT),
+        "--out",
+        str(out),
+        "--steps",
+        str(steps),
+    ]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "terminate called" not in done.stderr
     return done

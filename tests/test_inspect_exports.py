@@ -76,10 +76,18 @@ def test_inspect_describes_an_fp32_export(exports, which, capsys):
     assert main(["inspect", "--files", str(path)]) == 0
     lines = _lines(capsys)
     assert lines[0] == f"export {path}"
-    assert lines[1].startswith("kind: fp32 export (to-fp32 output): a Hugging Face style model state dict, weights only")
+    assert lines[1].startswith(
+        "kind: fp32 export (to-fp32 output): a Hugging Face style model state dict, weights only"
+    )
     assert lines[2] == "step: not recorded (an export holds weights only)"
     assert lines[3] == "tensors: 5 (27 elements); by dtype: float32 5"
-    assert lines[4:9] == ["  0.bias: float32 [3]", "  0.weight: float32 [3, 4]", "  1.bias: float32 [3]", "  1.weight: float32 [3]", "  2.weight: float32 [2, 3]"]
+    assert lines[4:9] == [
+        "  0.bias: float32 [3]",
+        "  0.weight: float32 [3, 4]",
+        "  1.bias: float32 [3]",
+        "  1.weight: float32 [3]",
+        "  2.weight: float32 [2, 3]",
+    ]
     files = sorted(p.name for p in path.iterdir())
     assert all(any(line.startswith(f"  {name}: ") for line in lines) for name in files)
 

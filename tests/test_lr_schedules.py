@@ -31,7 +31,10 @@ STEPS = 40  # past the end of every schedule below
 
 CASES = [
     ("WarmupLR", {"warmup_num_steps": 5}),
-    ("WarmupLR", {"warmup_min_lr": 1e-5, "warmup_max_lr": [1e-3, 3e-3], "warmup_num_steps": 7, "warmup_type": "linear"}),
+    (
+        "WarmupLR",
+        {"warmup_min_lr": 1e-5, "warmup_max_lr": [1e-3, 3e-3], "warmup_num_steps": 7, "warmup_type": "linear"},
+    ),
     ("WarmupLR", {"warmup_min_lr": [0.0, 1e-4], "warmup_max_lr": 1e-2, "warmup_num_steps": 1}),
     ("WarmupDecayLR", {"total_num_steps": 20, "warmup_num_steps": 5}),
     ("WarmupDecayLR", {"total_num_steps": 10, "warmup_min_lr": 1e-5, "warmup_num_steps": 3, "warmup_type": "linear"}),
@@ -43,14 +46,34 @@ CASES = [
     (
         "OneCycle",
         {
-            "cycle_min_lr": [1e-4, 2e-4], "cycle_max_lr": 1e-2, "cycle_first_step_size": 4, "cycle_second_step_size": 6,
-            "cycle_first_stair_count": 2, "cycle_second_stair_count": 3, "decay_step_size": 2, "decay_lr_rate": 0.5,
-            "decay_mom_rate": 0.1, "cycle_min_mom": 0.85, "cycle_max_mom": [0.95, 0.9],
+            "cycle_min_lr": [1e-4, 2e-4],
+            "cycle_max_lr": 1e-2,
+            "cycle_first_step_size": 4,
+            "cycle_second_step_size": 6,
+            "cycle_first_stair_count": 2,
+            "cycle_second_stair_count": 3,
+            "decay_step_size": 2,
+            "decay_lr_rate": 0.5,
+            "decay_mom_rate": 0.1,
+            "cycle_min_mom": 0.85,
+            "cycle_max_mom": [0.95, 0.9],
         },
     ),  # fmt: skip
-    ("OneCycle", {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 3, "decay_step_size": 4, "decay_lr_rate": 0.2}),
+    (
+        "OneCycle",
+        {
+            "cycle_min_lr": 1e-4,
+            "cycle_max_lr": 1e-3,
+            "cycle_first_step_size": 3,
+            "decay_step_size": 4,
+            "decay_lr_rate": 0.2,
+        },
+    ),
     ("LRRangeTest", {"lr_range_test_min_lr": 1e-4, "lr_range_test_step_size": 3, "lr_range_test_step_rate": 2.0}),
-    ("LRRangeTest", {"lr_range_test_min_lr": [1e-4, 1e-3], "lr_range_test_step_size": 4, "lr_range_test_staircase": True}),
+    (
+        "LRRangeTest",
+        {"lr_range_test_min_lr": [1e-4, 1e-3], "lr_range_test_step_size": 4, "lr_range_test_staircase": True},
+    ),
 ]
 
 
@@ -61,7 +84,10 @@ def case_id(case) -> str:
 
 def make_optimizer(kind: str = "adamw") -> torch.optim.Optimizer:
     torch.manual_seed(0)
-    groups = [{"params": [torch.nn.Parameter(torch.randn(3))], "lr": 1e-3}, {"params": [torch.nn.Parameter(torch.randn(2))], "lr": 2e-3}]
+    groups = [
+        {"params": [torch.nn.Parameter(torch.randn(3))], "lr": 1e-3},
+        {"params": [torch.nn.Parameter(torch.randn(2))], "lr": 2e-3},
+    ]
     if kind == "sgd":
         return torch.optim.SGD(groups, lr=1e-3)
     return torch.optim.AdamW(groups, betas=(0.9, 0.95))
@@ -80,7 +106,12 @@ def step_both(*pairs) -> None:
 
 def both(name: str, params: dict, kind: str = "adamw", **extra):
     theirs, ours = make_optimizer(kind), make_optimizer(kind)
-    return theirs, getattr(ds_schedules, name)(theirs, **params, **extra), ours, lr_schedules.SCHEDULES[name](ours, **params, **extra)
+    return (
+        theirs,
+        getattr(ds_schedules, name)(theirs, **params, **extra),
+        ours,
+        lr_schedules.SCHEDULES[name](ours, **params, **extra),
+    )
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
@@ -147,7 +178,11 @@ def test_one_cycle_without_betas_cycles_no_momentum_as_deepspeed():
         ("WarmupLR", {"warmup_num_steps": 0}, "warmup_num_steps must be a positive integer"),
         ("WarmupLR", {"warmup_max_lr": [1e-3]}, "warmup_max_lr: 1 values given, the optimizer has 2 param groups"),
         ("LRRangeTest", {"lr_range_test_step_size": 0}, "lr_range_test_step_size must be a positive integer"),
-        ("OneCycle", {"cycle_min_lr": 0.0, "cycle_max_lr": 1.0, "cycle_first_step_size": 0}, "cycle_first_step_size must be positive"),
+        (
+            "OneCycle",
+            {"cycle_min_lr": 0.0, "cycle_max_lr": 1.0, "cycle_first_step_size": 0},
+            "cycle_first_step_size must be positive",
+        ),
     ],
 )
 def test_bad_arguments_raise_one_line(name, params, message):
@@ -185,7 +220,11 @@ def test_loss_scale_follows_deepspeeds_dynamic_scaler(case, deepspeed_rank_zero)
     power, window, hysteresis, consecutive, min_scale = case
     theirs = ds_loss_scaler.DynamicLossScaler(2.0**power, window, min_scale, hysteresis, consecutive)
     ours = DeepSpeedLossScaler(
-        scale=2.0**power, growth_interval=window, hysteresis=hysteresis, consecutive_hysteresis=consecutive, min_scale=min_scale
+        scale=2.0**power,
+        growth_interval=window,
+        hysteresis=hysteresis,
+        consecutive_hysteresis=consecutive,
+        min_scale=min_scale,
     )
     flags = random.Random(sum(case)).choices([True, False], weights=[1, 3], k=300)
     flags[:4] = [False, True, True, False]  # hysteresis used up early in every case
@@ -213,4 +252,8 @@ def test_loss_scaler_loads_deepspeeds_fields(deepspeed_rank_zero):
     for overflow in (False, True, False, False, False, True, True, False):
         theirs.update_scale(overflow)
         ours.update(overflow)
-        assert (ours.scale, ours.hysteresis_left, ours.iteration) == (theirs.cur_scale, theirs.cur_hysteresis, theirs.cur_iter)
+        assert (ours.scale, ours.hysteresis_left, ours.iteration) == (
+            theirs.cur_scale,
+            theirs.cur_hysteresis,
+            theirs.cur_iter,
+        )

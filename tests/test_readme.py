@@ -37,7 +37,12 @@ def readme_commands() -> list[str]:
     for index, line in enumerate(lines):
         if line.startswith("```"):
             fenced = not fenced
-        elif not fenced and line.startswith("    ") and line.strip() and (index == 0 or not lines[index - 1].strip() or lines[index - 1].startswith("    ")):
+        elif (
+            not fenced
+            and line.startswith("    ")
+            and line.strip()
+            and (index == 0 or not lines[index - 1].strip() or lines[index - 1].startswith("    "))
+        ):
             commands.append(line.strip())
     for span in re.findall(r"`([^`\n]+)`", README.read_text()):
         if span.startswith(PROGRAMS) and " " in span:

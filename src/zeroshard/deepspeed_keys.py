@@ -83,9 +83,15 @@ _MOE_MODEL = "how AutoEP rewrites the model's MoE layers: the model passed in is
 
 RULES: tuple[KeyRule, ...] = (
     # ---- batch and accumulation --------------------------------------------------------------
-    _mapped("train_batch_size", "DeepSpeedRun.batch.train_batch_size; must equal micro batch x accumulation x world size"),
-    _mapped("train_micro_batch_size_per_gpu", "DeepSpeedRun.batch.micro_batch_size: the rows each rank feeds each backward"),
-    _mapped("gradient_accumulation_steps", "ZeroOptimizer(gradient_accumulation_steps=): backward() divides the loss by it"),
+    _mapped(
+        "train_batch_size", "DeepSpeedRun.batch.train_batch_size; must equal micro batch x accumulation x world size"
+    ),
+    _mapped(
+        "train_micro_batch_size_per_gpu", "DeepSpeedRun.batch.micro_batch_size: the rows each rank feeds each backward"
+    ),
+    _mapped(
+        "gradient_accumulation_steps", "ZeroOptimizer(gradient_accumulation_steps=): backward() divides the loss by it"
+    ),
     _noop(
         "managed_gradient_accumulation",
         "zeroshard's loop calls engine.step() once per gradient_accumulation_steps backward() calls "
@@ -93,7 +99,9 @@ RULES: tuple[KeyRule, ...] = (
     ),
     # ---- precision and loss scaling ------------------------------------------------------------
     _mapped("bf16.enabled", "ZeroOptimizer(param_dtype=torch.bfloat16); frozen parameters are cast too, buffers kept"),
-    _mapped("bf16.check_grad_overflow", "DeepSpeedLossScaler(check_overflow=): skip steps whose gradients hold inf/nan"),
+    _mapped(
+        "bf16.check_grad_overflow", "DeepSpeedLossScaler(check_overflow=): skip steps whose gradients hold inf/nan"
+    ),
     _noop("bf16.immediate_grad_update", "a setting of DeepSpeed's BF16_Optimizer, which ZeRO stage 1/2 does not use"),
     _refused("bf16.bf16_master_weights_and_grads", "zeroshard keeps fp32 master weights and gradients"),
     _refused("bf16.bf16_optimizer_states", "zeroshard keeps the optimizer state in fp32 (the masters' dtype)"),
@@ -103,7 +111,9 @@ RULES: tuple[KeyRule, ...] = (
     _refused("bfloat16.bf16_master_weights_and_grads", "zeroshard keeps fp32 master weights and gradients"),
     _refused("bfloat16.bf16_optimizer_states", "zeroshard keeps the optimizer state in fp32 (the masters' dtype)"),
     _mapped("fp16.enabled", "ZeroOptimizer(param_dtype=torch.float16) with a DeepSpeedLossScaler"),
-    _mapped("fp16.loss_scale", "0: dynamic scaling; else a static DeepSpeedLossScaler(scale=loss_scale, dynamic=False)"),
+    _mapped(
+        "fp16.loss_scale", "0: dynamic scaling; else a static DeepSpeedLossScaler(scale=loss_scale, dynamic=False)"
+    ),
     _mapped("fp16.initial_scale_power", "DeepSpeedLossScaler(scale=2**initial_scale_power)"),
     _mapped("fp16.loss_scale_window", "DeepSpeedLossScaler(growth_interval=)"),
     _mapped("fp16.hysteresis", "DeepSpeedLossScaler(hysteresis=): overflows tolerated before the scale backs off"),
@@ -125,9 +135,7 @@ RULES: tuple[KeyRule, ...] = (
         "data_types.param_dtype",
         "the parameter dtype comes from bf16 / fp16 (DeepSpeed refuses a different one too)",
     ),
-    _refused(
-        "data_types.buffer_dtype", "zeroshard leaves buffers in their dtype: cast them before calling", _equals()
-    ),
+    _refused("data_types.buffer_dtype", "zeroshard leaves buffers in their dtype: cast them before calling", _equals()),
     _noop(
         "data_types.keep_in_fp32_modules",
         "zeroshard casts no buffers, so every buffer keeps its dtype",
@@ -152,14 +160,20 @@ RULES: tuple[KeyRule, ...] = (
     _refused("sparse_gradients", "zeroshard reduces dense gradients only"),
     # ---- ZeRO ----------------------------------------------------------------------------------
     _mapped("zero_optimization.stage", "ZeroOptimizer(stage=): 1 or 2; 0 (no ZeRO) and 3 are refused"),
-    _mapped("zero_optimization.reduce_bucket_size", "stage 2: LayoutPolicy.native(bucket_numel=); stage 1 reduces each group once per step"),
+    _mapped(
+        "zero_optimization.reduce_bucket_size",
+        "stage 2: LayoutPolicy.native(bucket_numel=); stage 1 reduces each group once per step",
+    ),
     _noop("zero_optimization.allgather_bucket_size", "zeroshard all-gathers each layout bucket in one call"),
     _noop("zero_optimization.overlap_comm", "zeroshard's stage 2 always reduces buckets during the backward"),
     _noop("zero_optimization.contiguous_gradients", "zeroshard's gradient partitions are always contiguous"),
     _noop("zero_optimization.reduce_scatter", "zeroshard always reduce-scatters (the same sums as an all-reduce)"),
     _noop("zero_optimization.allgather_partitions", "zeroshard always all-gathers partitions"),
     _noop("zero_optimization.use_multi_rank_bucket_allreduce", "zeroshard always reduce-scatters"),
-    _noop("zero_optimization.round_robin_gradients", "a DeepSpeed flat-buffer order; zeroshard reads it from DeepSpeed checkpoints"),
+    _noop(
+        "zero_optimization.round_robin_gradients",
+        "a DeepSpeed flat-buffer order; zeroshard reads it from DeepSpeed checkpoints",
+    ),
     _noop("zero_optimization.parameter_alignment", "zeroshard aligns every parameter to 16 bytes always"),
     _noop("zero_optimization.elastic_checkpoint", "zeroshard checkpoints load at any world size"),
     _noop("zero_optimization.ignore_unused_parameters", "unused parameters get zero gradients in zeroshard"),
@@ -170,14 +184,27 @@ RULES: tuple[KeyRule, ...] = (
     _noop(
         "zero_optimization.load_from_fp32_weights",
         "zeroshard loads the fp32 masters a checkpoint holds",
-        _unless(lambda v: v is None or v is True, "zeroshard loads the fp32 masters a checkpoint holds; "
-                "to rebuild them from the weights use load_checkpoint(load_optimizer_states=False)"),
+        _unless(
+            lambda v: v is None or v is True,
+            "zeroshard loads the fp32 masters a checkpoint holds; "
+            "to rebuild them from the weights use load_checkpoint(load_optimizer_states=False)",
+        ),
     ),
-    _mapped("zero_optimization.offload_optimizer.device", "'cpu': ZeroOptimizer(offload=True); 'none': no offload; 'nvme' refused"),
-    _noop("zero_optimization.offload_optimizer.pin_memory", "the offloaded state is plain host memory; saves pin their own buffer"),
+    _mapped(
+        "zero_optimization.offload_optimizer.device",
+        "'cpu': ZeroOptimizer(offload=True); 'none': no offload; 'nvme' refused",
+    ),
+    _noop(
+        "zero_optimization.offload_optimizer.pin_memory",
+        "the offloaded state is plain host memory; saves pin their own buffer",
+    ),
     _noop("zero_optimization.offload_optimizer.fast_init", "zeroshard builds the host state directly"),
     _noop("zero_optimization.offload_optimizer.cpuadam_cores_perc", "zeroshard runs the torch optimizer on the host"),
-    _refused("zero_optimization.offload_optimizer.ratio", "zeroshard offloads all of the optimizer state or none", _equals(1, 1.0)),
+    _refused(
+        "zero_optimization.offload_optimizer.ratio",
+        "zeroshard offloads all of the optimizer state or none",
+        _equals(1, 1.0),
+    ),
     _refused("zero_optimization.offload_optimizer.super_offload", "SuperOffload is DeepSpeed's own"),
     _noop("zero_optimization.offload_optimizer.nvme_path", _NVME),
     _noop("zero_optimization.offload_optimizer.buffer_count", _NVME),
@@ -190,7 +217,9 @@ RULES: tuple[KeyRule, ...] = (
         "offloading parameters is ZeRO-3; zeroshard keeps them on the device",
         lambda v: v is None or (isinstance(v, Mapping) and v.get("device", "none") in ("none", None)),
     ),
-    _refused("zero_optimization.cpu_offload_param", "offloading parameters is ZeRO-3; zeroshard keeps them on the device"),
+    _refused(
+        "zero_optimization.cpu_offload_param", "offloading parameters is ZeRO-3; zeroshard keeps them on the device"
+    ),
     _refused("zero_optimization.zenflow", "ZenFlow is DeepSpeed's own"),
     _refused("zero_optimization.legacy_stage1", "DeepSpeed's pre-0.5.9 stage 1"),
     _refused("zero_optimization.zero_hpz_partition_size", "ZeRO++ hpZ (a ZeRO-3 feature)", _equals(0, 1)),
@@ -201,22 +230,48 @@ RULES: tuple[KeyRule, ...] = (
     *(
         _noop(f"zero_optimization.{name}", _ZERO3)
         for name in (
-            "sub_group_size", "prefetch_bucket_size", "stage3_prefetch_bucket_size", "param_persistence_threshold",
-            "stage3_param_persistence_threshold", "model_persistence_threshold", "stage3_model_persistence_threshold",
-            "max_live_parameters", "stage3_max_live_parameters", "max_reuse_distance", "stage3_max_reuse_distance",
-            "gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
-            "stage3_gather_fp16_weights_on_model_save", "module_granularity_threshold",
-            "stage3_module_granularity_threshold", "use_all_reduce_for_fetch_params",
-            "stage3_use_all_reduce_for_fetch_params", "allgather_sequential", "stage3_allgather_sequential",
-            "memory_efficient_linear", "pipeline_loading_checkpoint", "override_module_apply",
-            "log_trace_cache_warnings", "enable_sanity_checks", "leaf_module",
+            "sub_group_size",
+            "prefetch_bucket_size",
+            "stage3_prefetch_bucket_size",
+            "param_persistence_threshold",
+            "stage3_param_persistence_threshold",
+            "model_persistence_threshold",
+            "stage3_model_persistence_threshold",
+            "max_live_parameters",
+            "stage3_max_live_parameters",
+            "max_reuse_distance",
+            "stage3_max_reuse_distance",
+            "gather_16bit_weights_on_model_save",
+            "stage3_gather_16bit_weights_on_model_save",
+            "stage3_gather_fp16_weights_on_model_save",
+            "module_granularity_threshold",
+            "stage3_module_granularity_threshold",
+            "use_all_reduce_for_fetch_params",
+            "stage3_use_all_reduce_for_fetch_params",
+            "allgather_sequential",
+            "stage3_allgather_sequential",
+            "memory_efficient_linear",
+            "pipeline_loading_checkpoint",
+            "override_module_apply",
+            "log_trace_cache_warnings",
+            "enable_sanity_checks",
+            "leaf_module",
         )
     ),  # fmt: skip
     # ---- optimizer and scheduler ---------------------------------------------------------------
-    _mapped("optimizer.type", "the torch optimizer class: Adam/AdamW -> torch.optim.Adam/AdamW, any torch.optim name; DeepSpeed's own (Lamb, Lion, OneBitAdam, Muon, ...) refused"),
-    _mapped("optimizer.params", "the optimizer's arguments (lr, betas, eps, weight_decay, ...); DeepSpeed's own ones are read (adam_w_mode, torch_adam, bias_correction)"),
+    _mapped(
+        "optimizer.type",
+        "the torch optimizer class: Adam/AdamW -> torch.optim.Adam/AdamW, any torch.optim name; DeepSpeed's own (Lamb, Lion, OneBitAdam, Muon, ...) refused",
+    ),
+    _mapped(
+        "optimizer.params",
+        "the optimizer's arguments (lr, betas, eps, weight_decay, ...); DeepSpeed's own ones are read (adam_w_mode, torch_adam, bias_correction)",
+    ),
     _noop("optimizer.legacy_fusion", "a setting of DeepSpeed's fused fp16 optimizer"),
-    _mapped("scheduler.type", "zeroshard.lr_schedules (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest) or any torch.optim.lr_scheduler name"),
+    _mapped(
+        "scheduler.type",
+        "zeroshard.lr_schedules (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest) or any torch.optim.lr_scheduler name",
+    ),
     _mapped("scheduler.params", "the scheduler's arguments, as DeepSpeed's"),
     _noop("zero_allow_untested_optimizer", "zeroshard wraps any torch optimizer"),
     _noop("zero_force_ds_cpu_optimizer", "with offload zeroshard runs the torch optimizer on the host"),
@@ -228,7 +283,11 @@ RULES: tuple[KeyRule, ...] = (
     _noop("checkpoint.checkpoint_serialization", "zeroshard writes safetensors and JSON"),
     _noop("checkpoint.writer", "the Checkpointer writes in the background (async_save=True) with its own writer"),
     _refused("nebula", "Nebula is DeepSpeed's checkpoint service; the Checkpointer saves asynchronously itself"),
-    _refused("datastates", "DataStates is DeepSpeed's checkpoint engine; the Checkpointer saves asynchronously itself", _empty),
+    _refused(
+        "datastates",
+        "DataStates is DeepSpeed's checkpoint engine; the Checkpointer saves asynchronously itself",
+        _empty,
+    ),
     # ---- parallelism zeroshard does not have --------------------------------------------------------------
     _refused("pipeline", "zeroshard has no pipeline parallelism", _empty),
     _refused(
@@ -237,11 +296,20 @@ RULES: tuple[KeyRule, ...] = (
         lambda v: v is None or (isinstance(v, Mapping) and v.get("autotp_size", 1) in (0, 1)),
     ),
     _refused("sequence_parallel_size", "zeroshard has no sequence parallelism", _equals(1)),
-    _mapped("expert_parallel.enabled", "true: the model is an expert-parallel one; pass expert_process_group= and the expert param groups (zeroshard.moe)"),
-    _mapped("expert_parallel.autoep_size", "checked: the expert_process_group given has world size / autoep_size ranks"),
-    _refused("expert_parallel.expert_tensor_parallel_size", "zeroshard has no tensor parallelism for experts", _equals(0, 1)),
+    _mapped(
+        "expert_parallel.enabled",
+        "true: the model is an expert-parallel one; pass expert_process_group= and the expert param groups (zeroshard.moe)",
+    ),
+    _mapped(
+        "expert_parallel.autoep_size", "checked: the expert_process_group given has world size / autoep_size ranks"
+    ),
+    _refused(
+        "expert_parallel.expert_tensor_parallel_size", "zeroshard has no tensor parallelism for experts", _equals(0, 1)
+    ),
     _noop("expert_parallel.*", _MOE_MODEL),
-    _noop("use_data_before_expert_parallelism", "DeepSpeed's rank order of its expert groups; zeroshard.moe makes its own"),
+    _noop(
+        "use_data_before_expert_parallelism", "DeepSpeed's rank order of its expert groups; zeroshard.moe makes its own"
+    ),
     # ---- features zeroshard does not have ----------------------------------------------------------
     _refused(
         "compile",
@@ -259,14 +327,27 @@ RULES: tuple[KeyRule, ...] = (
     _refused("progressive_layer_drop", "a DeepSpeed training feature that changes the model's forward"),
     _refused("eigenvalue", "DeepSpeed's eigenvalue computation"),
     _refused("quantize_training", "DeepSpeed's quantised training"),
-    _noop("activation_checkpointing", "configures deepspeed.checkpointing, which keeps working in the model; zeroshard does not use it"),
+    _noop(
+        "activation_checkpointing",
+        "configures deepspeed.checkpointing, which keeps working in the model; zeroshard does not use it",
+    ),
     _noop("aio", "asynchronous NVMe I/O settings: zeroshard uses no NVMe"),
     # ---- logging and diagnostics ---------------------------------------------------------------
     *(
         _noop(name, _LOGGING)
         for name in (
-            "steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state", "log_level", "flops_profiler",
-            "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "timers",
+            "steps_per_print",
+            "wall_clock_breakdown",
+            "memory_breakdown",
+            "dump_state",
+            "log_level",
+            "flops_profiler",
+            "tensorboard",
+            "wandb",
+            "csv_monitor",
+            "comet",
+            "comms_logger",
+            "timers",
         )
     ),  # fmt: skip
     _noop("vocabulary_size", "DeepSpeed only warns about it"),

@@ -36,11 +36,15 @@ def optimizer_from_config(
     if client_optimizer is not None:
         raise ValueError("DeepSpeed config refused: optimizer: the config names one and optimizer_class= gives another")
     if not isinstance(section, Mapping) or not isinstance(section.get("type"), str):
-        raise ValueError(f"DeepSpeed config refused: optimizer = {section!r}: must be {{'type': NAME, 'params': {{...}}}}")
+        raise ValueError(
+            f"DeepSpeed config refused: optimizer = {section!r}: must be {{'type': NAME, 'params': {{...}}}}"
+        )
     name = section["type"]
     params = dict(section.get("params") or {})
     if "max_grad_norm" in params:
-        raise ValueError("DeepSpeed config refused: optimizer.params.max_grad_norm: use gradient_clipping (DeepSpeed refuses it too)")
+        raise ValueError(
+            "DeepSpeed config refused: optimizer.params.max_grad_norm: use gradient_clipping (DeepSpeed refuses it too)"
+        )
     if name.lower() in ("adam", "adamw"):
         optimizer_class, notes = _adam(name.lower(), params)
     elif name.lower() in DEEPSPEED_OWN:
@@ -62,16 +66,22 @@ def _adam(kind: str, params: dict[str, Any]) -> tuple[type[torch.optim.Optimizer
     decoupled = kind == "adamw" or bool(params.pop("adam_w_mode", True))
     torch_adam = bool(params.pop("torch_adam", False))
     if params.pop("fp32_optimizer_states", None) is False:
-        raise ValueError("DeepSpeed config refused: optimizer.params.fp32_optimizer_states = False: zeroshard keeps them in fp32")
+        raise ValueError(
+            "DeepSpeed config refused: optimizer.params.fp32_optimizer_states = False: zeroshard keeps them in fp32"
+        )
     optimizer_class = torch.optim.AdamW if decoupled else torch.optim.Adam
     if "betas" in params and isinstance(params["betas"], list):
         params["betas"] = tuple(params["betas"])
     if torch_adam:
         return optimizer_class, []
     if params.pop("bias_correction", True) is not True:
-        raise ValueError("DeepSpeed config refused: optimizer.params.bias_correction = False: torch's Adam always corrects")
+        raise ValueError(
+            "DeepSpeed config refused: optimizer.params.bias_correction = False: torch's Adam always corrects"
+        )
     if params.pop("amsgrad", False):
-        raise ValueError("DeepSpeed config refused: optimizer.params.amsgrad = True: DeepSpeed's FusedAdam refuses it too")
+        raise ValueError(
+            "DeepSpeed config refused: optimizer.params.amsgrad = True: DeepSpeed's FusedAdam refuses it too"
+        )
     params.pop("set_grad_none", None)
     params.setdefault("weight_decay", 0.0)  # FusedAdam's and DeepSpeedCPUAdam's default
     note = (

@@ -254,7 +254,9 @@ class OneCycle(DeepSpeedSchedule):
         last_batch_iteration: int = -1,
     ) -> None:
         self.first_step_size = float(cycle_first_step_size)
-        self.second_step_size = self.first_step_size if cycle_second_step_size is None else float(cycle_second_step_size)
+        self.second_step_size = (
+            self.first_step_size if cycle_second_step_size is None else float(cycle_second_step_size)
+        )
         if self.first_step_size <= 0 or self.second_step_size < 0:
             raise ValueError(
                 f"cycle_first_step_size must be positive and cycle_second_step_size non-negative, "
@@ -263,7 +265,9 @@ class OneCycle(DeepSpeedSchedule):
         self.total_size = self.first_step_size + self.second_step_size
         self.step_ratio = self.first_step_size / self.total_size
         self.first_stair_count = cycle_first_stair_count
-        self.second_stair_count = cycle_first_stair_count if cycle_second_stair_count is None else cycle_second_stair_count
+        self.second_stair_count = (
+            cycle_first_stair_count if cycle_second_stair_count is None else cycle_second_stair_count
+        )
         self.decay_step_size = decay_step_size
         self.min_lrs = _per_group(optimizer, cycle_min_lr, "cycle_min_lr")
         self.max_lrs = _per_group(optimizer, cycle_max_lr, "cycle_max_lr")

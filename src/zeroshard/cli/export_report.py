@@ -115,8 +115,10 @@ def _entry_problems(file: Path, entries: Mapping[str, TensorEntry]) -> list[str]
             problems.append(f"{file}: tensor {name!r} has unknown dtype {entry.dtype!r}")
             continue
         if entry.end - entry.begin != itemsize * math.prod(entry.shape):
-            problems.append(f"{file}: tensor {name!r} spans {entry.end - entry.begin} bytes, its shape needs "
-                            f"{itemsize * math.prod(entry.shape)}")
+            problems.append(
+                f"{file}: tensor {name!r} spans {entry.end - entry.begin} bytes, its shape needs "
+                f"{itemsize * math.prod(entry.shape)}"
+            )
     return problems
 
 
