@@ -117,6 +117,15 @@ def test_warm_start_from_a_universal_checkpoint_then_own_checkpoints_win(foreign
     assert f"resumed from {tmp_path / 'mine' / 'step-00000003'}: training goes on at step 4" in caplog.text
 
 
+def test_an_fp32_export_is_no_warm_start(foreign_roots, tmp_path):
+    exported, _ = foreign_roots["fp32 export"]
+    _, engine = make_engine()
+    with Checkpointer(engine, tmp_path / "mine") as ckpt:
+        with pytest.raises(ValueError, match=r"an fp32 export \(to-fp32 output\) holds model weights only"):
+            ckpt.load(warm_start=exported)
+        assert ckpt.resumed_from is None
+
+
 # ---- on two ranks: the refusal on every rank, and a collective method called on one -------------------
 
 

@@ -36,7 +36,7 @@ from .coordinator import Coordinator, SingleProcessCoordinator, TorchDistributed
 from .io.directory import read_latest
 from .engine_io import LR_SCHEDULER_KEY, load_checkpoint
 from .retention import apply_retention, step_tag
-from .root_check import foreign_root_problem
+from .root_check import foreign_root_problem, warm_start_problem
 from .native.save import FaultHook, commit_save, plan_save, write_rank_files
 from .snapshot import HostSnapshot
 
@@ -141,7 +141,8 @@ class Checkpointer:
         :attr:`extra` and :attr:`resumed_from`, and logs (rank 0, INFO) what it loaded.
 
         Raises:
-            ValueError: on every rank, when the checkpoint cannot be loaded (nothing changed).
+            ValueError: on every rank, when the checkpoint cannot be loaded (nothing changed),
+                or ``warm_start`` is an fp32 export (weights only: load it into the model).
         """
         self._check_open()
         self.wait()
@@ -149,6 +150,10 @@ class Checkpointer:
         if tag is None and warm_start is None:
             return 0
         path = self.root / tag if tag is not None else Path(warm_start)
+        if tag is None:
+            problem = self._coord.broadcast_object(warm_start_problem(path) if self._coord.rank == 0 else None)
+            if problem is not None:
+                raise ValueError(problem)
         saved = load_checkpoint(self.engine, path, lr_scheduler=self.lr_scheduler)
         self.extra = dict(saved.get(USER_EXTRA_KEY) or {})
         self.resumed_from = path

@@ -42,3 +42,14 @@ def foreign_root_problem(root: Path) -> str | None:
         f"checkpoint root {root}: holds a {what}, not checkpoints of the Checkpointer's own; to start from it, "
         f"give the Checkpointer another root and call load(warm_start={str(root)!r})"
     )
+
+
+def warm_start_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be a warm start, in one line; None when ``load_checkpoint`` may try
+    it (it checks the rest). An fp32 export holds weights only."""
+    if is_fp32_export(path):
+        return (
+            f"warm start {path}: an fp32 export (to-fp32 output) holds model weights only, no optimizer state; "
+            "load it into the model before building the engine (model.load_state_dict(safetensors.torch.load_file(...)))"
+        )
+    return None
