@@ -41,7 +41,7 @@ def test_summary(saved, capsys):
     out = capsys.readouterr().out
     for expected in (
         "tag 'step7'",
-        "step: 7 (extra['global_step'])",
+        "step: 7 optimizer steps taken (extra['global_step'])",
         "world size: 12",
         "layout policy: compact, 16-byte alignment",
         "group 0 (bfloat16): 2 parameters, 48 elements",
@@ -61,7 +61,7 @@ def test_summary_reads_the_optimizer_step_when_extra_has_none(tmp_path, capsys):
 
     run_ranks(12, save)
     assert main(["inspect", str(tmp_path)]) == 0
-    assert "step: 7 (optimizer step of group 0)" in capsys.readouterr().out
+    assert "step: 7 optimizer steps taken (the optimizer step count of group 0)" in capsys.readouterr().out
 
 
 def test_verify_passes_on_an_intact_checkpoint(saved, capsys):
@@ -120,7 +120,7 @@ def test_universal_summary(universal, capsys):
         f"checkpoint {universal}",
         "kind: zeroshard universal checkpoint (format version 1,",
         "converted from a zeroshard run",
-        "step: 7 (extra['global_step'])",
+        "step: 7 optimizer steps taken (extra['global_step'])",
         "world size: any (converted from world size 12)",
         "layout policy: none stored",
         "group 0: 2 parameters, 48 elements (trained in bfloat16); state exp_avg, exp_avg_sq; scalars step",
@@ -167,7 +167,7 @@ def test_deepspeed_summary(deepspeed_run, where, capsys):
     named_by = f" (named by {deepspeed_run.save_dir / 'latest'})" if where == "root" else ""
     assert lines[0] == f"checkpoint {deepspeed_run.tag_dir}{named_by}"
     assert lines[1].startswith("kind: DeepSpeed ZeRO stage 2 checkpoint (DeepSpeed 0.")
-    assert lines[2:6] == ["step: 3 (extra['global_steps'])", "world size: 2", "ZeRO stage: 2", "layout policy: deepspeed"]
+    assert lines[2:6] == ["step: 3 optimizer steps taken (extra['global_steps'])", "world size: 2", "ZeRO stage: 2", "layout policy: deepspeed"]
     with open_deepspeed(path) as source:
         padding = source.layout.padding()
         groups = source.layout.groups

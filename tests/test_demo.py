@@ -36,6 +36,8 @@ def test_demo_phase_under_torchrun_saves_then_resumes(tmp_path):
     assert "D=2 (gloo)" in first.stdout
     second = _run(command)  # finds the checkpoint and resumes from it
     assert second.returncode == 0, second.stderr[-2000:]
+    assert "resumed from" not in first.stdout
+    assert f"resumed from {tmp_path / 'checkpoints' / 'step-00000001'} at step 2" in second.stdout, "and says so"
     # An exit that aborted (the process group torn down at interpreter shutdown) said so here.
     assert "terminate called" not in first.stderr + second.stderr
     tags = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-"))

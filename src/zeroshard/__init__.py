@@ -11,3 +11,14 @@ CHECKPOINT_FORMATS = (
     "zeroshard.importers:DEEPSPEED_FORMAT",
     "zeroshard.checkpoint.native.source:NATIVE_FORMAT",
 )
+
+from .lazy_exports import lazy_exports  # noqa: E402
+
+# Imported on first use: `import zeroshard` (the CLI's checkpoint commands) stays torch-free.
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "from_deepspeed_config": ".deepspeed_config",
+        "DeepSpeedRun": ".deepspeed_config",
+    },
+)

@@ -34,6 +34,20 @@ _AGREED_ERRORS: dict[str, type[Exception]] = {
 }
 
 
+class CollectiveCallError(RuntimeError):
+    """A collective method's agreement did not complete: the other ranks did not call it
+    (they exited, crashed, or were elsewhere past the process group's timeout)."""
+
+
+def _not_joined(call: str, error: BaseException) -> str:
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    reason = lines[0] if len(lines[0]) <= 200 else lines[0][:197] + "..."
+    return (
+        f"{call} is collective: every rank must call it, with the same arguments, but the other ranks did not "
+        f"join it ({reason})"
+    )
+
+
 def _error_text(error: BaseException) -> str:
     if isinstance(error, KeyError) and len(error.args) == 1:
         return str(error.args[0])  # str(KeyError) would quote the message
@@ -213,6 +227,11 @@ class Collectives:
         Every rank raises the same exception type (the failing rank's, if it is a common
         built-in error; else RuntimeError) with the same message, naming the first failing
         rank. Costs one all-reduce of three integers; a failure costs one all-gather more.
+        Only collective methods outside the training step call it.
+
+        Raises:
+            CollectiveCallError: the all-reduce failed: the other ranks did not call ``call``
+                (a rank called a collective method alone), in one line naming ``call``.
         """
         if self.world_size == 1:
             if error is not None:
@@ -221,7 +240,10 @@ class Collectives:
         fingerprint = zlib.crc32(call.encode())
         flags = torch.tensor([int(error is not None), fingerprint, -fingerprint], dtype=torch.int64)
         flags = flags.to(self._flag_device())
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        try:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        except RuntimeError as err:  # gloo / NCCL: a peer closed its connection, or the group timed out
+            raise CollectiveCallError(_not_joined(call, err)) from None
         failed, highest, lowest = (int(v) for v in flags.cpu())
         if not failed and highest == -lowest:
             return

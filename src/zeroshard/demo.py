@@ -114,12 +114,21 @@ def train_steps(
     return losses
 
 
-def resume_at(ckpt: Checkpointer, first_step: int) -> float:
-    """Load the latest checkpoint, which must resume at ``first_step``; the seconds it took."""
+def resume_at(ckpt: Checkpointer, first_step: int, report: bool = True) -> float:
+    """Collective. Load the latest checkpoint, which must resume at ``first_step``, and say
+    (rank 0, if ``report``) which it was; the seconds it took.
+
+    Raises:
+        ValueError: there is none, or it resumes at another step.
+    """
     start = time.perf_counter()
     resumed_at = ckpt.load()
+    if ckpt.resumed_from is None:
+        raise ValueError(f"{ckpt.root}: no checkpoint to resume from (no 'latest' file)")
     if resumed_at != first_step:
         raise ValueError(f"the latest checkpoint resumes at step {resumed_at}, not at {first_step}")
+    if report and ckpt.engine.rank == 0:
+        print(f"  resumed from {ckpt.resumed_from} at step {resumed_at}", flush=True)
     return time.perf_counter() - start
 
 def train_phase(
@@ -133,7 +142,7 @@ def train_phase(
     last_step = first_step + steps - 1
     with Checkpointer(engine, Path(out_dir) / "checkpoints", keep_last=3, async_save=True) as ckpt:
         if resume:
-            result.load_seconds = resume_at(ckpt, first_step)
+            result.load_seconds = resume_at(ckpt, first_step, config.progress)
 
         def save_now(step: int) -> None:
             if (step + 1) % config.save_every == 0 or step == last_step:

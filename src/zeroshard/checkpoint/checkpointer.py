@@ -36,6 +36,7 @@ from .coordinator import Coordinator, SingleProcessCoordinator, TorchDistributed
 from .io.directory import read_latest
 from .engine_io import LR_SCHEDULER_KEY, load_checkpoint
 from .retention import apply_retention, step_tag
+from .root_check import foreign_root_problem, warm_start_problem
 from .native.save import FaultHook, commit_save, plan_save, write_rank_files
 from .snapshot import HostSnapshot
 
@@ -86,6 +87,11 @@ class Checkpointer:
 
     Construction and :meth:`close` are collective (they create and destroy the gloo group),
     as are :meth:`load` and :meth:`save`. Use it as a context manager, or call :meth:`close`.
+
+    Raises:
+        ValueError: on every rank, at construction, when ``root`` holds a checkpoint of another
+            kind (universal, DeepSpeed, an fp32 export) or is itself a tag directory: such a
+            root is never silently treated as empty. Start from it with ``load(warm_start=...)``.
     """
 
     def __init__(
@@ -110,6 +116,7 @@ class Checkpointer:
         self.async_save = async_save
         self.lr_scheduler = lr_scheduler
         self.extra: dict[str, Any] = {}  # the user extra of the checkpoint load() resumed from
+        self.resumed_from: Path | None = None  # the checkpoint load() loaded, if any
         self.history: list[SaveStats] = []
         self._fault = fault
         self._buffer_names = [name for name, _ in engine.model.named_buffers()]
@@ -121,23 +128,40 @@ class Checkpointer:
         self._error: BaseException | None = None
         self._group, self._coord = _coordination_group(engine, timeout_s)
         self._closed = False
+        self._refuse_foreign_root()
 
     # ---- public API ---------------------------------------------------------------------------
 
-    def load(self) -> int:
+    def load(self, warm_start: str | os.PathLike[str] | None = None) -> int:
         """Collective. Resume from the checkpoint ``latest`` names, resharding to this run's
-        world size and policy. Returns the step to start at: one after the saved step, or 0
-        when there is no checkpoint yet (nothing is changed then). Sets :attr:`extra`."""
+        world size and policy; without one, from ``warm_start`` if given (a native, universal
+        or DeepSpeed ZeRO-1/2 checkpoint elsewhere: a DeepSpeed run carried on), else nothing
+        is changed. Returns the step to start at: one after the saved step (for a checkpoint
+        not saved by a Checkpointer, the optimizer steps it had taken), or 0. Sets
+        :attr:`extra` and :attr:`resumed_from`, and logs (rank 0, INFO) what it loaded.
+
+        Raises:
+            ValueError: on every rank, when the checkpoint cannot be loaded (nothing changed),
+                or ``warm_start`` is an fp32 export (weights only: load it into the model).
+        """
         self._check_open()
         self.wait()
         tag = self._agree_on_latest()
-        if tag is None:
+        if tag is None and warm_start is None:
             return 0
-        saved = load_checkpoint(self.engine, self.root / tag, lr_scheduler=self.lr_scheduler)
+        path = self.root / tag if tag is not None else Path(warm_start)
+        if tag is None:
+            problem = self._coord.broadcast_object(warm_start_problem(path) if self._coord.rank == 0 else None)
+            if problem is not None:
+                raise ValueError(problem)
+        saved = load_checkpoint(self.engine, path, lr_scheduler=self.lr_scheduler)
         self.extra = dict(saved.get(USER_EXTRA_KEY) or {})
-        if STEP_KEY in saved:
-            return int(saved[STEP_KEY]) + 1
-        return int(saved.get("global_steps", 0))  # saved by save_checkpoint: steps done
+        self.resumed_from = path
+        start = int(saved[STEP_KEY]) + 1 if STEP_KEY in saved else int(saved.get("global_steps", 0))
+        if self._coord.rank == 0:
+            how = "resumed" if tag is not None else f"warm start (no checkpoint in {self.root} yet)"
+            log.info("%s from %s: training goes on at step %d", how, path, start)
+        return start
 
     def save(self, step: int, extra: dict[str, Any] | None = None) -> SaveStats:
         """Collective. Save the run as ``step-<step>`` (the state after training step ``step``).
@@ -278,6 +302,19 @@ class Checkpointer:
         except OSError as err:
             log.warning("%s: retention after %s failed, old tags kept: %s", self.root, committed, err)
             return ()
+
+    def _refuse_foreign_root(self) -> None:
+        """Collective: rank 0 looks at the root; a root of another kind fails every rank."""
+        problem = None
+        if self._coord.rank == 0:
+            try:
+                problem = foreign_root_problem(self.root)
+            except OSError as err:
+                problem = f"checkpoint root {self.root}: {err}"
+        problem = self._coord.broadcast_object(problem)
+        if problem is not None:
+            self.close()
+            raise ValueError(problem)
 
     def _agree_on_latest(self) -> str | None:
         """The tag ``latest`` names, read on rank 0 and broadcast, so every rank loads the same."""

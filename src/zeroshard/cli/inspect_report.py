@@ -21,7 +21,8 @@ from ..checkpoint.universal.read import UniversalCheckpoint
 from ..layout import Layout, LayoutPolicy, build_layout
 from .expert_report import every_expert_numel, group_partitioning, shard_group_lines, universal_expert_lines
 
-STEP_KEYS = ("global_step", "global_steps", "step", "iteration")
+OPTIMIZER_STEP_KEYS = ("global_steps", "global_step")  # counted by the engine / DeepSpeed: optimizer steps taken
+SAVED_AFTER_KEY = "step"  # the Checkpointer's: the training-loop step the checkpoint was saved after
 LISTED_FILES = 8
 # universal.json's "source.kind" -> what the report calls it
 _SOURCE_KINDS = {"zeroshard.checkpoint": "zeroshard", "DeepSpeedSource": "DeepSpeed ZeRO"}
@@ -52,7 +53,7 @@ def describe_native(ckpt: Checkpoint, *, list_all_files: bool = False) -> list[s
     ]
     manifest_size = ckpt.path(MANIFEST_FILE).stat().st_size
     sizes = {name: record.size for name, record in manifest.files.items()}
-    lines += _file_lines(
+    lines += file_lines(
         {MANIFEST_FILE: manifest_size, MODEL_FILE: sizes[MODEL_FILE]},
         {name: sizes[name] for name in manifest.rank_files()},
         "rank files",
@@ -70,7 +71,7 @@ def describe_universal(ckpt: UniversalCheckpoint, *, list_all_files: bool = Fals
         f"checkpoint {ckpt.directory}",
         f"kind: zeroshard universal checkpoint (format version {manifest.version}, {manifest.created_by}), "
         f"converted from a {_SOURCE_KINDS.get(source.get('kind'), source.get('kind', 'unknown'))} run",
-        f"step: {_step(manifest.extra) or _scalar_step(scalars.get('step'), 'optimizer step of param group 0')}",
+        f"step: {_step(manifest.extra) or _scalar_step(scalars.get('step'), 'the optimizer step count of param group 0')}",
         f"world size: any (converted from world size {source.get('world_size', 'unknown')})",
         "ZeRO stage: any" + (f" (the run used stage {stage})" if stage is not None else ""),
         "layout policy: none stored; parameters are kept whole, in their own shapes, with no padding",
@@ -97,7 +98,7 @@ def describe_universal(ckpt: UniversalCheckpoint, *, list_all_files: bool = Fals
         lines.append(_source_padding_line(manifest.param_specs(), source))
     manifest_size = (ckpt.directory / UNIVERSAL_MANIFEST_FILE).stat().st_size
     shards = {name: record.size for name, record in manifest.shards.items()}
-    lines += _file_lines({UNIVERSAL_MANIFEST_FILE: manifest_size}, shards, "shards", list_all_files)
+    lines += file_lines({UNIVERSAL_MANIFEST_FILE: manifest_size}, shards, "shards", list_all_files)
     return lines
 
 
@@ -115,7 +116,7 @@ def describe_deepspeed(source: Any, root: Path, files: Sequence[Path], *, list_a
         f"kind: DeepSpeed ZeRO stage {extra.get('zero_stage')} checkpoint"
         + (f" (DeepSpeed {version})" if version else "")
         + "; read-only here: to-universal and to-fp32 convert it, load_checkpoint resumes from it",
-        f"step: {_step(extra) or _scalar_step(saved_step, 'optimizer step of group 0')}",
+        f"step: {_step(extra) or _scalar_step(saved_step, 'the optimizer step count of group 0')}",
         f"world size: {layout.world_size}",
         f"ZeRO stage: {extra.get('zero_stage')}",
         *_layout_lines(
@@ -132,7 +133,7 @@ def describe_deepspeed(source: Any, root: Path, files: Sequence[Path], *, list_a
         _padding_line(layout),
     ]
     model_file, rank_files = files[0], files[1:]
-    lines += _file_lines(
+    lines += file_lines(
         {model_file.name: model_file.stat().st_size},
         {path.name: path.stat().st_size for path in rank_files},
         "rank files",
@@ -199,7 +200,9 @@ def _source_padding_line(specs: list, source: Mapping[str, Any]) -> str:
     )
 
 
-def _file_lines(fixed: Mapping[str, int], listed: Mapping[str, int], what: str, list_all: bool) -> list[str]:
+def file_lines(fixed: Mapping[str, int], listed: Mapping[str, int], what: str, list_all: bool) -> list[str]:
+    """The ``files:`` lines: the total, each of ``fixed``, a summary of ``listed`` (``what``
+    they are) and the first few of them, or all with ``list_all``."""
     sizes = list(listed.values())
     lines = [f"files: {sum(fixed.values()) + sum(sizes):,} bytes in all"]
     lines += [f"  {name}: {size:,} bytes" for name, size in fixed.items()]
@@ -214,11 +217,25 @@ def _file_lines(fixed: Mapping[str, int], listed: Mapping[str, int], what: str, 
 
 
 def _step(extra: Mapping[str, Any]) -> str | None:
-    for key in STEP_KEYS:
-        value = extra.get(key)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return f"{value} (extra[{key!r}])"
-    return None
+    """What the saved counters count: the training-loop step a Checkpointer saved after, and
+    the optimizer steps taken (``global_steps``); None when neither is recorded."""
+    parts = []
+    saved_after = _plain_int(extra.get(SAVED_AFTER_KEY))
+    if saved_after is not None:
+        parts.append(
+            f"{saved_after} (the training-loop step it was saved after, extra[{SAVED_AFTER_KEY!r}]: "
+            f"Checkpointer.load() resumes at step {saved_after + 1})"
+        )
+    for key in OPTIMIZER_STEP_KEYS:
+        taken = _plain_int(extra.get(key))
+        if taken is not None:
+            parts.append(f"{taken} optimizer steps taken (extra[{key!r}])")
+            break
+    return "; ".join(parts) or None
+
+
+def _plain_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _scalar_step(value: Any, where: str) -> str:
@@ -228,7 +245,7 @@ def _scalar_step(value: Any, where: str) -> str:
         array = np.asarray(value, dtype=np.float64)
     except (TypeError, ValueError):
         return "unknown"
-    return f"{array.item():g} ({where})" if array.size == 1 else "unknown"
+    return f"{array.item():g} optimizer steps taken ({where})" if array.size == 1 else "unknown"
 
 
 def _native_optimizer_step(ckpt: Checkpoint) -> str:
@@ -244,4 +261,4 @@ def _native_optimizer_step(ckpt: Checkpoint) -> str:
     data = VerifiedRanges(ckpt.path(name), record, [(entry.begin, entry.end)], None)
     dtype, shape = manifest.groups[0].scalars["step"]
     value = array_view(data.view(entry.begin, entry.end), dtype).reshape(shape)
-    return _scalar_step(value, "optimizer step of group 0")
+    return _scalar_step(value, "the optimizer step count of group 0")

@@ -16,6 +16,7 @@ import os
 import sys
 from typing import NoReturn, Sequence
 
+from .. import __version__
 from .errors import describe_error, is_user_error
 
 # command -> the module (in this package) that registers and runs it
@@ -37,12 +38,20 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(USER_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+VERSION_FLAG = "--version"
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The parser with every subcommand, or with just the module of ``command`` if known."""
+    """The parser with every subcommand, or with just the module of ``command`` if known
+    (none for ``--version``, which imports nothing)."""
     parser = OneLineParser(prog="zeroshard", description="ZeRO stage 1/2 training and checkpoint tools")
+    parser.add_argument(VERSION_FLAG, action="version", version=f"zeroshard {__version__}")
     _add_debug_flag(parser, argparse.SUPPRESS)
     commands = parser.add_subparsers(dest="command", required=True)
-    modules = [COMMANDS[command]] if command in COMMANDS else list(dict.fromkeys(COMMANDS.values()))
+    if command == VERSION_FLAG:
+        modules = []
+    else:
+        modules = [COMMANDS[command]] if command in COMMANDS else list(dict.fromkeys(COMMANDS.values()))
     for name in modules:
         importlib.import_module(f"{__package__}.{name}").register(commands)
     for subparser in commands.choices.values():
@@ -85,8 +94,14 @@ def _add_debug_flag(parser: argparse.ArgumentParser, default: object) -> None:
 
 
 def _command_of(argv: list[str]) -> str | None:
-    """The subcommand named in ``argv`` (the first word that is not an option)."""
-    return next((word for word in argv if not word.startswith("-")), None)
+    """The subcommand named in ``argv`` (the first word that is not an option), or
+    ``--version`` when that comes first."""
+    for word in argv:
+        if word == VERSION_FLAG:
+            return VERSION_FLAG
+        if not word.startswith("-"):
+            return word
+    return None
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The sharded optimizer: ZeRO stages 1 and 2."""
 
 from .optimizer import ZeroOptimizer
-from .scaler import LossScaler
+from .scaler import DeepSpeedLossScaler, LossScaler, MinimumLossScaleError
 
-__all__ = ["LossScaler", "ZeroOptimizer"]
+__all__ = ["DeepSpeedLossScaler", "LossScaler", "MinimumLossScaleError", "ZeroOptimizer"]

@@ -44,10 +44,27 @@ class FragmentAccess:
     # data, so a bad call raises the same error on every rank and leaves no rank blocked.
 
     def get_full_fp32_param(self: ZeroOptimizer, name: str) -> torch.Tensor:
+        """Collective: every rank calls it with the same ``name``. The parameter's fp32 master,
+        whole, in its own shape, on every rank (a new tensor on the engine's device).
+
+        Raises:
+            KeyError, ValueError, TypeError: on every rank alike, for a bad call on any rank
+                (unknown name); nothing moves then.
+            CollectiveCallError: the other ranks did not call it.
+        """
         self.comm.checked(f"get_full_fp32_param({name!r})", lambda: self.layout.param(name))
         return self._gather(name, self._master_of)
 
     def set_full_fp32_param(self: ZeroOptimizer, name: str, value: torch.Tensor) -> None:
+        """Collective: every rank calls it with the same ``name`` and ``value``. Sets the
+        parameter's fp32 master (each rank keeps its own piece) and the model's parameter, in
+        its dtype, in place.
+
+        Raises:
+            KeyError, ValueError, TypeError: on every rank alike, for a bad call on any rank
+                (unknown name, a value that is not a tensor of the parameter's size); nothing moves then.
+            CollectiveCallError: the other ranks did not call it.
+        """
         self._check_full_value(f"set_full_fp32_param({name!r})", name, value)
         self._scatter(name, value, self._master_of)
         group, slot = self.layout.param(name)
@@ -55,21 +72,52 @@ class FragmentAccess:
             self.buffers[group.index].param_view(slot.index).copy_(value.reshape(slot.spec.shape))
 
     def get_full_grad(self: ZeroOptimizer, name: str) -> torch.Tensor:
-        """The gradient the next step would use before clipping: reduced, unscaled."""
+        """Collective: every rank calls it with the same ``name``. The gradient the next
+        step would use before clipping: reduced over the ranks, unscaled, fp32, whole.
+
+        Raises:
+            KeyError, ValueError, TypeError: on every rank alike, for a bad call on any rank
+                (unknown name); nothing moves then.
+            CollectiveCallError: the other ranks did not call it.
+        """
         self.comm.checked(f"get_full_grad({name!r})", lambda: self.layout.param(name))
         self.reducer.reduce()
         return self._gather(name, self._grad_of) / self.scaler.scale
 
     def set_full_grad(self: ZeroOptimizer, name: str, value: torch.Tensor) -> None:
+        """Collective: every rank calls it with the same ``name`` and ``value``. Replaces the
+        reduced gradient the next step uses (unscaled; the loss scale is applied here).
+
+        Raises:
+            KeyError, ValueError, TypeError: on every rank alike, for a bad call on any rank
+                (unknown name, a value of the wrong size); nothing moves then.
+            CollectiveCallError: the other ranks did not call it.
+        """
         self._check_full_value(f"set_full_grad({name!r})", name, value)
         self.reducer.reduce()
         self._scatter(name, value * self.scaler.scale, self._grad_of)
 
     def get_full_optimizer_state(self: ZeroOptimizer, name: str, key: str) -> torch.Tensor:
+        """Collective: every rank calls it with the same ``name`` and ``key``. Optimizer
+        state ``key`` (``"exp_avg"``, ``"exp_avg_sq"``, ...) of the parameter, whole, fp32.
+
+        Raises:
+            KeyError, ValueError, TypeError: on every rank alike, for a bad call on any rank
+                (unknown name, a state the optimizer does not have (yet)); nothing moves then.
+            CollectiveCallError: the other ranks did not call it.
+        """
         self.comm.checked(f"get_full_optimizer_state({name!r}, {key!r})", lambda: self._state_source(name, key))
         return self._gather(name, lambda group_index: self._state_of(group_index, key))
 
     def set_full_optimizer_state(self: ZeroOptimizer, name: str, key: str, value: torch.Tensor) -> None:
+        """Collective: every rank calls it with the same arguments. Sets optimizer state
+        ``key`` of the parameter; each rank keeps its own piece.
+
+        Raises:
+            KeyError, ValueError, TypeError: on every rank alike, for a bad call on any rank
+                (unknown name, a missing state, a value of the wrong size); nothing moves then.
+            CollectiveCallError: the other ranks did not call it.
+        """
         call = f"set_full_optimizer_state({name!r}, {key!r})"
         self._check_full_value(call, name, value, lambda: self._state_source(name, key))
         self._scatter(name, value, lambda group_index: self._state_of(group_index, key))
@@ -97,12 +145,31 @@ class FragmentAccess:
     # ---- local ----------------------------------------------------------------------------
 
     def get_local_fp32_param(self: ZeroOptimizer, name: str) -> LocalShard | None:
+        """Not collective. This rank's piece of the parameter's fp32 master (a copy), or None
+        when this rank holds none of it.
+
+        Raises:
+            KeyError: no parameter of that name.
+        """
         return self._local_get(name, self._master_of)
 
     def set_local_fp32_param(self: ZeroOptimizer, name: str, values: torch.Tensor) -> None:
+        """Not collective. Set this rank's piece of the fp32 master (``values``: as many
+        elements as :meth:`get_local_fp32_param` gives); the model's parameter follows at the
+        next step or :meth:`sync_params_from_masters`.
+
+        Raises:
+            KeyError: no parameter of that name. ValueError: ``values`` has another size.
+        """
         self._local_set(name, values, self._master_of)
 
     def get_local_grad(self: ZeroOptimizer, name: str) -> LocalShard | None:
+        """This rank's piece of the reduced, unscaled gradient, or None. Collective when
+        gradients are still being reduced (it finishes the reduction): call it on every rank.
+
+        Raises:
+            KeyError: no parameter of that name.
+        """
         self.reducer.reduce()
         shard = self._local_get(name, self._grad_of)
         if shard is not None:
@@ -110,13 +177,29 @@ class FragmentAccess:
         return shard
 
     def set_local_grad(self: ZeroOptimizer, name: str, values: torch.Tensor) -> None:
+        """Set this rank's piece of the reduced gradient (unscaled). Collective when gradients
+        are still being reduced (it finishes the reduction): call it on every rank.
+
+        Raises:
+            KeyError: no parameter of that name. ValueError: ``values`` has another size.
+        """
         self.reducer.reduce()
         self._local_set(name, values * self.scaler.scale, self._grad_of)
 
     def get_local_optimizer_state(self: ZeroOptimizer, name: str, key: str) -> LocalShard | None:
+        """Not collective. This rank's piece of optimizer state ``key`` of the parameter, or None.
+
+        Raises:
+            KeyError: no parameter of that name, or no such state (yet).
+        """
         return self._local_get(name, lambda group_index: self._state_of(group_index, key))
 
     def set_local_optimizer_state(self: ZeroOptimizer, name: str, key: str, values: torch.Tensor) -> None:
+        """Not collective. Set this rank's piece of optimizer state ``key`` of the parameter.
+
+        Raises:
+            KeyError: no parameter or state of that name. ValueError: ``values`` has another size.
+        """
         self._local_set(name, values, lambda group_index: self._state_of(group_index, key))
 
     # ---- sources --------------------------------------------------------------------------

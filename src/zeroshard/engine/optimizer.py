@@ -161,7 +161,7 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         self.reducer = GradientReducer(self.buffers, self.comm, stage, positions, self.reduce_dtypes, self.group_comms)
         has_fp16 = any(group.dtype == "float16" for group in self.layout.groups)
         self.scaler = loss_scaler or (LossScaler() if has_fp16 else LossScaler.disabled())
-        self._checks_overflow = has_fp16 or self.scaler.dynamic
+        self._checks_overflow = has_fp16 or self.scaler.checks_overflow
         self.global_steps = 0
         self.last_grad_norm: float | None = None
         self._fragments = [group.fragments(self.rank_in(group)) for group in self.layout.groups]
@@ -280,7 +280,8 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         if self.scaler.scale != 1.0:
             for grad in grads:
                 grad.div_(self.scaler.scale)
-        # fp16 runs (any scaler) check for inf/nan; bf16/fp32 runs skip the extra all-reduce.
+        # fp16 runs (any scaler) check for inf/nan; bf16/fp32 runs skip the extra all-reduce
+        # unless their scaler asks for the check (DeepSpeed's bf16.check_grad_overflow).
         if self._checks_overflow and self._overflow_on_any_rank():
             self.scaler.update(overflow=True)
             self.reducer.zero_grad()

@@ -25,7 +25,7 @@ import numpy as np
 from ...layout import canonical_dtype
 from ..io.directory import write_file_durably
 from ..io.dtypes import cast, dtype_info, to_torch
-from ..format import DEFAULT_BLOCK_SIZE
+from ..format import DEFAULT_BLOCK_SIZE, MANIFEST_FILE
 from ..formats import open_source
 from ..io.output_dir import staged_output
 from ..io.safetensors_io import PlannedTensor
@@ -41,6 +41,15 @@ if TYPE_CHECKING:
     import torch
 
 Input = str | os.PathLike[str] | ShardSource | UniversalCheckpoint
+
+
+def is_fp32_export(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a folder :func:`to_fp32` wrote (``model.safetensors``, or the shard
+    index), from file names alone; a native checkpoint tag holds a ``model.safetensors`` too,
+    beside its manifest."""
+    path = Path(path)
+    exported = (path / SINGLE_FILE).is_file() or (path / INDEX_FILE).is_file()
+    return exported and not (path / MANIFEST_FILE).is_file()
 
 
 def shard_file_name(index: int, count: int) -> str:
