@@ -17,6 +17,7 @@ import numpy as np
 
 from ..layout import Layout, global_shape, locate_global
 from ..state import ParamGroupState
+from .format import state_name_problem
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,13 @@ class SourceInfo:
     # the trained parameters' weights are their fp32 masters cast (no low-precision copy
     # is stored), so a run may load them in another dtype
     weights_from_masters: bool = False
+
+    def __post_init__(self) -> None:
+        # Every source's backstop: read(..., "fp32", ...) must mean the master weights.
+        for group, names in enumerate(self.state_keys):
+            problem = next(filter(None, map(state_name_problem, names)), None)
+            if problem:
+                raise ValueError(f"layout group {group}: {problem}")
 
     def stored_dtype(self, group: int, key: str) -> str:
         """The dtype ``key`` ("fp32" or a state name) of layout group ``group`` is stored in."""

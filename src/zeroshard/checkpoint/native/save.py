@@ -44,6 +44,7 @@ from ..format import (
     rank_file_name,
     scalar_key,
     state_key,
+    state_name_problem,
 )
 from .manifest import GroupRecord, Manifest, ModelTensorRecord, dtype_name, expert_param_names
 from .model_file import save_model_state
@@ -254,8 +255,12 @@ def _problem_with(state: ShardedState, coord: Coordinator) -> str | None:
                 return f"{key} has shape {shape}, expected the partition shape {list(expected)}"
         if not state.fp32_partitions[group.index].is_floating_point():
             return f"{fp32_key(group.index)} is {state.fp32_partitions[group.index].dtype}, not a floating point type"
-        for name in list(state.optimizer_states[group.index]) + list(state.optimizer_scalars[group.index]):
-            if not name or "/" in name:
+        for name in state.optimizer_states[group.index]:
+            problem = state_name_problem(name)
+            if problem:
+                return f"group {group.index}: {problem}"
+        for name in state.optimizer_scalars[group.index]:
+            if not isinstance(name, str) or not name or "/" in name:
                 return f"group {group.index}: optimizer state name {name!r} cannot be stored"
     if coord.rank == 0:
         try:

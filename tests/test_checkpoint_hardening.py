@@ -1,0 +1,87 @@
+"""Checkpoints that used to be silently wrong, half-cleaned or unloadable (issue 18): each test
+reproduces one measured fact and pins the fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from universal_helpers import save_synthetic
+
+from zeroshard.checkpoint import load_sharded, run_ranks, save_sharded
+from zeroshard.checkpoint.native import save as save_module
+from zeroshard.checkpoint.testing import expected_partition, synthesize_state
+from zeroshard.checkpoint.universal import load_universal, to_universal
+from zeroshard.cli.main import main
+from zeroshard.layout import ParamSpec, build_layout
+
+LAYOUT = build_layout([[ParamSpec.of("a", (7, 5), "bf16"), ParamSpec.of("b", (13,), "bf16")]], 2)
+
+
+def _cli(capsys, *argv) -> tuple[int, str]:
+    code = main([str(a) for a in argv])
+    return code, capsys.readouterr().err
+
+
+def _one_line(code: int, err: str, *expected: str) -> None:
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    for text in expected:
+        assert text in err, err
+
+
+# ---- an optimizer state named "fp32" ----------------------------------------------------------
+
+
+def _states_with_a_state_named_fp32() -> list:
+    states = []
+    for rank in range(2):
+        state = synthesize_state(LAYOUT, rank)
+        # values unlike the master's, so a reader returning the master instead is caught
+        state.optimizer_states[0]["fp32"] = expected_partition(LAYOUT, rank, 0, "exp_avg") + 0.5
+        states.append(state)
+    return states
+
+
+def test_a_state_named_fp32_is_refused_at_save_on_every_rank(tmp_path):
+    states = _states_with_a_state_named_fp32()
+
+    def one_rank(coord):
+        return save_sharded(tmp_path, "t", states[coord.rank], coordinator=coord, block_size=64)
+
+    errors = run_ranks(2, one_rank, return_exceptions=True)
+    for error in errors:
+        assert isinstance(error, ValueError) and "named 'fp32', the name of the fp32 master weights" in str(error)
+    assert not (tmp_path / "t").exists() and not (tmp_path / "latest").exists()
+
+
+def test_every_reader_refuses_a_checkpoint_with_a_state_named_fp32(tmp_path, monkeypatch, capsys):
+    """A checkpoint the old code wrote: every reader handed out the master in the state's place."""
+    with monkeypatch.context() as patch:
+        patch.setattr(save_module, "state_name_problem", lambda name: None, raising=False)
+        saved = save_synthetic(tmp_path / "ck", LAYOUT, states=_states_with_a_state_named_fp32(), block_size=64)
+    manifest = saved / "manifest.json"
+    with pytest.raises(ValueError, match=f"{manifest}: group 0: an optimizer state is named 'fp32'"):
+        load_sharded(saved, LAYOUT, 0)
+    for argv in (["inspect", saved], ["to-universal", saved, tmp_path / "u"], ["to-fp32", saved, tmp_path / "f"]):
+        _one_line(*_cli(capsys, *argv, *(["--no-progress"] if argv[0] != "inspect" else [])), str(manifest), "'fp32'")
+    assert not (tmp_path / "u").exists() and not (tmp_path / "f").exists()
+
+
+def test_a_universal_checkpoint_listing_a_state_named_fp32_is_refused(tmp_path, capsys):
+    universal = to_universal(save_synthetic(tmp_path / "ck", LAYOUT, block_size=64), tmp_path / "u", progress=False)
+    path = universal / "universal.json"
+    data = json.loads(path.read_text())
+    data["params"]["a"]["states"].append("fp32")  # its tensor key is the master's: the weight map still matches
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=f"{path}: inconsistent manifest: parameter 'a': an optimizer state is named 'fp32'"):
+        load_universal(universal, LAYOUT, 0)
+    _one_line(*_cli(capsys, "to-fp32", universal, tmp_path / "f", "--no-progress"), str(path), "'fp32'")
+
+
+def test_a_source_cannot_describe_a_state_named_fp32():
+    from zeroshard.checkpoint.source import SourceInfo
+
+    with pytest.raises(ValueError, match="layout group 0: an optimizer state is named 'fp32'"):
+        SourceInfo(LAYOUT, "torch.optim.SGD", [], [["exp_avg", "fp32"]], [])
