@@ -85,3 +85,71 @@ def test_a_source_cannot_describe_a_state_named_fp32():
 
     with pytest.raises(ValueError, match="layout group 0: an optimizer state is named 'fp32'"):
         SourceInfo(LAYOUT, "torch.optim.SGD", [], [["exp_avg", "fp32"]], [])
+
+
+# ---- retention runs under the root's writer lock -------------------------------------------------
+
+
+def _hidden(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.startswith("."))
+
+
+def test_retention_holds_the_lock_so_a_second_writer_cannot_slip_in(tmp_path, monkeypatch):
+    """A second writer (a restarted duplicate job) published between the commit and the
+    retention that followed it; retention then deleted the tag ``latest`` had come to name."""
+    import checkpoint_workers
+
+    from zeroshard.checkpoint import Checkpointer, SingleProcessCoordinator
+    from zeroshard.checkpoint import retention as retention_module
+    from zeroshard.checkpoint.io.directory import read_latest
+    from zeroshard.checkpoint.io.writer_lock import WriterLockedError
+
+    model, engine = checkpoint_workers.build(seed=0, stage=2)
+    second_writer: list[object] = []
+    original = retention_module.read_latest
+
+    def read_latest_then_let_another_writer_in(root):
+        tag = original(root)
+        if not second_writer:
+            try:
+                second_writer.append(
+                    save_sharded(root, "step-00000001", engine.export_state(), coordinator=SingleProcessCoordinator())
+                )
+            except WriterLockedError as err:
+                second_writer.append(err)
+        return tag
+
+    with Checkpointer(engine, tmp_path, keep_last=3, async_save=False) as ckpt:
+        ckpt.save(0)
+        ckpt.save(1)
+        ckpt.keep_last = 1
+        # The duplicate job re-saves step 1 after this retention read `latest` (step 2).
+        monkeypatch.setattr(retention_module, "read_latest", read_latest_then_let_another_writer_in)
+        stats = ckpt.save(2)
+    latest = read_latest(tmp_path)
+    assert (tmp_path / latest / "manifest.json").is_file(), (latest, sorted(p.name for p in tmp_path.iterdir()))
+    assert isinstance(second_writer[0], WriterLockedError), second_writer  # refused: retention held the lock
+    assert latest == "step-00000002" and stats.deleted == ("step-00000000", "step-00000001")
+    assert _hidden(tmp_path) == []
+
+
+def test_retention_leaves_symlinked_tags_alone_and_reports_only_what_it_deleted(tmp_path):
+    import checkpoint_workers
+
+    from zeroshard.checkpoint import Checkpointer, list_tags
+    from zeroshard.checkpoint.io.directory import delete_tag
+
+    elsewhere = save_synthetic(tmp_path / "elsewhere", LAYOUT, tag="t", block_size=64)
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "step-00000000").symlink_to(elsewhere)
+    model, engine = checkpoint_workers.build(seed=0, stage=2)
+    with Checkpointer(engine, root, keep_last=1, async_save=False) as ckpt:
+        ckpt.save(1)
+        stats = ckpt.save(2)
+    assert stats.deleted == ("step-00000001",)
+    assert _hidden(root) == [] and (root / "step-00000000").is_symlink()
+    assert list_tags(root) == ["step-00000002"] and (elsewhere / "manifest.json").is_file()
+    with pytest.raises(ValueError, match="a symbolic link, not a checkpoint directory"):
+        delete_tag(root, "step-00000000")
+    assert _hidden(root) == [] and (root / "step-00000000").is_symlink()

@@ -260,22 +260,25 @@ class Checkpointer:
         started = time.perf_counter()
         plan = plan_save(self.root, stats.tag, state, self._coord, problem=problem)
         assert state is not None  # plan_save raised on every rank otherwise
+
+        def retain() -> None:  # rank 0, still holding the root's lock
+            stats.deleted = self._apply_retention(stats.tag)
+
         try:
             written = write_rank_files(plan, state, self._buffer_names, self._coord, self._fault)
-            stats.path = commit_save(plan, state, written, self._coord, self._fault)
+            stats.path = commit_save(plan, state, written, self._coord, self._fault, after_publish=retain)
         finally:
             plan.release()
-        if self._coord.rank == 0:
-            stats.deleted = self._apply_retention(stats.tag)
         stats.write_s = time.perf_counter() - started
 
     def _apply_retention(self, committed: str) -> tuple[str, ...]:
-        """Rank 0 deletes old tags. A failure here is only logged: the checkpoint is committed,
-        and an error that rank 0 alone raised at the next save would leave the other ranks
-        waiting for it in the save's first collective."""
+        """Rank 0 deletes old tags, under the root's writer lock, reading ``latest`` there: a
+        second writer on the root cannot move it meanwhile. A failure here is only logged:
+        the checkpoint is committed, and an error that rank 0 alone raised at the next save
+        would leave the other ranks waiting for it in the save's first collective."""
         try:
             return tuple(apply_retention(self.root, committed, self.keep_last, self.keep_every))
-        except OSError as err:
+        except Exception as err:  # noqa: BLE001 - see above
             log.warning("%s: retention after %s failed, old tags kept: %s", self.root, committed, err)
             return ()
 

@@ -184,7 +184,9 @@ def delete_tag(root: Path, tag: str) -> None:
     """Remove checkpoint ``root/tag``: renamed hidden first, so a crash mid-delete never
     leaves a partial tag that looks complete."""
     doomed = root / f".{tag}{DELETE_MARKER}{uuid.uuid4().hex[:12]}"
-    os.rename(root / check_tag(tag), doomed)
+    if (root / check_tag(tag)).is_symlink():
+        raise ValueError(f"{root / tag}: a symbolic link, not a checkpoint directory; not deleted")
+    os.rename(root / tag, doomed)
     fsync_dir(root)
     shutil.rmtree(doomed, ignore_errors=True)
 
@@ -238,8 +240,12 @@ def resolve_checkpoint(path: Path) -> Path:
 
 
 def list_tags(root: Path) -> list[str]:
-    """Tags of the complete checkpoints under ``root``."""
-    return sorted(e.name for e in root.iterdir() if not e.name.startswith(".") and (e / MANIFEST_FILE).is_file())
+    """Tags of the complete checkpoints under ``root`` (directories, not symbolic links)."""
+    return sorted(
+        e.name
+        for e in root.iterdir()
+        if not e.name.startswith(".") and not e.is_symlink() and (e / MANIFEST_FILE).is_file()
+    )
 
 
 def _existing_or_moved_aside(target: Path) -> Path | None:

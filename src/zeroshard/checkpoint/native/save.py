@@ -166,11 +166,19 @@ def write_rank_files(
 
 
 def commit_save(
-    plan: SavePlan, state: ShardedState, written: WrittenFiles | str, coord: Coordinator, fault: FaultHook | None = None
+    plan: SavePlan,
+    state: ShardedState,
+    written: WrittenFiles | str,
+    coord: Coordinator,
+    fault: FaultHook | None = None,
+    after_publish: Callable[[], None] | None = None,
 ) -> Path:
     """Collective: once every rank's files are durable, rank 0 writes the manifest, publishes
     the directory and points ``latest`` at it. Every rank returns the path, or raises.
-    Rank 0 releases the root's writer lock when the commit ends, either way."""
+
+    ``after_publish`` runs on rank 0 once ``latest`` names the new checkpoint, still under
+    the root's writer lock (retention: no other writer can move ``latest`` meanwhile); it
+    must not raise. Rank 0 releases the lock when the commit ends, either way."""
     try:
         outcomes = coord.all_gather_object(written)
         failures = [o for o in outcomes if isinstance(o, str)]
@@ -184,7 +192,10 @@ def commit_save(
             manifest = _manifest(plan, state, outcomes)
             write_file_durably(plan.staging / MANIFEST_FILE, manifest.to_json())
             fsync_dir(plan.staging)
-            return str(publish(plan.root, plan.tag, plan.staging, lambda point: _fire(fault, point, coord.rank)))
+            published = publish(plan.root, plan.tag, plan.staging, lambda point: _fire(fault, point, coord.rank))
+            if after_publish is not None:
+                after_publish()
+            return str(published)
 
         return Path(_on_rank0_then_broadcast(coord, commit))
     finally:
