@@ -21,13 +21,17 @@ names a committed checkpoint.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import datetime
+import functools
 import logging
 import os
 import queue
+import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -121,6 +125,10 @@ class Checkpointer:
         self._error: BaseException | None = None
         self._group, self._coord = _coordination_group(engine, timeout_s)
         self._closed = False
+        # A script that exits with a save in flight: the daemon writer would die with the
+        # interpreter, so the exit waits for it (and fails loudly if it failed).
+        self._exit_hook = functools.partial(_finish_at_exit, weakref.ref(self))
+        atexit.register(self._exit_hook)
 
     # ---- public API ---------------------------------------------------------------------------
 
@@ -199,6 +207,7 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
+            atexit.unregister(self._exit_hook)
             if self._worker is not None:
                 self._jobs.put(None)
                 self._worker.join()
@@ -241,7 +250,8 @@ class Checkpointer:
     def _start_worker(self) -> None:
         # One long-lived thread: starting a thread per save costs the training loop up to
         # tens of milliseconds of scheduling on a busy machine. A daemon, so that a script
-        # that never closes its Checkpointer still exits; close() joins it.
+        # that never closes its Checkpointer still exits; close() joins it, and an exit
+        # with a save in flight waits for that save first (_finish_at_exit).
         if self._worker is None:
             self._worker = threading.Thread(target=self._work, name="zeroshard-checkpoint-writer", daemon=True)
             self._worker.start()
@@ -294,6 +304,27 @@ class Checkpointer:
         if kind == "error":
             raise ValueError(f"checkpoint root {self.root}: {value}")
         return value
+
+
+def _finish_at_exit(ref: weakref.ref[Checkpointer]) -> None:
+    """At interpreter exit: finish the save in flight (the daemon writer would be killed
+    mid-save, silently); if it fails, say so on stderr and exit with status 1."""
+    ckpt = ref()
+    if ckpt is None or ckpt._closed or ckpt._in_flight is None:
+        return
+    stats = ckpt._in_flight
+    print(
+        f"zeroshard: exiting with a checkpoint save in flight: finishing the save of {ckpt.root / stats.tag} "
+        "(call Checkpointer.close() before exiting)",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        ckpt.wait()
+    except CheckpointSaveError as err:
+        print(f"zeroshard: error: {err}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)  # the exit status is fixed by now otherwise; a lost save must not read as success
 
 
 def _not_saved(path: Path, error: BaseException) -> str:

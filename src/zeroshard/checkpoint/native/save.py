@@ -203,8 +203,17 @@ def commit_save(
 
 
 def _fire(fault: FaultHook | None, point: str, rank: int) -> None:
-    if fault is not None:
+    if fault is None:
+        return
+    try:
         fault(point, rank)
+    except BaseException as err:
+        err.simulated_crash = point  # type: ignore[attr-defined]  # a death, not an error to report
+        raise
+
+
+def _is_simulated_crash(err: BaseException) -> bool:
+    return getattr(err, "simulated_crash", None) is not None
 
 
 def _on_rank0_then_broadcast(coord: Coordinator, action: Callable[[], Any]) -> Any:
@@ -215,7 +224,9 @@ def _on_rank0_then_broadcast(coord: Coordinator, action: Callable[[], Any]) -> A
             outcome = ("ok", action())
         except WriterLockedError as err:
             outcome = ("locked", str(err))
-        except (OSError, ValueError) as err:
+        except Exception as err:  # noqa: BLE001 - every rank waits for the outcome: it must get one
+            if _is_simulated_crash(err):
+                raise
             outcome = ("error", f"{type(err).__name__}: {err}")
     kind, value = coord.broadcast_object(outcome)
     if kind == "locked":
@@ -230,9 +241,12 @@ def _agree_on_state(
 ) -> list[GroupRecord]:
     if problem is None and state is None:
         problem = "no state to save"
-    problem = problem or _problem_with(state, coord)  # type: ignore[arg-type]
-    records = None if problem else _group_records(state)  # type: ignore[arg-type]
-    layout_json = None if problem else state.layout.to_json()  # type: ignore[union-attr]
+    try:  # whatever this rank alone hits, it must still reach the gather below
+        problem = problem or _problem_with(state, coord)  # type: ignore[arg-type]
+        records = None if problem else _group_records(state)  # type: ignore[arg-type]
+        layout_json = None if problem else state.layout.to_json()  # type: ignore[union-attr]
+    except Exception as err:  # noqa: BLE001 - reported on every rank below
+        problem, records, layout_json = f"checking its state failed: {type(err).__name__}: {err}", None, None
     digest = hashlib.sha256(layout_json.encode()).hexdigest() if layout_json else None
     summary = (problem, tag, digest, [r.to_dict() for r in records] if records else None)
     everyone = coord.all_gather_object(summary)
@@ -273,13 +287,16 @@ def _problem_with(state: ShardedState, coord: Coordinator) -> str | None:
         for name in state.optimizer_scalars[group.index]:
             if not isinstance(name, str) or not name or "/" in name:
                 return f"group {group.index}: optimizer state name {name!r} cannot be stored"
-    if coord.rank == 0:
-        try:
-            jsonvalue.encode(state.extra, "extra")
-            for index, group in enumerate(state.param_groups):
-                jsonvalue.encode(group.hyperparameters, f"param_groups[{index}]")
-        except ValueError as err:
-            return str(err)
+    if coord.rank == 0:  # only rank 0's are written: the others never encode theirs
+        values = [(state.extra, "extra")]
+        values += [(group.hyperparameters, f"param_groups[{i}]") for i, group in enumerate(state.param_groups)]
+        for value, where in values:
+            try:
+                jsonvalue.encode(value, where)
+            except ValueError as err:
+                return str(err)
+            except Exception as err:  # noqa: BLE001 - RecursionError: a value that contains itself
+                return f"{where} cannot be encoded: {type(err).__name__}: {err}"
     return None
 
 
