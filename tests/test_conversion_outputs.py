@@ -122,3 +122,112 @@ def test_an_output_of_dot_is_the_current_directory(root, tmp_path, capsys, monke
     assert _cli(capsys, "to-fp32", root, ".") == (0, "")
     assert sorted(p.name for p in work.iterdir()) == ["model.safetensors"]
     _refused(capsys, "to-fp32", root, "/", expected="the root directory cannot be an output directory")
+
+
+# ---- every output opens with the real safetensors library ---------------------------------------
+
+
+def assert_opens_with_safetensors(path: Path) -> int:
+    """The real library opens ``path`` and reads every tensor to the bytes our header places
+    there; returns the number of tensors."""
+    import torch
+
+    from zeroshard.checkpoint.io.safetensors_io import read_header
+
+    raw = path.read_bytes()
+    entries = read_header(path, len(raw))
+    with safe_open(str(path), framework="pt") as handle:
+        assert set(handle.keys()) == set(entries), path
+        for key, entry in entries.items():
+            tensor = handle.get_tensor(key)
+            assert list(tensor.shape) == list(entry.shape), (path, key)
+            data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+            assert data == raw[entry.begin : entry.end], (path, key)
+    return len(entries)
+
+
+def test_every_output_kind_opens_with_the_safetensors_library(root, tmp_path):
+    from zeroshard.checkpoint import run_ranks, save_sharded
+    from zeroshard.checkpoint.testing import synthesize_state
+    from zeroshard.layout import ExpertMesh
+
+    experts = ExpertMesh(2, 2).expert_group([ParamSpec.of("moe.w1", (2, 3, 4), "bf16")], 4)
+    moe_layout = build_layout([[ParamSpec.of("embed", (9, 4), "bf16")], experts], 2)
+    moe = tmp_path / "moe"
+    run_ranks(2, lambda c: save_sharded(moe, "t", synthesize_state(moe_layout, c.rank), coordinator=c, block_size=64))
+    outputs = [root / "t2", moe / "t"]
+    for source in (root, moe):
+        universal = to_universal(source, tmp_path / f"u-{source.name}", max_shard_size=300, progress=False)
+        outputs += [universal, to_fp32(universal, tmp_path / f"f-{source.name}", progress=False)]
+        outputs.append(to_fp32(source, tmp_path / f"s-{source.name}", max_shard_size=200, progress=False))
+    files = [p for directory in outputs for p in sorted(directory.glob("*.safetensors"))]
+    kinds = {p.name.split("-")[0].split(".")[0] for p in files}
+    assert kinds == {"rank", "model", "universal"}, kinds
+    assert sum(p.name.startswith("model-") for p in files) > 2  # sharded exports too
+    assert all(assert_opens_with_safetensors(p) > 0 for p in files)
+
+
+def test_a_parameter_no_safetensors_reader_opens_is_refused():
+    with pytest.raises(ValueError, match=r"parameter name 'w\\ud800' is not valid UTF-8 \(it holds a lone surrogate\)"):
+        ParamSpec.of("w\ud800", (3,), "bf16")
+    with pytest.raises(ValueError, match=r"parameter 'w': shape \[0, 18446744073709551616\] describes more than 2\*\*63 bytes"):
+        ParamSpec.of("w", (0, 2**64), "bf16")
+    assert ParamSpec.of("w", (0, 2**61), "bf16").numel == 0  # 2**62 bytes if it held any: safetensors opens it
+
+
+class _SourceWithModelEntry:
+    """A file-less source (the testing pattern) whose one module tensor is given: what a
+    DeepSpeed pickle may hold (any str, any shape)."""
+
+    def __init__(self, name: str, shape: tuple[int, ...]) -> None:
+        from universal_helpers import PatternSource
+
+        from zeroshard.checkpoint.source import ModelEntry
+
+        self._pattern = PatternSource(LAYOUT)
+        self.path, self.kind = self._pattern.path, self._pattern.kind
+        self.info = self._pattern.info
+        self.info.model_entries = [ModelEntry(name, shape, "float32", "buffer")]
+        self.info.aliases = {}
+
+    def read(self, *args):
+        return self._pattern.read(*args)
+
+    def scalars(self, group):
+        return self._pattern.scalars(group)
+
+    def model_tensor(self, name):
+        return np.zeros(0, dtype=np.float32)
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize(
+    "name, shape, message",
+    [
+        ("buf\ud800", (0,), r"'model/buf\\ud800': is not valid UTF-8"),
+        ("buf", (0, 2**64), r"'model/buf': shape \[0, 18446744073709551616\] describes more than 2\*\*63 bytes"),
+    ],
+)
+def test_a_conversion_refuses_a_tensor_no_reader_opens_before_writing(tmp_path, name, shape, message):
+    for convert, out in ((to_universal, tmp_path / "u"), (to_fp32, tmp_path / "f")):
+        expected = message if convert is to_universal else message.replace("model/", "")
+        with pytest.raises(ValueError, match=expected + ".*refusing to write it"):
+            convert(_SourceWithModelEntry(name, shape), out, progress=False)
+        assert not out.exists() and not list(tmp_path.glob(".*"))
+
+
+def test_a_save_refuses_a_module_name_no_reader_opens_on_every_rank(tmp_path):
+    from zeroshard.checkpoint import run_ranks, save_sharded
+    from zeroshard.checkpoint.testing import synthesize_state
+
+    states = [synthesize_state(LAYOUT, rank) for rank in range(2)]
+    states[0].model_state["buf\ud800"] = states[0].model_state.pop("positions")
+
+    errors = run_ranks(
+        2, lambda c: save_sharded(tmp_path, "t", states[c.rank], coordinator=c, buffer_names=["buf\ud800"]), return_exceptions=True
+    )
+    for error in errors:
+        assert isinstance(error, ValueError) and r"model state name 'buf\ud800' is not valid UTF-8" in str(error), error
+    assert not (tmp_path / "t").exists() and not list(tmp_path.glob(".t.tmp-*"))

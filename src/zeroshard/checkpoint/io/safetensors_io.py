@@ -20,6 +20,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from ...layout.specs import shape_problem, tensor_name_problem
 from . import jsonvalue
 from .checksum import BlockHasher, FileRecord, block_crc
 from .dtypes import as_array, dtype_info, dtype_of, dtype_of_code
@@ -53,6 +54,18 @@ class PlannedTensor:
     key: str
     dtype: str  # "float32", "bfloat16", ... (dtypes.dtype_info names)
     shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        """Refuse, before anything is written, a tensor no safetensors reader would open."""
+        problem = None
+        if self.key == "__metadata__":
+            problem = "the name safetensors keeps for the file's metadata"
+        elif any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in self.shape):
+            problem = f"shape {list(self.shape)} has a dimension that is not a non-negative integer"
+        else:
+            problem = tensor_name_problem(self.key) or shape_problem(self.shape, dtype_info(self.dtype).itemsize)
+        if problem:
+            raise ValueError(f"tensor {self.key!r}: {problem}; refusing to write it")
 
     @property
     def numel(self) -> int:

@@ -29,6 +29,7 @@ from typing import Any, Callable, Collection
 
 import torch
 
+from ...layout.specs import tensor_name_problem
 from ...state import ShardedState
 from ..io import jsonvalue
 from ..io.checksum import FileRecord
@@ -288,6 +289,10 @@ def _problem_with(state: ShardedState, coord: Coordinator) -> str | None:
             if not isinstance(name, str) or not name or "/" in name:
                 return f"group {group.index}: optimizer state name {name!r} cannot be stored"
     if coord.rank == 0:  # only rank 0's are written: the others never encode theirs
+        for name in state.model_state:
+            problem = tensor_name_problem(name) if isinstance(name, str) else "is not a string"
+            if problem:
+                return f"model state name {name!r} {problem}; no safetensors file can hold it"
         values = [(state.extra, "extra")]
         values += [(group.hyperparameters, f"param_groups[{i}]") for i, group in enumerate(state.param_groups)]
         for value, where in values:
