@@ -153,3 +153,53 @@ def test_retention_leaves_symlinked_tags_alone_and_reports_only_what_it_deleted(
     with pytest.raises(ValueError, match="a symbolic link, not a checkpoint directory"):
         delete_tag(root, "step-00000000")
     assert _hidden(root) == [] and (root / "step-00000000").is_symlink()
+
+
+# ---- a shard group other than "dp" is an expert group ---------------------------------------------
+
+
+def _moe_checkpoint(tmp_path: Path) -> Path:
+    from zeroshard.layout import ExpertMesh
+
+    experts = ExpertMesh(4, 2).expert_group([ParamSpec.of("moe.w1", (2, 3, 4), "bf16")], 4)
+    layout = build_layout([[ParamSpec.of("embed", (9, 4), "bf16")], experts], 4)
+    root = tmp_path / "moe"
+    run_ranks(4, lambda c: save_sharded(root, "t", synthesize_state(layout, c.rank), coordinator=c, block_size=64))
+    return root / "t"
+
+
+def test_a_manifest_without_its_expert_map_is_refused_by_every_reader(tmp_path, capsys):
+    """Without ``expert_map`` the expert group read as a dense group over expert_dp: verify and
+    both converters passed and exported only EP rank 0's experts."""
+    tag = _moe_checkpoint(tmp_path)
+    manifest = tag / "manifest.json"
+    data = json.loads(manifest.read_text())
+    del data["layout"]["groups"][1]["expert_map"]
+    manifest.write_text(json.dumps(data))
+    expected = "group 1: shard group 'expert_dp' of 2 ranks holds no expert map"
+    assert main(["inspect", str(tag), "--verify"]) == 1  # damage found
+    found = capsys.readouterr().out
+    assert found.count("\n") == 1 and str(manifest) in found and expected in found, found
+    for argv in (["to-universal", tag, tmp_path / "u"], ["to-fp32", tag, tmp_path / "f"], ["inspect", tag]):
+        _one_line(*_cli(capsys, *argv, *(["--no-progress"] if argv[0] != "inspect" else [])), str(manifest), expected)
+    assert not (tmp_path / "u").exists() and not (tmp_path / "f").exists()
+
+
+@pytest.mark.parametrize("edit", ["no_map", "map_too_short", "dp_with_map"])
+def test_layout_json_ties_shard_groups_to_expert_maps(edit):
+    from zeroshard.layout import ExpertMesh, Layout
+
+    experts = ExpertMesh(4, 2).expert_group([ParamSpec.of("moe.w1", (2, 3, 4), "bf16")], 4)
+    data = build_layout([[ParamSpec.of("embed", (9, 4), "bf16")], experts], 4).to_dict()
+    group = data["groups"][1]
+    if edit == "no_map":
+        del group["expert_map"]
+        message = "shard group 'expert_dp' of 2 ranks holds no expert map"
+    elif edit == "map_too_short":
+        group["expert_map"] = [[0, 1, 2, 3]]
+        message = "1 expert-parallel ranks x 2 ranks per shard group is not the world size 4"
+    else:
+        group["shard_group"] = "dp"
+        message = "shard group 'dp' is all 4 ranks, without experts"
+    with pytest.raises(ValueError, match=message):
+        Layout.from_dict(data)

@@ -267,6 +267,9 @@ def _problem_with(state: ShardedState, coord: Coordinator) -> str | None:
     layout = state.layout
     if state.rank != coord.rank or layout.world_size != coord.world_size:
         return f"state is rank {state.rank} of {layout.world_size} but the coordinator is rank {coord.rank} of {coord.world_size}"
+    problem = layout.storage_problem()
+    if problem:
+        return f"the layout cannot be stored: {problem}"
     groups = len(layout.groups)
     for field_name in ("fp32_partitions", "optimizer_states", "optimizer_scalars"):
         if len(getattr(state, field_name)) != groups:
