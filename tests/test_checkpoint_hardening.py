@@ -4,6 +4,7 @@ reproduces one measured fact and pins the fix."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -203,3 +204,63 @@ def test_layout_json_ties_shard_groups_to_expert_maps(edit):
         message = "shard group 'dp' is all 4 ranks, without experts"
     with pytest.raises(ValueError, match=message):
         Layout.from_dict(data)
+
+
+# ---- a disk that fills at the commit --------------------------------------------------------------
+
+
+def _save(root: Path, tag: str, step: int) -> list:
+    def one_rank(coord):
+        return save_sharded(root, tag, synthesize_state(LAYOUT, coord.rank, step=step), coordinator=coord, block_size=64)
+
+    return run_ranks(2, one_rank, return_exceptions=True)
+
+
+def _fd_path(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+
+
+@pytest.mark.parametrize(
+    "call, victim, published",
+    [
+        ("fsync", "manifest.json", False),  # the manifest, in the staging directory
+        ("fsync", ".latest.tmp-", True),  # the new latest, written next to it
+        ("replace", "latest", True),  # latest replaced
+    ],
+)
+def test_a_disk_full_at_the_commit_leaves_nothing_behind_and_names_the_file(tmp_path, monkeypatch, call, victim, published):
+    import errno
+
+    assert not any(isinstance(r, Exception) for r in _save(tmp_path, "step1", 1))
+    real = getattr(os, call)
+
+    def full(*args, **kwargs):
+        target = _fd_path(args[0]) if call == "fsync" else str(args[1])
+        if Path(target).name.startswith(victim):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(os, call, full)
+    results = _save(tmp_path, "step2", 2)
+    monkeypatch.setattr(os, call, real)
+    for error in results:
+        assert isinstance(error, OSError) and "No space left on device" in str(error), error
+        named = str(tmp_path / "latest") if victim == "latest" else str(tmp_path)
+        assert named in str(error) and victim.strip(".") in str(error), error
+    assert _hidden(tmp_path) == []  # no staging directory, no .latest.tmp-*
+    from zeroshard.checkpoint import list_tags
+    from zeroshard.checkpoint.io.directory import read_latest
+
+    assert read_latest(tmp_path) == "step1"
+    assert list_tags(tmp_path) == (["step1", "step2"] if published else ["step1"])
+    assert load_sharded(tmp_path, LAYOUT, 0).extra["global_step"] == 1
+
+
+def test_recovery_removes_a_latest_temporary_file_a_crash_left(tmp_path):
+    assert not any(isinstance(r, Exception) for r in _save(tmp_path, "step1", 1))
+    (tmp_path / ".latest.tmp-0123456789ab").write_text("step9\n")  # what a death mid-replace leaves
+    assert not any(isinstance(r, Exception) for r in _save(tmp_path, "step2", 2))
+    assert _hidden(tmp_path) == []

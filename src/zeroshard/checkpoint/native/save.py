@@ -189,11 +189,16 @@ def commit_save(
             raise OSError(f"checkpoint {plan.root / plan.tag} not saved: {failures[0]}")
 
         def commit() -> str:
-            _fire(fault, "before_manifest", coord.rank)
-            manifest = _manifest(plan, state, outcomes)
-            write_file_durably(plan.staging / MANIFEST_FILE, manifest.to_json())
-            fsync_dir(plan.staging)
-            published = publish(plan.root, plan.tag, plan.staging, lambda point: _fire(fault, point, coord.rank))
+            try:
+                _fire(fault, "before_manifest", coord.rank)
+                manifest = _manifest(plan, state, outcomes)
+                write_file_durably(plan.staging / MANIFEST_FILE, manifest.to_json())
+                fsync_dir(plan.staging)
+                published = publish(plan.root, plan.tag, plan.staging, lambda point: _fire(fault, point, coord.rank))
+            except Exception as err:
+                if not _is_simulated_crash(err):  # a failure (a full disk), not a death: clean up now
+                    shutil.rmtree(plan.staging, ignore_errors=True)
+                raise
             if after_publish is not None:
                 after_publish()
             return str(published)
