@@ -264,3 +264,62 @@ def test_recovery_removes_a_latest_temporary_file_a_crash_left(tmp_path):
     (tmp_path / ".latest.tmp-0123456789ab").write_text("step9\n")  # what a death mid-replace leaves
     assert not any(isinstance(r, Exception) for r in _save(tmp_path, "step2", 2))
     assert _hidden(tmp_path) == []
+
+
+# ---- FIFOs where files belong: refused, never waited on ------------------------------------------
+
+_LOAD_SCRIPT = """
+import sys, torch
+from zeroshard.checkpoint import Checkpointer
+from zeroshard.engine import ZeroOptimizer
+
+engine = ZeroOptimizer(torch.nn.Linear(4, 3), torch.optim.AdamW, lr=1e-3)
+with Checkpointer(engine, sys.argv[1]) as ckpt:
+    try:
+        ckpt.load()
+    except ValueError as err:
+        print("refused:", err)
+"""
+
+
+def test_a_fifo_named_latest_is_refused_without_waiting(tmp_path, capsys):
+    import subprocess
+    import sys
+
+    os.mkfifo(tmp_path / "latest")
+    import zeroshard
+
+    src = Path(zeroshard.__file__).resolve().parents[1]  # the sources this test runs on
+    env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", _LOAD_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"refused: checkpoint root {tmp_path}: ValueError: {tmp_path / 'latest'}: not a regular file" in done.stdout
+    # the converters (a root with `latest` is a native checkpoint) and inspect say so too
+    code, err = _cli(capsys, "to-fp32", tmp_path, tmp_path.parent / "f", "--no-progress")
+    assert code == 2 and err.count("\n") == 1, err
+
+
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_fifo_named_lock_is_refused_and_leaks_no_descriptor(tmp_path, capsys):
+    from zeroshard.checkpoint.io.writer_lock import WriterLock
+
+    lock = tmp_path / ".lock"
+    os.mkfifo(lock)
+    before = _open_descriptors()
+    for _ in range(3):
+        with pytest.raises(OSError, match="not a regular file, so it cannot be a writer lock; remove it"):
+            WriterLock(lock, "saving").acquire()
+    errors = _save(tmp_path, "t", 1)
+    for error in errors:
+        assert isinstance(error, OSError) and f"{lock}" in str(error) and "not a regular file" in str(error), error
+    assert _open_descriptors() == before and not (tmp_path / "t").exists()
+    root = save_synthetic(tmp_path / "ck", LAYOUT, block_size=64)
+    os.mkfifo(tmp_path / ".out.lock")  # a conversion's lock, next to OUT
+    code, err = _cli(capsys, "to-fp32", root, tmp_path / "out", "--no-progress")
+    assert code == 2 and "not a regular file" in err and str(tmp_path / ".out.lock") in err, err
+    assert _open_descriptors() == before

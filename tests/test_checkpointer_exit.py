@@ -12,12 +12,13 @@ from pathlib import Path
 
 import checkpointer_workers as workers
 
+import zeroshard
 from zeroshard.checkpoint import open_checkpoint, verify_checkpoint
 from zeroshard.checkpoint.io.directory import read_latest
 from zeroshard.launch import spawn
 
 TESTS = Path(__file__).resolve().parent
-SRC = TESTS.parent / "src"
+SRC = Path(zeroshard.__file__).resolve().parents[1]  # the sources this test runs on
 
 # Saves step 0 asynchronously, slowed down at the commit so it is still in flight, and
 # returns from the script without closing the Checkpointer.

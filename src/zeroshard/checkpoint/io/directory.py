@@ -44,7 +44,7 @@ from ..format import (
     old_dir_name,
     temp_dir_name,
 )
-from .members import member_path, open_member
+from .members import member_path, open_member, read_small_file
 from .safetensors_io import named_os_error
 from .writer_lock import WriterLock
 
@@ -219,16 +219,22 @@ def delete_tag(root: Path, tag: str) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
+_MAX_LATEST_BYTES = 4096  # a tag and a newline
+
+
 def read_latest(root: Path) -> str | None:
-    """The tag ``root/latest`` names, or None when there is no ``latest``."""
+    """The tag ``root/latest`` names, or None when there is no ``latest``. ValueError in one
+    line when it is no regular file (a FIFO is never waited on) or holds no tag."""
+    path = root / LATEST_FILE
     try:
-        tag = (root / LATEST_FILE).read_text().strip()
+        raw = read_small_file(path, _MAX_LATEST_BYTES)
     except FileNotFoundError:
         return None
     try:
-        return check_tag(tag)
-    except ValueError:
-        raise ValueError(f"{root / LATEST_FILE}: holds {tag!r}, not a checkpoint tag") from None
+        return check_tag(raw.decode("utf-8").strip())
+    except (UnicodeDecodeError, ValueError):
+        shown = raw[:64].decode("utf-8", "replace").strip()
+        raise ValueError(f"{path}: holds {shown!r}{'...' if len(raw) > 64 else ''}, not a checkpoint tag") from None
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -239,11 +245,8 @@ def resolve_checkpoint(path: Path) -> Path:
     if (path / MANIFEST_FILE).is_file():
         return path
     if (path / LATEST_FILE).is_file():
-        tag = (path / LATEST_FILE).read_text().strip()
-        try:
-            check_tag(tag)
-        except ValueError:
-            raise ValueError(f"{path / LATEST_FILE}: holds {tag!r}, not a checkpoint tag") from None
+        tag = read_latest(path)
+        assert tag is not None
         if (path / tag).is_symlink():
             raise ValueError(f"{path / LATEST_FILE}: names tag {tag!r}, a symbolic link; a tag must be a directory")
         target = _existing_or_moved_aside(path / tag)
