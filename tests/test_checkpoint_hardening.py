@@ -323,3 +323,20 @@ def test_a_fifo_named_lock_is_refused_and_leaks_no_descriptor(tmp_path, capsys):
     code, err = _cli(capsys, "to-fp32", root, tmp_path / "out", "--no-progress")
     assert code == 2 and "not a regular file" in err and str(tmp_path / ".out.lock") in err, err
     assert _open_descriptors() == before
+
+
+# ---- two param groups claiming one layout group -----------------------------------------------------
+
+
+def test_a_layout_group_claimed_by_two_param_groups_is_refused_on_load(tmp_path, capsys):
+    """It loaded with the last claimant's hyperparameters; to-universal already refused it."""
+    layout = build_layout([[ParamSpec.of("a", (7, 5), "bf16")], [ParamSpec.of("b", (13,), "bf16")]], 2)
+    saved = save_synthetic(tmp_path / "ck", layout, block_size=64)
+    path = saved / "manifest.json"
+    data = json.loads(path.read_text())
+    data["optimizer"]["param_groups"][1]["layout_groups"] = [0, 1]  # group 0 also claimed by param group 1
+    path.write_text(json.dumps(data))
+    for options in ({}, {"load_optimizer_states": False}):
+        with pytest.raises(ValueError, match=f"{saved}: layout group 0 is in param groups 0 and 1"):
+            load_sharded(saved, layout, 0, **options)
+    _one_line(*_cli(capsys, "to-universal", saved, tmp_path / "u", "--no-progress"), "layout group 0 is in param groups 0 and 1")

@@ -90,6 +90,19 @@ class ShardSource(Protocol):
     def close(self) -> None: ...
 
 
+def param_group_owners(source: ShardSource) -> dict[int, int]:
+    """Layout group -> the optimizer param group that holds it (layout groups in none are
+    left out). ValueError naming the checkpoint when two param groups claim one layout group:
+    whose hyperparameters it trains with would be a guess."""
+    owner: dict[int, int] = {}
+    for index, state in enumerate(source.info.param_groups):
+        for group in state.layout_groups:
+            if group in owner:
+                raise ValueError(f"{source.path}: layout group {group} is in param groups {owner[group]} and {index}")
+            owner[group] = index
+    return owner
+
+
 def read_into(source: ShardSource, rank: int, group: int, key: str, start: int, out: np.ndarray) -> None:
     """Elements [start, start + out.size) of ``rank``'s partition of ``key`` in ``group``
     into the 1-D array ``out``, cast (exactly, if the checkpoint stores them narrower) to its

@@ -26,7 +26,7 @@ from ..formats import open_source
 from ..io.output_dir import OutputKind, output_path, staged_output
 from ..io.safetensors_io import PlannedTensor
 from ..experts import exported_params, read_exported
-from ..source import ShardSource
+from ..source import ShardSource, param_group_owners
 from ..io.streaming import OutputTensor, plan_shards, write_shards
 from .format import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -167,12 +167,7 @@ def _model_tensor(source: ShardSource, name: str, planned: PlannedTensor) -> np.
 
 
 def _param_group_of_layout_groups(source: ShardSource) -> list[int]:
-    owner: dict[int, int] = {}
-    for index, state in enumerate(source.info.param_groups):
-        for group in state.layout_groups:
-            if group in owner:
-                raise ValueError(f"{source.path}: layout group {group} is in param groups {owner[group]} and {index}")
-            owner[group] = index
+    owner = param_group_owners(source)
     missing = [g.index for g in source.info.layout.groups if g.index not in owner]
     if missing:
         raise ValueError(f"{source.path}: layout groups {missing} belong to no optimizer param group")
