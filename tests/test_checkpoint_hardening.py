@@ -8,7 +8,6 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 from universal_helpers import save_synthetic
 
 from zeroshard.checkpoint import load_sharded, run_ranks, save_sharded
@@ -105,7 +104,7 @@ def test_retention_holds_the_lock_so_a_second_writer_cannot_slip_in(tmp_path, mo
     from zeroshard.checkpoint.io.directory import read_latest
     from zeroshard.checkpoint.io.writer_lock import WriterLockedError
 
-    model, engine = checkpoint_workers.build(seed=0, stage=2)
+    _, engine = checkpoint_workers.build(seed=0, stage=2)
     second_writer: list[object] = []
     original = retention_module.read_latest
 
@@ -144,7 +143,7 @@ def test_retention_leaves_symlinked_tags_alone_and_reports_only_what_it_deleted(
     root = tmp_path / "root"
     root.mkdir()
     (root / "step-00000000").symlink_to(elsewhere)
-    model, engine = checkpoint_workers.build(seed=0, stage=2)
+    _, engine = checkpoint_workers.build(seed=0, stage=2)
     with Checkpointer(engine, root, keep_last=1, async_save=False) as ckpt:
         ckpt.save(1)
         stats = ckpt.save(2)
@@ -292,7 +291,7 @@ def test_a_fifo_named_latest_is_refused_without_waiting(tmp_path, capsys):
     src = Path(zeroshard.__file__).resolve().parents[1]  # the sources this test runs on
     env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, "-c", _LOAD_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=120, env=env
+        [sys.executable, "-c", _LOAD_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=120, env=env, check=False
     )
     assert done.returncode == 0, done.stderr
     assert f"refused: checkpoint root {tmp_path}: ValueError: {tmp_path / 'latest'}: not a regular file" in done.stdout

@@ -34,7 +34,10 @@ def state_name_problem(name: object) -> str | None:
     if "/" in name:
         return f"optimizer state name {name!r} holds '/'"
     if name == MASTER_KEY:
-        return f"an optimizer state is named {MASTER_KEY!r}, the name of the fp32 master weights: readers could not tell them apart"
+        return (
+            f"an optimizer state is named {MASTER_KEY!r}, the name of the fp32 master weights: "
+            "readers could not tell them apart"
+        )
     return None
 
 

@@ -76,9 +76,8 @@ def _expert_map_lines(world_size: int, group: GroupLayout, indent: str, listed: 
     shown = group.expert_map if listed is None else group.expert_map[:listed]
     for ep_rank, ids in enumerate(shown):
         ranks = range(ep_rank, world_size, ep)  # its expert-DP group (ExpertMesh), never listed whole
-        lines.append(
-            f"{indent}  EP rank {ep_rank}: experts {format_ids(ids)} on rank{'s' if len(ranks) > 1 else ''} {format_ids(ranks)}"
-        )
+        plural = "s" if len(ranks) > 1 else ""
+        lines.append(f"{indent}  EP rank {ep_rank}: experts {format_ids(ids)} on rank{plural} {format_ids(ranks)}")
     if len(shown) < ep:
         lines.append(f"{indent}  ... {ep - len(shown)} more EP ranks")
     return lines

@@ -41,7 +41,10 @@ INDEX_FILE = "model.safetensors.index.json"
 # files as an export of ours, the only kind of directory an --overwrite replaces.
 METADATA = {"format": "pt", "zeroshard": "fp32 export"}
 OUTPUT_KIND = OutputKind(
-    "model export", r"model\.safetensors(\.index\.json)?|model-\d{5,}-of-\d{5,}\.safetensors", (SINGLE_FILE, INDEX_FILE), METADATA
+    "model export",
+    r"model\.safetensors(\.index\.json)?|model-\d{5,}-of-\d{5,}\.safetensors",
+    (SINGLE_FILE, INDEX_FILE),
+    METADATA,
 )
 if TYPE_CHECKING:
     import torch

@@ -141,7 +141,9 @@ def check_destination(out_dir: Path, kind: OutputKind, overwrite: bool) -> None:
         return
     foreign = kind.foreign(out_dir)
     if foreign is not None:
-        raise FileExistsError(f"{out_dir}: exists, is not empty and is not a {kind.what} ({foreign}); refusing to write there")
+        raise FileExistsError(
+            f"{out_dir}: exists, is not empty and is not a {kind.what} ({foreign}); refusing to write there"
+        )
     if not overwrite:
         raise FileExistsError(
             f"{out_dir}: already holds a complete {kind.what}; pass --overwrite (overwrite=True) to replace it"

@@ -18,9 +18,9 @@ from typing import Any
 
 from ... import __version__
 from ...layout import EXPERT_SHARD_GROUP, GroupSpec, ParamSpec, canonical_dtype, contiguous_expert_map
+from ..format import state_name_problem
 from ..io import jsonvalue
 from ..io.checksum import FileRecord
-from ..format import state_name_problem
 from ..io.directory import read_json_file
 from ..source import ModelEntry
 

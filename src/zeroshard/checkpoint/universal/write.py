@@ -41,7 +41,10 @@ from .format import (
 )
 
 OUTPUT_KIND = OutputKind(
-    "universal checkpoint", r"universal\.json|universal-\d{5,}-of-\d{5,}\.safetensors", (MANIFEST_FILE,), {"format": FORMAT_NAME}
+    "universal checkpoint",
+    r"universal\.json|universal-\d{5,}-of-\d{5,}\.safetensors",
+    (MANIFEST_FILE,),
+    {"format": FORMAT_NAME},
 )
 
 
