@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -160,3 +161,24 @@ def _read(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(path))
+
+
+def unencodable_extra_on_rank_0(rank: int, world: int, root: str) -> dict:
+    """Rank 0's extra contains itself (RecursionError when encoded): every rank's save must
+    fail at once, and the group stay usable."""
+    from zeroshard.engine import ZeroOptimizer
+
+    engine = ZeroOptimizer(torch.nn.Linear(4, 3), torch.optim.AdamW, lr=1e-3)
+    extra: dict = {"note": rank}
+    if rank == 0:
+        extra["self"] = extra  # a dict that contains itself: RecursionError when encoded
+    result: dict = {}
+    with Checkpointer(engine, root, async_save=False, timeout_s=20) as ckpt:
+        started = time.perf_counter()
+        try:
+            ckpt.save(0, extra=extra)
+        except CheckpointSaveError as err:
+            result["error"] = str(err)
+        result["seconds"] = time.perf_counter() - started
+        ckpt.save(1, extra={"note": rank})  # the group is still usable
+    return result

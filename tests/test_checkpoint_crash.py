@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from zeroshard.checkpoint import FAULT_POINTS, list_tags, load_sharded, open_checkpoint, run_ranks, save_sharded
-from zeroshard.checkpoint.io.output_dir import staged_output
+from zeroshard.checkpoint.io.output_dir import OutputKind, staged_output
 from zeroshard.checkpoint.testing import synthesize_state
 from zeroshard.layout import ParamSpec, build_layout
 
@@ -93,7 +93,7 @@ def test_a_staging_directory_is_never_loaded(tmp_path):
 
 
 def _convert(out: Path, text: str, overwrite: bool, fault=None) -> None:
-    with staged_output(out, markers=["done"], overwrite=overwrite, what="test output", fault=fault) as staging:
+    with staged_output(out, kind=OutputKind("test output", "done", ("done",)), overwrite=overwrite, fault=fault) as staging:
         (staging / "done").write_text(text)
 
 

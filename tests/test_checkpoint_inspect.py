@@ -108,8 +108,9 @@ def _lines(capsys) -> list[str]:
 
 
 @pytest.fixture
-def universal(saved, tmp_path) -> Path:
-    return to_universal(saved, tmp_path / "universal", progress=False)
+def universal(saved, tmp_path_factory) -> Path:
+    # not under the root `saved`: a conversion never writes inside its input
+    return to_universal(saved, tmp_path_factory.mktemp("converted") / "universal", progress=False)
 
 
 def test_universal_summary(universal, capsys):

@@ -199,6 +199,9 @@ def test_full_disk_names_the_file(saved, monkeypatch, capsys):
         (["layout", "--bucket-numel", "x"], "argument --bucket-numel: not an integer: 'x'"),
         (["to-fp32", "a"], "the following arguments are required: out"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["to-fp32", "a", "b", "--max-shard-size", "9" * 400], "argument --max-shard-size: size '999"),
+        (["to-universal", "a", "b", "--max-shard-size", "9223372036854775808"], "is more than 2**63 - 1 bytes"),
+        (["to-fp32", "a", "b", "--max-shard-size", "0.5"], "size must be at least one byte"),
     ],
 )
 def test_bad_arguments_are_one_line(args, expected, capsys):
@@ -209,10 +212,45 @@ def test_bad_arguments_are_one_line(args, expected, capsys):
     _assert_one_line_error((code, capsys.readouterr().err), expected)
 
 
-def test_bad_demo_arguments_fail_before_spawning_anything():
+def test_bad_demo_arguments_fail_before_spawning_anything(tmp_path, monkeypatch, capsys):
     """In a subprocess: the check is quick (no rank started, nothing trained)."""
     _assert_one_line_error(_cli("demo", "--steps", "-3"), "zeroshard demo: error: argument --steps")
     _assert_one_line_error(_cli("demo", "--global-batch", "10"), "does not split into 3 ranks")
+    from zeroshard import launch
+
+    def no_spawn(*args, **kwargs):
+        raise AssertionError("a rank was spawned")
+
+    monkeypatch.setattr(launch, "spawn", no_spawn)
+    (tmp_path / "file").write_text("")
+    for args, expected in (
+        (["demo", "--out", tmp_path / "file"], "exists and is not a directory"),
+        (["demo", "--moe", "--out", tmp_path / "file" / "sub"], f"lies under {tmp_path / 'file'}, which is not a directory"),
+    ):
+        _assert_one_line_error((main([str(a) for a in args]), capsys.readouterr().err), f"--out {args[-1]}", expected)
+
+
+def _model_file(tmp_path: Path) -> Path:
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps([[97, 36], [36], [36, 36]]))
+    return path
+
+
+def test_layout_at_any_world_size_answers_at_once(tmp_path):
+    """It counted the ranks with padding one rank at a time: D = 10**12 never finished."""
+    done = _cli("layout", "--model", str(_model_file(tmp_path)), "--world-size", "1000000000000", "7")
+    assert done.returncode == 0, done.stderr
+    rows = [line.split()[-5:-3] for line in done.stdout.splitlines() if line.strip().startswith(("1000000000000 ", "7 "))]
+    # Parameters of 3492, 36 and 1296 bf16 elements at 16-byte starts: 0, 3496, 3536; content ends
+    # at 4832. D=10**12: partitions of 8 elements; ranks 436 and 441 hold a gap, ranks 604 and up
+    # nothing but padding. D=7: partitions of 696; rank 5 holds both gaps, rank 6 the tail.
+    assert rows == [["999999999398", "(999999999396"], ["2", "(0"]], done.stdout
+
+
+def test_layout_refuses_a_fifo_model_without_waiting(tmp_path):
+    fifo = tmp_path / "model.json"
+    os.mkfifo(fifo)
+    _assert_one_line_error(_cli("layout", "--model", str(fifo)), f"{fifo}: not a regular file")
 
 
 # ---- bugs: exit 3, one line, and how to see the traceback ------------------------------------

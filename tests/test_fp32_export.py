@@ -54,7 +54,7 @@ def test_export_loads_strictly_and_equals_the_live_masters(trained, tmp_path):
     out = to_fp32(checkpoint, tmp_path / "fp32", progress=False)
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
     with safe_open(out / "model.safetensors", "pt") as handle:
-        assert handle.metadata() == {"format": "pt"}
+        assert handle.metadata() == {"format": "pt", "zeroshard": "fp32 export"}
     exported = load_file(out / "model.safetensors")
     model = TinyGPT(CONFIG)
     model.load_state_dict(exported, strict=True)

@@ -204,3 +204,13 @@ def test_locate_logical_inverts_logical_ranges(groups, world_size, policy, data)
             assert owner[0].logical_start + piece.partition_start - owner[0].partition_start == piece.logical_start
             assert piece.partition_start + piece.length <= owner[0].partition_start + owner[0].length
             position += piece.length
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(models(), st.one_of(st.integers(1, 9), st.sampled_from([16, 64, 127, 768])), POLICIES)
+def test_padded_rank_counts_match_the_per_rank_padding(groups, world_size, policy):
+    """The layout report counts ranks with padding without a loop over the ranks."""
+    for group in build_layout(groups, world_size, policy).groups:
+        per_rank = group.padding_per_rank()
+        expected = (sum(1 for pad in per_rank if pad), sum(1 for pad in per_rank if pad and pad == group.partition_numel))
+        assert group.padded_rank_counts() == expected

@@ -21,13 +21,17 @@ names a committed checkpoint.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import datetime
+import functools
 import logging
 import os
 import queue
+import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -129,6 +133,10 @@ class Checkpointer:
         self._group, self._coord = _coordination_group(engine, timeout_s)
         self._closed = False
         self._refuse_foreign_root()
+        # A script that exits with a save in flight: the daemon writer would die with the
+        # interpreter, so the exit waits for it (and fails loudly if it failed).
+        self._exit_hook = functools.partial(_finish_at_exit, weakref.ref(self))
+        atexit.register(self._exit_hook)
 
     # ---- public API ---------------------------------------------------------------------------
 
@@ -223,6 +231,7 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
+            atexit.unregister(self._exit_hook)
             if self._worker is not None:
                 self._jobs.put(None)
                 self._worker.join()
@@ -265,7 +274,8 @@ class Checkpointer:
     def _start_worker(self) -> None:
         # One long-lived thread: starting a thread per save costs the training loop up to
         # tens of milliseconds of scheduling on a busy machine. A daemon, so that a script
-        # that never closes its Checkpointer still exits; close() joins it.
+        # that never closes its Checkpointer still exits; close() joins it, and an exit
+        # with a save in flight waits for that save first (_finish_at_exit).
         if self._worker is None:
             self._worker = threading.Thread(target=self._work, name="zeroshard-checkpoint-writer", daemon=True)
             self._worker.start()
@@ -284,22 +294,25 @@ class Checkpointer:
         started = time.perf_counter()
         plan = plan_save(self.root, stats.tag, state, self._coord, problem=problem)
         assert state is not None  # plan_save raised on every rank otherwise
+
+        def retain() -> None:  # rank 0, still holding the root's lock
+            stats.deleted = self._apply_retention(stats.tag)
+
         try:
             written = write_rank_files(plan, state, self._buffer_names, self._coord, self._fault)
-            stats.path = commit_save(plan, state, written, self._coord, self._fault)
+            stats.path = commit_save(plan, state, written, self._coord, self._fault, after_publish=retain)
         finally:
             plan.release()
-        if self._coord.rank == 0:
-            stats.deleted = self._apply_retention(stats.tag)
         stats.write_s = time.perf_counter() - started
 
     def _apply_retention(self, committed: str) -> tuple[str, ...]:
-        """Rank 0 deletes old tags. A failure here is only logged: the checkpoint is committed,
-        and an error that rank 0 alone raised at the next save would leave the other ranks
-        waiting for it in the save's first collective."""
+        """Rank 0 deletes old tags, under the root's writer lock, reading ``latest`` there: a
+        second writer on the root cannot move it meanwhile. A failure here is only logged:
+        the checkpoint is committed, and an error that rank 0 alone raised at the next save
+        would leave the other ranks waiting for it in the save's first collective."""
         try:
             return tuple(apply_retention(self.root, committed, self.keep_last, self.keep_every))
-        except OSError as err:
+        except Exception as err:  # noqa: BLE001 - see above
             log.warning("%s: retention after %s failed, old tags kept: %s", self.root, committed, err)
             return ()
 
@@ -328,6 +341,27 @@ class Checkpointer:
         if kind == "error":
             raise ValueError(f"checkpoint root {self.root}: {value}")
         return value
+
+
+def _finish_at_exit(ref: weakref.ref[Checkpointer]) -> None:
+    """At interpreter exit: finish the save in flight (the daemon writer would be killed
+    mid-save, silently); if it fails, say so on stderr and exit with status 1."""
+    ckpt = ref()
+    if ckpt is None or ckpt._closed or ckpt._in_flight is None:
+        return
+    stats = ckpt._in_flight
+    print(
+        f"zeroshard: exiting with a checkpoint save in flight: finishing the save of {ckpt.root / stats.tag} "
+        "(call Checkpointer.close() before exiting)",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        ckpt.wait()
+    except CheckpointSaveError as err:
+        print(f"zeroshard: error: {err}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)  # the exit status is fixed by now otherwise; a lost save must not read as success
 
 
 def _not_saved(path: Path, error: BaseException) -> str:

@@ -22,6 +22,25 @@ OLD_MARKER = ".old-"  # a replaced tag waiting to be deleted: "." + tag + OLD_MA
 DELETE_MARKER = ".del-"  # a tag being deleted by retention: "." + tag + DELETE_MARKER + id
 
 
+# What readers call a group's fp32 master weights beside its optimizer states (ShardSource.read,
+# universal tensor keys ``param/<name>/fp32``): no optimizer state may have this name.
+MASTER_KEY = "fp32"
+
+
+def state_name_problem(name: object) -> str | None:
+    """Why ``name`` cannot name a partition-shaped optimizer state, or None when it can."""
+    if not isinstance(name, str) or not name:
+        return f"optimizer state name {name!r} is not a non-empty string"
+    if "/" in name:
+        return f"optimizer state name {name!r} holds '/'"
+    if name == MASTER_KEY:
+        return (
+            f"an optimizer state is named {MASTER_KEY!r}, the name of the fp32 master weights: "
+            "readers could not tell them apart"
+        )
+    return None
+
+
 def rank_file_name(rank: int, world_size: int) -> str:
     """``rank-00003-of-00008.safetensors``: the file holding one rank's partitions."""
     return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"

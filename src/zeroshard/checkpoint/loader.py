@@ -37,7 +37,7 @@ from ..state import ParamGroupState, ShardedState
 from .compat import Mismatch, compare_module, compare_params
 from .io.dtypes import arrays_to_torch, cast, dtype_info, dtype_of, to_numpy, to_torch
 from .reshard import GroupPlan, plan_reads
-from .source import ShardSource, read_into, read_model_tensors, read_param, read_whole_param
+from .source import ShardSource, param_group_owners, read_into, read_model_tensors, read_param, read_whole_param
 
 
 def load_state(
@@ -294,7 +294,7 @@ def _map_param_groups(source: ShardSource, layout: Layout, loadable: set[str]) -
     """The saved param groups that hold the new layout's groups, each listing its new layout
     groups. Optimizer hyperparameters and scalars follow the parameters."""
     info = source.info
-    old_owner = {g: index for index, group in enumerate(info.param_groups) for g in group.layout_groups}
+    old_owner = param_group_owners(source)
     owner_of_param = {slot.name: old_owner.get(g.index, -1) for g in info.layout.groups for slot in g.params}
     owners: list[int | None] = []
     for group in layout.groups:

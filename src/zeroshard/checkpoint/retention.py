@@ -2,8 +2,10 @@
 
 The Checkpointer names its checkpoints ``step-<step>`` (:func:`step_tag`) and manages only
 tags of that form; others under the root (say "best") are never deleted. Deletion happens
-after a newer checkpoint is committed, never touches a tag newer than the one committed,
-and renames each tag hidden before removing it (:func:`~.directory.delete_tag`).
+after a newer checkpoint is committed, under the root's writer lock, never touches a tag
+newer than the one committed nor the one ``latest`` names, and renames each tag hidden
+before removing it (:func:`~.directory.delete_tag`). A tag that is a symbolic link is no
+checkpoint of the root's (nothing loads it) and is never touched.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ def tags_to_delete(
 
 def apply_retention(root: Path, committed: str, keep_last: int | None, keep_every: int | None) -> list[str]:
     """Delete what :func:`tags_to_delete` names under ``root``; returns the deleted tags.
-    A tag that cannot be deleted is logged and kept."""
+    A tag that cannot be deleted is logged and kept. Call it holding the root's writer lock
+    (the Checkpointer does, right after its commit), so that ``latest``, read here, stays put."""
     steps = {tag: step for tag in list_tags(root) if (step := tag_step(tag)) is not None}
     if committed not in steps:
         return []

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..layout import Layout, global_shape, locate_global
 from ..state import ParamGroupState
+from .format import state_name_problem
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,13 @@ class SourceInfo:
     # the trained parameters' weights are their fp32 masters cast (no low-precision copy
     # is stored), so a run may load them in another dtype
     weights_from_masters: bool = False
+
+    def __post_init__(self) -> None:
+        # Every source's backstop: read(..., "fp32", ...) must mean the master weights.
+        for group, names in enumerate(self.state_keys):
+            problem = next(filter(None, map(state_name_problem, names)), None)
+            if problem:
+                raise ValueError(f"layout group {group}: {problem}")
 
     def stored_dtype(self, group: int, key: str) -> str:
         """The dtype ``key`` ("fp32" or a state name) of layout group ``group`` is stored in."""
@@ -80,6 +88,19 @@ class ShardSource(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def param_group_owners(source: ShardSource) -> dict[int, int]:
+    """Layout group -> the optimizer param group that holds it (layout groups in none are
+    left out). ValueError naming the checkpoint when two param groups claim one layout group:
+    whose hyperparameters it trains with would be a guess."""
+    owner: dict[int, int] = {}
+    for index, state in enumerate(source.info.param_groups):
+        for group in state.layout_groups:
+            if group in owner:
+                raise ValueError(f"{source.path}: layout group {group} is in param groups {owner[group]} and {index}")
+            owner[group] = index
+    return owner
 
 
 def read_into(source: ShardSource, rank: int, group: int, key: str, start: int, out: np.ndarray) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import re
 import time
+from decimal import Decimal
 from pathlib import Path
 
 from ..checkpoint.export.fp32 import to_fp32
@@ -20,15 +21,22 @@ from .errors import describe_error, name_output
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_MAX_SIZE = 2**63 - 1
+_MAX_SIZE_TEXT = 64  # echoed whole in an error up to this length
 
 
 def parse_size(text: str) -> int:
-    """Bytes in ``text``: a number with an optional unit, "500MB", "2GB" (powers of 10) or "2GiB"."""
+    """Bytes in ``text``: a number with an optional unit, "500MB", "2GB" (powers of 10) or "2GiB";
+    at least one byte, at most 2**63 - 1 (the most a safetensors file can address)."""
     match = _SIZE.match(text)
     unit = match.group(2).upper() if match else ""
+    shown = repr(text) if len(text) <= _MAX_SIZE_TEXT else f"{text[:_MAX_SIZE_TEXT]!r}... ({len(text)} characters)"
     if not match or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 500MB, 2GB, 1GiB, 1048576)")
-    size = int(float(match.group(1)) * _UNITS[unit])
+        raise argparse.ArgumentTypeError(f"not a size: {shown} (examples: 500MB, 2GB, 1GiB, 1048576)")
+    amount = Decimal(match.group(1)) * _UNITS[unit]  # exact: no float to overflow or round
+    if amount > _MAX_SIZE:
+        raise argparse.ArgumentTypeError(f"size {shown} is more than 2**63 - 1 bytes")
+    size = int(amount)
     if size < 1:
         raise argparse.ArgumentTypeError(f"size must be at least one byte, got {text!r}")
     return size

@@ -54,6 +54,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+    check_out_dir(args.out)
     if args.moe:
         from .demo_moe_cmd import run_moe
 
@@ -84,6 +85,19 @@ def run(args: argparse.Namespace) -> int:
         if args.out is None:
             shutil.rmtree(out, ignore_errors=True)
     return 0
+
+
+def check_out_dir(out: Path | None) -> None:
+    """``--out`` is a directory, or can be made one: checked before any rank is spawned (a
+    rank that found a file there failed with a traceback the command called a bug)."""
+    if out is None:
+        return
+    for place in (out, *out.parents):
+        if place.is_dir():
+            return
+        if place.exists() or place.is_symlink():
+            where = "exists and is not a directory" if place == out else f"lies under {place}, which is not a directory"
+            raise ValueError(f"--out {out}: {where}")
 
 
 def _run_arc(config: DemoConfig, args: argparse.Namespace, out: Path) -> None:

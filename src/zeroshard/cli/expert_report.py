@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from ..layout import ExpertMesh, GroupLayout, Layout
+from ..layout import GroupLayout, Layout
 
 LISTED_EP_RANKS = 8  # expert-map lines shown per group before "... N more"
 _LISTED_IDS = 6  # ids shown of a list that is not a run or a stride
@@ -69,17 +69,15 @@ def group_partitioning(layout: Layout, group: GroupLayout) -> str:
 def _expert_map_lines(world_size: int, group: GroupLayout, indent: str, listed: int | None) -> list[str]:
     ep = len(group.expert_map)
     experts = sum(len(ids) for ids in group.expert_map)
-    holders = ExpertMesh(world_size, ep).expert_dp_groups()  # the layout checked that EP divides W
     lines = [
         f"{indent}expert map of group {group.index}: {experts} experts, {experts // ep} per EP rank; "
         f"{group.param_numel:,} elements per EP rank, {group.param_numel * ep:,} in all"
     ]
     shown = group.expert_map if listed is None else group.expert_map[:listed]
     for ep_rank, ids in enumerate(shown):
-        ranks = holders[ep_rank]
-        lines.append(
-            f"{indent}  EP rank {ep_rank}: experts {format_ids(ids)} on rank{'s' if len(ranks) > 1 else ''} {format_ids(ranks)}"
-        )
+        ranks = range(ep_rank, world_size, ep)  # its expert-DP group (ExpertMesh), never listed whole
+        plural = "s" if len(ranks) > 1 else ""
+        lines.append(f"{indent}  EP rank {ep_rank}: experts {format_ids(ids)} on rank{plural} {format_ids(ranks)}")
     if len(shown) < ep:
         lines.append(f"{indent}  ... {ep - len(shown)} more EP ranks")
     return lines
@@ -87,6 +85,8 @@ def _expert_map_lines(world_size: int, group: GroupLayout, indent: str, listed: 
 
 def format_ids(ids: Sequence[int]) -> str:
     """``0-3`` for a run, ``1, 3, ..., 9`` for a longer stride, else a list (long ones cut)."""
+    if isinstance(ids, range) and len(ids) > _LISTED_IDS:  # any length, without listing it
+        return f"{ids[0]}-{ids[-1]}" if ids.step == 1 else f"{ids[0]}, {ids[1]}, ..., {ids[-1]}"
     ids = list(ids)
     if len(ids) <= 2:
         return ", ".join(map(str, ids))

@@ -8,11 +8,13 @@ from pathlib import Path
 from typing import Callable
 
 from ..checkpoint.io import jsonvalue
+from ..checkpoint.io.members import read_small_file
 from ..layout import ExpertMesh, GroupSpec, Layout, LayoutPolicy, ParamSpec, build_layout, itemsize
 from .arguments import positive_int
 from .expert_report import group_partitioning, shard_group_lines
 
 GroupInput = list[ParamSpec] | GroupSpec
+_MAX_MODEL_BYTES = 64 << 20  # a --model file: shapes, not a stream (a FIFO is refused, never waited on)
 
 POLICIES = {
     "native": lambda args: LayoutPolicy.native(args.alignment, bucket_numel=args.bucket_numel),
@@ -86,9 +88,7 @@ def _print_group(layouts: list[Layout], group_index: int) -> None:
     for layout in layouts:
         group = layout.groups[group_index]
         padding = group.inter_param_padding + group.tail_padding
-        per_rank = group.padding_per_rank()
-        padded_ranks = sum(1 for pad in per_rank if pad)
-        only_padding = sum(1 for pad in per_rank if pad and pad == group.partition_numel)
+        padded_ranks, only_padding = group.padded_rank_counts()  # no loop over the ranks: any D
         ranks = "" if layout.is_dense else f" {group.world_size:>6}"
         print(
             f"  {layout.world_size:>6}{ranks} {group.tail_padding:>10,} {group.partition_numel:>15,} "
@@ -122,9 +122,11 @@ def _load_groups(path: Path | None, dtype: str) -> tuple[list[list[ParamSpec]], 
     if path is None:
         return _demo_groups(dtype), "demo model (TinyGPT)"
     try:
-        data = jsonvalue.loads(path.read_text(), path)
+        data = jsonvalue.loads(read_small_file(path, _MAX_MODEL_BYTES), path)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no such file") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text") from None
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: not valid JSON ({err})") from None
     raw_groups = data["groups"] if isinstance(data, dict) and "groups" in data else [data]

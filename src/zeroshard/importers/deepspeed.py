@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from ..checkpoint.format import state_name_problem
 from ..checkpoint.io.dtypes import to_float32
 from ..checkpoint.source import ModelEntry, SourceInfo
 from ..collector import collector_paused
@@ -79,6 +80,9 @@ class DeepSpeedSource:
                 shard = first if rank == 0 else read_rank_shard(path, rank, like=first, after=shard)
                 checks.check(shard)
                 self._ranks.append(RankTensors(shard.fp32, shard.states))
+        problem = next(filter(None, (state_name_problem(name) for group in first.states for name in group)), None)
+        if problem:  # an optimizer state no reader could tell from the fp32 masters
+            raise DeepSpeedFormatError(f"{rank_paths[0]}: {problem}")
         self.info = _source_info(layout, self._model, first)
         self._partition_numels = [group.partition_numel for group in layout.groups]
         self._scalars = [read_scalars(group) for group in first.scalars]

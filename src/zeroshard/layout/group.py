@@ -223,6 +223,23 @@ class GroupLayout:
         """Padding elements in each rank's partition, O(world_size x buckets x log P)."""
         return tuple(self.partition_numel - self._real_numel_of_rank(rank) for rank in range(self.world_size))
 
+    def padded_rank_counts(self) -> tuple[int, int]:
+        """(ranks whose partition holds padding, ranks whose partition is all padding), as
+        :meth:`padding_per_rank` would count them, in O(buckets x parameters): no loop over
+        the ranks, so any world size answers at once."""
+        touched: list[tuple[int, int]] = []  # inclusive rank intervals
+        whole: list[tuple[int, int]] | None = None
+        for bucket in self.buckets:
+            size = bucket.partition_numel
+            if size == 0:
+                continue
+            gaps = _gaps(bucket, self.params[bucket.first_param : bucket.first_param + bucket.num_params])
+            touched += [(begin // size, (end - 1) // size) for begin, end in gaps]
+            inside = _merged([(-(-begin // size), end // size - 1) for begin, end in gaps])
+            whole = inside if whole is None else _intersection(whole, inside)
+        only = 0 if whole is None or self.partition_numel == 0 else sum(hi - lo + 1 for lo, hi in whole)
+        return sum(hi - lo + 1 for lo, hi in _merged(touched)), only
+
     # ---- per parameter ----------------------------------------------------------------
 
     def pieces(self, param_index: int) -> tuple[Piece, ...]:
@@ -298,3 +315,42 @@ class GroupLayout:
 
     def _real_numel_of_rank(self, rank: int) -> int:
         return sum(self._real_at(end) - self._real_at(begin) for begin, end in self.partition_ranges(rank))
+
+
+def _gaps(bucket: Bucket, slots: tuple[ParamSlot, ...]) -> list[tuple[int, int]]:
+    """The padding of ``bucket`` as [begin, end) runs relative to its start."""
+    gaps, cursor = [], 0
+    for slot in slots:
+        if not slot.numel:
+            continue
+        if slot.offset - bucket.start > cursor:
+            gaps.append((cursor, slot.offset - bucket.start))
+        cursor = max(cursor, slot.end - bucket.start)
+    if cursor < bucket.numel:
+        gaps.append((cursor, bucket.numel))
+    return gaps
+
+
+def _merged(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Inclusive integer intervals merged into disjoint, sorted ones (empty ones dropped)."""
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted(i for i in intervals if i[0] <= i[1]):
+        if merged and lo <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def _intersection(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The intersection of two sorted disjoint interval lists."""
+    found, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo <= hi:
+            found.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return found

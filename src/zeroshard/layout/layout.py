@@ -117,6 +117,19 @@ class Layout:
 
     # ---- JSON ----------------------------------------------------------------------------
 
+    def storage_problem(self) -> str | None:
+        """Why this layout cannot be stored and read back (:meth:`from_dict` refuses it), or
+        None. Stored, a group over a shard group other than "dp" must be an expert group: its
+        expert map says which ranks hold which of its values (without one, a reader would take
+        the ranks of one shard group for the whole of it)."""
+        for group in self.groups:
+            if group.shard_group != DENSE_SHARD_GROUP and not group.expert_map:
+                return (
+                    f"group {group.index}: shard group {group.shard_group!r} of {group.world_size} ranks holds no "
+                    f"expert map; only expert groups are partitioned over a shard group other than {DENSE_SHARD_GROUP!r}"
+                )
+        return None
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready; the lowest version that can express the layout."""
         return self._to_dict(_DENSE_ONLY_VERSION if self.is_dense else FORMAT_VERSION)
@@ -151,6 +164,9 @@ class Layout:
             raise ValueError(f"layout JSON is malformed: {type(err).__name__}: {err}") from None
         if layout._to_dict(version) != data:
             raise ValueError("layout JSON is inconsistent: its offsets differ from those its parameters give")
+        problem = layout.storage_problem()
+        if problem:
+            raise ValueError(f"layout JSON is inconsistent: {problem}")
         return layout
 
     @classmethod

@@ -6,7 +6,32 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .dtypes import canonical_dtype
+from .dtypes import canonical_dtype, itemsize
+
+# The most bytes a tensor's dimensions may describe, its zero dimensions counted as ones:
+# what safetensors, numpy and torch address (a [0, 2**64] tensor holds nothing, and none of
+# them opens it).
+MAX_TENSOR_BYTES = 2**63 - 1
+
+
+def tensor_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a tensor in a safetensors file, or None when it can."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return "is not valid UTF-8 (it holds a lone surrogate)"
+    return None
+
+
+def shape_problem(shape: Sequence[int], item_bytes: int) -> str | None:
+    """Why a tensor of ``shape`` cannot be stored, or None when it can (the dimensions are
+    non-negative integers)."""
+    size = item_bytes
+    for dim in shape:
+        size *= max(dim, 1)
+        if size > MAX_TENSOR_BYTES:
+            return f"shape {list(shape)} describes more than 2**63 bytes, which no safetensors reader opens"
+    return None
 
 
 @dataclass(frozen=True)
@@ -26,6 +51,9 @@ class ParamSpec:
         """Validate and canonicalise; ValueError names the parameter and the problem."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"parameter name must be a non-empty string, got {name!r}")
+        problem = tensor_name_problem(name)
+        if problem:
+            raise ValueError(f"parameter name {name!r} {problem}")
         try:
             dims = tuple(shape)
         except TypeError:
@@ -39,6 +67,9 @@ class ParamSpec:
             dtype_name = canonical_dtype(dtype)
         except ValueError as err:
             raise ValueError(f"parameter {name!r}: {err}") from None
+        problem = shape_problem(dims, itemsize(dtype_name))
+        if problem:
+            raise ValueError(f"parameter {name!r}: {problem}")
         return cls(name, dims, dtype_name)
 
 

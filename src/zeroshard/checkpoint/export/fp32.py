@@ -27,7 +27,7 @@ from ..io.directory import write_file_durably
 from ..io.dtypes import cast, dtype_info, to_torch
 from ..format import DEFAULT_BLOCK_SIZE, MANIFEST_FILE
 from ..formats import open_source
-from ..io.output_dir import staged_output
+from ..io.output_dir import OutputKind, output_path, staged_output
 from ..io.safetensors_io import PlannedTensor
 from ..experts import exported_params, read_exported
 from ..source import ModelEntry, ShardSource
@@ -37,6 +37,15 @@ from ..universal.source import UniversalSource
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# "format": "pt" is what transformers checks before loading a file; "zeroshard" marks the
+# files as an export of ours, the only kind of directory an --overwrite replaces.
+METADATA = {"format": "pt", "zeroshard": "fp32 export"}
+OUTPUT_KIND = OutputKind(
+    "model export",
+    r"model\.safetensors(\.index\.json)?|model-\d{5,}-of-\d{5,}\.safetensors",
+    (SINGLE_FILE, INDEX_FILE),
+    METADATA,
+)
 if TYPE_CHECKING:
     import torch
 
@@ -67,6 +76,7 @@ class _ModelView:
     master: Callable[[str], np.ndarray]  # a trained parameter's fp32 master, flat
     model_tensor: Callable[[str], np.ndarray]
     close: Callable[[], None]
+    origin: Path  # the checkpoint directory read
 
 
 def to_fp32(
@@ -82,20 +92,22 @@ def to_fp32(
     """Export the module state_dict of ``path`` (a native, universal or DeepSpeed checkpoint,
     or an opened ShardSource / UniversalCheckpoint) to ``out_dir``; returns ``out_dir``."""
     dtype = _as_dtype(dtype)
+    out_dir = output_path(out_dir)  # once: publishing may replace the current directory
     view = _open(path)
+    inputs = (path, view.origin) if isinstance(path, (str, os.PathLike)) else (view.origin,)
     try:
         tensors = _outputs(view, dtype)
         sizes = [t.planned.nbytes for t in tensors]
         shards = plan_shards(sizes, max_shard_size)
         names = [SINGLE_FILE] if len(shards) == 1 else [shard_file_name(i, len(shards)) for i in range(len(shards))]
-        with staged_output(out_dir, markers=[SINGLE_FILE, INDEX_FILE], overwrite=overwrite, what="model export") as staging:
+        with staged_output(out_dir, kind=OUTPUT_KIND, overwrite=overwrite, inputs=inputs) as staging:
             write_shards(
                 staging,
                 tensors,
                 shards,
                 names,
                 block_size=block_size,
-                metadata={"format": "pt"},  # what transformers checks before loading a file
+                metadata=dict(METADATA),
                 progress=progress,
                 description="to-fp32",
             )
@@ -105,7 +117,7 @@ def to_fp32(
                 write_file_durably(staging / INDEX_FILE, json.dumps(index, indent=2) + "\n")
     finally:
         view.close()
-    return Path(out_dir)
+    return out_dir
 
 
 def load_fp32_state_dict(path: Input, dtype: torch.dtype | str = "float32") -> dict[str, torch.Tensor]:
@@ -170,6 +182,7 @@ def _source_view(source: ShardSource, *, close: bool) -> _ModelView:
         master=lambda name: read_exported(source, exported[name], "fp32"),
         model_tensor=source.model_tensor,
         close=source.close if close else _nothing,
+        origin=source.path,
     )
 
 

@@ -44,7 +44,8 @@ from ..format import (
     old_dir_name,
     temp_dir_name,
 )
-from .members import member_path, open_member
+from .members import member_path, open_member, read_small_file
+from .safetensors_io import named_os_error
 from .writer_lock import WriterLock
 
 log = logging.getLogger(__name__)
@@ -59,22 +60,36 @@ def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as err:
+        raise named_os_error(err, path) from err
     finally:
         os.close(fd)
 
 
 def write_file_durably(path: Path, text: str) -> None:
-    with open(path, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
+    """Write and fsync ``path``; an OSError (a full disk) names it."""
+    try:
+        with open(path, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as err:
+        raise named_os_error(err, path) from err
 
 
 def replace_file_atomically(path: Path, text: str) -> None:
-    """Readers see the old content or the new, never a partial file."""
-    temp = path.with_name(f".{path.name}{TEMP_MARKER}{uuid.uuid4().hex[:8]}")
-    write_file_durably(temp, text)
-    os.replace(temp, path)
+    """Readers see the old content or the new, never a partial file; a failure (a full disk)
+    leaves the old one and no temporary file, and names the file it failed on."""
+    temp = path.with_name(f".{path.name}{TEMP_MARKER}{uuid.uuid4().hex[:12]}")
+    try:
+        write_file_durably(temp, text)
+        try:
+            os.replace(temp, path)
+        except OSError as err:
+            raise named_os_error(err, path) from err
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 
@@ -142,9 +157,13 @@ def _parse_hidden(name: str) -> tuple[str, str] | None:
 
 def _recover_entry(entry: Path) -> None:
     parsed = _parse_hidden(entry.name)
-    if parsed is None or not entry.is_dir() or entry.is_symlink():
+    if parsed is None or entry.is_symlink():
         return
     name, marker = parsed
+    if not entry.is_dir():  # the temporary file of a replace_file_atomically that died
+        if marker == TEMP_MARKER and entry.is_file():
+            entry.unlink(missing_ok=True)
+        return
     target = entry.parent / name
     if marker == OLD_MARKER and not target.exists() and not target.is_symlink():
         os.rename(entry, target)
@@ -165,7 +184,12 @@ def publish_dir(staging: Path, target: Path, fault: Fault | None = None) -> Path
         os.rename(target, moved_aside)
         fsync_dir(target.parent)
         fire("mid_replace")
-    os.rename(staging, target)
+    try:
+        os.rename(staging, target)
+    except OSError as err:
+        if moved_aside is not None:  # put the previous one back
+            os.rename(moved_aside, target)
+        raise named_os_error(err, target) from err
     fsync_dir(target.parent)
     if moved_aside is not None:
         shutil.rmtree(moved_aside, ignore_errors=True)
@@ -176,7 +200,11 @@ def publish(root: Path, tag: str, staging: Path, fault: Fault) -> Path:
     """Publish a save's staging directory as ``root/tag``, then point ``latest`` at it."""
     target = publish_dir(staging, root / tag, fault)
     fault("before_latest")
-    replace_file_atomically(root / LATEST_FILE, tag + "\n")
+    try:
+        replace_file_atomically(root / LATEST_FILE, tag + "\n")
+    except OSError as err:
+        reason = f"{target} is complete, but {root / LATEST_FILE} still names the previous checkpoint: {err.strerror}"
+        raise OSError(err.errno, reason, err.filename) from err
     return target
 
 
@@ -184,21 +212,29 @@ def delete_tag(root: Path, tag: str) -> None:
     """Remove checkpoint ``root/tag``: renamed hidden first, so a crash mid-delete never
     leaves a partial tag that looks complete."""
     doomed = root / f".{tag}{DELETE_MARKER}{uuid.uuid4().hex[:12]}"
-    os.rename(root / check_tag(tag), doomed)
+    if (root / check_tag(tag)).is_symlink():
+        raise ValueError(f"{root / tag}: a symbolic link, not a checkpoint directory; not deleted")
+    os.rename(root / tag, doomed)
     fsync_dir(root)
     shutil.rmtree(doomed, ignore_errors=True)
 
 
+_MAX_LATEST_BYTES = 4096  # a tag and a newline
+
+
 def read_latest(root: Path) -> str | None:
-    """The tag ``root/latest`` names, or None when there is no ``latest``."""
+    """The tag ``root/latest`` names, or None when there is no ``latest``. ValueError in one
+    line when it is no regular file (a FIFO is never waited on) or holds no tag."""
+    path = root / LATEST_FILE
     try:
-        tag = (root / LATEST_FILE).read_text().strip()
+        raw = read_small_file(path, _MAX_LATEST_BYTES)
     except FileNotFoundError:
         return None
     try:
-        return check_tag(tag)
-    except ValueError:
-        raise ValueError(f"{root / LATEST_FILE}: holds {tag!r}, not a checkpoint tag") from None
+        return check_tag(raw.decode("utf-8").strip())
+    except (UnicodeDecodeError, ValueError):
+        shown = raw[:64].decode("utf-8", "replace").strip()
+        raise ValueError(f"{path}: holds {shown!r}{'...' if len(raw) > 64 else ''}, not a checkpoint tag") from None
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -209,11 +245,8 @@ def resolve_checkpoint(path: Path) -> Path:
     if (path / MANIFEST_FILE).is_file():
         return path
     if (path / LATEST_FILE).is_file():
-        tag = (path / LATEST_FILE).read_text().strip()
-        try:
-            check_tag(tag)
-        except ValueError:
-            raise ValueError(f"{path / LATEST_FILE}: holds {tag!r}, not a checkpoint tag") from None
+        tag = read_latest(path)
+        assert tag is not None
         if (path / tag).is_symlink():
             raise ValueError(f"{path / LATEST_FILE}: names tag {tag!r}, a symbolic link; a tag must be a directory")
         target = _existing_or_moved_aside(path / tag)
@@ -238,8 +271,12 @@ def resolve_checkpoint(path: Path) -> Path:
 
 
 def list_tags(root: Path) -> list[str]:
-    """Tags of the complete checkpoints under ``root``."""
-    return sorted(e.name for e in root.iterdir() if not e.name.startswith(".") and (e / MANIFEST_FILE).is_file())
+    """Tags of the complete checkpoints under ``root`` (directories, not symbolic links)."""
+    return sorted(
+        e.name
+        for e in root.iterdir()
+        if not e.name.startswith(".") and not e.is_symlink() and (e / MANIFEST_FILE).is_file()
+    )
 
 
 def _existing_or_moved_aside(target: Path) -> Path | None:

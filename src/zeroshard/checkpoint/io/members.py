@@ -57,16 +57,27 @@ def member_path(directory: Path, name: str) -> Path:
     return path
 
 
-def open_member(path: Path) -> int:
+def open_member(path: Path, *, follow_links: bool = False) -> int:
     """A read-only descriptor of the regular file ``path``; ValueError for a symbolic link
-    (in the last component) or anything but a regular file, which is never waited on."""
+    (in the last component, unless ``follow_links``) or anything but a regular file, which is
+    never waited on (a FIFO would block an open or a read for ever)."""
     try:
-        fd = os.open(path, os.O_RDONLY | _NO_FOLLOW | _CLOEXEC | _NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | (0 if follow_links else _NO_FOLLOW) | _CLOEXEC | _NONBLOCK)
     except OSError as err:
-        if err.errno == errno.ELOOP and _NO_FOLLOW:
+        if err.errno == errno.ELOOP and _NO_FOLLOW and not follow_links:
             raise ValueError(_LINK.format(path=path)) from None
         raise
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise ValueError(f"{path}: not a regular file")
     return fd
+
+
+def read_small_file(path: Path, limit: int, *, follow_links: bool = True) -> bytes:
+    """The bytes of the regular file ``path`` (see :func:`open_member`), at most ``limit`` of
+    them: ValueError when it holds more (a pointer file or a small JSON, not a stream)."""
+    with open(open_member(path, follow_links=follow_links), "rb") as handle:
+        data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{path}: holds more than {limit} bytes; not the small file expected here")
+    return data

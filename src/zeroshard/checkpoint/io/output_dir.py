@@ -1,4 +1,4 @@
-"""Conversion outputs appear whole or not at all.
+"""Conversion outputs appear whole or not at all, and replace only a conversion's own output.
 
 A converter writes into a staging directory next to ``OUT`` and publishes it as ``OUT`` by
 the same atomic-directory protocol as a save (:mod:`.directory`): a crash leaves either the
@@ -6,52 +6,121 @@ previous ``OUT`` or the new one, and the next write to ``OUT`` recovers what a c
 failure removes the staging directory, so nothing under ``OUT`` ever looks complete unless
 it is. A conversion holds ``.OUT.lock`` (next to ``OUT``) throughout, so a second one into the
 same ``OUT`` fails at once with a WriterLockedError naming the first, instead of deleting its
-staging directory. An existing complete output is replaced only when asked; a non-empty directory that
-is not one is never touched.
+staging directory.
+
+What is replaced: ``OUT`` is never the input, inside it or around it (a checkpoint tag holds
+``model.safetensors`` too), and an existing non-empty ``OUT`` is replaced only when asked and
+only when it is provably an output of the same kind (:class:`OutputKind`): nothing but the
+file names that kind writes, the safetensors files carrying its metadata.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 from .directory import Fault, fsync_dir, new_staging, publish_dir, recover_target
+from .safetensors_io import read_metadata
 from .writer_lock import WriterLock
+
+
+@dataclass(frozen=True)
+class OutputKind:
+    """What one converter writes, so that an existing output of it can be told from anything else."""
+
+    what: str  # "universal checkpoint"
+    file_names: str  # a regular expression every file of such an output matches whole
+    markers: tuple[str, ...]  # an output holding one of these is complete
+    metadata: Mapping[str, str] = field(default_factory=dict)  # in the metadata of each of its .safetensors files
+
+    def foreign(self, directory: Path) -> str | None:
+        """Why the non-empty ``directory`` is not a complete output of this kind, or None."""
+        names = []
+        for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+            if not entry.is_file(follow_symlinks=False):
+                return f"it holds {entry.name!r}, which is not a regular file"
+            if not re.fullmatch(self.file_names, entry.name):
+                return f"it holds {entry.name!r}, which a {self.what} does not"
+            names.append(entry.name)
+        if not set(self.markers) & set(names):
+            return f"it has no {' or '.join(self.markers)}"
+        for name in names:
+            if name.endswith(".safetensors") and not self._carries_metadata(directory / name):
+                return f"{name} was not written as a {self.what} by zeroshard"
+        return None
+
+    def _carries_metadata(self, path: Path) -> bool:
+        try:
+            metadata = read_metadata(path)
+        except ValueError:
+            return False
+        return all(metadata.get(key) == value for key, value in self.metadata.items())
 
 
 @contextmanager
 def staged_output(
     out_dir: str | os.PathLike[str],
     *,
-    markers: Sequence[str],
+    kind: OutputKind,
     overwrite: bool,
-    what: str,
+    inputs: Sequence[str | os.PathLike[str]] = (),
     fault: Fault | None = None,
 ) -> Iterator[Path]:
     """Yield an empty staging directory; on a normal exit it becomes ``out_dir``.
 
-    ``markers`` are the file names whose presence makes a directory a complete ``what``
-    (e.g. "universal checkpoint"). Checked before any work starts and again at the end.
-    ``fault`` is called at the publish's fault points (tests simulate crashes there).
+    ``inputs`` are the paths the conversion reads: ``out_dir`` may be none of them, nor lie
+    inside one or hold one (ValueError). An existing ``out_dir`` must be empty, or (with
+    ``overwrite``) a complete output of ``kind`` (FileExistsError otherwise); checked before
+    any work starts and again at the end. ``fault`` is called at the publish's fault points
+    (tests simulate crashes there).
     """
-    out_dir = Path(out_dir)
+    out_dir = output_path(out_dir)
+    check_apart(out_dir, inputs)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with output_lock(out_dir, what) as lock:
+    with output_lock(out_dir, kind.what) as lock:
         if lock.held:  # else another writer may be live: leave every leftover alone
             recover_target(out_dir)  # first, so an output a crash moved aside counts as existing
-        check_destination(out_dir, markers, overwrite, what)
+        check_destination(out_dir, kind, overwrite)
         staging = new_staging(out_dir)
         try:
             yield staging
             fsync_dir(staging)
-            check_destination(out_dir, markers, overwrite, what)
+            check_destination(out_dir, kind, overwrite)
             publish_dir(staging, out_dir, fault)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
+
+
+def output_path(out_dir: str | os.PathLike[str]) -> Path:
+    """``out_dir`` as a path with a name of its own: ``.``, ``..`` and ``a/..`` resolved to
+    the directory they mean (its lock and staging directory sit next to it, by name)."""
+    out = Path(out_dir)
+    if out.name in ("", ".", ".."):
+        out = out.resolve()
+        if not out.name:
+            raise ValueError(f"{out_dir}: the root directory cannot be an output directory")
+    return out
+
+
+def check_apart(out_dir: Path, inputs: Sequence[str | os.PathLike[str]]) -> None:
+    """ValueError when ``out_dir`` is one of ``inputs``, lies inside one or holds one
+    (links resolved): replacing it would delete what is being converted."""
+    out_real = out_dir.resolve()
+    resolved = [(given, Path(given).resolve()) for given in inputs]
+    for relation, overlaps in (
+        ("is the input", lambda real: out_real == real),
+        ("lies inside the input", out_real.is_relative_to),
+        ("holds the input", lambda real: real.is_relative_to(out_real)),
+    ):
+        for given, real in resolved:
+            if overlaps(real):
+                raise ValueError(f"{out_dir}: the output directory {relation} {given}; write the output somewhere else")
 
 
 def output_lock(out_dir: Path, what: str) -> WriterLock:
@@ -59,20 +128,23 @@ def output_lock(out_dir: Path, what: str) -> WriterLock:
     return WriterLock(out_dir.with_name(f".{out_dir.name}.lock"), f"writing a {what} to {out_dir}")
 
 
-def check_destination(out_dir: Path, markers: Sequence[str], overwrite: bool, what: str) -> None:
-    """FileExistsError unless ``out_dir`` is absent, empty, or (with ``overwrite``) a complete ``what``."""
-    if not out_dir.exists() and not out_dir.is_symlink():
+def check_destination(out_dir: Path, kind: OutputKind, overwrite: bool) -> None:
+    """FileExistsError unless ``out_dir`` is absent, empty, or (with ``overwrite``) a
+    complete output of ``kind``."""
+    if out_dir.is_symlink():
+        raise FileExistsError(f"{out_dir}: a symbolic link; give the output directory itself")
+    if not out_dir.exists():
         return
     if not out_dir.is_dir():
         raise FileExistsError(f"{out_dir}: exists and is not a directory")
     if not any(out_dir.iterdir()):
         return
-    if _is_complete(out_dir, markers):
-        if overwrite:
-            return
-        raise FileExistsError(f"{out_dir}: already holds a complete {what}; pass --overwrite (overwrite=True) to replace it")
-    raise FileExistsError(f"{out_dir}: exists, is not empty and is not a {what}; refusing to write there")
-
-
-def _is_complete(directory: Path, markers: Sequence[str]) -> bool:
-    return any((directory / marker).is_file() for marker in markers)
+    foreign = kind.foreign(out_dir)
+    if foreign is not None:
+        raise FileExistsError(
+            f"{out_dir}: exists, is not empty and is not a {kind.what} ({foreign}); refusing to write there"
+        )
+    if not overwrite:
+        raise FileExistsError(
+            f"{out_dir}: already holds a complete {kind.what}; pass --overwrite (overwrite=True) to replace it"
+        )

@@ -20,6 +20,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from ...layout.specs import shape_problem, tensor_name_problem
 from . import jsonvalue
 from .checksum import BlockHasher, FileRecord, block_crc
 from .dtypes import as_array, dtype_info, dtype_of, dtype_of_code
@@ -53,6 +54,18 @@ class PlannedTensor:
     key: str
     dtype: str  # "float32", "bfloat16", ... (dtypes.dtype_info names)
     shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        """Refuse, before anything is written, a tensor no safetensors reader would open."""
+        problem = None
+        if self.key == "__metadata__":
+            problem = "the name safetensors keeps for the file's metadata"
+        elif any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in self.shape):
+            problem = f"shape {list(self.shape)} has a dimension that is not a non-negative integer"
+        else:
+            problem = tensor_name_problem(self.key) or shape_problem(self.shape, dtype_info(self.dtype).itemsize)
+        if problem:
+            raise ValueError(f"tensor {self.key!r}: {problem}; refusing to write it")
 
     @property
     def numel(self) -> int:
@@ -207,6 +220,32 @@ def _write_all(out, data: memoryview, hasher: BlockHasher) -> None:
 
 def read_header(path: Path, file_size: int, stats: ReadStats | None = None) -> dict[str, TensorEntry]:
     """Parse and check a safetensors header; offsets become absolute and must fit the file."""
+    header, length = _header_object(path, file_size, stats)
+    data_start = 8 + length
+    entries = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = (data_start + int(v) for v in info["data_offsets"])
+            entries[name] = TensorEntry(str(info["dtype"]), tuple(int(d) for d in info["shape"]), begin, end)
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{path}: corrupted: bad header entry for {name!r}") from None
+        if not data_start <= begin <= end <= file_size:
+            raise ValueError(f"{path}: corrupted: tensor {name!r} lies outside the file")
+    return entries
+
+
+def read_metadata(path: Path) -> dict[str, Any]:
+    """The ``__metadata__`` of the safetensors file ``path`` (a regular file, not a link);
+    empty when it has none. ValueError when it is no safetensors file."""
+    header, _ = _header_object(path, os.lstat(path).st_size, None)
+    metadata = header.get("__metadata__", {})
+    return metadata if isinstance(metadata, dict) else {}
+
+
+def _header_object(path: Path, file_size: int, stats: ReadStats | None) -> tuple[dict[str, Any], int]:
+    """A safetensors file's header as a JSON object, and its length in bytes."""
     with open(open_member(path), "rb", buffering=0) as handle:
         prefix = handle.read(8)
         if len(prefix) < 8:
@@ -223,19 +262,7 @@ def read_header(path: Path, file_size: int, stats: ReadStats | None = None) -> d
         raise ValueError(f"{path}: corrupted: the safetensors header is not valid JSON") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path}: corrupted: the safetensors header is not a JSON object")
-    data_start = 8 + length
-    entries = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            begin, end = (data_start + int(v) for v in info["data_offsets"])
-            entries[name] = TensorEntry(str(info["dtype"]), tuple(int(d) for d in info["shape"]), begin, end)
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"{path}: corrupted: bad header entry for {name!r}") from None
-        if not data_start <= begin <= end <= file_size:
-            raise ValueError(f"{path}: corrupted: tensor {name!r} lies outside the file")
-    return entries
+    return header, length
 
 
 def check_entries(path: Path, entries: Mapping, expected: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -55,7 +56,7 @@ class WriterLock:
     def acquire(self) -> WriterLock:
         deadline = time.monotonic() + self.wait
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC, 0o644)
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -73,9 +74,23 @@ class WriterLock:
                 return self
             if _still_at(fd, self.path):
                 self._fd, self.held = fd, True
-                self._record()
+                try:
+                    self._record()
+                except BaseException:
+                    self.release()
+                    raise
                 return self
             os.close(fd)  # its holder removed it after we opened it; lock the new one
+
+    def _open(self) -> int:
+        """The lock file's descriptor: a regular file (created if absent), never a link, and
+        never waited on (a FIFO put there is refused, its descriptor closed)."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+        fd = os.open(self.path, flags, 0o644)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(errno.EINVAL, "not a regular file, so it cannot be a writer lock; remove it", str(self.path))
+        return fd
 
     def release(self) -> None:
         if self._fd is None:

@@ -27,6 +27,7 @@ from ..format import (
     rank_file_name,
     scalar_key,
     state_key,
+    state_name_problem,
 )
 
 TENSOR_KINDS = ("trainable", "frozen", "buffer", "other")
@@ -192,6 +193,10 @@ class Manifest:
             )
         if len(self.groups) != len(self.layout.groups):
             raise ValueError(f"{source}: {len(self.groups)} group records for {len(self.layout.groups)} layout groups")
+        for index, record in enumerate(self.groups):
+            problem = next(filter(None, map(state_name_problem, record.states)), None)
+            if problem:
+                raise ValueError(f"{source}: group {index}: {problem}")
         expected = {MODEL_FILE, *self.rank_files()}
         if set(self.files) != expected:
             missing = sorted(expected - set(self.files))

@@ -29,6 +29,7 @@ from typing import Any, Callable, Collection
 
 import torch
 
+from ...layout.specs import tensor_name_problem
 from ...state import ShardedState
 from ..io import jsonvalue
 from ..io.checksum import FileRecord
@@ -44,6 +45,7 @@ from ..format import (
     rank_file_name,
     scalar_key,
     state_key,
+    state_name_problem,
 )
 from .manifest import GroupRecord, Manifest, ModelTensorRecord, dtype_name, expert_param_names
 from .model_file import save_model_state
@@ -165,11 +167,19 @@ def write_rank_files(
 
 
 def commit_save(
-    plan: SavePlan, state: ShardedState, written: WrittenFiles | str, coord: Coordinator, fault: FaultHook | None = None
+    plan: SavePlan,
+    state: ShardedState,
+    written: WrittenFiles | str,
+    coord: Coordinator,
+    fault: FaultHook | None = None,
+    after_publish: Callable[[], None] | None = None,
 ) -> Path:
     """Collective: once every rank's files are durable, rank 0 writes the manifest, publishes
     the directory and points ``latest`` at it. Every rank returns the path, or raises.
-    Rank 0 releases the root's writer lock when the commit ends, either way."""
+
+    ``after_publish`` runs on rank 0 once ``latest`` names the new checkpoint, still under
+    the root's writer lock (retention: no other writer can move ``latest`` meanwhile); it
+    must not raise. Rank 0 releases the lock when the commit ends, either way."""
     try:
         outcomes = coord.all_gather_object(written)
         failures = [o for o in outcomes if isinstance(o, str)]
@@ -179,11 +189,19 @@ def commit_save(
             raise OSError(f"checkpoint {plan.root / plan.tag} not saved: {failures[0]}")
 
         def commit() -> str:
-            _fire(fault, "before_manifest", coord.rank)
-            manifest = _manifest(plan, state, outcomes)
-            write_file_durably(plan.staging / MANIFEST_FILE, manifest.to_json())
-            fsync_dir(plan.staging)
-            return str(publish(plan.root, plan.tag, plan.staging, lambda point: _fire(fault, point, coord.rank)))
+            try:
+                _fire(fault, "before_manifest", coord.rank)
+                manifest = _manifest(plan, state, outcomes)
+                write_file_durably(plan.staging / MANIFEST_FILE, manifest.to_json())
+                fsync_dir(plan.staging)
+                published = publish(plan.root, plan.tag, plan.staging, lambda point: _fire(fault, point, coord.rank))
+            except Exception as err:
+                if not _is_simulated_crash(err):  # a failure (a full disk), not a death: clean up now
+                    shutil.rmtree(plan.staging, ignore_errors=True)
+                raise
+            if after_publish is not None:
+                after_publish()
+            return str(published)
 
         return Path(_on_rank0_then_broadcast(coord, commit))
     finally:
@@ -191,8 +209,17 @@ def commit_save(
 
 
 def _fire(fault: FaultHook | None, point: str, rank: int) -> None:
-    if fault is not None:
+    if fault is None:
+        return
+    try:
         fault(point, rank)
+    except BaseException as err:
+        err.simulated_crash = point  # type: ignore[attr-defined]  # a death, not an error to report
+        raise
+
+
+def _is_simulated_crash(err: BaseException) -> bool:
+    return getattr(err, "simulated_crash", None) is not None
 
 
 def _on_rank0_then_broadcast(coord: Coordinator, action: Callable[[], Any]) -> Any:
@@ -203,7 +230,9 @@ def _on_rank0_then_broadcast(coord: Coordinator, action: Callable[[], Any]) -> A
             outcome = ("ok", action())
         except WriterLockedError as err:
             outcome = ("locked", str(err))
-        except (OSError, ValueError) as err:
+        except Exception as err:  # noqa: BLE001 - every rank waits for the outcome: it must get one
+            if _is_simulated_crash(err):
+                raise
             outcome = ("error", f"{type(err).__name__}: {err}")
     kind, value = coord.broadcast_object(outcome)
     if kind == "locked":
@@ -218,9 +247,12 @@ def _agree_on_state(
 ) -> list[GroupRecord]:
     if problem is None and state is None:
         problem = "no state to save"
-    problem = problem or _problem_with(state, coord)  # type: ignore[arg-type]
-    records = None if problem else _group_records(state)  # type: ignore[arg-type]
-    layout_json = None if problem else state.layout.to_json()  # type: ignore[union-attr]
+    try:  # whatever this rank alone hits, it must still reach the gather below
+        problem = problem or _problem_with(state, coord)  # type: ignore[arg-type]
+        records = None if problem else _group_records(state)  # type: ignore[arg-type]
+        layout_json = None if problem else state.layout.to_json()  # type: ignore[union-attr]
+    except Exception as err:  # noqa: BLE001 - reported on every rank below
+        problem, records, layout_json = f"checking its state failed: {type(err).__name__}: {err}", None, None
     digest = hashlib.sha256(layout_json.encode()).hexdigest() if layout_json else None
     summary = (problem, tag, digest, [r.to_dict() for r in records] if records else None)
     everyone = coord.all_gather_object(summary)
@@ -240,6 +272,9 @@ def _problem_with(state: ShardedState, coord: Coordinator) -> str | None:
     layout = state.layout
     if state.rank != coord.rank or layout.world_size != coord.world_size:
         return f"state is rank {state.rank} of {layout.world_size} but the coordinator is rank {coord.rank} of {coord.world_size}"
+    problem = layout.storage_problem()
+    if problem:
+        return f"the layout cannot be stored: {problem}"
     groups = len(layout.groups)
     for field_name in ("fp32_partitions", "optimizer_states", "optimizer_scalars"):
         if len(getattr(state, field_name)) != groups:
@@ -254,16 +289,27 @@ def _problem_with(state: ShardedState, coord: Coordinator) -> str | None:
                 return f"{key} has shape {shape}, expected the partition shape {list(expected)}"
         if not state.fp32_partitions[group.index].is_floating_point():
             return f"{fp32_key(group.index)} is {state.fp32_partitions[group.index].dtype}, not a floating point type"
-        for name in list(state.optimizer_states[group.index]) + list(state.optimizer_scalars[group.index]):
-            if not name or "/" in name:
+        for name in state.optimizer_states[group.index]:
+            problem = state_name_problem(name)
+            if problem:
+                return f"group {group.index}: {problem}"
+        for name in state.optimizer_scalars[group.index]:
+            if not isinstance(name, str) or not name or "/" in name:
                 return f"group {group.index}: optimizer state name {name!r} cannot be stored"
-    if coord.rank == 0:
-        try:
-            jsonvalue.encode(state.extra, "extra")
-            for index, group in enumerate(state.param_groups):
-                jsonvalue.encode(group.hyperparameters, f"param_groups[{index}]")
-        except ValueError as err:
-            return str(err)
+    if coord.rank == 0:  # only rank 0's are written: the others never encode theirs
+        for name in state.model_state:
+            problem = tensor_name_problem(name) if isinstance(name, str) else "is not a string"
+            if problem:
+                return f"model state name {name!r} {problem}; no safetensors file can hold it"
+        values = [(state.extra, "extra")]
+        values += [(group.hyperparameters, f"param_groups[{i}]") for i, group in enumerate(state.param_groups)]
+        for value, where in values:
+            try:
+                jsonvalue.encode(value, where)
+            except ValueError as err:
+                return str(err)
+            except Exception as err:  # noqa: BLE001 - RecursionError: a value that contains itself
+                return f"{where} cannot be encoded: {type(err).__name__}: {err}"
     return None
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from ... import __version__
 from ...layout import EXPERT_SHARD_GROUP, GroupSpec, ParamSpec, canonical_dtype, contiguous_expert_map
+from ..format import state_name_problem
 from ..io import jsonvalue
 from ..io.checksum import FileRecord
 from ..io.directory import read_json_file
@@ -218,6 +219,9 @@ class UniversalManifest:
         for name, param in self.params.items():
             if not 0 <= param.group < len(self.param_groups) or name not in self.param_groups[param.group].params:
                 return f"parameter {name!r} is not a member of its param group {param.group}"
+            problem = next(filter(None, map(state_name_problem, param.states)), None)
+            if problem or len(set(param.states)) != len(param.states):
+                return f"parameter {name!r}: {problem or 'an optimizer state is listed twice'}"
         members = [name for group in self.param_groups for name in group.params]
         if len(members) != len(set(members)) or sorted(members) != sorted(self.params):
             return "the param groups' members are not exactly the parameters"

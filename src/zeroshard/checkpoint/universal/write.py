@@ -23,10 +23,10 @@ from ..io.directory import write_file_durably
 from ..io.dtypes import dtype_of
 from ..format import DEFAULT_BLOCK_SIZE
 from ..formats import open_source
-from ..io.output_dir import staged_output
+from ..io.output_dir import OutputKind, output_path, staged_output
 from ..io.safetensors_io import PlannedTensor
 from ..experts import exported_params, read_exported
-from ..source import ShardSource
+from ..source import ShardSource, param_group_owners
 from ..io.streaming import OutputTensor, plan_shards, write_shards
 from .format import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -38,6 +38,13 @@ from .format import (
     model_key,
     param_key,
     shard_file_name,
+)
+
+OUTPUT_KIND = OutputKind(
+    "universal checkpoint",
+    r"universal\.json|universal-\d{5,}-of-\d{5,}\.safetensors",
+    (MANIFEST_FILE,),
+    {"format": FORMAT_NAME},
 )
 
 
@@ -60,18 +67,29 @@ def to_universal(
     if isinstance(source, (str, os.PathLike)):
         opened = open_source(source)
         try:
-            return to_universal(
-                opened, out_dir, max_shard_size=max_shard_size, progress=progress, overwrite=overwrite, block_size=block_size
-            )
+            return _convert(opened, out_dir, (source, opened.path), max_shard_size, progress, overwrite, block_size)
         finally:
             opened.close()
+    return _convert(source, out_dir, (source.path,), max_shard_size, progress, overwrite, block_size)
+
+
+def _convert(
+    source: ShardSource,
+    out_dir: str | os.PathLike[str],
+    inputs: tuple[str | os.PathLike[str], ...],
+    max_shard_size: int,
+    progress: bool | None,
+    overwrite: bool,
+    block_size: int,
+) -> Path:
     if source.info.weights_from_masters:
         raise ValueError(f"{source.path}: already a universal checkpoint")
+    out_dir = output_path(out_dir)  # once: publishing may replace the current directory
     manifest = describe(source)
     tensors = output_tensors(source, manifest)
     shards = plan_shards([t.planned.nbytes for t in tensors], max_shard_size)
     names = [shard_file_name(i, len(shards)) for i in range(len(shards))]
-    with staged_output(out_dir, markers=[MANIFEST_FILE], overwrite=overwrite, what="universal checkpoint") as staging:
+    with staged_output(out_dir, kind=OUTPUT_KIND, overwrite=overwrite, inputs=inputs) as staging:
         records = write_shards(
             staging,
             tensors,
@@ -85,7 +103,7 @@ def to_universal(
         weight_map = {tensors[i].planned.key: name for shard, name in zip(shards, names) for i in shard}
         complete = dataclasses.replace(manifest, shards=records, weight_map=weight_map)
         write_file_durably(staging / MANIFEST_FILE, complete.to_json())
-    return Path(out_dir)
+    return out_dir
 
 
 def describe(source: ShardSource) -> UniversalManifest:
@@ -152,12 +170,7 @@ def _model_tensor(source: ShardSource, name: str, planned: PlannedTensor) -> np.
 
 
 def _param_group_of_layout_groups(source: ShardSource) -> list[int]:
-    owner: dict[int, int] = {}
-    for index, state in enumerate(source.info.param_groups):
-        for group in state.layout_groups:
-            if group in owner:
-                raise ValueError(f"{source.path}: layout group {group} is in param groups {owner[group]} and {index}")
-            owner[group] = index
+    owner = param_group_owners(source)
     missing = [g.index for g in source.info.layout.groups if g.index not in owner]
     if missing:
         raise ValueError(f"{source.path}: layout groups {missing} belong to no optimizer param group")
