@@ -132,11 +132,11 @@ class Checkpointer:
         self._error: BaseException | None = None
         self._group, self._coord = _coordination_group(engine, timeout_s)
         self._closed = False
-        self._refuse_foreign_root()
         # A script that exits with a save in flight: the daemon writer would die with the
         # interpreter, so the exit waits for it (and fails loudly if it failed).
         self._exit_hook = functools.partial(_finish_at_exit, weakref.ref(self))
         atexit.register(self._exit_hook)
+        self._refuse_foreign_root()  # closes (and unregisters the hook) before it raises
 
     # ---- public API ---------------------------------------------------------------------------
 
