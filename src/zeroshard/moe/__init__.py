@@ -9,10 +9,24 @@ from ..layout import ExpertMesh, contiguous_expert_map
 from .dispatch import Route, combine, dispatch
 from .experts import GroupedExperts, per_expert_name, per_expert_state_dict
 from .groups import ExpertGroups, new_expert_groups
+from .contract import ExpertModule, declare_experts, expert_module, expert_modules, expert_stacks
 from .layer import MoEFeedForward
+from .parallel import expert_parallel
+from .pretrained import LoadReport, load_pretrained
+from .recorder import GroupedMMRecorder, grouped_mm_problems
 from .model import MoEBlock, MoEConfig, MoEGPT, expert_param_names, layout_groups, moe_param_groups
 
 __all__ = [
+    "ExpertModule",
+    "GroupedMMRecorder",
+    "LoadReport",
+    "expert_parallel",
+    "grouped_mm_problems",
+    "load_pretrained",
+    "declare_experts",
+    "expert_module",
+    "expert_modules",
+    "expert_stacks",
     "ExpertGroups",
     "ExpertMesh",
     "GroupedExperts",
