@@ -21,12 +21,8 @@ rotating order so load on the machine hits every EP alike. Per EP it prints, as
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections import Counter
 
 import torch
-import torch.distributed as dist
 import moe_step  # its all-to-all counter and memory figure
 
 from zeroshard.engine import ZeroOptimizer
@@ -62,7 +58,7 @@ def build(ep_size: int):
     return groups, model, engine
 
 
-def off_rank_rows(model, ids: torch.Tensor, groups) -> int:
+def off_rank_rows(model, ids: torch.Tensor) -> int:
     """Routed (token, choice) rows of this rank whose expert another EP rank holds (all layers)."""
     rows = 0
     hooks = []
@@ -84,46 +80,16 @@ def off_rank_rows(model, ids: torch.Tensor, groups) -> int:
 
 def worker(rank: int, world_size: int, steps: int) -> dict:
     runs = {ep: build(ep) for ep in EP_SIZES}
-    dist.all_to_all_single = moe_step._counting_all_to_all
-    times = {ep: [] for ep in EP_SIZES}
-    sent = {ep: Counter() for ep in EP_SIZES}
-    minimum_rows = {ep: 0 for ep in EP_SIZES}
-    start_bytes = {ep: {k: Counter(c.bytes_moved) for k, c in runs[ep][2].comms.items()} for ep in EP_SIZES}
-    for step in range(steps):
-        order = EP_SIZES[step % len(EP_SIZES) :] + EP_SIZES[: step % len(EP_SIZES)]
-        for ep in order:
-            groups, model, engine = runs[ep]
-            ids = batch(step, rank)
-            minimum_rows[ep] += off_rank_rows(model, ids, groups) if ep > 1 else 0
-            moe_step._sent.clear()
-            dist.barrier()
-            begin = time.perf_counter()
-            engine.backward(model(input_ids=ids, labels=ids).loss)
-            engine.step()
-            engine.zero_grad()
-            times[ep].append(time.perf_counter() - begin)
-            sent[ep] += moe_step._sent
-    dist.all_to_all_single = moe_step._all_to_all
-    results = {}
-    for ep in EP_SIZES:
+
+    def train_step(ep: int, step: int) -> None:
         _, model, engine = runs[ep]
-        moved = Counter()
-        for name, comm in engine.comms.items():
-            moved += Counter({k: v - start_bytes[ep][name][k] for k, v in comm.bytes_moved.items()})
-        dense = sum(g.param_numel for g in engine.layout.groups if not g.is_expert_group)
-        expert = sum(g.param_numel for g in engine.layout.groups if g.is_expert_group)  # E/EP experts
-        results[ep] = {
-            "memory": moe_step.state_bytes(engine.memory_report()),
-            "formula": 2 * (dense + expert) + 16 * dense / world_size + 16 * expert * ep / world_size,
-            "all_to_all": (sent[ep]["rows"] + sent[ep]["counts"]) / steps,
-            "all_to_all_min": 4 * minimum_rows[ep] * CONFIG["hidden_size"] * 2 / steps,  # bf16 rows
-            "reduce_scatter": moved["reduce_scatter"] / steps,
-            "reduce_scatter_min": 4 * (dense + expert),
-            "all_gather": moved["all_gather"] / steps,
-            "all_gather_min": 2 * (dense + expert),
-            "step_s": statistics.median(times[ep]),
-        }
-    return results
+        ids = batch(step, rank)
+        engine.backward(model(input_ids=ids, labels=ids).loss)
+
+    def off_rank(ep: int, step: int) -> int:
+        return off_rank_rows(runs[ep][1], batch(step, rank))
+
+    return moe_step.interleaved_steps(runs, steps, CONFIG["hidden_size"] * 2, train_step, off_rank)  # bf16 rows
 
 
 def main() -> None:
@@ -132,25 +98,7 @@ def main() -> None:
     args = parser.parse_args()
     per_rank = spawn(worker, WORLD_SIZE, (args.steps,), backend="gloo", timeout_s=1800)
     print(f"transformers Qwen3MoeForCausalLM {CONFIG}, W={WORLD_SIZE}, stage 2, bf16, {args.steps} steps")
-    print("figures of rank 0, all-to-all: mean over ranks, step time: max over ranks of the median")
-    base = max(result[1]["step_s"] for result in per_rank)
-    print(
-        "EP | memory/rank | vs formula | all-to-all/step | vs min | reduce-scatter/step | vs min"
-        " | all-gather/step | vs min | step | vs EP=1"
-    )
-    for ep in EP_SIZES:
-        r = per_rank[0][ep]
-        step = max(result[ep]["step_s"] for result in per_rank)
-        a2a = statistics.mean(result[ep]["all_to_all"] for result in per_rank)
-        a2a_min = statistics.mean(result[ep]["all_to_all_min"] for result in per_rank)
-        a2a_ratio = f"{a2a / a2a_min:.3f}x" if a2a_min else "-"
-        print(
-            f"{ep} | {r['memory'] / 1e6:.3f} MB | {r['memory'] / r['formula']:.3f}x | "
-            f"{a2a / 1e3:.1f} kB | {a2a_ratio} | "
-            f"{r['reduce_scatter'] / 1e3:.1f} kB | {r['reduce_scatter'] / r['reduce_scatter_min']:.3f}x | "
-            f"{r['all_gather'] / 1e3:.1f} kB | {r['all_gather'] / r['all_gather_min']:.3f}x | "
-            f"{step * 1e3:.1f} ms | {step / base:.2f}x"
-        )
+    moe_step.print_step_table(per_rank, EP_SIZES)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from zeroshard.buffers import owns_storage
 from zeroshard.checkpoint.engine_io import load_checkpoint, save_checkpoint
+from zeroshard.demo_moe import expert_weights
 from zeroshard.engine import ZeroOptimizer
 from zeroshard.moe import (
     GroupedMMRecorder,
@@ -137,20 +137,6 @@ def _mean_over_ranks(loss: torch.Tensor, engine: ZeroOptimizer) -> float:
     return loss.item() / engine.world_size
 
 
-def expert_views(model, engine: ZeroOptimizer) -> dict[str, tuple[torch.Tensor, tuple[int, ...], bool]]:
-    """Every expert stack of the model for the recorder: (the parameter, its global expert
-    ids, whether it is a view of the engine's flat buffer)."""
-    views = {}
-    for prefix, contract in expert_modules(model).items():
-        module = model.get_submodule(prefix)
-        for leaf in contract.stacks:
-            name = f"{prefix}.{leaf}"
-            weight = getattr(module, leaf)
-            buffer = engine.buffers[engine.layout.param(name)[0].index]
-            views[name] = (weight, contract.expert_ids, owns_storage(buffer, weight))
-    return views
-
-
 def snapshot(model, engine: ZeroOptimizer, outcome: Outcome) -> None:
     """The run's fp32 masters (dense whole, experts by global id) and Adam states by global id."""
     ids = {f"{prefix}.{leaf}": c.expert_ids for prefix, c in expert_modules(model).items() for leaf in c.stacks}
@@ -170,7 +156,7 @@ def run_case(case: HFCase, rank: int, world_size: int, root: str | None = None) 
     first and train MORE_STEPS more (the uninterrupted losses a resume must continue)."""
     model, engine = build(case, rank, world_size)
     outcome = Outcome()
-    recorder = GroupedMMRecorder(rank, expert_views(model, engine)) if case.dtype == "bfloat16" else None
+    recorder = GroupedMMRecorder(rank, expert_weights(model, engine)) if case.dtype == "bfloat16" else None
     outcome.losses = train(model, engine, 0, STEPS, recorder)
     if recorder is not None:
         calls = [call for step in range(STEPS) for call in recorder.at_step(step)]

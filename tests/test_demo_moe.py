@@ -186,3 +186,17 @@ def test_bad_moe_demo_arguments_fail_before_spawning_anything(args, error, capsy
     assert main(["demo", "--moe", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and error in err[0], err
+
+
+def test_the_recorder_checks_the_gradient_of_each_call_once():
+    """One gradient check per call and backward, on a leaf weight too (a hook on the parameter
+    itself would fire again at every later backward)."""
+    weight = torch.nn.Parameter(torch.randn(2, 8, 8))
+    recorder = GroupedMMRecorder(0, {"w": (weight, (0, 1), False)})
+    tokens, offsets = torch.randn(3, 8), torch.tensor([1, 3], dtype=torch.int32)
+    with recorder.watching():
+        for step in range(3):
+            recorder.step = step
+            torch._grouped_mm(tokens, weight, offs=offsets).square().sum().backward()
+    assert [(g.step, g.index, g.problems) for g in recorder.gradients] == [(0, 0, ()), (1, 0, ()), (2, 0, ())]
+    assert not weight._backward_hooks  # nothing left on the parameter

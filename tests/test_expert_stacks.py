@@ -256,3 +256,17 @@ def test_universal_checkpoints_keep_stacks_whole_and_load_back(user_run, tmp_pat
     other = ZeroOptimizer(fresh, torch.optim.AdamW, moe_param_groups(fresh), stage=2, lr=1e-2)
     load_checkpoint(other, universal)
     assert torch.equal(other.get_full_fp32_param("moe.weight"), engine.get_full_fp32_param("moe.weight"))
+
+
+def test_reports_name_described_stacks_and_leave_legacy_ones_alone():
+    from zeroshard.cli.expert_report import shard_group_lines
+
+    mesh = ExpertMesh(2, 2)
+    gate_up = ExpertStack("out_in", parts=("gate_proj", "up_proj"))
+    specs = [ParamSpec.of(f"l{i}.gate_up_proj", (1, 8, 4), "fp32") for i in range(2)] + [ParamSpec.of("l0.bias", (1, 8), "fp32")]
+    layout = build_layout([mesh.expert_group(specs, 2, stacks=[gate_up, gate_up, ExpertStack()])], 2)
+    lines = shard_group_lines(layout)
+    assert "  stacks out_in, exported stacked (per expert: gate_proj, up_proj): l0.gate_up_proj, ... (2 in all)" in lines
+    assert "  stacks none, exported stacked: l0.bias" in lines
+    legacy = build_layout([mesh.expert_group([ParamSpec.of("w1", (1, 8, 4), "fp32")], 2)], 2)
+    assert not [line for line in shard_group_lines(legacy) if "stacks" in line]

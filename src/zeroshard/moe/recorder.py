@@ -117,7 +117,12 @@ class GroupedMMRecorder:
         real = torch._grouped_mm
 
         def recording(tokens: torch.Tensor, weight: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-            self._record(tokens, weight)
+            call = self._record(tokens, weight)
+            if weight.requires_grad and torch.is_grad_enabled():
+                # An alias (same storage, strides and address) carries this call's gradient
+                # hook; a hook on a leaf parameter itself would outlive the call.
+                weight = weight.view_as(weight)
+                weight.register_hook(self._gradient_hook(call))
             return real(tokens, weight, *args, **kwargs)
 
         torch._grouped_mm = recording
@@ -140,7 +145,7 @@ class GroupedMMRecorder:
         lines += [f"rank {self.rank} step {g.step} call {g.index} gradient: {p}" for g in self.gradients for p in g.problems]
         return lines
 
-    def _record(self, tokens: torch.Tensor, weight: torch.Tensor) -> None:
+    def _record(self, tokens: torch.Tensor, weight: torch.Tensor) -> GroupedMMCall:
         name, expert_ids, in_buffer = self._by_address.get(weight.data_ptr(), ("", (), False))
         calls = self.calls.setdefault(self.step, [])
         call = GroupedMMCall(
@@ -160,8 +165,7 @@ class GroupedMMRecorder:
             input_problems=grouped_mm_problems(tokens),
         )
         calls.append(call)
-        if weight.requires_grad and torch.is_grad_enabled():
-            weight.register_hook(self._gradient_hook(call))
+        return call
 
     def _gradient_hook(self, call: GroupedMMCall):
         def check(grad: torch.Tensor) -> None:
