@@ -153,6 +153,8 @@ def test_a_rank_reads_only_its_own_experts(saved, form, placement, monkeypatch):
     for name, tensor in model.state_dict().items():
         want = expected[name][torch.tensor(mine)] if name.endswith(("gate_up_proj", "down_proj")) else expected[name]
         assert torch.equal(tensor, want), name
+    rotary = dict(full.named_buffers())["model.rotary_emb.inv_freq"]  # not in any checkpoint: computed again
+    assert torch.equal(dict(model.named_buffers())["model.rotary_emb.inv_freq"], rotary)
     expert_reads = [read for read in reads if ".experts." in read[0]]
     if form == "per_expert":
         assert report.per_expert and not report.stacked
@@ -175,6 +177,9 @@ def test_load_pretrained_names_what_does_not_fit(saved, tmp_path):
     assert torch.equal(model.model.embed_tokens.weight, before)  # nothing copied
     report = load_pretrained(model, state, strict=False)
     assert report.unused == ["extra.weight"]
+    state["model.norm.weight"] = torch.zeros(3)
+    with pytest.raises(ValueError, match=r"another shape than the model's: \['model.norm.weight \[3\] != \[32\]'\]"):
+        load_pretrained(model, state, strict=False)
     with pytest.raises(FileNotFoundError, match="no model.safetensors or model.safetensors.index.json"):
         load_pretrained(model, tmp_path)
 

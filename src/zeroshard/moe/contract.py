@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-import torch
 from torch import nn
 
 from ..layout import ExpertStack, check_expert_map, contiguous_expert_map
@@ -153,11 +152,3 @@ def _recognised(module: nn.Module) -> ExpertModule | None:
     if any(leaf not in params or params[leaf].shape[0] != experts for leaf in stacks):
         return None  # not laid out as the decorator's contract says; leave it dense
     return ExpertModule(stacks, contiguous_expert_map(experts, 1))
-
-
-def local_view(full: torch.Tensor, expert_ids: Sequence[int]) -> torch.Tensor:
-    """Rows ``expert_ids`` of a global stack, a contiguous copy (a view when the ids are a run)."""
-    ids = list(expert_ids)
-    if ids == list(range(ids[0], ids[0] + len(ids))):
-        return full[ids[0] : ids[0] + len(ids)]
-    return full[torch.tensor(ids, device=full.device)]

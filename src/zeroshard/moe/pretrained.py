@@ -28,7 +28,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from ..layout.stacks import ExpertStack, per_expert_tensors
+from ..layout.stacks import ExpertStack, exported_expert_shape, per_expert_tensors
 from .contract import ExpertModule, expert_stacks
 
 SINGLE_FILE = "model.safetensors"
@@ -58,9 +58,11 @@ def load_pretrained(
     (default CPU) and, if it is a transformers model, initialised (for its computed buffers)
     before the copy. ``strict``: ValueError naming what the checkpoint lacks, or holds that
     nothing of the model is called (another rank's experts are not that), before anything
-    is copied."""
+    is copied; a tensor of another shape than the model's is refused whatever ``strict``."""
     with _open(source) as reader:
         plan = _plan(model, reader)
+        if plan.reshaped:
+            raise ValueError(f"{reader.where}: tensors of another shape than the model's: {plan.reshaped[:5]}")
         unused = sorted(set(reader.keys()) - plan.claimed)
         if strict and (plan.missing or unused):
             parts = [f"missing {plan.missing[:5]}" if plan.missing else "", f"unexpected {unused[:5]}" if unused else ""]
@@ -79,7 +81,13 @@ class _Plan:
     reads: dict = field(default_factory=dict)  # model name -> a function reading its tensor
     claimed: set[str] = field(default_factory=set)  # checkpoint names some rank reads
     missing: list[str] = field(default_factory=list)
+    reshaped: list[str] = field(default_factory=list)  # "name [checkpoint] != [expected]"
     report: LoadReport = field(default_factory=LoadReport)
+
+    def expect(self, reader: _Reader, name: str, shape: tuple[int, ...]) -> None:
+        found = reader.shape(name)
+        if found != tuple(shape):
+            self.reshaped.append(f"{name} {list(found)} != {list(shape)}")
 
 
 def _plan(model: nn.Module, reader: _Reader) -> _Plan:
@@ -98,6 +106,7 @@ def _plan(model: nn.Module, reader: _Reader) -> _Plan:
             stack, contract = stacks[name]
             _plan_stack(plan, keys, reader, name, tuple(tensors[name].shape), stack, contract)
         elif name in keys:
+            plan.expect(reader, name, tuple(tensors[name].shape))
             plan.reads[name] = _whole(reader, name)
             plan.claimed.add(name)
             plan.report.dense.append(name)
@@ -113,6 +122,7 @@ def _plan_stack(
     plan: _Plan, keys: set[str], reader: _Reader, name: str, shape: tuple[int, ...], stack: ExpertStack, contract: ExpertModule
 ) -> None:
     if name in keys:
+        plan.expect(reader, name, (contract.num_experts, *shape[1:]))
         plan.reads[name] = lambda: reader.rows(name, contract.expert_ids)
         plan.claimed.add(name)
         plan.report.stacked.append(name)
@@ -123,6 +133,9 @@ def _plan_stack(
         plan.missing.append(name)
         return
     plan.claimed.update(t.name for tensors in every.values() for t in tensors)
+    exported = exported_expert_shape(stack, expert_shape)
+    for t in (t for g in contract.expert_ids for t in every[g]):  # this rank's: the tensors it reads
+        plan.expect(reader, t.name, (t.row_end - t.row_start, *exported[1:]) if exported else ())
     plan.reads[name] = lambda: torch.stack([_one_expert(reader, every[g], stack) for g in contract.expert_ids])
     plan.report.per_expert.append(name)
 
@@ -161,6 +174,8 @@ class _Reader:
 
     def keys(self) -> list[str]: ...
 
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
     def get(self, name: str) -> torch.Tensor: ...
 
     def rows(self, name: str, ids: Sequence[int]) -> torch.Tensor: ...
@@ -182,6 +197,9 @@ class _StateDictReader(_Reader):
     def keys(self) -> list[str]:
         return list(self.state)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.state[name].shape)
+
     def get(self, name: str) -> torch.Tensor:
         return self.state[name]
 
@@ -202,6 +220,9 @@ class _SafetensorsReader(_Reader):
 
     def keys(self) -> list[str]:
         return list(self._file_of)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[self._file_of[name]].get_slice(name).get_shape())
 
     def get(self, name: str) -> torch.Tensor:
         return self._handles[self._file_of[name]].get_tensor(name)
