@@ -131,11 +131,13 @@ def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("pretrained")
     model = qwen3_moe()
     model.save_pretrained(root / "per_expert")
+    model.save_pretrained(root / "sharded", max_shard_size="40KB")  # an index and its shards
+    assert (root / "sharded" / "model.safetensors.index.json").is_file()
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(root / "stacked.safetensors"))
     return model, root
 
 
-@pytest.mark.parametrize("form", ["per_expert", "stacked.safetensors", "state_dict"])
+@pytest.mark.parametrize("form", ["per_expert", "sharded", "stacked.safetensors", "state_dict"])
 @pytest.mark.parametrize("placement", [None, [[0, 3], [1, 2]]])
 def test_a_rank_reads_only_its_own_experts(saved, form, placement, monkeypatch):
     full, root = saved
@@ -156,7 +158,7 @@ def test_a_rank_reads_only_its_own_experts(saved, form, placement, monkeypatch):
     rotary = dict(full.named_buffers())["model.rotary_emb.inv_freq"]  # not in any checkpoint: computed again
     assert torch.equal(dict(model.named_buffers())["model.rotary_emb.inv_freq"], rotary)
     expert_reads = [read for read in reads if ".experts." in read[0]]
-    if form == "per_expert":
+    if form in ("per_expert", "sharded"):
         assert report.per_expert and not report.stacked
         assert {int(name.split(".experts.")[1].split(".")[0]) for name, *_ in expert_reads} == set(mine)
     else:
