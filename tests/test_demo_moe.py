@@ -178,6 +178,7 @@ def test_moe_demo_phase_under_torchrun_saves_then_resumes_at_another_ep(tmp_path
         (["--resume-world-size", "3", "--resume-ep", "3"], "--resume-ep 3 does not divide the model's 8 experts"),
         (["--resume-ep", "4"], "--resume-ep 4 does not divide --resume-world-size 2"),
         (["--micro-batches", "2"], "--moe trains one micro-batch per step"),
+        (["--hf", "--world-size", "16", "--ep", "16"], "--ep 16 does not divide the model's 8 experts"),
     ],
 )
 def test_bad_moe_demo_arguments_fail_before_spawning_anything(args, error, capsys):
@@ -186,6 +187,13 @@ def test_bad_moe_demo_arguments_fail_before_spawning_anything(args, error, capsy
     assert main(["demo", "--moe", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and error in err[0], err
+
+
+def test_hf_needs_moe(capsys):
+    from zeroshard.cli.main import main
+
+    assert main(["demo", "--hf"]) == 2
+    assert "--hf trains the transformers MoE model: give --moe too" in capsys.readouterr().err
 
 
 def test_the_recorder_checks_the_gradient_of_each_call_once():
