@@ -28,7 +28,7 @@ from zeroshard.demo_moe import expert_weights
 from zeroshard.engine import ZeroOptimizer
 from zeroshard.layout import LayoutPolicy, ParamSpec, build_layout
 from zeroshard.moe import MoEConfig, MoEGPT, moe_param_groups, new_expert_groups
-from zeroshard.moe.recorder import GroupedMMRecorder
+from zeroshard.moe.recorder import GroupedMMRecorder, grouped_mm_problems
 
 SMALL = MoEConfig(vocab_size=31, n_layer=2)
 FULL = MoEConfig(vocab_size=1024, block_size=128, n_layer=2, n_head=4, n_embd=256, num_experts=8, top_k=2, expert_hidden=512)
@@ -209,9 +209,9 @@ def _recording_grouped_mm(modules: list) -> Iterator[list[torch.Tensor]]:
 
 
 def _kernel_aligned(weight: torch.Tensor) -> bool:
-    """CUDA's rule: base on 16 bytes, and the matrix's leading stride (row- or column-major) too."""
-    lead = max(weight.stride(-1), weight.stride(-2))
-    return weight.data_ptr() % 16 == 0 and (lead * weight.element_size()) % 16 == 0
+    """CUDA's rules (zeroshard.moe.recorder.grouped_mm_problems: base and each expert on 16
+    bytes, a 16-byte leading stride of a row- or column-major matrix)."""
+    return not grouped_mm_problems(weight)
 
 
 def _qwen3_moe(context: Context, result: CheckResult) -> None:

@@ -31,6 +31,8 @@ the machine hits every EP alike. Per EP it prints:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import statistics
 import tempfile
 import time
@@ -47,6 +49,8 @@ from zeroshard.engine import ZeroOptimizer
 from zeroshard.launch import spawn
 from zeroshard.moe import MoEConfig, MoEGPT, moe_param_groups, new_expert_groups, per_expert_state_dict
 
+moe_dispatch = importlib.import_module("zeroshard.moe.dispatch")  # the module (zeroshard.moe.dispatch is also its function)
+
 WORLD_SIZE = 4
 EP_SIZES = (1, 2, 4)
 CONFIG = MoEConfig(
@@ -55,7 +59,7 @@ CONFIG = MoEConfig(
 BATCH_SIZE = 8  # sequences of block_size tokens per rank
 
 _all_to_all = dist.all_to_all_single
-_sent = Counter()  # bytes sent to other ranks by all-to-all, per label
+_sent = Counter()  # bytes sent to other ranks by the MoE layers' all-to-alls, per label
 
 
 def _counting_all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **kwargs):
@@ -66,6 +70,28 @@ def _counting_all_to_all(output, input, output_split_sizes=None, input_split_siz
     label = "counts" if input.dtype == torch.int64 else "rows"
     _sent[label] += sum(rows for peer, rows in enumerate(splits) if peer != rank) * row_bytes
     return _all_to_all(output, input, output_split_sizes, input_split_sizes, group=group, **kwargs)
+
+
+class _CountingDist:
+    """torch.distributed as the MoE token dispatch sees it, its all-to-alls counted. Only the
+    dispatch's: the engine's gloo all-gather of two ranks is an all-to-all too (comm.py), and
+    counting it here would add the expert-DP gather to the token traffic."""
+
+    all_to_all_single = staticmethod(_counting_all_to_all)
+
+    def __getattr__(self, name: str):
+        return getattr(dist, name)
+
+
+@contextlib.contextmanager
+def counting_dispatch():
+    """Count the bytes the MoE layers' token dispatch sends (into ``_sent``) while inside."""
+    real = moe_dispatch.dist
+    moe_dispatch.dist = _CountingDist()
+    try:
+        yield
+    finally:
+        moe_dispatch.dist = real
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,70 +155,43 @@ def checkpoint_bytes(engine: ZeroOptimizer, root: Path) -> dict:
     return {**payload, "file": path.stat().st_size, **(shared if engine.rank == 0 else {})}
 
 
-def worker(rank: int, world_size: int, steps: int, checkpoint_root: str) -> dict:
-    torch.manual_seed(0)
-    state = per_expert_state_dict(MoEGPT(CONFIG))
-    runs = {ep: build(ep, state) for ep in EP_SIZES}
-    dist.all_to_all_single = _counting_all_to_all
-    times = {ep: [] for ep in EP_SIZES}
-    sent = {ep: Counter() for ep in EP_SIZES}
-    minimum_rows = {ep: 0 for ep in EP_SIZES}
-    start_bytes = {ep: {k: Counter(c.bytes_moved) for k, c in runs[ep][2].comms.items()} for ep in EP_SIZES}
-    for step in range(steps):
-        order = EP_SIZES[step % len(EP_SIZES) :] + EP_SIZES[: step % len(EP_SIZES)]
-        for ep in order:
-            groups, model, engine = runs[ep]
-            idx, targets = batch(step, rank)
-            minimum_rows[ep] += off_rank_rows(model, idx, ep, groups.ep_rank) if ep > 1 else 0
-            _sent.clear()
-            dist.barrier()
-            begin = time.perf_counter()
-            engine.backward(model(idx, targets))
-            engine.step()
-            engine.zero_grad()
-            times[ep].append(time.perf_counter() - begin)
-            sent[ep] += _sent
-    dist.all_to_all_single = _all_to_all
-    results = {}
-    for ep in EP_SIZES:
-        _, model, engine = runs[ep]
-        moved = Counter()
-        for name, comm in engine.comms.items():
-            moved += Counter({k: v - start_bytes[ep][name][k] for k, v in comm.bytes_moved.items()})
-        dense = sum(g.param_numel for g in engine.layout.groups if not g.is_expert_group)
-        expert = sum(g.param_numel for g in engine.layout.groups if g.is_expert_group)  # E/EP experts
-        row_bytes = CONFIG.n_embd * 2  # bf16 rows
-        results[ep] = {
-            "memory": state_bytes(engine.memory_report()),
-            "formula": 2 * (dense + expert) + 16 * dense / world_size + 16 * expert * ep / world_size,
-            "all_to_all": (sent[ep]["rows"] + sent[ep]["counts"]) / steps,
-            "all_to_all_min": 4 * minimum_rows[ep] * row_bytes / steps,  # dispatch, combine, both backward
-            "reduce_scatter": moved["reduce_scatter"] / steps,
-            "reduce_scatter_min": 4 * (dense + expert),
-            "all_gather": moved["all_gather"] / steps,
-            "all_gather_min": 2 * (dense + expert),
-            "step_s": statistics.median(times[ep]),
-            "checkpoint": checkpoint_bytes(engine, Path(checkpoint_root) / f"ep{ep}"),
-            "dense_numel": dense,
-            "expert_numel_all": expert * ep,  # every expert of the model
-        }
-    return results
+def step_figures(
+    engine: ZeroOptimizer, ep: int, steps: int, start_bytes: dict, sent: Counter, minimum_rows: int, times: list, row_bytes: int
+) -> dict:
+    """One EP's figures per step on this rank (see the module docstring), from the bytes its
+    Collectives moved since ``start_bytes``, the dispatch bytes ``sent``, the routed rows of
+    other EP ranks' experts and the step times; ``row_bytes``: one token row's."""
+    moved = Counter()
+    for name, comm in engine.comms.items():
+        moved += Counter({k: v - start_bytes[name][k] for k, v in comm.bytes_moved.items()})
+    dense = sum(g.param_numel for g in engine.layout.groups if not g.is_expert_group)
+    expert = sum(g.param_numel for g in engine.layout.groups if g.is_expert_group)  # E/EP experts
+    world_size = engine.world_size
+    return {
+        "memory": state_bytes(engine.memory_report()),
+        "formula": 2 * (dense + expert) + 16 * dense / world_size + 16 * expert * ep / world_size,
+        "all_to_all": (sent["rows"] + sent["counts"]) / steps,
+        "all_to_all_min": 4 * minimum_rows * row_bytes / steps,  # dispatch, combine, both backward
+        "reduce_scatter": moved["reduce_scatter"] / steps,
+        "reduce_scatter_min": 4 * (dense + expert),
+        "all_gather": moved["all_gather"] / steps,
+        "all_gather_min": 2 * (dense + expert),
+        "step_s": statistics.median(times),
+        "dense_numel": dense,
+        "expert_numel_all": expert * ep,  # every expert of the model
+    }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="moe-step-") as root:
-        per_rank = spawn(worker, WORLD_SIZE, (args.steps, root), backend="gloo", timeout_s=1800)
-    print(f"MoEGPT {CONFIG}, W={WORLD_SIZE}, stage 2, bf16, {args.steps} steps")
+def print_step_table(per_rank: list[dict], ep_sizes: tuple[int, ...]) -> None:
+    """The per-EP table of :func:`step_figures` (rank 0's; all-to-all: mean over ranks; step
+    time: max over ranks of the median), step time against EP = 1."""
     print("figures of rank 0, all-to-all: mean over ranks, step time: max over ranks of the median")
     base = max(result[1]["step_s"] for result in per_rank)
     print(
         "EP | memory/rank | vs formula | all-to-all/step | vs min | reduce-scatter/step | vs min"
         " | all-gather/step | vs min | step | vs EP=1"
     )
-    for ep in EP_SIZES:
+    for ep in ep_sizes:
         r = per_rank[0][ep]
         step = max(result[ep]["step_s"] for result in per_rank)
         a2a = statistics.mean(result[ep]["all_to_all"] for result in per_rank)
@@ -205,6 +204,63 @@ def main() -> None:
             f"{r['all_gather'] / 1e3:.1f} kB | {r['all_gather'] / r['all_gather_min']:.3f}x | "
             f"{step * 1e3:.1f} ms | {step / base:.2f}x"
         )
+
+
+def interleaved_steps(runs: dict, steps: int, row_bytes: int, train_step, off_rank) -> dict:
+    """Train every EP's (groups, model, engine) in ``runs`` ``steps`` steps, interleaved in a
+    rotating order; per EP, :func:`step_figures`. ``train_step(ep, step)`` runs one forward
+    and backward; ``off_rank(ep, step)`` counts that step's routed rows of other EP ranks."""
+    ep_sizes = tuple(runs)
+    times = {ep: [] for ep in ep_sizes}
+    sent = {ep: Counter() for ep in ep_sizes}
+    minimum_rows = {ep: 0 for ep in ep_sizes}
+    start_bytes = {ep: {k: Counter(c.bytes_moved) for k, c in runs[ep][2].comms.items()} for ep in ep_sizes}
+    for step in range(steps):
+        for ep in ep_sizes[step % len(ep_sizes) :] + ep_sizes[: step % len(ep_sizes)]:
+            engine = runs[ep][2]
+            minimum_rows[ep] += off_rank(ep, step) if ep > 1 else 0
+            _sent.clear()
+            dist.barrier()
+            begin = time.perf_counter()
+            with counting_dispatch():
+                train_step(ep, step)
+            engine.step()
+            engine.zero_grad()
+            times[ep].append(time.perf_counter() - begin)
+            sent[ep] += _sent
+    return {
+        ep: step_figures(runs[ep][2], ep, steps, start_bytes[ep], sent[ep], minimum_rows[ep], times[ep], row_bytes)
+        for ep in ep_sizes
+    }
+
+
+def worker(rank: int, world_size: int, steps: int, checkpoint_root: str) -> dict:
+    torch.manual_seed(0)
+    state = per_expert_state_dict(MoEGPT(CONFIG))
+    runs = {ep: build(ep, state) for ep in EP_SIZES}
+
+    def train_step(ep: int, step: int) -> None:
+        _, model, engine = runs[ep]
+        engine.backward(model(*batch(step, rank)))
+
+    def off_rank(ep: int, step: int) -> int:
+        groups, model, _ = runs[ep]
+        return off_rank_rows(model, batch(step, rank)[0], ep, groups.ep_rank)
+
+    results = interleaved_steps(runs, steps, CONFIG.n_embd * 2, train_step, off_rank)  # bf16 rows
+    for ep in EP_SIZES:
+        results[ep]["checkpoint"] = checkpoint_bytes(runs[ep][2], Path(checkpoint_root) / f"ep{ep}")
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="moe-step-") as root:
+        per_rank = spawn(worker, WORLD_SIZE, (args.steps, root), backend="gloo", timeout_s=1800)
+    print(f"MoEGPT {CONFIG}, W={WORLD_SIZE}, stage 2, bf16, {args.steps} steps")
+    print_step_table(per_rank, EP_SIZES)
     print_checkpoint_bytes(per_rank)
 
 

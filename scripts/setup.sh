@@ -28,6 +28,7 @@ else
     echo "setup: installing $TORCH_PIN"
     pip_install "$TORCH_PIN"
 fi
-# DeepSpeed (an optional group) builds the DeepSpeed checkpoints the importer tests read.
-DS_BUILD_OPS=0 pip_install -e ".[test,deepspeed]"
+# DeepSpeed (an optional group) builds the DeepSpeed checkpoints the importer tests read;
+# transformers (the hf group) is the MoE model family tests/test_hf_moe.py trains.
+DS_BUILD_OPS=0 pip_install -e ".[test,deepspeed,hf]"
 .venv/bin/python -c "import torch, safetensors, zeroshard; print('setup: ok, torch', torch.__version__)"

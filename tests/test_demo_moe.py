@@ -18,7 +18,8 @@ from zeroshard.moe.recorder import GroupedMMRecorder
 BIN = Path(sys.executable).parent
 DEMO_TOKENS = MoEDemoConfig.global_batch * MoEDemoConfig.model.block_size  # summed per step
 CALL = re.compile(
-    r"call (\d+)\s+(\S+)\s+(\[[\d, ]+\])\s+(\w+)\s+data_ptr % 16 = (\d+); experts ((?:\d+:\d+ ?)+); row stride (\d+) B(.*)$"
+    r"call (\d+)\s+(\S+)\s+(\[[\d, ]+\])\s+(\w+)\s+data_ptr % 16 = (\d+); experts ((?:\d+:\d+ ?)+); row stride (\d+) B; "
+    r"(rules ok|rules BROKEN: .*?)((?:  NOT a view of the flat buffer)?)$"
 )
 
 
@@ -29,7 +30,7 @@ def _run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
 
 def _calls(out: str) -> dict[int, list[tuple[int, str, list[int], int, dict[int, int], int, str]]]:
     """Per phase (by its first step): (rank, param, shape, weight % 16, {expert id: % 16},
-    row stride, note) of every reported call."""
+    row stride, note) of every reported call; the note holds a broken rule, if any."""
     phases: dict[int, list] = {}
     rank = None
     for line in out.splitlines():
@@ -43,9 +44,8 @@ def _calls(out: str) -> dict[int, list[tuple[int, str, list[int], int, dict[int,
         if found:
             experts = dict(tuple(map(int, pair.split(":"))) for pair in found.group(6).split())
             shape = [int(dim) for dim in found.group(3).strip("[]").split(",")]
-            calls.append(
-                (rank, found.group(2), shape, int(found.group(5)), experts, int(found.group(7)), found.group(8))
-            )
+            note = found.group(9) if found.group(8) == "rules ok" else found.group(8) + found.group(9)
+            calls.append((rank, found.group(2), shape, int(found.group(5)), experts, int(found.group(7)), note))
     return phases
 
 
@@ -80,6 +80,10 @@ def test_moe_demo_trains_resumes_at_another_ep_and_every_expert_view_is_aligned_
     _check_calls(phases[3], ep_size=1, world_size=2)
     assert out.count(" float32  data_ptr % 16 = 0;") == 24 + 12
     assert "24 of 24 read 16-byte aligned views of the flat buffer (120 views" in out
+    # The rule check saw every call of every step on every rank, and each weight's gradient.
+    for calls in (4 * 6 * 6, 2 * 3 * 6):  # ranks x steps x calls per step
+        assert f": {calls} calls on every step of every rank, and the {calls} gradients backward computed " in out
+    assert "every one meets them" in out and "BROKEN" not in out
     assert "12 of 12 read 16-byte aligned views of the flat buffer (108 views" in out
     assert out.count("the same addresses at the phase's last step") == 2
 
@@ -106,6 +110,30 @@ def test_moe_demo_trains_resumes_at_another_ep_and_every_expert_view_is_aligned_
     assert "70 of 70 tensors (48 per-expert weights) bit-for-bit equal to the live fp32 masters" in out
     assert "MoEGPT(EP=1).load_state_dict(strict=True) ok" in out
     assert (tmp_path / "universal" / "universal.json").is_file() and (tmp_path / "fp32" / "model.safetensors").is_file()
+
+
+def test_hf_moe_demo_trains_the_transformers_model_resumes_and_from_pretrained_loads_the_export(tmp_path):
+    """The Done-when of issue 20: the transformers Qwen3-MoE at W=4, EP=2, saved by the async
+    Checkpointer, resumed at (2, 1), exported, loaded by from_pretrained; every grouped_mm call
+    and its gradient checked against CUDA's rules."""
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
+    result = _run([str(BIN / "zeroshard"), "demo", "--moe", "--hf", "--steps", "4", "--out", str(tmp_path)], timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "transformers Qwen3MoeForCausalLM (unmodified, experts_implementation='grouped_mm'" in out
+    assert "train W=4 EP=2, steps 0-3" in out and "load it at W=2 EP=1 (resharded)" in out
+    assert "training stalled" in out  # the asynchronous Checkpointer's save
+    assert "Qwen3MoeForCausalLM.from_pretrained: no missing or unexpected keys, 25 of 25 parameters equal" in out
+    assert "25 of 25 tensors (4 expert stacks [E, ...] under their own names) bit-for-bit equal" in out
+    for calls in (4 * 4 * 4, 2 * 2 * 4):  # ranks x steps x (gate_up_proj, down_proj) x 2 layers
+        assert f": {calls} calls on every step of every rank, and the {calls} gradients backward computed " in out
+    assert "every one meets them" in out and "BROKEN" not in out
+    phases = _calls(out)
+    assert sorted(phases) == [0, 2] and len(phases[0]) == 16 and len(phases[2]) == 8
+    assert all(mod == 0 and set(experts.values()) == {0} and stride % 16 == 0 and note == ""
+               for _, _, _, mod, experts, stride, note in phases[0] + phases[2])  # fmt: skip
+    worst = float(re.search(r"max \|difference\| over 2 steps = (\S+)", out).group(1))
+    assert worst <= 5e-3  # bf16, as tests/test_moe_engine.py bounds it
 
 
 def test_the_recorder_reports_the_address_the_kernel_was_given():
@@ -159,6 +187,7 @@ def test_moe_demo_phase_under_torchrun_saves_then_resumes_at_another_ep(tmp_path
         (["--resume-world-size", "3", "--resume-ep", "3"], "--resume-ep 3 does not divide the model's 8 experts"),
         (["--resume-ep", "4"], "--resume-ep 4 does not divide --resume-world-size 2"),
         (["--micro-batches", "2"], "--moe trains one micro-batch per step"),
+        (["--hf", "--world-size", "16", "--ep", "16"], "--ep 16 does not divide the model's 8 experts"),
     ],
 )
 def test_bad_moe_demo_arguments_fail_before_spawning_anything(args, error, capsys):
@@ -167,3 +196,24 @@ def test_bad_moe_demo_arguments_fail_before_spawning_anything(args, error, capsy
     assert main(["demo", "--moe", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and error in err[0], err
+
+
+def test_hf_needs_moe(capsys):
+    from zeroshard.cli.main import main
+
+    assert main(["demo", "--hf"]) == 2
+    assert "--hf trains the transformers MoE model: give --moe too" in capsys.readouterr().err
+
+
+def test_the_recorder_checks_the_gradient_of_each_call_once():
+    """One gradient check per call and backward, on a leaf weight too (a hook on the parameter
+    itself would fire again at every later backward)."""
+    weight = torch.nn.Parameter(torch.randn(2, 8, 8))
+    recorder = GroupedMMRecorder(0, {"w": (weight, (0, 1), False)})
+    tokens, offsets = torch.randn(3, 8), torch.tensor([1, 3], dtype=torch.int32)
+    with recorder.watching():
+        for step in range(3):
+            recorder.step = step
+            torch._grouped_mm(tokens, weight, offs=offsets).square().sum().backward()
+    assert [(g.step, g.index, g.problems) for g in recorder.gradients] == [(0, 0, ()), (1, 0, ()), (2, 0, ())]
+    assert not weight._backward_hooks  # nothing left on the parameter

@@ -76,7 +76,7 @@ def test_each_group_is_the_dense_layout_of_its_shard_group(model, policy):
         local = spec.params[0].shape[0] if expert else 0
         assert group.expert_map == (contiguous_expert_map(local * ep, ep) if expert else ())
         dense = build_layout([params_of(spec)], size, policy).groups[0]
-        as_dense = dataclasses.replace(group, index=0, shard_group=DENSE_SHARD_GROUP, expert_map=())
+        as_dense = dataclasses.replace(group, index=0, shard_group=DENSE_SHARD_GROUP, expert_map=(), stacks=())
         assert as_dense == dense
         assert group.numel == group.partition_numel * size
 

@@ -96,14 +96,17 @@ def _model_and_groups():
     return model, moe_param_groups(model)
 
 
-def test_expert_groups_need_an_expert_process_group():
+def test_expert_groups_build_in_a_world_of_one_without_a_process_group():
+    """Issue 20: at W = 1 the expert-DP group is the world of one (it used to be refused);
+    at W > 1 it is still required (tests/hf_moe_workers.py)."""
     import torch
 
     from zeroshard.engine import ZeroOptimizer
 
     model, groups = _model_and_groups()
-    with pytest.raises(ValueError, match="flagged 'expert' but no expert_process_group"):
-        ZeroOptimizer(model, torch.optim.AdamW, groups)
+    engine = ZeroOptimizer(model, torch.optim.AdamW, groups)
+    assert engine.layout.shard_groups == {"dp": 1, "expert_dp": 1}
+    assert engine.comms["expert_dp"] is engine.comms["dp"]
 
 
 def test_expert_flag_must_be_a_bool():

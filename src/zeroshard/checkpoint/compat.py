@@ -23,9 +23,10 @@ class Mismatch:
     reshaped: tuple[str, ...] = ()  # "name (checkpoint [..], run [..])"
     retyped: tuple[str, ...] = ()  # "name (checkpoint bfloat16, run float16)"
     regrouped: tuple[str, ...] = ()  # "name (checkpoint expert, run dense)"
+    reoriented: tuple[str, ...] = ()  # "name (checkpoint out_in, run in_out)": expert stacks
 
     def __bool__(self) -> bool:
-        return bool(self.missing or self.unexpected or self.reshaped or self.retyped or self.regrouped)
+        return bool(self.missing or self.unexpected or self.reshaped or self.retyped or self.regrouped or self.reoriented)
 
     def describe(self, what: str) -> str:
         parts = []
@@ -35,6 +36,7 @@ class Mismatch:
             ("with another shape", self.reshaped),
             ("with another dtype", self.retyped),
             ("expert weights on one side, dense on the other", self.regrouped),
+            ("expert stacks with another orientation", self.reoriented),
         ):
             if names:
                 parts.append(f"{len(names)} {label}: {', '.join(names)}")
@@ -42,14 +44,15 @@ class Mismatch:
 
     def skipped(self) -> set[str]:
         """Names a non-strict load leaves out (present on one side only, or reshaped)."""
-        changed = {entry.split(" (")[0] for entry in self.reshaped + self.regrouped}
+        changed = {entry.split(" (")[0] for entry in self.reshaped + self.regrouped + self.reoriented}
         return set(self.missing) | set(self.unexpected) | changed
 
 
 def compare_params(old: Layout, new: Layout) -> Mismatch:
     """The run's trainable parameters (``new``) against the checkpoint's (``old``). Expert
     weights compare by their global shape (every expert stacked), so a change of EP is no
-    difference and a change of expert count is one."""
+    difference and a change of expert count is one; two stacks that both claim an
+    orientation must claim the same (a square stack would otherwise load transposed)."""
     old_specs, new_specs = _param_specs(old), _param_specs(new)
     found = _compare(
         {name: (shape, dtype) for name, (shape, dtype, _) in old_specs.items()},
@@ -60,7 +63,17 @@ def compare_params(old: Layout, new: Layout) -> Mismatch:
         for name, (_, _, expert) in new_specs.items()
         if name in old_specs and old_specs[name][2] != expert
     )
-    return dataclasses.replace(found, regrouped=regrouped)
+    old_stacks, new_stacks = _orientations(old), _orientations(new)
+    reoriented = tuple(
+        f"{name} (checkpoint {old_stacks[name]}, run {orientation})"
+        for name, orientation in new_stacks.items()
+        if old_stacks.get(name, "none") not in ("none", orientation) and orientation != "none"
+    )
+    return dataclasses.replace(found, regrouped=regrouped, reoriented=reoriented)
+
+
+def _orientations(layout: Layout) -> dict[str, str]:
+    return {slot.name: group.stacks[slot.index].orientation for group in layout.groups for slot in group.params if group.stacks}
 
 
 def _param_specs(layout: Layout) -> dict[str, tuple[tuple[int, ...], str, bool]]:

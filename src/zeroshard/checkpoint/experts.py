@@ -1,12 +1,17 @@
-"""Expert weights in exports: one tensor per expert and weight, named by global expert id, in
-``nn.Linear`` orientation, as Hugging Face MoE checkpoints store them (Mixtral:
-``block_sparse_moe.experts.{i}.w1.weight``).
+"""Expert stacks in exports: one global stacked tensor under the parameter's own name, or one
+tensor per expert named by global id, as each stack's description says
+(:class:`~zeroshard.layout.ExpertStack`, recorded in the layout).
 
-A run holds an expert weight stacked, ``{prefix}.w1`` of shape ``[E / EP, in, out]``; its
-export is ``{prefix}.{g}.w1.weight`` of shape ``[out, in]`` for every global expert ``g``. No
-exported name or shape depends on E's split over ranks, so exports of one state at any
-(W, EP) agree name for name and byte for byte. Torch-free: the universal and fp32 exports
-use it.
+* ``"stacked"``: ``model.layers.0.mlp.experts.gate_up_proj`` ``[E, 2I, H]``, the run's
+  ``[E / EP, 2I, H]`` with every expert by global id, in its own orientation: what
+  ``from_pretrained`` of a transformers v5 model, or a user's own model with ``strict=True``,
+  loads.
+* ``"per_expert"``: per :func:`~zeroshard.layout.stacks.per_expert_tensors`, each matrix
+  ``[out, in]`` (an ``in_out`` slice transposed, an ``out_in`` one not, parts split by rows):
+  MoEGPT's ``blocks.0.moe.experts.{g}.w1.weight``, transformers' ``mlp.experts.{g}.gate_proj.weight``.
+
+No exported name or shape depends on E's split over ranks, so exports of one state at any
+(W, EP) agree name for name and byte for byte. Torch-free: the universal and fp32 exports use it.
 """
 
 from __future__ import annotations
@@ -15,63 +20,98 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..layout import Layout, global_shape
+from ..layout import LEGACY_STACK, Layout, global_shape
+from ..layout.coordinates import expert_numel
+from ..layout.stacks import ExpertStack, exported_expert_shape, per_expert_tensors
 from .source import ShardSource, read_param, read_whole_param
+
+EXPERT_FORMS = ("stacked", "per_expert")
+UNIVERSAL_FORM = "universal"  # legacy stacks per expert (universal version 2), every other stack stacked
 
 
 @dataclass(frozen=True)
 class ExportedParam:
-    """One exported tensor of a trained parameter: a dense parameter whole, or one expert."""
+    """One exported tensor of a trained parameter: a dense parameter or a stack whole, or
+    (rows of) one expert of a stack."""
 
     name: str  # the exported name
     shape: tuple[int, ...]  # the exported shape
     param: str  # the layout's parameter it comes from
-    expert: int | None = None  # the global expert id, for one expert of a stacked weight
+    expert: int | None = None  # the global expert id, for one expert of a stack
+    rows: tuple[int, int] = (0, 0)  # rows [start, end) of the expert's exported matrix it holds
+    transpose: bool = False  # the stack holds the expert [in, out]; the export is [out, in]
 
 
-def per_expert_name(stacked_name: str, expert_id: int) -> str:
-    """``blocks.0.moe.experts.7.w1.weight`` for expert 7 of ``blocks.0.moe.experts.w1``."""
-    prefix, _, weight = stacked_name.rpartition(".")
-    return f"{prefix}.{expert_id}.{weight}.weight" if prefix else f"{expert_id}.{weight}.weight"
+def exported_params(layout: Layout, experts: str | None = None) -> list[ExportedParam]:
+    """The exported tensors of the layout's trained parameters, in layout order.
 
-
-def exported_params(layout: Layout) -> list[ExportedParam]:
-    """The exported tensors of the layout's trained parameters, in layout order; a stacked
-    expert weight gives one per global expert, in expert order. ValueError naming the
-    parameter for an expert weight that is not a stack of matrices."""
+    ``experts`` forces one form on every stack (``"stacked"`` or ``"per_expert"``); None
+    writes each in its own ``export`` form. ValueError naming the parameter for a stack the
+    form cannot express (per expert, a legacy stack that is no stack of matrices)."""
+    if experts not in (None, UNIVERSAL_FORM, *EXPERT_FORMS):
+        raise ValueError(f"expert export form must be one of {', '.join(EXPERT_FORMS)}, got {experts!r}")
     exported: list[ExportedParam] = []
     for group in layout.groups:
         for slot in group.params:
             if not group.is_expert_group:
                 exported.append(ExportedParam(slot.name, slot.spec.shape, slot.name))
                 continue
-            shape = global_shape(group, slot)
-            if len(shape) != 3:
-                raise ValueError(
-                    f"expert weight {slot.name!r} has shape {list(slot.spec.shape)}: exports hold one [out, in] "
-                    "matrix per expert, so stacked expert weights must be [experts, in, out]"
-                )
-            experts, d_in, d_out = shape
-            exported += [
-                ExportedParam(per_expert_name(slot.name, g), (d_out, d_in), slot.name, g) for g in range(experts)
-            ]
+            stack = group.stacks[slot.index]
+            if _form(stack, experts) == "stacked":
+                exported.append(ExportedParam(slot.name, global_shape(group, slot), slot.name))
+            else:
+                exported += _per_expert(slot.name, stack, global_shape(group, slot), slot.spec.shape)
     return exported
+
+
+def _form(stack: ExpertStack, experts: str | None) -> str:
+    if experts == UNIVERSAL_FORM:
+        return "per_expert" if stack == LEGACY_STACK else "stacked"
+    return experts or stack.export
+
+
+def _per_expert(name: str, stack: ExpertStack, shape: tuple[int, ...], local: tuple[int, ...]) -> list[ExportedParam]:
+    if stack == LEGACY_STACK and len(shape) != 3:
+        raise ValueError(
+            f"expert weight {name!r} has shape {list(local)}: exports hold one [out, in] "
+            "matrix per expert, so stacked expert weights must be [experts, in, out]"
+        )
+    experts, expert_shape = shape[0], shape[1:]
+    out_shape = exported_expert_shape(stack, expert_shape)
+    transpose = stack.orientation == "in_out"
+    return [
+        ExportedParam(tensor.name, _rows_shape(out_shape, tensor.row_start, tensor.row_end), name, g,
+                      (tensor.row_start, tensor.row_end), transpose)  # fmt: skip
+        for g in range(experts)
+        for tensor in per_expert_tensors(name, stack, g, expert_shape)
+    ]
+
+
+def _rows_shape(shape: tuple[int, ...], start: int, end: int) -> tuple[int, ...]:
+    return (end - start, *shape[1:]) if shape else shape
 
 
 def read_exported(source: ShardSource, param: ExportedParam, key: str) -> np.ndarray:
     """The ``key`` tensor ("fp32" or an optimizer state) of ``param`` as fp32, flattened in
-    the exported shape: an expert's slice of the stacked weight (read by global expert id),
-    transposed to [out, in]."""
+    the exported shape: a whole parameter or stack (experts by global id), or an expert's
+    slice of a stack (read by global expert id), transposed to [out, in] where the stack
+    holds it [in, out], its rows cut to the part."""
     if param.expert is None:
         return read_whole_param(source, param.param, key)
-    d_out, d_in = param.shape
-    numel = d_out * d_in
-    stacked = read_param(source, param.param, key, param.expert * numel, (param.expert + 1) * numel)
-    return np.ascontiguousarray(stacked.reshape(d_in, d_out).T).reshape(-1)
+    group, slot = source.info.layout.param(param.param)
+    numel = expert_numel(slot)
+    expert = read_param(source, param.param, key, param.expert * numel, (param.expert + 1) * numel)
+    expert = expert.reshape(slot.spec.shape[1:])
+    if param.transpose:
+        expert = expert.T
+    start, end = param.rows
+    if expert.ndim and (start, end) != (0, expert.shape[0]):
+        expert = expert[start:end]
+    return np.ascontiguousarray(expert).reshape(-1)
 
 
 def stacked_from_exported(expert: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """One exported expert tensor (``shape`` [out, in], flat) back in the stacked weight's
+    """One exported legacy expert tensor (``shape`` [out, in], flat) back in the stack's
     orientation [in, out], flattened: the inverse of :func:`read_exported`'s transpose."""
     d_out, d_in = shape
     return np.ascontiguousarray(expert.reshape(d_out, d_in).T).reshape(-1)

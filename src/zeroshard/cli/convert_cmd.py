@@ -23,6 +23,7 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _MAX_SIZE = 2**63 - 1
 _MAX_SIZE_TEXT = 64  # echoed whole in an error up to this length
+_EXPERT_FORMS = {"own": None, "stacked": "stacked", "per-expert": "per_expert"}
 
 
 def parse_size(text: str) -> int:
@@ -56,6 +57,12 @@ def register(commands: argparse._SubParsersAction) -> None:
     _common(fp32)
     fp32.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="dtype of trained (and frozen) parameters")
     fp32.add_argument("--max-shard-size", type=parse_size, default=None, help="shard the output, e.g. 5GB (default: one file)")
+    fp32.add_argument(
+        "--experts",
+        choices=sorted(_EXPERT_FORMS),
+        default="own",
+        help="expert stacks: each in its own form (default), all as one global stack under its own name, or per expert",
+    )
     fp32.set_defaults(run=run_to_fp32)
 
 
@@ -89,6 +96,7 @@ def run_to_fp32(args: argparse.Namespace) -> int:
             max_shard_size=args.max_shard_size,
             progress=False if args.no_progress else None,
             overwrite=args.overwrite,
+            experts=_EXPERT_FORMS[args.experts],
         ),
     )
 

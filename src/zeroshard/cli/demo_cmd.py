@@ -35,6 +35,11 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--steps", type=at_least(2), default=None, help="steps in all, half per phase (default 60, with --moe 40)"
     )
     parser.add_argument("--moe", action="store_true", help="train MoEGPT (8 experts, top-2) with expert parallelism")
+    parser.add_argument(
+        "--hf",
+        action="store_true",
+        help="with --moe: the transformers Qwen3-MoE (8 experts, top-2, grouped_mm) instead of MoEGPT; needs transformers",
+    )
     parser.add_argument("--ep", type=positive_int, default=2, help="with --moe: expert parallelism of the first phase")
     parser.add_argument(
         "--resume-ep", type=positive_int, default=1, help="with --moe: expert parallelism of the resumed phase"
@@ -55,6 +60,8 @@ def register(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
     check_out_dir(args.out)
+    if args.hf and not args.moe:
+        raise ValueError("--hf trains the transformers MoE model: give --moe too")
     if args.moe:
         from .demo_moe_cmd import run_moe
 

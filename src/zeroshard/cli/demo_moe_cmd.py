@@ -1,7 +1,9 @@
-"""``zeroshard demo --moe``: MoEGPT with expert parallelism on local ranks.
+"""``zeroshard demo --moe [--hf]``: MoEGPT, or the transformers Qwen3-MoE, with expert
+parallelism on local ranks.
 
-Train MoEGPT (8 experts, top-2) with ZeRO at W ranks and expert parallelism EP, printing
-the alignment of every expert view next to the ``torch._grouped_mm`` call that read it.
+Train the model (8 experts, top-2) with ZeRO at W ranks and expert parallelism EP, printing
+the alignment of every expert view next to the ``torch._grouped_mm`` call that read it and
+the check of every call (and its weight's gradient) against CUDA's grouped GEMM rules.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ def run_moe(args: argparse.Namespace, under_torchrun: bool = False) -> int:
         dtype=args.dtype,
         global_batch=args.global_batch,
         lr=args.lr,
+        hf=args.hf,
     )
+    if args.hf:
+        _need_transformers()
     if args.micro_batches != 1:
         raise ValueError("--moe trains one micro-batch per step; leave --micro-batches at 1")
     if under_torchrun:
@@ -60,10 +65,17 @@ def _check_phase(config: MoEDemoConfig, phase: Phase, world_flag: str, ep_flag: 
     """Refuse a (W, EP) the run cannot use, before any rank is spawned."""
     if phase.world_size % phase.ep_size:
         raise ValueError(f"{ep_flag} {phase.ep_size} does not divide {world_flag} {phase.world_size}")
-    if config.model.num_experts % phase.ep_size:
-        raise ValueError(f"{ep_flag} {phase.ep_size} does not divide the model's {config.model.num_experts} experts")
+    if config.num_experts % phase.ep_size:
+        raise ValueError(f"{ep_flag} {phase.ep_size} does not divide the model's {config.num_experts} experts")
     if config.global_batch % phase.world_size:
         raise ValueError(f"--global-batch {config.global_batch} does not split into {phase.world_size} ranks")
+
+
+def _need_transformers() -> None:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ValueError("--hf needs transformers (pip install -e '.[hf]')") from None
 
 
 def _run_arc(config: MoEDemoConfig, args: argparse.Namespace, phases: tuple[Phase, Phase], out: Path) -> None:
@@ -80,9 +92,10 @@ def _run_arc(config: MoEDemoConfig, args: argparse.Namespace, phases: tuple[Phas
         arguments = (config, phase.ep_size, first_step, steps, plan)
         return spawn(moe_train_phase, phase.world_size, arguments, backend=args.backend, timeout_s=args.timeout)[0]
 
-    print(f"zeroshard demo --moe: phase 1 on {first_phase}, steps 0-{last}, saving after step {half - 1}", flush=True)
+    demo = "zeroshard demo --moe --hf" if config.hf else "zeroshard demo --moe"
+    print(f"{demo}: phase 1 on {first_phase}, steps 0-{last}, saving after step {half - 1}", flush=True)
     first = run(first_phase, 0, CheckpointPlan(str(out), resume=False, save_after=half - 1))
-    print(f"zeroshard demo --moe: phase 2 resumes that checkpoint on {second_phase}, steps {half}-{last}", flush=True)
+    print(f"{demo}: phase 2 resumes that checkpoint on {second_phase}, steps {half}-{last}", flush=True)
     second = run(second_phase, half, CheckpointPlan(str(out), resume=True, save_after=last, live_state=True))
     rows = [
         (f"train {first_phase}, steps 0-{last}", first.train_seconds, _losses(first)),
@@ -96,24 +109,36 @@ def _run_arc(config: MoEDemoConfig, args: argparse.Namespace, phases: tuple[Phas
 
 
 def _convert(checkpoint: Path, out: Path, config: MoEDemoConfig) -> list[tuple[str, float, str]]:
-    """To universal, then fp32; the export against the live masters, and loaded into the
-    MoE model holding every expert (EP = 1) with strict=True."""
+    """To universal, then fp32; the export against the live masters, and loaded into the model
+    holding every expert: MoEGPT (EP = 1) with strict=True, or the transformers model with
+    ``from_pretrained`` (no missing, unexpected or mismatched key)."""
     import torch
     from safetensors.torch import load_file
 
-    from ..moe import MoEGPT
-
     rows, exported = convert_timed(checkpoint, out)
-
     state = load_file(str(exported / "model.safetensors"))
     live = load_file(str(out / LIVE_STATE_FILE))  # every parameter, experts by global id
     exact = sum(name in state and torch.equal(state[name], tensor) for name, tensor in live.items())
-    experts = sum(".moe.experts." in name for name in state)
-    MoEGPT(config.model).load_state_dict(state, strict=True)
-    verdict = (
-        f"{exact} of {len(live)} tensors ({experts} per-expert weights) bit-for-bit equal to the live fp32 masters; "
-        "MoEGPT(EP=1).load_state_dict(strict=True) ok"
-    )
+    if config.hf:
+        from ..demo_hf import from_pretrained_check
+
+        loaded, total = from_pretrained_check(exported, live)
+        stacks = sum(".experts." in name for name in state)
+        verdict = (
+            f"{exact} of {len(live)} tensors ({stacks} expert stacks [E, ...] under their own names) bit-for-bit equal "
+            f"to the live fp32 masters; Qwen3MoeForCausalLM.from_pretrained: no missing or unexpected keys, "
+            f"{loaded} of {total} parameters equal to the live masters"
+        )
+        exact = min(exact, loaded)
+    else:
+        from ..moe import MoEGPT
+
+        experts = sum(".moe.experts." in name for name in state)
+        MoEGPT(config.model).load_state_dict(state, strict=True)
+        verdict = (
+            f"{exact} of {len(live)} tensors ({experts} per-expert weights) bit-for-bit equal to the live fp32 masters; "
+            "MoEGPT(EP=1).load_state_dict(strict=True) ok"
+        )
     rows.append(("check the export", 0.0, verdict))
     if exact != len(live):
         raise ValueError(f"the fp32 export differs from the live masters in {len(live) - exact} tensors")
@@ -163,12 +188,10 @@ def _losses(result: MoEPhaseResult) -> str:
 def _format(
     config: MoEDemoConfig, first: MoEPhaseResult, second: MoEPhaseResult, rows: list[tuple[str, float, str]]
 ) -> str:
-    model = config.model
     lines = [
         "",
-        f"MoEGPT: {model.num_experts} experts, top-{model.top_k}, {model.n_layer} layers, width {model.n_embd}, "
-        f"expert hidden {model.expert_hidden}; ZeRO stage {config.stage}, {config.dtype}, {config.steps} steps, "
-        f"global batch {config.global_batch} ({first.backend}); uniform guess loss {math.log(model.vocab_size):.4f}",
+        f"{_model_line(config)}; ZeRO stage {config.stage}, {config.dtype}, {config.steps} steps, "
+        f"global batch {config.global_batch} ({first.backend}); uniform guess loss {math.log(config.model.vocab_size):.4f}",
         "",
         f"  {'stage':<44} {'time':>9}  result",
     ]
@@ -177,6 +200,23 @@ def _format(
     for result in (first, second):
         lines += ["", *_phase_lines(config, result)]
     return "\n".join(lines)
+
+
+def _model_line(config: MoEDemoConfig) -> str:
+    if config.hf:
+        from ..demo_hf import HF_MODEL as hf
+
+        return (
+            f"transformers Qwen3MoeForCausalLM (unmodified, experts_implementation={hf['experts_implementation']!r}, "
+            f"made expert-parallel by zeroshard.moe.expert_parallel): {hf['num_experts']} experts, "
+            f"top-{hf['num_experts_per_tok']}, {hf['num_hidden_layers']} layers, hidden {hf['hidden_size']}, "
+            f"head_dim {hf['head_dim']}, expert intermediate {hf['moe_intermediate_size']}"
+        )
+    model = config.model
+    return (
+        f"MoEGPT: {model.num_experts} experts, top-{model.top_k}, {model.n_layer} layers, width {model.n_embd}, "
+        f"expert hidden {model.expert_hidden}"
+    )
 
 
 def continuation_lines(uninterrupted: MoEPhaseResult, resumed: MoEPhaseResult) -> list[str]:
@@ -221,6 +261,8 @@ def grouped_mm_lines(result: MoEPhaseResult) -> list[str]:
         f"expert id:data_ptr % 16); {kept}:"
     ]
     mesh = ExpertMesh(result.world_size, result.ep_size)
+    lines.insert(0, rule_check_line(result))
+    lines += [f"    BROKEN: {problem}" for problem in result.problems]
     for rank in sorted({call.rank for call in calls}):
         mine = [call for call in calls if call.rank == rank]
         lines.append(f"    rank {rank} (EP rank {mesh.ep_rank(rank)}, experts {format_ids(mine[0].expert_ids)}):")
@@ -228,12 +270,23 @@ def grouped_mm_lines(result: MoEPhaseResult) -> list[str]:
     return lines
 
 
+def rule_check_line(result: MoEPhaseResult) -> str:
+    """The verdict of the grouped_mm rule check over every call of the phase on every rank."""
+    verdict = "every one meets them" if not result.problems else f"{len(result.problems)} rules BROKEN (listed below)"
+    return (
+        f"  grouped_mm rule check (CUDA's: data_ptr % 16 == 0 for the weight and each expert's matrix, 16-byte leading "
+        f"stride; the CPU kernel checks none): {result.checked_calls} calls on every step of every rank, and the "
+        f"{result.checked_gradients} gradients backward computed for their weights: {verdict}"
+    )
+
+
 def _call_line(call: GroupedMMCall) -> str:
     ids = call.expert_ids or tuple(f"local {index}" for index in range(len(call.expert_mod_16)))  # unknown weight
     experts = " ".join(f"{expert}:{mod}" for expert, mod in zip(ids, call.expert_mod_16))
     where = "" if call.in_flat_buffer else "  NOT a view of the flat buffer"
+    rules = "rules ok" if call.aligned else "rules BROKEN: " + ", ".join(call.problems)
     return (
         f"call {call.index}  {call.param or '?':<24} {str(list(call.shape)):<12} {call.dtype:<8} "
         f"data_ptr % 16 = {call.weight_mod_16}; experts {experts}; "
-        f"row stride {call.row_stride_bytes} B{where}"
+        f"row stride {call.row_stride_bytes} B; {rules}{where}"
     )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from ..layout import GroupLayout, Layout
+from ..layout import LEGACY_STACK, ExpertStack, GroupLayout, Layout
 
 LISTED_EP_RANKS = 8  # expert-map lines shown per group before "... N more"
 _LISTED_IDS = 6  # ids shown of a list that is not a run or a stride
@@ -35,6 +35,24 @@ def shard_group_lines(layout: Layout, *, indent: str = "", listed: int | None = 
     for group in layout.groups:
         if group.is_expert_group:
             lines += _expert_map_lines(layout.world_size, group, indent, listed)
+            lines += stack_lines({slot.name: group.stacks[slot.index] for slot in group.params}, f"{indent}  ")
+    return lines
+
+
+def stack_lines(stacks: Mapping[str, ExpertStack], indent: str = "") -> list[str]:
+    """One line per distinct stack description (orientation, export form, parts), with how
+    many stacks have it and the first one's name; ``[]`` when every stack is MoEGPT's
+    ``LEGACY_STACK`` (reports of such layouts are unchanged)."""
+    if all(stack == LEGACY_STACK for stack in stacks.values()):
+        return []
+    alike: dict[ExpertStack, list[str]] = {}
+    for name, stack in stacks.items():
+        alike.setdefault(stack, []).append(name)
+    lines = []
+    for stack, names in alike.items():
+        parts = f" (per expert: {', '.join(stack.parts)})" if stack.parts else ""
+        more = f", ... ({len(names)} in all)" if len(names) > 1 else ""
+        lines.append(f"{indent}stacks {stack.orientation}, exported {stack.export}{parts}: {names[0]}{more}")
     return lines
 
 
@@ -44,14 +62,24 @@ def every_expert_numel(layout: Layout) -> int:
     return sum(group.param_numel * max(len(group.expert_map), 1) for group in layout.groups)
 
 
-def universal_expert_lines(experts: Mapping[str, Sequence[str]]) -> list[str]:
-    """The expert weights of a universal checkpoint (its manifest's ``experts``: stacked
-    weight -> its experts' tensor names by global id); ``[]`` without experts."""
+def universal_expert_lines(
+    experts: Mapping[str, Sequence[str]], stacks: Mapping[str, ExpertStack] | None = None
+) -> list[str]:
+    """The expert weights of a universal checkpoint (its manifest's ``experts``: legacy stack
+    -> its experts' tensor names by global id; ``expert_stacks``: stacks stored whole);
+    ``[]`` without experts."""
+    lines = []
+    if stacks:
+        lines.append(
+            f"experts: {len(stacks)} expert stacks stored whole, [E, ...] by global id under their own names; "
+            "any expert parallelism that divides the experts loads them"
+        )
+        lines += stack_lines(stacks, "  ")
     if not experts:
-        return []
+        return lines
     counts = sorted({len(names) for names in experts.values()})
     first_stack, first_names = next(iter(experts.items()))
-    return [
+    return lines + [
         f"experts: {len(experts)} stacked expert weights of {'/'.join(map(str, counts))} experts each, stored as one "
         f"[out, in] tensor per expert by global id ({first_stack} -> {first_names[0]}, ...); "
         "any expert parallelism that divides the experts loads them"

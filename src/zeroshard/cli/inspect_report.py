@@ -91,7 +91,7 @@ def describe_universal(ckpt: UniversalCheckpoint, *, list_all_files: bool = Fals
         f"parameters: {len(manifest.params)} trainable ({sum(p.numel for p in manifest.params.values()):,} elements); "
         f"model state: {len(manifest.model_entries)} buffers or frozen tensors, {len(manifest.aliases)} tied alias(es)"
     )
-    lines += universal_expert_lines(manifest.experts)
+    lines += universal_expert_lines(manifest.experts, manifest.expert_stacks)
     if manifest.experts:  # the per-expert tensors do not give the source run's layout
         lines.append("padding overhead: none (the source run's expert parallelism is not recorded, nor its padding)")
     else:

@@ -6,7 +6,11 @@ parameter shared by two modules (or listed twice) is counted once, under its fir
 
 A dict group with ``"expert": True`` holds expert parameters (stacked per-rank expert weights,
 different on each expert-parallel rank); its layout groups are partitioned over the
-expert-data-parallel group instead of all ranks. The flag is not passed to the optimizer.
+expert-data-parallel group instead of all ranks. Two optional keys describe them
+(``zeroshard.moe.moe_param_groups`` fills both): ``"expert_map"``, the placement of global
+experts on EP ranks (default: contiguous), and ``"expert_stacks"``, parameter name ->
+:class:`~zeroshard.layout.ExpertStack` (default: ``UNDECLARED_STACK``). None of the three
+keys is passed to the optimizer.
 """
 
 from __future__ import annotations
@@ -17,16 +21,20 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from ..layout import ParamSpec
+from ..layout import UNDECLARED_STACK, ExpertStack, ParamSpec, check_expert_map
+
+EXPERT_KEYS = ("expert", "expert_map", "expert_stacks")
 
 
 @dataclass
 class UserGroup:
     """A torch-style param group after resolution."""
 
-    options: dict[str, Any]  # everything but "params" and "expert"
+    options: dict[str, Any]  # everything but "params" and the EXPERT_KEYS
     expert: bool = False
     layout_groups: list[int] = field(default_factory=list)
+    expert_map: tuple[tuple[int, ...], ...] | None = None  # None: contiguous
+    expert_stacks: dict[str, ExpertStack] = field(default_factory=dict)  # by parameter name
 
 
 @dataclass
@@ -40,6 +48,15 @@ class Grouping:
 
     def is_expert(self, layout_group: int) -> bool:
         return self.user_groups[self.layout_user_group[layout_group]].expert
+
+    def user_group_of(self, layout_group: int) -> UserGroup:
+        return self.user_groups[self.layout_user_group[layout_group]]
+
+    def stacks(self, layout_group: int) -> tuple[ExpertStack, ...]:
+        """The stack of each parameter of an expert layout group (UNDECLARED_STACK where
+        its param group does not describe it)."""
+        described = self.user_group_of(layout_group).expert_stacks
+        return tuple(described.get(spec.name, UNDECLARED_STACK) for spec in self.layout_specs[layout_group])
 
 
 def resolve_groups(
@@ -55,10 +72,7 @@ def resolve_groups(
         params = [p for p in group["params"] if p.requires_grad]
         if not params:
             raise ValueError(f"param group {group_index} has no trainable parameters")
-        expert = group.get("expert", False)
-        if not isinstance(expert, bool):
-            raise ValueError(f"param group {group_index}: 'expert' must be True or False, got {expert!r}")
-        user = UserGroup({k: v for k, v in group.items() if k not in ("params", "expert")}, expert)
+        user = _user_group(group_index, group)
         by_dtype: dict[torch.dtype, int] = {}
         for param in params:
             if id(param) in seen:
@@ -79,9 +93,36 @@ def resolve_groups(
             result.layout_params[layout_group].append(param)
         if not user.layout_groups:
             raise ValueError(f"param group {group_index} has only parameters already in an earlier group")
+        _check_described(group_index, user, result)
         result.user_groups.append(user)
     _check_one_device(result.layout_params)
     return result
+
+
+def _user_group(index: int, group: dict[str, Any]) -> UserGroup:
+    """The group's options, its expert flag and, for an expert group, its placement and stacks."""
+    expert = group.get("expert", False)
+    if not isinstance(expert, bool):
+        raise ValueError(f"param group {index}: 'expert' must be True or False, got {expert!r}")
+    options = {k: v for k, v in group.items() if k not in ("params", *EXPERT_KEYS)}
+    placement, stacks = group.get("expert_map"), group.get("expert_stacks") or {}
+    if not expert and (placement is not None or stacks):
+        raise ValueError(f"param group {index}: 'expert_map' and 'expert_stacks' describe expert groups only")
+    if placement is not None:
+        try:
+            placement = check_expert_map(placement)
+        except ValueError as err:
+            raise ValueError(f"param group {index}: {err}") from None
+    if not isinstance(stacks, dict) or not all(isinstance(v, ExpertStack) for v in stacks.values()):
+        raise ValueError(f"param group {index}: 'expert_stacks' must map parameter names to ExpertStack")
+    return UserGroup(options, expert, expert_map=placement, expert_stacks=dict(stacks))
+
+
+def _check_described(index: int, user: UserGroup, result: Grouping) -> None:
+    members = {spec.name for g in user.layout_groups for spec in result.layout_specs[g]}
+    strangers = sorted(set(user.expert_stacks) - members)
+    if strangers:
+        raise ValueError(f"param group {index}: 'expert_stacks' names parameters not in the group: {strangers[:3]}")
 
 
 def _first_names(model: nn.Module) -> dict[int, str]:

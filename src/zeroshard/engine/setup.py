@@ -32,12 +32,15 @@ REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def shard_group_collectives(comm: Collectives, grouping: Grouping, expert_process_group: Any) -> dict[str, Collectives]:
-    """One Collectives per shard group: ``"dp"`` (all ranks) and, with experts, ``"expert_dp"``."""
+    """One Collectives per shard group: ``"dp"`` (all ranks) and, with experts, ``"expert_dp"``
+    (in a world of one, without an expert process group, the dense one: EP = 1)."""
     comms = {DENSE_SHARD_GROUP: comm}
     has_experts = any(user.expert for user in grouping.user_groups)
     if has_experts and expert_process_group is None:
-        raise ValueError("a param group is flagged 'expert' but no expert_process_group was given")
-    if has_experts:
+        if comm.world_size != 1:
+            raise ValueError("a param group is flagged 'expert' but no expert_process_group was given")
+        comms[EXPERT_SHARD_GROUP] = comm  # a world of one holds every expert (EP = 1)
+    elif has_experts:
         comms[EXPERT_SHARD_GROUP] = Collectives(expert_process_group)
     return comms
 
@@ -67,7 +70,7 @@ def resolve_layout(
 
 def _layout_inputs(grouping: Grouping, comms: dict[str, Collectives], world_size: int) -> list[list | GroupSpec]:
     """The layout's input: dense groups as plain lists, expert groups as GroupSpecs over
-    the expert-DP group, with the contiguous expert map of ``zeroshard.moe``."""
+    the expert-DP group, with their param group's placement (default contiguous) and stacks."""
     if EXPERT_SHARD_GROUP not in comms:
         return list(grouping.layout_specs)
     expert_dp_size = comms[EXPERT_SHARD_GROUP].world_size
@@ -87,7 +90,14 @@ def _layout_inputs(grouping: Grouping, comms: dict[str, Collectives], world_size
                 f"expert parameters {[spec.name for spec in specs]} must stack the same number "
                 f"(>= 1) of local experts in their first dimension, got shapes {[list(s.shape) for s in specs]}"
             )
-        inputs.append(mesh.expert_group(specs, local.pop() * mesh.ep_size))
+        user = grouping.user_group_of(index)
+        try:
+            group = mesh.expert_group(
+                specs, local.pop() * mesh.ep_size, expert_map=user.expert_map, stacks=grouping.stacks(index)
+            )
+        except ValueError as err:
+            raise ValueError(f"param group {grouping.layout_user_group[index]}: {err}") from None
+        inputs.append(group)
     return inputs
 
 

@@ -13,6 +13,7 @@ from .policy import LayoutPolicy
 from .experts import ExpertMesh, contiguous_expert_map
 from .coordinates import GlobalRun, global_shape, locate_global, rank_runs
 from .specs import DENSE_SHARD_GROUP, EXPERT_SHARD_GROUP, GroupSpec, ParamSpec
+from .stacks import LEGACY_STACK, UNDECLARED_STACK, ExpertStack, check_expert_map, expert_slots
 
 __all__ = [
     "DENSE_SHARD_GROUP",
@@ -20,6 +21,11 @@ __all__ = [
     "FORMAT_VERSION",
     "Bucket",
     "ExpertMesh",
+    "ExpertStack",
+    "LEGACY_STACK",
+    "UNDECLARED_STACK",
+    "check_expert_map",
+    "expert_slots",
     "Fragment",
     "GlobalRun",
     "GroupLayout",

@@ -9,7 +9,9 @@ The ranks form a grid of W / EP rows of EP ranks, ``rank = row * EP + column``:
   that hold the same experts: expert state is sharded and expert gradients are reduced
   over it. A rank's place in its column is ``rank // EP``.
 
-Expert ``e`` of E lives on EP rank ``e // (E / EP)``: :func:`contiguous_expert_map`.
+By default expert ``e`` of E lives on EP rank ``e // (E / EP)`` (:func:`contiguous_expert_map`);
+any placement that gives every EP rank E / EP experts may be given instead
+(:func:`~.stacks.check_expert_map`).
 Pure integer arithmetic, like the rest of the layout.
 """
 
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .specs import EXPERT_SHARD_GROUP, GroupSpec, ParamSpec
+from .stacks import ExpertStack, check_expert_map
 
 
 def contiguous_expert_map(num_experts: int, ep_size: int) -> tuple[tuple[int, ...], ...]:
@@ -73,11 +76,29 @@ class ExpertMesh:
         return tuple(tuple(range(column, self.world_size, self.ep_size)) for column in range(self.ep_size))
 
     def expert_group(
-        self, params: Sequence[ParamSpec], num_experts: int, shard_group: str = EXPERT_SHARD_GROUP
+        self,
+        params: Sequence[ParamSpec],
+        num_experts: int,
+        shard_group: str = EXPERT_SHARD_GROUP,
+        *,
+        expert_map: Sequence[Sequence[int]] | None = None,
+        stacks: Sequence[ExpertStack] = (),
     ) -> GroupSpec:
         """A layout group of stacked expert weights (first dimension E / EP), partitioned
-        over the expert-data-parallel group, with the contiguous expert map."""
-        return GroupSpec(tuple(params), shard_group, self.expert_dp_size, contiguous_expert_map(num_experts, self.ep_size))
+        over the expert-data-parallel group. ``expert_map``: the placement (default the
+        contiguous one), checked to spread ``num_experts`` over this mesh's EP ranks;
+        ``stacks``: one description per parameter (default ``LEGACY_STACK``)."""
+        if expert_map is None:
+            placement = contiguous_expert_map(num_experts, self.ep_size)
+        else:
+            placement = check_expert_map(expert_map)
+            held = sum(len(experts) for experts in placement)
+            if len(placement) != self.ep_size or held != num_experts:
+                raise ValueError(
+                    f"the expert map places {held} experts on {len(placement)} expert-parallel ranks; "
+                    f"this mesh has {num_experts} experts on {self.ep_size}"
+                )
+        return GroupSpec(tuple(params), shard_group, self.expert_dp_size, placement, tuple(stacks))
 
     def _check_rank(self, rank: int) -> None:
         if not (isinstance(rank, int) and 0 <= rank < self.world_size):

@@ -20,6 +20,7 @@ import functools
 from dataclasses import dataclass
 
 from .specs import DENSE_SHARD_GROUP, ParamSpec
+from .stacks import ExpertStack
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,8 @@ class GroupLayout:
     dense group, the W / EP ranks holding the same experts for an expert group. Per-rank
     queries take the rank within that process group. An expert group lays out the local
     experts of one expert-parallel rank; ``expert_map[e]`` names the global expert ids that
-    expert-parallel rank ``e`` holds, in the order of the stacked weights' first dimension.
+    expert-parallel rank ``e`` holds, in the order of the stacked weights' first dimension,
+    and ``stacks[i]`` describes parameter ``i``'s stack (orientation, export form).
     """
 
     index: int
@@ -132,6 +134,7 @@ class GroupLayout:
     buckets: tuple[Bucket, ...]
     shard_group: str = DENSE_SHARD_GROUP
     expert_map: tuple[tuple[int, ...], ...] = ()
+    stacks: tuple[ExpertStack, ...] = ()
 
     @property
     def numel(self) -> int:

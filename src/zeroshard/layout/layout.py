@@ -3,9 +3,11 @@
 This is the only place where offsets, padding and partition boundaries are computed.
 
 A group is partitioned over its own process group (its shard group): dense groups over all
-W ranks, expert groups over the W / EP ranks that hold the same experts. A layout whose
-groups are all dense is written as version 1 JSON, byte for byte as before shard groups
-existed; a layout with other shard groups is version 2, which older readers refuse.
+W ranks, expert groups over the W / EP ranks that hold the same experts. JSON is written in
+the lowest version that expresses the layout: version 1 when every group is dense (byte for
+byte as before shard groups existed), version 2 when the expert groups' stacks are all
+``LEGACY_STACK`` (as before stacks were described), version 3 otherwise (each expert
+parameter's ``stack``). Older readers refuse a newer version.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ from .dtypes import itemsize
 from .group import Bucket, GroupLayout, ParamSlot
 from .policy import LayoutPolicy
 from .specs import DENSE_SHARD_GROUP, GroupSpec, ParamSpec
+from .stacks import LEGACY_STACK, ExpertStack, check_expert_map, check_stack_shape
 
 FORMAT_NAME = "zeroshard.layout"
-FORMAT_VERSION = 2  # the newest written; version 1 (dense groups only) is still written and read
+FORMAT_VERSION = 3  # the newest written; versions 1 (dense) and 2 (legacy stacks) are still written and read
 _DENSE_ONLY_VERSION = 1
+_LEGACY_STACKS_VERSION = 2
 
 GroupInput = GroupSpec | Sequence[ParamSpec | tuple[str, Sequence[int], object]]
 
@@ -99,7 +103,9 @@ class Layout:
     def group_specs(self) -> list[GroupSpec]:
         """The inputs this layout was built from, shard groups included."""
         return [
-            GroupSpec(tuple(slot.spec for slot in group.params), group.shard_group, group.world_size, group.expert_map)
+            GroupSpec(
+                tuple(slot.spec for slot in group.params), group.shard_group, group.world_size, group.expert_map, group.stacks
+            )
             for group in self.groups
         ]
 
@@ -132,7 +138,10 @@ class Layout:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready; the lowest version that can express the layout."""
-        return self._to_dict(_DENSE_ONLY_VERSION if self.is_dense else FORMAT_VERSION)
+        if self.is_dense:
+            return self._to_dict(_DENSE_ONLY_VERSION)
+        legacy = all(stack == LEGACY_STACK for group in self.groups for stack in group.stacks)
+        return self._to_dict(_LEGACY_STACKS_VERSION if legacy else FORMAT_VERSION)
 
     def _to_dict(self, version: int) -> dict[str, Any]:
         return {
@@ -140,7 +149,7 @@ class Layout:
             "version": version,
             "world_size": self.world_size,
             "policy": self.policy.to_dict(),
-            "groups": [_group_to_dict(group, with_shard_group=version > _DENSE_ONLY_VERSION) for group in self.groups],
+            "groups": [_group_to_dict(group, version) for group in self.groups],
         }
 
     def to_json(self, indent: int | None = None) -> str:
@@ -152,13 +161,13 @@ class Layout:
         if data.get("format") != FORMAT_NAME:
             raise ValueError(f"not a zeroshard layout (format {data.get('format')!r})")
         version = data.get("version")
-        if version not in (_DENSE_ONLY_VERSION, FORMAT_VERSION):
+        if version not in (_DENSE_ONLY_VERSION, _LEGACY_STACKS_VERSION, FORMAT_VERSION):
             raise ValueError(
                 f"layout format version {version!r} is not supported (this zeroshard reads versions "
                 f"{_DENSE_ONLY_VERSION} to {FORMAT_VERSION})"
             )
         try:
-            groups = [_group_from_dict(group, with_shard_group=version > _DENSE_ONLY_VERSION) for group in data["groups"]]
+            groups = [_group_from_dict(group, version) for group in data["groups"]]
             layout = build_layout(groups, data["world_size"], LayoutPolicy.from_dict(data["policy"]))
         except (KeyError, TypeError) as err:
             raise ValueError(f"layout JSON is malformed: {type(err).__name__}: {err}") from None
@@ -225,20 +234,41 @@ def _check_shard(index: int, specs: list[ParamSpec], shard: GroupSpec, world_siz
         raise ValueError(f"group {index}: shard group {name!r} of {size!r} ranks does not divide the world size {world_size}")
     if name == DENSE_SHARD_GROUP and (size != world_size or expert_map):
         raise ValueError(f"group {index}: shard group {name!r} is all {world_size} ranks, without experts")
-    if expert_map:
-        _check_expert_map(index, specs, expert_map, size, world_size)
-    return GroupSpec(tuple(specs), name, size, expert_map)
+    if not expert_map:
+        if shard.stacks:
+            raise ValueError(f"group {index}: expert stacks are described for a group without experts")
+        return GroupSpec(tuple(specs), name, size)
+    _check_expert_map(index, specs, expert_map, size, world_size)
+    return GroupSpec(tuple(specs), name, size, expert_map, _checked_stacks(index, specs, shard.stacks))
+
+
+def _checked_stacks(index: int, specs: list[ParamSpec], stacks: Any) -> tuple[ExpertStack, ...]:
+    """One ExpertStack per parameter, each checked against its shape; LEGACY_STACK for each
+    when none are given (a legacy stack's shape is checked where it matters, at export, as
+    before stacks were described)."""
+    if not stacks:
+        return (LEGACY_STACK,) * len(specs)
+    stacks = tuple(stacks)
+    if len(stacks) != len(specs) or not all(isinstance(stack, ExpertStack) for stack in stacks):
+        raise ValueError(f"group {index}: expert stacks must be one ExpertStack per parameter ({len(specs)})")
+    for spec, stack in zip(specs, stacks):
+        if stack == LEGACY_STACK:
+            continue  # as when none are given
+        try:
+            check_stack_shape(spec.name, stack, spec.shape)
+        except ValueError as err:
+            raise ValueError(f"group {index}: {err}") from None
+    return stacks
 
 
 def _check_expert_map(
     index: int, specs: list[ParamSpec], expert_map: tuple[tuple[int, ...], ...], size: int, world_size: int
 ) -> None:
+    try:
+        check_expert_map(expert_map)
+    except ValueError as err:
+        raise ValueError(f"group {index}: {err}") from None
     local = len(expert_map[0])
-    if local < 1 or any(len(experts) != local for experts in expert_map):
-        raise ValueError(f"group {index}: the expert map must give every expert-parallel rank the same number (>= 1) of experts")
-    ids = [expert for experts in expert_map for expert in experts]
-    if not all(_is_int(expert) for expert in ids) or sorted(ids) != list(range(len(ids))):
-        raise ValueError(f"group {index}: the expert map must hold each of experts 0..{len(ids) - 1} exactly once")
     if size * len(expert_map) != world_size:
         raise ValueError(
             f"group {index}: {len(expert_map)} expert-parallel ranks x {size} ranks per shard group "
@@ -333,22 +363,29 @@ def _lay_out_group(index: int, group: GroupSpec, policy: LayoutPolicy) -> GroupL
         flat = bucket.end
         logical += content
         partition += bucket.partition_numel
-    return GroupLayout(index, dtype, world_size, tuple(slots), tuple(buckets), group.shard_group, group.expert_map)
+    return GroupLayout(
+        index, dtype, world_size, tuple(slots), tuple(buckets), group.shard_group, group.expert_map, group.stacks
+    )
 
 
-def _group_from_dict(data: dict[str, Any], *, with_shard_group: bool) -> GroupSpec:
+def _group_from_dict(data: dict[str, Any], version: int) -> GroupSpec:
     params = tuple(ParamSpec.of(param["name"], param["shape"], data["dtype"]) for param in data["params"])
-    if not with_shard_group:
+    if version == _DENSE_ONLY_VERSION:
         return GroupSpec(params)
-    return GroupSpec(params, data["shard_group"], data["world_size"], data.get("expert_map", ()))
+    expert_map = data.get("expert_map", ())
+    stacks = ()
+    if expert_map and version >= FORMAT_VERSION:
+        stacks = tuple(ExpertStack.from_dict(param["stack"]) for param in data["params"])
+    return GroupSpec(params, data["shard_group"], data["world_size"], expert_map, stacks)
 
 
-def _group_to_dict(group: GroupLayout, *, with_shard_group: bool) -> dict[str, Any]:
+def _group_to_dict(group: GroupLayout, version: int) -> dict[str, Any]:
     shard: dict[str, Any] = {}
-    if with_shard_group:
+    if version > _DENSE_ONLY_VERSION:
         shard = {"shard_group": group.shard_group, "world_size": group.world_size}
         if group.expert_map:
             shard["expert_map"] = [list(experts) for experts in group.expert_map]
+    with_stacks = version >= FORMAT_VERSION and bool(group.expert_map)
     return {
         **shard,
         "dtype": group.dtype,
@@ -362,6 +399,7 @@ def _group_to_dict(group: GroupLayout, *, with_shard_group: bool) -> dict[str, A
                 "padding": slot.padding,
                 "logical_offset": slot.logical_offset,
                 "bucket": slot.bucket,
+                **({"stack": group.stacks[slot.index].to_dict()} if with_stacks else {}),
             }
             for slot in group.params
         ],

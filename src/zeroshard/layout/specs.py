@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .dtypes import canonical_dtype, itemsize
+from .stacks import ExpertStack
 
 # The most bytes a tensor's dimensions may describe, its zero dimensions counted as ones:
 # what safetensors, numpy and torch address (a [0, 2**64] tensor holds nothing, and none of
@@ -85,10 +86,12 @@ class GroupSpec:
     expert group is partitioned over the ranks that hold the same experts: ``world_size`` is
     the world size of that group (W / EP), and ``expert_map[e]`` lists the global expert ids
     that expert-parallel rank ``e`` holds, in local order. Its parameters are stacked expert
-    weights whose first dimension counts the local experts.
+    weights whose first dimension counts the local experts; ``stacks`` describes each
+    (:class:`~.stacks.ExpertStack`, one per parameter, in order; empty: ``LEGACY_STACK``).
     """
 
     params: tuple[ParamSpec, ...]
     shard_group: str = DENSE_SHARD_GROUP
     world_size: int | None = None  # None: all ranks of the layout
     expert_map: tuple[tuple[int, ...], ...] = ()
+    stacks: tuple[ExpertStack, ...] = ()

@@ -1,6 +1,8 @@
 """Token dispatch and combine across an expert-parallel group by all-to-all.
 
-Tokens arrive sorted by global expert with a count per expert. The counts are exchanged
+Tokens arrive sorted by expert slot (EP rank, then local expert; with the contiguous placement
+that is the global expert id, and for any other placement ``zeroshard.layout.expert_slots``
+gives the slots) with a count per slot. The counts are exchanged
 first (one all-to-all of E integers), so every rank knows how many rows it sends to and
 receives from each EP rank; then the rows travel by ``all_to_all_single`` with those split
 sizes, are regrouped by local expert for the grouped GEMM, and travel back the same way.
@@ -29,9 +31,11 @@ def dispatch(
 ) -> tuple[torch.Tensor, torch.Tensor, Route]:
     """Send each token to the EP rank holding its expert.
 
-    ``tokens`` [N, dim] are sorted by global expert, ``counts`` [E] (int64) counts them per
-    expert; EP rank ``r`` holds experts ``r * E / EP ...`` (contiguous). Returns the received
-    rows grouped by local expert, the row count of each local expert, and the route back.
+    ``tokens`` [N, dim] are sorted by expert slot, ``counts`` [E] (int64) counts them per
+    slot; slots ``r * E / EP ...`` are EP rank ``r``'s experts, in its local order (with the
+    contiguous placement, slot = global expert id). Returns the received rows grouped by
+    local expert, the row count of each local expert, and the route back. Collective over
+    ``group``.
     """
     ep_size = dist.get_world_size(group)
     local_experts = counts.numel() // ep_size

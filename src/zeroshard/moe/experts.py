@@ -22,13 +22,26 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..layout import LEGACY_STACK, contiguous_expert_map
+from .contract import declare_experts
+
 WEIGHTS = ("w1", "w2", "w3")  # gate, down, up: Mixtral's names
 
 
 class GroupedExperts(nn.Module):
-    """The SwiGLU experts with global ids ``expert_ids`` (of ``num_experts``), stacked."""
+    """The SwiGLU experts with global ids ``expert_ids`` (of ``num_experts``), stacked.
 
-    def __init__(self, dim: int, hidden: int, expert_ids: Sequence[int], num_experts: int) -> None:
+    ``expert_map`` is the placement they belong to (default: the contiguous one, of which
+    ``expert_ids`` must be one EP rank's block)."""
+
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        expert_ids: Sequence[int],
+        num_experts: int,
+        expert_map: Sequence[Sequence[int]] | None = None,
+    ) -> None:
         super().__init__()
         self.expert_ids = tuple(expert_ids)
         self.num_experts = num_experts
@@ -39,6 +52,12 @@ class GroupedExperts(nn.Module):
         for weight in (self.w1, self.w2, self.w3):
             nn.init.normal_(weight, mean=0.0, std=0.02)
         self.register_load_state_dict_pre_hook(_stack_per_expert_weights)
+        # The contract: [local, in, out] stacks exported per expert (LEGACY_STACK).
+        placement = expert_map if expert_map is not None else _contiguous_placement(self.expert_ids, num_experts)
+        held = [tuple(experts) for experts in placement]
+        if self.expert_ids not in held:
+            raise ValueError(f"experts {list(self.expert_ids)} are not one expert-parallel rank's in {held}")
+        declare_experts(self, {w: LEGACY_STACK for w in WEIGHTS}, expert_map=held, ep_rank=held.index(self.expert_ids))
 
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``tokens`` [N, dim] grouped by local expert, ``counts`` [local] rows per expert."""
@@ -49,6 +68,13 @@ class GroupedExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return f"experts={list(self.expert_ids)} of {self.num_experts}, w1={tuple(self.w1.shape)}"
+
+
+def _contiguous_placement(expert_ids: tuple[int, ...], num_experts: int) -> tuple[tuple[int, ...], ...]:
+    local = len(expert_ids)
+    if not local or num_experts % local:
+        raise ValueError(f"{local} local experts do not split {num_experts} experts evenly; give the expert_map")
+    return contiguous_expert_map(num_experts, num_experts // local)
 
 
 def per_expert_name(prefix: str, expert_id: int, weight: str) -> str:

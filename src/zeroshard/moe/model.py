@@ -12,7 +12,7 @@ from torch.nn import functional as F
 
 from ..layout import ExpertMesh, GroupSpec, ParamSpec
 from ..models import CausalSelfAttention, GPTConfig
-from .experts import GroupedExperts
+from .contract import expert_stacks
 from .layer import MoEFeedForward
 
 
@@ -75,40 +75,60 @@ class MoEGPT(nn.Module):
 def expert_param_names(model: nn.Module) -> tuple[list[str], list[str]]:
     """Names of (dense, expert) trainable parameters, each shared parameter once.
 
-    Expert parameters are those of :class:`GroupedExperts` modules: they differ between EP
-    ranks and are reduced over the expert-data-parallel group; all others over all ranks.
+    Expert parameters are the stacks of the model's experts modules (the contract,
+    :mod:`.contract`: ``GroupedExperts``, transformers v5 experts, declared modules): they
+    differ between EP ranks and are reduced over the expert-data-parallel group; all others
+    over all ranks.
     """
-    experts = {id(p) for module in model.modules() if isinstance(module, GroupedExperts) for p in module.parameters()}
+    stacks = expert_stacks(model)
     dense, expert, seen = [], [], set()
     for name, param in model.named_parameters():
         if param.requires_grad and id(param) not in seen:
             seen.add(id(param))
-            (expert if id(param) in experts else dense).append(name)
+            (expert if name in stacks else dense).append(name)
     return dense, expert
 
 
 def moe_param_groups(model: nn.Module, **expert_options: object) -> list[dict]:
-    """Param groups for ``ZeroOptimizer``: the dense parameters, and the expert ones flagged
-    ``"expert": True`` (with ``expert_options``, e.g. another lr), so they are sharded and
-    reduced over the expert-data-parallel group."""
+    """Param groups for ``ZeroOptimizer``: the dense parameters, and the expert stacks
+    flagged ``"expert": True`` with their placement (``"expert_map"``) and descriptions
+    (``"expert_stacks"``), one group per placement, with ``expert_options`` (e.g. another
+    lr), so they are sharded and reduced over the expert-data-parallel group."""
     params = dict(model.named_parameters())
     dense, expert = expert_param_names(model)
-    return [
-        {"params": [params[name] for name in dense]},
-        {"params": [params[name] for name in expert], "expert": True, **expert_options},
+    stacks = expert_stacks(model)
+    by_map: dict[tuple, list[str]] = {}
+    for name in expert:
+        by_map.setdefault(stacks[name][1].expert_map, []).append(name)
+    return [{"params": [params[name] for name in dense]}] + [
+        {
+            "params": [params[name] for name in names],
+            "expert": True,
+            "expert_map": expert_map,
+            "expert_stacks": {name: stacks[name][0] for name in names},
+            **expert_options,
+        }
+        for expert_map, names in by_map.items()
     ]
 
 
 def layout_groups(model: nn.Module, mesh: ExpertMesh, dtype: object | None = None) -> list[list[ParamSpec] | GroupSpec]:
-    """Layout groups of a model with GroupedExperts: the dense parameters over all ranks,
-    the stacked expert weights over the expert-data-parallel group (one dtype each)."""
+    """Layout groups of a model with experts modules: the dense parameters over all ranks,
+    the expert stacks over the expert-data-parallel group (one dtype each), as the engine
+    forms them from :func:`moe_param_groups` on ``mesh``."""
     params = dict(model.named_parameters())
     dense, expert = expert_param_names(model)
-    num_experts = {m.num_experts for m in model.modules() if isinstance(m, GroupedExperts)}
-    if len(num_experts) != 1:
-        raise ValueError(f"expected one expert count across the model's MoE layers, got {sorted(num_experts)}")
+    stacks = expert_stacks(model)
+    maps = {stacks[name][1].expert_map for name in expert}
+    if len(maps) != 1:
+        counts = sorted({sum(map(len, m)) for m in maps})
+        raise ValueError(f"expected one expert placement across the model's MoE layers, got {len(maps)} ({counts} experts)")
+    expert_map = maps.pop()
+    num_experts = sum(map(len, expert_map))
 
     def specs(names: list[str]) -> list[ParamSpec]:
         return [ParamSpec.of(name, tuple(params[name].shape), dtype or params[name].dtype) for name in names]
 
-    return [specs(dense), mesh.expert_group(specs(expert), num_experts.pop())]
+    placement = expert_map if len(expert_map) == mesh.ep_size else None  # a model at another EP: contiguous
+    group = mesh.expert_group(specs(expert), num_experts, expert_map=placement, stacks=[stacks[n][0] for n in expert])
+    return [specs(dense), group]

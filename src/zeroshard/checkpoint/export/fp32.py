@@ -3,9 +3,12 @@
 Every name of the module's state_dict is written: trained parameters from their fp32
 masters (cast to ``dtype``), frozen parameters (floating ones cast to ``dtype``) and
 buffers (in their own dtype), and a tied parameter under each of its names with its own
-bytes (safetensors refuses shared storage). Expert weights are one ``[out, in]`` tensor per
-global expert (``blocks.0.moe.experts.3.w1.weight``, see :mod:`..experts`), the form
-``GroupedExperts`` loads with ``strict=True``. One ``model.safetensors``, or, when
+bytes (safetensors refuses shared storage). Expert stacks are written in each stack's own
+export form (:mod:`..experts`): one global ``[E, ...]`` tensor under its own name and
+orientation (``model.layers.0.mlp.experts.gate_up_proj``, what transformers'
+``from_pretrained`` loads), or one ``[out, in]`` tensor per global expert (MoEGPT's
+``blocks.0.moe.experts.3.w1.weight``, which ``GroupedExperts`` loads with ``strict=True``);
+``experts="stacked"`` or ``"per_expert"`` forces one form. One ``model.safetensors``, or, when
 ``max_shard_size`` is given and exceeded, ``model-00001-of-0000N.safetensors`` shards and a
 ``model.safetensors.index.json``. Streaming and atomic like :func:`to_universal`, and like
 it torch-free: :func:`load_fp32_state_dict` alone hands out torch tensors.
@@ -29,7 +32,7 @@ from ..format import DEFAULT_BLOCK_SIZE, MANIFEST_FILE
 from ..formats import open_source
 from ..io.output_dir import OutputKind, output_path, staged_output
 from ..io.safetensors_io import PlannedTensor
-from ..experts import exported_params, read_exported
+from ..experts import EXPERT_FORMS, exported_params, read_exported
 from ..source import ModelEntry, ShardSource
 from ..io.streaming import OutputTensor, plan_shards, write_shards
 from ..universal.read import UniversalCheckpoint
@@ -88,12 +91,15 @@ def to_fp32(
     progress: bool | None = None,
     overwrite: bool = False,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    experts: str | None = None,
 ) -> Path:
     """Export the module state_dict of ``path`` (a native, universal or DeepSpeed checkpoint,
-    or an opened ShardSource / UniversalCheckpoint) to ``out_dir``; returns ``out_dir``."""
+    or an opened ShardSource / UniversalCheckpoint) to ``out_dir``; returns ``out_dir``.
+    ``experts``: None writes each expert stack in its own form; ``"stacked"`` or
+    ``"per_expert"`` writes every stack in that one."""
     dtype = _as_dtype(dtype)
     out_dir = output_path(out_dir)  # once: publishing may replace the current directory
-    view = _open(path)
+    view = _open(path, experts)
     inputs = (path, view.origin) if isinstance(path, (str, os.PathLike)) else (view.origin,)
     try:
         tensors = _outputs(view, dtype)
@@ -120,11 +126,13 @@ def to_fp32(
     return out_dir
 
 
-def load_fp32_state_dict(path: Input, dtype: torch.dtype | str = "float32") -> dict[str, torch.Tensor]:
+def load_fp32_state_dict(
+    path: Input, dtype: torch.dtype | str = "float32", experts: str | None = None
+) -> dict[str, torch.Tensor]:
     """The consolidated module state_dict of ``path`` in memory, as :func:`to_fp32` writes it,
     as torch tensors (tied names share one tensor here)."""
     dtype = _as_dtype(dtype)
-    view = _open(path)
+    view = _open(path, experts)
     try:
         state: dict[str, torch.Tensor] = {}
         made: dict[int, torch.Tensor] = {}
@@ -165,16 +173,23 @@ def _cast(read: Callable[[str], np.ndarray], name: str, dtype: str) -> np.ndarra
     return cast(read(name), dtype)
 
 
-def _open(path: Input) -> _ModelView:
+def _open(path: Input, experts: str | None) -> _ModelView:
+    if experts not in (None, *EXPERT_FORMS):
+        raise ValueError(f"experts must be None or one of {', '.join(EXPERT_FORMS)}, got {experts!r}")
     if isinstance(path, UniversalCheckpoint):
-        return _source_view(UniversalSource(path), close=False)
+        return _source_view(UniversalSource(path), experts, close=False)
     if isinstance(path, (str, os.PathLike)):
-        return _source_view(open_source(path), close=True)
-    return _source_view(path, close=False)
+        source = open_source(path)
+        try:
+            return _source_view(source, experts, close=True)
+        except BaseException:
+            source.close()
+            raise
+    return _source_view(path, experts, close=False)
 
 
-def _source_view(source: ShardSource, *, close: bool) -> _ModelView:
-    exported = {param.name: param for param in exported_params(source.info.layout)}
+def _source_view(source: ShardSource, experts: str | None, *, close: bool) -> _ModelView:
+    exported = {param.name: param for param in exported_params(source.info.layout, experts)}
     return _ModelView(
         trained=[(name, param.shape) for name, param in exported.items()],
         entries=list(source.info.model_entries),

@@ -2,11 +2,13 @@
 
 A universal checkpoint holds every trained parameter's fp32 master and optimizer states in
 the parameter's own shape, with no padding and no ranks, so any world size, policy or bucket
-size loads it by range reads. Expert weights are one tensor per expert, named by global id in
-``nn.Linear`` orientation (:mod:`..experts`); the manifest's ``experts`` lists, per stacked
-weight of the run, its per-expert names in expert order (version 2; a checkpoint without
-experts is written as version 1, as before). docs/FORMAT.md describes it; this module spells
-its names and parses its manifest.
+size loads it by range reads. An expert stack is one tensor ``[E, ...]`` under its own name,
+its description (:class:`~zeroshard.layout.ExpertStack`) in the manifest's ``expert_stacks``
+(version 3); a legacy stack (MoEGPT's ``[E, in, out]``, exported per expert) is one tensor
+per expert, named by global id in ``nn.Linear`` orientation (:mod:`..experts`), which the
+manifest's ``experts`` lists in expert order (version 2). A checkpoint is written in the
+lowest version that expresses it: 1 without experts, 2 with legacy stacks only, else 3.
+docs/FORMAT.md describes it; this module spells its names and parses its manifest.
 """
 
 from __future__ import annotations
@@ -17,7 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from ... import __version__
-from ...layout import EXPERT_SHARD_GROUP, GroupSpec, ParamSpec, canonical_dtype, contiguous_expert_map
+from ...layout import (
+    EXPERT_SHARD_GROUP,
+    LEGACY_STACK,
+    ExpertStack,
+    GroupSpec,
+    ParamSpec,
+    canonical_dtype,
+    contiguous_expert_map,
+)
+from ...layout.stacks import check_stack_shape
 from ..format import state_name_problem
 from ..io import jsonvalue
 from ..io.checksum import FileRecord
@@ -25,8 +36,9 @@ from ..io.directory import read_json_file
 from ..source import ModelEntry
 
 FORMAT_NAME = "zeroshard.universal"
-FORMAT_VERSION = 2  # the newest read and written; without experts, version 1 is written
+FORMAT_VERSION = 3  # the newest read and written; see the module docstring for the older ones
 _WITHOUT_EXPERTS_VERSION = 1
+_LEGACY_EXPERTS_VERSION = 2
 MANIFEST_FILE = "universal.json"
 DEFAULT_MAX_SHARD_SIZE = 2**31
 MODEL_ENTRY_KINDS = ("buffer", "frozen", "other")  # "other": written by a run that did not tell them apart
@@ -92,6 +104,8 @@ class UniversalManifest:
     weight_map: dict[str, str] = field(default_factory=dict)  # tensor key -> shard file
     # the run's stacked expert weight -> the names of its experts' tensors, by global expert id
     experts: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # stored stacks (in ``params`` under their own name, global shape) -> their description
+    expert_stacks: dict[str, ExpertStack] = field(default_factory=dict)
     version: int | None = None  # None: the lowest version that expresses the manifest
     created_by: str = f"zeroshard {__version__}"
 
@@ -99,11 +113,13 @@ class UniversalManifest:
     def format_version(self) -> int:
         if self.version is not None:
             return self.version
-        return FORMAT_VERSION if self.experts else _WITHOUT_EXPERTS_VERSION
+        if self.expert_stacks:
+            return FORMAT_VERSION
+        return _LEGACY_EXPERTS_VERSION if self.experts else _WITHOUT_EXPERTS_VERSION
 
     def stacked(self, name: str) -> UniversalParam:
-        """A trained parameter of the run: a stored one, or a stacked expert weight (shape
-        ``[E, in, out]``, from its experts' ``[out, in]`` tensors)."""
+        """A trained parameter of the run: a stored one (a stored stack too, ``[E, ...]``), or
+        a legacy stack (shape ``[E, in, out]``, from its experts' ``[out, in]`` tensors)."""
         names = self.experts.get(name)
         if names is None:
             return self.params[name]
@@ -130,15 +146,18 @@ class UniversalManifest:
 
     def layout_groups(self, ep_size: int = 1) -> list[list[ParamSpec] | GroupSpec]:
         """Layout groups as a run would form them, one per (param group, dtype, dense or
-        experts), first seen first; each stacked expert weight once, ``[E / ep_size, in, out]``,
-        in an expert group with the contiguous expert map."""
+        experts), first seen first; each expert stack once, ``[E / ep_size, ...]``, in an
+        expert group with the contiguous expert map and its description."""
         stack_of = {name: stack for stack, names in self.experts.items() for name in names}
         groups: dict[tuple[int, str, bool], list[ParamSpec]] = {}
+        stacks: dict[tuple[int, str, bool], list[ExpertStack]] = {}
         experts: dict[tuple[int, str, bool], int] = {}
         for name, param in self.params.items():
             stack = stack_of.get(name)
             if stack is not None and name != self.experts[stack][0]:
-                continue  # the stack is listed at its first expert
+                continue  # a legacy stack is listed at its first expert
+            if stack is None and name in self.expert_stacks:
+                stack = name
             key = (param.group, param.dtype, stack is not None)
             if stack is None:
                 groups.setdefault(key, []).append(ParamSpec.of(name, param.shape, param.dtype))
@@ -146,9 +165,11 @@ class UniversalManifest:
             whole = self.stacked(stack)
             local = (whole.shape[0] // ep_size, *whole.shape[1:])
             groups.setdefault(key, []).append(ParamSpec.of(stack, local, param.dtype))
-            experts[key] = whole.shape[0]
+            stacks.setdefault(key, []).append(self.expert_stacks.get(stack, LEGACY_STACK))
+            if experts.setdefault(key, whole.shape[0]) != whole.shape[0]:
+                raise ValueError(f"expert stack {stack!r} has {whole.shape[0]} experts, others in its group {experts[key]}")
         return [
-            GroupSpec(tuple(specs), EXPERT_SHARD_GROUP, None, contiguous_expert_map(experts[key], ep_size))
+            GroupSpec(tuple(specs), EXPERT_SHARD_GROUP, None, contiguous_expert_map(experts[key], ep_size), tuple(stacks[key]))
             if key[2]
             else specs
             for key, specs in groups.items()
@@ -156,6 +177,8 @@ class UniversalManifest:
 
     def to_dict(self) -> dict[str, Any]:
         stacks = {"experts": {stack: list(names) for stack, names in self.experts.items()}} if self.experts else {}
+        if self.expert_stacks:
+            stacks["expert_stacks"] = {name: stack.to_dict() for name, stack in self.expert_stacks.items()}
         return {
             "format": FORMAT_NAME,
             "version": self.format_version,
@@ -261,6 +284,13 @@ class UniversalManifest:
             first = self.params[names[0]]
             if len(first.shape) != 2 or any(self.params[name] != first for name in names):
                 return f"the experts of {stack!r} are not alike [out, in] matrices (shape, dtype, group, states)"
+        for name, stack in self.expert_stacks.items():
+            if name not in self.params or name in listed:
+                return f"expert stack {name!r} is not a stored trained parameter of its own"
+            try:
+                check_stack_shape(name, stack, self.params[name].shape)
+            except ValueError as err:
+                return str(err)
         return None
 
 
@@ -298,6 +328,10 @@ def _fields_from_dict(data: dict[str, Any]) -> UniversalManifest:
         experts={
             str(stack): tuple(str(name) for name in names)
             for stack, names in (data.get("experts", {}) if data["version"] > _WITHOUT_EXPERTS_VERSION else {}).items()
+        },
+        expert_stacks={
+            str(name): ExpertStack.from_dict(stack)
+            for name, stack in (data.get("expert_stacks", {}) if data["version"] >= FORMAT_VERSION else {}).items()
         },
         version=int(data["version"]),
         created_by=str(data.get("created_by", "")),

@@ -5,8 +5,10 @@ ranks that hold its pieces (:func:`read_param`), written, and dropped, so memory
 the largest parameter whatever the checkpoint's size. Parameters go in layout order, each
 with its fp32 master then its optimizer states, so a checksum block shared by neighbouring
 pieces (or, in a rank file smaller than one block, by all of a parameter's tensors) is
-still in the reader's small cache when it is needed again. A stacked expert weight is written
-as one tensor per global expert in ``nn.Linear`` orientation (:mod:`..experts`).
+still in the reader's small cache when it is needed again. An expert stack is written as one
+global tensor ``[E, ...]`` under its own name (its description in the manifest's
+``expert_stacks``), a legacy one (MoEGPT's) as one tensor per global expert in ``nn.Linear``
+orientation, as before (:mod:`..experts`).
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ from typing import Any
 
 import numpy as np
 
+from ...layout import LEGACY_STACK
 from ..io.directory import write_file_durably
 from ..io.dtypes import dtype_of
 from ..format import DEFAULT_BLOCK_SIZE
 from ..formats import open_source
 from ..io.output_dir import OutputKind, output_path, staged_output
 from ..io.safetensors_io import PlannedTensor
-from ..experts import exported_params, read_exported
+from ..experts import UNIVERSAL_FORM, exported_params, read_exported
 from ..source import ShardSource, param_group_owners
 from ..io.streaming import OutputTensor, plan_shards, write_shards
 from .format import (
@@ -113,12 +116,14 @@ def describe(source: ShardSource) -> UniversalManifest:
     owner = _param_group_of_layout_groups(source)
     params: dict[str, UniversalParam] = {}
     exported: dict[str, list[str]] = {}  # layout parameter -> its exported names
-    for param in exported_params(layout):
+    for param in exported_params(layout, UNIVERSAL_FORM):
         group = layout.param(param.param)[0]
         states = tuple(info.state_keys[group.index])
         params[param.name] = UniversalParam(param.shape, group.dtype, owner[group.index], states)
         exported.setdefault(param.param, []).append(param.name)
-    experts = {slot.name: tuple(exported[slot.name]) for g in layout.groups if g.is_expert_group for slot in g.params}
+    expert_slots = [(g, slot) for g in layout.groups if g.is_expert_group for slot in g.params]
+    experts = {slot.name: tuple(exported[slot.name]) for g, slot in expert_slots if g.stacks[slot.index] == LEGACY_STACK}
+    stacks = {slot.name: g.stacks[slot.index] for g, slot in expert_slots if g.stacks[slot.index] != LEGACY_STACK}
     param_groups = [
         UniversalParamGroup(
             hyperparameters=dict(state.hyperparameters),
@@ -141,6 +146,7 @@ def describe(source: ShardSource) -> UniversalManifest:
         aliases=dict(info.aliases),
         extra=dict(info.extra),
         experts=experts,
+        expert_stacks=stacks,
     )
 
 
@@ -148,7 +154,7 @@ def output_tensors(source: ShardSource, manifest: UniversalManifest) -> list[Out
     """Every tensor of the universal shards, in write order, each with its producer."""
     layout = source.info.layout
     tensors: list[OutputTensor] = []
-    for param in exported_params(layout):
+    for param in exported_params(layout, UNIVERSAL_FORM):
         for key in ("fp32", *source.info.state_keys[layout.param(param.param)[0].index]):
             planned = PlannedTensor(param_key(param.name, key), "float32", param.shape)
             tensors.append(OutputTensor(planned, functools.partial(read_exported, source, param, key)))
