@@ -91,8 +91,10 @@ def test_every_readme_command_names_what_the_setup_installs_and_options_that_exi
     assert program.startswith(".venv/bin/") or program == "zeroshard", f"{program}: say where it is (.venv/bin/)"
     name = program.removeprefix(".venv/bin/")
     assert (VENV_BIN / name).is_file(), f"the setup installs no {name}"
-    if name == "python":
-        assert args[:2] == ["-m", "pytest"] and importlib.util.find_spec("pytest")
+    if name == "python" and args[:2] == ["-m", "pytest"]:
+        assert importlib.util.find_spec("pytest")
+    elif name == "python":
+        _check_script(args[0], args[1:])
     elif name == "torchrun":
         _check_torchrun(args, placeholders)
     else:
@@ -107,6 +109,11 @@ def _check_torchrun(args: list[str], placeholders: dict[str, str]) -> None:
     if script == ".venv/bin/zeroshard":
         _check_zeroshard(script_args, run_cheap=False)
         return
+    _check_script(script, script_args)
+
+
+def _check_script(script: str, script_args: list[str]) -> None:
+    """``script`` is a file of the repository whose ``parse_args()`` takes ``script_args``."""
     assert (ROOT / script).is_file(), script
     spec = importlib.util.spec_from_file_location("readme_script", ROOT / script)
     module = importlib.util.module_from_spec(spec)

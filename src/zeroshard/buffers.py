@@ -16,6 +16,11 @@ from .layout import GroupLayout, LayoutPolicy, itemsize
 
 
 def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a canonical dtype name (``"bfloat16"`` -> ``torch.bfloat16``).
+
+    Raises:
+        AttributeError: torch has no dtype of that name.
+    """
     return getattr(torch, name)
 
 
@@ -28,14 +33,17 @@ class FlatParamBuffer:
     params: list[nn.Parameter]  # in group order
 
     def bucket_view(self, bucket_index: int) -> torch.Tensor:
+        """The bucket's run of the flat buffer (a view), every rank's slice of it included."""
         bucket = self.group.buckets[bucket_index]
         return self.data[bucket.start : bucket.end]
 
     def rank_slice(self, bucket_index: int, rank: int) -> torch.Tensor:
+        """The slice of the bucket that ``rank`` (of the group's shard group) owns (a view)."""
         begin, end = self.group.buckets[bucket_index].rank_range(rank)
         return self.data[begin:end]
 
     def param_view(self, param_index: int) -> torch.Tensor:
+        """Parameter ``param_index``'s slot, in the parameter's shape (a view)."""
         slot = self.group.params[param_index]
         return self.data[slot.offset : slot.end].view(slot.spec.shape)
 
@@ -47,7 +55,12 @@ def bind_flat_buffer(
     policy: LayoutPolicy,
 ) -> FlatParamBuffer:
     """Allocate the group's buffer, copy each parameter in (cast to the group's dtype) and
-    rebind the parameter as a view of its slot."""
+    rebind the parameter as a view of its slot. Not collective.
+
+    Raises:
+        RuntimeError: a view's data_ptr() is not on the policy's alignment (a bug: the
+            buffer's start and the layout's offsets are aligned by construction).
+    """
     alignment = _required_alignment(group, policy)
     data = aligned_zeros(group.numel, torch_dtype(group.dtype), device, alignment)
     buffer = FlatParamBuffer(group, data, params)

@@ -87,7 +87,15 @@ class _Widening:
 
 @dataclass
 class Collectives:
-    """The collectives a ZeRO rank needs, over one process group."""
+    """The collectives a ZeRO rank needs, over one process group.
+
+    Every method that moves data is collective over ``group`` (the default group when None):
+    every rank of it calls it, in the same order, with tensors of the same size. In a world
+    of one (no initialised process group) they copy locally and return at once.
+
+    Raises:
+        ValueError: at construction, a ``group`` is given but torch.distributed is not initialised.
+    """
 
     group: Any = None
     bytes_moved: Counter = field(default_factory=Counter)
@@ -101,10 +109,13 @@ class Collectives:
 
     @property
     def backend(self) -> str:
+        """The group's backend ("gloo", "nccl", ...), or "local" without torch.distributed."""
         return dist.get_backend(self.group) if self.distributed else "local"
 
     def reduce_scatter_sum(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
-        """output (one partition) <- sum over ranks of this rank's partition of input."""
+        """Collective over ``group``: output (one partition) <- the sum over ranks of this
+        rank's partition of input. Returns a handle to ``wait()`` on (done at once unless
+        ``async_op``)."""
         self.bytes_moved["reduce_scatter"] += input.numel() * input.element_size()
         if self.world_size == 1:
             output.copy_(input)
@@ -114,7 +125,9 @@ class Collectives:
     def reduce_scatter_widened(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, scratch: torch.Tensor | None = None
     ):
-        """output (float32, one partition) <- sum over ranks of this rank's partition of input.
+        """Collective over ``group``: output (float32, one partition) <- the sum over ranks of
+        this rank's partition of input. Returns a handle; ``output`` is complete once it is
+        waited on.
 
         The payload moves in ``input``'s lower precision (bf16, fp16). On gloo, whose
         reduce-scatter is an all-reduce (2(D-1)/D of the buffer sent per rank), it is an
@@ -158,7 +171,8 @@ class Collectives:
         return input_numel // self.world_size
 
     def all_gather_into(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
-        """output <- concatenation of every rank's input (input may be a slice of output).
+        """Collective over ``group``: output <- the concatenation of every rank's input (input
+        may be this rank's slice of output). Returns a handle to ``wait()`` on.
 
         Two gloo ranks swap their inputs with one all-to-all that sends nothing to itself:
         the same bytes on the wire as gloo's all-gather, at about half its time and CPU on
@@ -184,19 +198,27 @@ class Collectives:
         )
 
     def all_reduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Collective over ``group``: ``tensor`` <- its reduction over the ranks by ``op``
+        ("sum", "max", "min", ...: a ``torch.distributed.ReduceOp`` name), in place; returns it.
+
+        Raises:
+            AttributeError: ``op`` names no ReduceOp.
+        """
         self.bytes_moved["all_reduce"] += tensor.numel() * tensor.element_size()
         if self.world_size > 1:
             dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op.upper()), group=self.group)
         return tensor
 
     def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        """``src`` is a rank of this group."""
+        """Collective over ``group``: every rank's ``tensor`` <- rank ``src``'s (a rank of this
+        group, not a global rank), in place; returns it."""
         self.bytes_moved["broadcast"] += tensor.numel() * tensor.element_size()
         if self.world_size > 1:
             dist.broadcast(tensor, src=self._global_rank(src), group=self.group)
         return tensor
 
     def all_gather_object(self, value: Any) -> list[Any]:
+        """Collective over ``group``: every rank's ``value`` (picklable), in rank order."""
         if self.world_size == 1:
             return [value]
         gathered: list[Any] = [None] * self.world_size
@@ -204,6 +226,7 @@ class Collectives:
         return gathered
 
     def barrier(self) -> None:
+        """Collective over ``group``: returns once every rank of it has called it."""
         if self.world_size > 1:
             dist.barrier(group=self.group)
 

@@ -75,8 +75,14 @@ class DeepSpeedRun:
         return stepped
 
     def checkpointer(self, root: str | os.PathLike[str], **options: Any):
-        """Collective. A :class:`~zeroshard.checkpoint.Checkpointer` over ``root`` with the
-        run's scheduler and :attr:`checkpoint` settings (``options`` override them)."""
+        """Collective: every rank calls it (a Checkpointer's construction is collective). A
+        :class:`~zeroshard.checkpoint.Checkpointer` over ``root`` with the run's scheduler and
+        :attr:`checkpoint` settings (``options`` override them).
+
+        Raises:
+            ValueError: as the Checkpointer's constructor (a bad option; a root that holds a
+                checkpoint of another kind).
+        """
         from .checkpoint import Checkpointer
 
         settings = {"keep_last": self.checkpoint.keep_last, "async_save": self.checkpoint.async_save, **options}
@@ -120,8 +126,10 @@ def from_deepspeed_config(
 
     Raises:
         ValueError: one line naming every refused key and why (features zeroshard does not
-            have, values it cannot honour, batch sizes that do not add up, unknown keys).
+            have, values it cannot honour, batch sizes that do not add up, unknown keys), on
+            every rank alike; or as :class:`~zeroshard.engine.ZeroOptimizer` once it is built.
         FileNotFoundError: ``config`` is a path that does not exist.
+        CollectiveCallError: the other ranks did not call it.
     """
     from .comm import Collectives
 

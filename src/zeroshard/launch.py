@@ -20,12 +20,14 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (another process may take it before it is bound)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
 def default_backend() -> str:
+    """"nccl" where CUDA and NCCL are available, else "gloo"."""
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
@@ -56,7 +58,16 @@ def import_group_binding_modules() -> None:
 
 
 def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> None:
-    """Initialise the default process group from RANK/WORLD_SIZE/MASTER_* (torchrun's)."""
+    """Initialise the default process group from RANK/WORLD_SIZE/MASTER_* (torchrun's); with
+    NCCL, first select GPU ``LOCAL_RANK``.
+
+    Collective: every rank of the job calls it (``init_process_group``'s rendezvous).
+
+    Raises:
+        ValueError: (torch's) a variable the env:// rendezvous needs is not set.
+        RuntimeError: (torch's ``DistStoreError`` and others) the other ranks did not join
+            within ``timeout_s``, or the backend could not start.
+    """
     import datetime
 
     import_group_binding_modules()
@@ -118,9 +129,15 @@ def spawn(
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes; return their results.
 
     ``fn`` must be importable (a module-level function); its return value comes back pickled,
-    tensors copied by value (never shared through file descriptors). Raises RuntimeError with the
-    failing rank's traceback, or on timeout after killing every process. The rendezvous
-    port is picked free but can be taken before rank 0 binds it; then it tries another.
+    tensors copied by value (never shared through file descriptors). The rendezvous port is
+    picked free but can be taken before rank 0 binds it; then it tries another, up to
+    ``attempts`` times. Not collective: the parent calls it; each child initialises the
+    process group, runs ``fn`` and destroys the group.
+
+    Raises:
+        RuntimeError: with the failing rank's traceback (a result that cannot be pickled
+            included); a rank exited without a result; or ``timeout_s`` passed (every
+            process is killed first). Also when every attempt found its port taken.
     """
     for attempt in range(attempts):
         try:

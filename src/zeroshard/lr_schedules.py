@@ -60,7 +60,12 @@ class DeepSpeedSchedule(LRScheduler):
     """Base of the DeepSpeed schedules: subclasses give :meth:`lrs_at` (and :meth:`betas_at`).
 
     ``last_batch_iteration`` other than -1 resumes at that iteration the way DeepSpeed does:
-    the optimizer's lrs are left as they are until the next :meth:`step`.
+    the optimizer's lrs are left as they are until the next :meth:`step`. Not collective.
+
+    Raises:
+        ValueError: at construction, naming the argument: a per-group list whose length is
+            not the optimizer's number of param groups, a step count that is not a positive
+            integer, an unknown ``warmup_type``.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, last_batch_iteration: int = -1) -> None:
@@ -154,6 +159,7 @@ class WarmupLR(DeepSpeedSchedule):
         return self._warmup_gamma(iteration) if iteration < self.warmup_num_steps else 1.0
 
     def lrs_at(self, iteration: int) -> list[float]:
+        """The warmup's lrs: ``warmup_min_lr`` at -1, then ``min + (max - min) * gamma``."""
         if iteration < 0:
             return list(self.min_lrs)
         gamma = self._gamma(iteration)
@@ -223,6 +229,7 @@ class WarmupCosineLR(DeepSpeedSchedule):
         return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
 
     def lrs_at(self, iteration: int) -> list[float]:
+        """0 at -1 (as in DeepSpeed), then each group's lr times :meth:`ratio_at`."""
         if iteration < 0:
             return [0.0 for _ in self.org_lrs]
         ratio = self.ratio_at(iteration)
@@ -306,6 +313,7 @@ class OneCycle(DeepSpeedSchedule):
         return (iteration - self.total_size + 1) / self.decay_step_size
 
     def lrs_at(self, iteration: int) -> list[float]:
+        """Up and down the cycle, then ``cycle_min_lr`` decayed (or kept, without a decay)."""
         if iteration < 0:
             return list(self.min_lrs)
         if iteration < self.total_size:
@@ -317,6 +325,8 @@ class OneCycle(DeepSpeedSchedule):
         return [low / factor for low in self.min_lrs]
 
     def betas_at(self, iteration: int) -> list[tuple[float, float]] | None:
+        """(first beta, 0.99) per group, the first moving against the lr; None without
+        ``cycle_momentum`` (or an optimizer without betas)."""
         if not self.cycle_momentum:
             return None
         if iteration < 0:
@@ -350,6 +360,7 @@ class LRRangeTest(DeepSpeedSchedule):
         super().__init__(optimizer, last_batch_iteration)
 
     def lrs_at(self, iteration: int) -> list[float]:
+        """``lr_range_test_min_lr`` at -1, then times ``1 + step_rate * interval``."""
         if iteration < 0:
             return list(self.min_lrs)
         interval = float(iteration + 1) / self.step_size

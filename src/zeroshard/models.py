@@ -20,6 +20,8 @@ from .layout import ParamSpec
 
 @dataclass(frozen=True)
 class GPTConfig:
+    """TinyGPT's shape: vocabulary, context length, layers, heads and width."""
+
     vocab_size: int = 97
     block_size: int = 32
     n_layer: int = 2
@@ -28,6 +30,8 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention: one fused qkv projection, torch's scaled_dot_product_attention."""
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_head = config.n_head
@@ -35,6 +39,7 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.n_embd, config.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [batch, time, n_embd] -> the same shape."""
         batch, time, channels = x.shape
         q, k, v = self.qkv(x).split(channels, dim=2)
         q, k, v = (t.view(batch, time, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
@@ -43,6 +48,8 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
+    """A pre-norm transformer block: attention, then a GELU MLP four times as wide, each residual."""
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd)
@@ -52,6 +59,7 @@ class Block(nn.Module):
         self.out = nn.Linear(4 * config.n_embd, config.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [batch, time, n_embd] -> the same shape."""
         x = x + self.attn(self.ln_1(x))
         return x + self.out(F.gelu(self.fc(self.ln_2(x))))
 
@@ -73,6 +81,8 @@ class TinyGPT(nn.Module):
 
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [batch, time, vocab] of token ids ``idx`` [batch, time]; with ``targets``
+        (the same shape), the mean cross-entropy instead, computed in fp32."""
         x = self.wte(idx) + self.wpe(self.positions[: idx.shape[1]])
         for block in self.blocks:
             x = block(x)
@@ -104,6 +114,8 @@ class OddSizedModel(nn.Module):
         self.head = nn.Linear(16, vocab_size)  # 208 + 13
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [rows, vocab] of the routed tokens of ``idx`` (a whole number of rows per
+        expert); with ``targets``, their mean cross-entropy instead, computed in fp32."""
         tokens = self.router_in(self.norm(self.proj(self.embed(idx.view(-1)))))
         # Equal contiguous slices of tokens go to each expert (a fixed routing keeps it simple).
         per_expert = tokens.shape[0] // self.num_experts

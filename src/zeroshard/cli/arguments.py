@@ -7,12 +7,12 @@ import math
 
 
 def positive_int(text: str) -> int:
-    """An integer of at least 1."""
+    """An integer of at least 1 (argparse.ArgumentTypeError otherwise)."""
     return _at_least(text, 1)
 
 
 def at_least(minimum: int):
-    """An integer of at least ``minimum``."""
+    """An argument type: an integer of at least ``minimum`` (argparse.ArgumentTypeError otherwise)."""
 
     def parse(text: str) -> int:
         return _at_least(text, minimum)
@@ -22,7 +22,7 @@ def at_least(minimum: int):
 
 
 def positive_float(text: str) -> float:
-    """A finite number above 0."""
+    """A finite number above 0 (argparse.ArgumentTypeError otherwise)."""
     try:
         value = float(text)
     except ValueError:

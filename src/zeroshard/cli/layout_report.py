@@ -25,6 +25,7 @@ POLICIES = {
 
 
 def register(commands: argparse._SubParsersAction) -> None:
+    """Add ``zeroshard layout`` and its options to the subcommands ``commands``."""
     parser = commands.add_parser("layout", help="report the flat-buffer layout and its padding")
     parser.add_argument(
         "--model",
@@ -47,6 +48,14 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Print the padding report (or, with ``--json``, the Layout) ``args`` ask for; returns 0.
+
+    Raises:
+        ValueError: a ``--model`` file that is not UTF-8 JSON of shapes, ``--moe`` with
+            ``--model``, an ``--ep`` that divides neither the experts nor a world size, or a
+            layout that cannot be built (naming the parameter).
+        FileNotFoundError: no ``--model`` file of that name.
+    """
     groups_at, title = _model_groups(args)
     policy = POLICIES[args.policy](args)
     layouts = [build_layout(groups_at(world), world, policy) for world in args.world_size]

@@ -35,6 +35,11 @@ class OneLineParser(argparse.ArgumentParser):
     """Usage errors in one line that points at ``--help`` (argparse prints the whole usage)."""
 
     def error(self, message: str) -> NoReturn:
+        """Print ``message`` in one line that points at ``--help`` and exit with status 2.
+
+        Raises:
+            SystemExit: always (argparse's exit).
+        """
         self.exit(USER_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
@@ -60,6 +65,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``zeroshard`` on ``argv`` (default: ``sys.argv[1:]``); returns the exit status (see
+    the module docstring). Every error the command raises becomes one line on stderr and
+    status 2 (bad input) or 3 (a bug), unless ``--debug`` or ZEROSHARD_DEBUG=1 re-raises it.
+
+    Raises:
+        SystemExit: from argparse, for a usage error (status 2), ``--help`` or ``--version`` (0).
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(_command_of(argv)).parse_args(argv)
     debug = getattr(args, "debug", False) or os.environ.get(DEBUG_ENV, "") not in ("", "0")

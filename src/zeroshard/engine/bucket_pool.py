@@ -59,6 +59,7 @@ class BufferPool:
 
     @property
     def held_bytes(self) -> int:
+        """Bytes of the buffers kept right now (not those lent out)."""
         return self._held_bytes
 
     def _drop_until(self, limit: int) -> None:

@@ -73,7 +73,12 @@ class _BucketReduction:
 
 @dataclass
 class GradientReducer:
-    """Owns gradient memory and reduction for every flat buffer of an engine."""
+    """Owns gradient memory and reduction for every flat buffer of an engine.
+
+    It registers a post-accumulate-grad hook on every parameter at construction; at stage 2
+    those hooks launch reduce-scatters during backward (collective over each group's shard
+    group), at stage 1 :meth:`reduce` does.
+    """
 
     buffers: list[FlatParamBuffer]
     comm: Collectives  # all W ranks: its world size divides every group's gradient
@@ -269,7 +274,10 @@ class GradientReducer:
         return torch.empty(numel, dtype=dtype, device=self._grads[0].device)
 
     def finish_backward(self) -> None:
-        """Stage 2, end of a backward pass: reduce what is left and wait for everything."""
+        """Stage 2, end of a backward pass: reduce what is left and wait for everything.
+
+        Collective over each group's shard group; autograd runs it at the end of every
+        backward that produced a gradient, on every rank alike."""
         self._callback_queued = False
         self._launch_ready(force=True)
         self._retire_in_flight(keep=0)
@@ -286,7 +294,12 @@ class GradientReducer:
     # ---- step side ------------------------------------------------------------------------
 
     def reduce(self) -> None:
-        """Make ``partition_grads`` hold every gradient so far (collective on stage 1)."""
+        """Make ``partition_grads`` hold every gradient so far.
+
+        Collective at stage 1 when gradients are pending (a reduce-scatter per bucket over its
+        shard group): every rank calls it, and since the ranks run the same backward passes
+        they agree on whether anything is pending. At stage 2 backward has reduced everything
+        already: it does nothing."""
         if self.stage == 1:
             # Every rank runs the same backward passes, so this local flag agrees across ranks.
             if not self._dirty:
@@ -311,7 +324,8 @@ class GradientReducer:
         return torch.div(local_sum, self._divisor, out=payload)
 
     def zero_grad(self) -> None:
-        """Forget the gradients so far; the partition is zero-filled lazily (see the module doc)."""
+        """Not collective. Forget the gradients so far; the partition is zero-filled lazily
+        (see the module doc)."""
         self._stale.update(self._all_buckets())
         if self.stage == 1 and self._dirty:  # clean full buffers are zero already (``reduce`` zeroes them)
             for full in self._full:
@@ -332,6 +346,7 @@ class GradientReducer:
         return self._pool.held_bytes
 
     def remove_hooks(self) -> None:
+        """Unregister the parameters' gradient hooks: the reducer sees no more gradients."""
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()

@@ -47,9 +47,11 @@ class Grouping:
     layout_user_group: list[int]  # owning user group of each layout group
 
     def is_expert(self, layout_group: int) -> bool:
+        """Whether layout group ``layout_group`` comes from an ``"expert": True`` param group."""
         return self.user_groups[self.layout_user_group[layout_group]].expert
 
     def user_group_of(self, layout_group: int) -> UserGroup:
+        """The (resolved) param group layout group ``layout_group`` comes from."""
         return self.user_groups[self.layout_user_group[layout_group]]
 
     def stacks(self, layout_group: int) -> tuple[ExpertStack, ...]:
@@ -64,6 +66,16 @@ def resolve_groups(
     param_groups: Iterable[Any] | None,
     param_dtype: torch.dtype | None,
 ) -> Grouping:
+    """Split ``model``'s trainable parameters by ``param_groups`` (None: one group of all of
+    them) into layout groups, one per param group and dtype (``param_dtype``, if given, for
+    every floating-point parameter). Not collective.
+
+    Raises:
+        ValueError: naming the param group or parameter: ``param_groups`` is empty, a dict
+            has no ``"params"``, a group has no trainable parameter or only ones of earlier
+            groups, a parameter is not in the model, not contiguous or not floating-point,
+            the parameters are on several devices, or the expert keys are malformed.
+    """
     names = _first_names(model)
     groups = _normalise(model, param_groups)
     seen: set[int] = set()

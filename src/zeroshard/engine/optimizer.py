@@ -52,6 +52,7 @@ class MemoryReport:
 
     @property
     def total_bytes(self) -> int:
+        """Every byte the report counts: the training state and stage 2's bucket pool."""
         state = self.param_buffer_bytes + self.master_bytes + self.optimizer_state_bytes + self.gradient_bytes
         return state + self.bucket_pool_bytes
 
@@ -97,6 +98,20 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         offload: keep fp32 master weights and optimizer state in host memory.
         sync_module_states: broadcast rank 0's initial parameter values to every rank.
         **defaults: optimizer arguments (lr, betas, weight_decay, ...).
+
+    Construction is collective over ``process_group``: every rank builds its engine with the
+    same arguments; the ranks compare their layouts (one all-gather) and, with
+    ``sync_module_states``, take rank 0's initial values (a broadcast per group, over the
+    group's shard group: expert groups over ``expert_process_group``).
+
+    Raises:
+        ValueError: a bad argument, before anything is communicated (a stage other than 1 or
+            2, ``gradient_accumulation_steps`` < 1, a param group without trainable
+            parameters or with one not in the model, a parameter that is not contiguous or
+            not floating-point, parameters on several devices, an expert group without
+            ``expert_process_group``, a ``layout`` that does not fit, an unknown
+            ``reduce_dtype``); or, on every rank, when the ranks' layouts differ or the
+            expert process group is not the expert mesh's (``zeroshard.moe.new_expert_groups``).
     """
 
     def __init__(
@@ -190,6 +205,7 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
 
     @property
     def defaults(self) -> dict[str, Any]:
+        """The wrapped optimizer's defaults (lr, betas, ...)."""
         return self.optimizer.defaults
 
     @defaults.setter
@@ -206,6 +222,7 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         snapshot. State-dict pre and post hooks fire as in ``torch.optim.Optimizer``.
         It loads back only into the same rank of an engine with the same layout; to save
         once and load at another world size or layout use ``zeroshard.checkpoint``.
+        Not collective.
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
@@ -217,13 +234,18 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Collective. Load what ``state_dict()`` gave on this rank of an identical engine.
+        """Collective: every rank of ``process_group`` calls it with its own shard. Load what
+        ``state_dict()`` gave on this rank of an identical engine.
 
         Every rank checks its own dict (after the load-state-dict pre hooks) and the ranks
-        agree before anything changes: a dict from another rank, layout, world size or
-        optimizer raises ValueError on every rank. Afterwards the masters, optimizer state,
-        step count and loss scale are the saved ones, the accumulated gradients are
-        cleared and the model's parameters are the masters in their dtype.
+        agree before anything changes. Afterwards the masters, optimizer state, step count
+        and loss scale are the saved ones, the accumulated gradients are cleared and the
+        model's parameters are the masters in their dtype (an all-gather per bucket).
+
+        Raises:
+            ValueError: on every rank, naming each failing rank, when any rank's dict is from
+                another rank, layout, world size or optimizer, is malformed, or a pre hook
+                raised; nothing changes then.
         """
         try:
             for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
@@ -242,6 +264,11 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
             post_hook(self)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused: the param groups are fixed when the engine is built.
+
+        Raises:
+            NotImplementedError: always, once the engine is built.
+        """
         if self._groups_fixed:
             raise NotImplementedError("a ZeroOptimizer's param groups are fixed when it is built")
         super().add_param_group(param_group)  # torch's __init__ re-adding the wrapped optimizer's groups
@@ -254,10 +281,12 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
 
     @property
     def rank(self) -> int:
+        """This rank in ``process_group`` (of all W ranks)."""
         return self.comm.rank
 
     @property
     def world_size(self) -> int:
+        """W: the ranks of ``process_group``."""
         return self.comm.world_size
 
     def rank_in(self, group: GroupLayout) -> int:
@@ -265,13 +294,28 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         return self.comms[group.shard_group].rank
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of ``loss`` divided by the accumulation steps and times the loss scale."""
+        """Backward of ``loss`` divided by the accumulation steps and times the loss scale.
+
+        Collective at stage 2: each bucket's gradient is reduce-scattered over its shard group
+        while backward runs, so every rank calls it for every micro-batch.
+        At stage 1 it communicates nothing (the reduction waits for :meth:`step`).
+        """
         (loss * (self.scaler.scale / self.gradient_accumulation_steps)).backward()
 
     def step(self, closure: None = None) -> bool:
-        """Update the parameters from the gradients so far. Returns False if skipped (fp16 overflow).
+        """Collective: every rank of ``process_group`` calls it at the same accumulation
+        boundary. Update the parameters from the gradients so far: finish the gradient
+        reduction (stage 1), agree on overflow (fp16, or a scaler that checks), all-reduce the
+        gradient norm (W > 1), step the wrapped optimizer, all-gather the new parameters.
+        Returns False, on every rank alike, if the step was skipped: a run that checks for
+        overflow found inf/nan gradients on some rank.
 
         Step pre and post hooks fire on every call, skipped or not, as on torch optimizers.
+
+        Raises:
+            ValueError: a ``closure`` is given (before anything is communicated).
+            MinimumLossScaleError: a DeepSpeedLossScaler saw an overflow at its minimum scale
+                (on every rank alike: the overflow is agreed).
         """
         if closure is not None:
             raise ValueError("ZeroOptimizer.step takes no closure: run forward and engine.backward before it")
@@ -298,11 +342,13 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         return True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the accumulated gradients (the partitions stay allocated)."""
+        """Not collective. Clear the accumulated gradients (the partitions stay allocated;
+        ``set_to_none`` is accepted for torch's signature and changes nothing)."""
         self.reducer.zero_grad()
 
     def memory_report(self) -> MemoryReport:
-        """Bytes this rank holds for training state, and what unsharded training would hold."""
+        """Not collective. Bytes this rank holds for training state, and what unsharded
+        training would hold."""
         master = sum(m.numel() * m.element_size() for m in self.masters)
         state = sum(
             t.numel() * t.element_size()
@@ -324,12 +370,13 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         return MemoryReport(params, master, state, grads, unsharded, pool)
 
     def export_state(self) -> ShardedState:
-        """This rank's state as a plain value (CPU tensors) for the checkpoint layer."""
+        """Not collective. This rank's state as a plain value (CPU copies) for the checkpoint layer."""
         return state_io.export_state(self)
 
     def state_views(self) -> ShardedState:
-        """This rank's state as views of the live tensors, valid until the next step or load
-        (the Checkpointer copies them into its host snapshot); see ``state_io.state_views``."""
+        """Not collective. This rank's state as views of the live tensors, valid until the next
+        step or load (the Checkpointer copies them into its host snapshot); see
+        ``state_io.state_views``."""
         return state_io.state_views(self)
 
     def import_state(
@@ -341,8 +388,16 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         strict: bool = True,
         take: bool = False,
     ) -> None:
-        """Collective. Load a state laid out for this engine; see ``state_io.import_state``
-        (``take=True``: the optimizer keeps the state's tensors, not copies)."""
+        """Collective: every rank of ``process_group`` calls it with its own state. Load a
+        state laid out for this engine; see ``state_io.import_state`` (``take=True``: the
+        optimizer keeps the state's tensors, not copies).
+
+        Raises:
+            ValueError: on every rank alike, when any rank's state does not fit (another
+                layout, rank or optimizer, or a model state of other shapes, or with
+                ``strict`` of other names); nothing changes then.
+            CollectiveCallError: the other ranks did not call it.
+        """
         state_io.import_state(
             self,
             state,
@@ -353,7 +408,8 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         )
 
     def sync_params_from_masters(self) -> None:
-        """Collective: make the model's parameters the fp32 masters cast to their dtype."""
+        """Collective: every rank of ``process_group`` calls it. Make the model's parameters
+        the fp32 masters cast to their dtype (an all-gather per bucket, over its shard group)."""
         self._write_back_and_gather()
 
     # ---- internals ----------------------------------------------------------------------------

@@ -20,6 +20,10 @@ if TYPE_CHECKING:
 
 
 class GradientMemoryProbe:
+    """The peak bytes of gradient memory ``engine`` holds, in :attr:`peak_bytes` (see the
+    module docstring). Build it after the engine, over the same ``model``; it wraps the
+    engine's reduce-scatters and adds a gradient hook to every parameter. Not collective."""
+
     def __init__(self, engine: ZeroOptimizer, model: nn.Module) -> None:
         self.engine = engine
         self.peak_bytes = 0
@@ -41,6 +45,7 @@ class GradientMemoryProbe:
         return reduce_scatter_and_sample
 
     def sample(self) -> None:
+        """Count the gradient memory held right now (each storage once) into the peak."""
         alive = [ref() for ref in self._collective_buffers]
         self._collective_buffers = [ref for ref, tensor in zip(self._collective_buffers, alive) if tensor is not None]
         tensors = list(self.engine.reducer.held_tensors()) + [t for t in alive if t is not None]

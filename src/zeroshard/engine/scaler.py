@@ -112,6 +112,7 @@ class DeepSpeedLossScaler(LossScaler):
 
     @property
     def checks_overflow(self) -> bool:
+        """Whether the engine checks for inf/nan: dynamic scaling, or ``check_overflow``."""
         return self.dynamic or self.check_overflow
 
     def update(self, overflow: bool) -> None:

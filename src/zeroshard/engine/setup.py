@@ -33,7 +33,12 @@ REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def shard_group_collectives(comm: Collectives, grouping: Grouping, expert_process_group: Any) -> dict[str, Collectives]:
     """One Collectives per shard group: ``"dp"`` (all ranks) and, with experts, ``"expert_dp"``
-    (in a world of one, without an expert process group, the dense one: EP = 1)."""
+    (in a world of one, without an expert process group, the dense one: EP = 1). Not collective.
+
+    Raises:
+        ValueError: a param group is flagged expert but no ``expert_process_group`` is given
+            (at world size > 1).
+    """
     comms = {DENSE_SHARD_GROUP: comm}
     has_experts = any(user.expert for user in grouping.user_groups)
     if has_experts and expert_process_group is None:
@@ -48,7 +53,14 @@ def shard_group_collectives(comm: Collectives, grouping: Grouping, expert_proces
 def resolve_layout(
     grouping: Grouping, comms: dict[str, Collectives], stage: int, layout: Layout | None, policy: LayoutPolicy | None
 ) -> Layout:
-    """The given layout, checked against the parameters and shard groups, or a new one."""
+    """The given layout, checked against the parameters and shard groups, or a new one.
+    Not collective.
+
+    Raises:
+        ValueError: ``layout`` is for another world size, parameters or shard groups; the
+            expert process group's size does not divide the world size; expert parameters
+            stack different numbers of local experts; or the layout cannot be built.
+    """
     world_size = comms[DENSE_SHARD_GROUP].world_size
     inputs = _layout_inputs(grouping, comms, world_size)
     if layout is not None:
@@ -102,7 +114,11 @@ def _layout_inputs(grouping: Grouping, comms: dict[str, Collectives], world_size
 
 
 def resolve_reduce_dtypes(layout: Layout, reduce_dtype: torch.dtype | None) -> list[torch.dtype]:
-    """Each layout group's reduction dtype; float32 means today's fp32 reduction."""
+    """Each layout group's reduction dtype; float32 means today's fp32 reduction.
+
+    Raises:
+        ValueError: ``reduce_dtype`` is not None, float32, bfloat16 or float16.
+    """
     if reduce_dtype not in (None, *REDUCE_DTYPES):
         allowed = ", ".join(map(str, REDUCE_DTYPES))
         raise ValueError(f"reduce_dtype must be None or one of {allowed}, got {reduce_dtype!r}")
@@ -112,9 +128,14 @@ def resolve_reduce_dtypes(layout: Layout, reduce_dtype: torch.dtype | None) -> l
 
 
 def check_same_layout_on_every_rank(layout: Layout, comms: dict[str, Collectives]) -> str:
-    """Collective: every rank has rank 0's layout, and sits in its expert-DP group where the
-    layout's expert mesh puts it (checkpoints name a rank's experts by that mesh). Returns
-    the layout's digest."""
+    """Collective over the dense group (all W ranks; one all-gather): every rank has rank 0's
+    layout, and sits in its expert-DP group where the layout's expert mesh puts it
+    (checkpoints name a rank's experts by that mesh). Returns the layout's digest.
+
+    Raises:
+        ValueError: on every rank, when some rank's layout differs from rank 0's or a rank
+            is misplaced in its expert-DP group.
+    """
     digest = hashlib.sha256(layout.to_json().encode()).hexdigest()
     reports = comms[DENSE_SHARD_GROUP].all_gather_object((digest, _expert_mesh_problem(layout, comms)))
     differing = [rank for rank, (other, _) in enumerate(reports) if other != reports[0][0]]
@@ -141,8 +162,9 @@ def _expert_mesh_problem(layout: Layout, comms: dict[str, Collectives]) -> str |
 def initial_values(
     layout: Layout, grouping: Grouping, comms: dict[str, Collectives], device: torch.device, sync: bool
 ) -> list[torch.Tensor]:
-    """Collective if ``sync``: each group's parameters in fp32 at their flat offsets, rank 0's
-    values if ``sync`` (expert groups: those of the first rank holding the same experts)."""
+    """Each group's parameters in fp32 at their flat offsets; with ``sync``, rank 0's values
+    (expert groups: those of the first rank holding the same experts). Collective if
+    ``sync``: a broadcast per group over its shard group."""
     values = []
     for group, params in zip(layout.groups, grouping.layout_params):
         flat = torch.zeros(group.numel, dtype=torch.float32, device=device)

@@ -19,12 +19,14 @@ if TYPE_CHECKING:
 
 
 def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
+    """The optimizer's class as ``module.QualName``, as shards and checkpoints record it."""
     cls = type(optimizer)
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def state_views(engine: ZeroOptimizer) -> ShardedState:
-    """This rank's share as views of the live tensors (on the engine's devices), no copies.
+    """Not collective. This rank's share as views of the live tensors (on the engine's
+    devices), no copies.
 
     Valid until the engine changes its state (the next step or load): copy it before that,
     as :func:`export_state` and the Checkpointer's host snapshot do.
@@ -59,7 +61,7 @@ def state_views(engine: ZeroOptimizer) -> ShardedState:
 
 
 def export_state(engine: ZeroOptimizer) -> ShardedState:
-    """A CPU copy of this rank's share: masters, optimizer state, model, counters."""
+    """Not collective. A CPU copy of this rank's share: masters, optimizer state, model, counters."""
     views = state_views(engine)
     views.fp32_partitions = [t.cpu().clone() for t in views.fp32_partitions]
     views.optimizer_states = [{k: t.cpu().clone() for k, t in d.items()} for d in views.optimizer_states]
@@ -89,7 +91,8 @@ def import_state(
     strict: bool = True,
     take: bool = False,
 ) -> None:
-    """Collective. Load ``state`` (already laid out for this engine) into the engine.
+    """Collective: every rank of the engine's process group calls it with its own state.
+    Load ``state`` (already laid out for this engine) into the engine.
 
     ``take=True`` hands ``state`` over: the optimizer keeps its state tensors as they are
     instead of copies (the caller must not use them afterwards; a checkpoint load that built
@@ -102,6 +105,13 @@ def import_state(
     * ``load_optimizer_states=False``: model weights; masters rebuilt from them; fresh
       optimizer state;
     * ``load_module_only=True``: model weights only (masters rebuilt from them).
+
+    Raises:
+        ValueError: on every rank alike, naming the failing rank, when any rank's state has
+            another layout, rank, optimizer class, param group count or partition shapes, or
+            a model state that does not match the model (``strict``: names too); nothing
+            changes then.
+        CollectiveCallError: the other ranks did not call it.
     """
     full = load_optimizer_states and not load_module_only
     options = f"load_optimizer_states={load_optimizer_states}, load_module_only={load_module_only}, strict={strict}"

@@ -38,13 +38,14 @@ def ep_size(group: GroupLayout) -> int:
 
 
 def shard_rank(group: GroupLayout, rank: int) -> int:
-    """Global rank ``rank``'s place in the group's shard group."""
+    """Global rank ``rank``'s place in the group's shard group (ValueError outside the world)."""
     _check_rank(group, rank)
     return rank // ep_size(group)
 
 
 def ep_rank(group: GroupLayout, rank: int) -> int:
-    """The expert-parallel rank whose experts global rank ``rank`` holds (0 when dense)."""
+    """The expert-parallel rank whose experts global rank ``rank`` holds (0 when dense;
+    ValueError outside the world)."""
     _check_rank(group, rank)
     return rank % ep_size(group)
 
@@ -66,7 +67,8 @@ def expert_numel(slot: ParamSlot) -> int:
 
 
 def expert_location(group: GroupLayout, expert_id: int) -> tuple[int, int]:
-    """(EP rank, local index) of global expert ``expert_id`` in an expert group."""
+    """(EP rank, local index) of global expert ``expert_id`` in an expert group (ValueError
+    for an id the group does not have)."""
     try:
         return _locations(group.expert_map)[expert_id]
     except KeyError:
@@ -75,7 +77,8 @@ def expert_location(group: GroupLayout, expert_id: int) -> tuple[int, int]:
 
 def rank_runs(group: GroupLayout, rank: int) -> tuple[GlobalRun, ...]:
     """Global rank ``rank``'s partition of ``group`` as runs of global elements, in partition
-    order (padding left out); a fragment of a stacked weight is split where experts change."""
+    order (padding left out); a fragment of a stacked weight is split where experts change.
+    ValueError for a rank outside the world."""
     shard, ep = shard_rank(group, rank), ep_rank(group, rank)
     runs: list[GlobalRun] = []
     for fragment in group.fragments(shard):
@@ -98,7 +101,11 @@ def rank_runs(group: GroupLayout, rank: int) -> tuple[GlobalRun, ...]:
 
 def locate_global(group: GroupLayout, slot: ParamSlot, global_start: int, length: int) -> tuple[GlobalRun, ...]:
     """The runs, rank by rank (global ranks), that hold global elements [global_start, +length)
-    of parameter ``slot`` of ``group``."""
+    of parameter ``slot`` of ``group``.
+
+    Raises:
+        ValueError: the range is not inside the parameter's global elements.
+    """
     total = slot.numel * ep_size(group)
     if global_start < 0 or length < 0 or global_start + length > total:
         raise ValueError(f"range [{global_start}, {global_start + length}) is outside {slot.name!r}'s {total} elements")

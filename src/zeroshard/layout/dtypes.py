@@ -33,5 +33,5 @@ def canonical_dtype(dtype: object) -> str:
 
 
 def itemsize(dtype: str) -> int:
-    """Bytes per element of a canonical dtype name."""
+    """Bytes per element of ``dtype`` (any name :func:`canonical_dtype` takes; ValueError otherwise)."""
     return ITEMSIZE[canonical_dtype(dtype)]

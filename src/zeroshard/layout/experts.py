@@ -25,7 +25,11 @@ from .stacks import ExpertStack, check_expert_map
 
 
 def contiguous_expert_map(num_experts: int, ep_size: int) -> tuple[tuple[int, ...], ...]:
-    """The global expert ids each EP rank holds: ``E / EP`` consecutive ids per rank."""
+    """The global expert ids each EP rank holds: ``E / EP`` consecutive ids per rank.
+
+    Raises:
+        ValueError: the counts are not positive integers, or ``ep_size`` does not divide ``num_experts``.
+    """
     if not _positive_int(num_experts) or not _positive_int(ep_size) or num_experts % ep_size:
         raise ValueError(f"{num_experts!r} experts cannot be split evenly over {ep_size!r} expert-parallel ranks")
     local = num_experts // ep_size
@@ -34,7 +38,12 @@ def contiguous_expert_map(num_experts: int, ep_size: int) -> tuple[tuple[int, ..
 
 @dataclass(frozen=True)
 class ExpertMesh:
-    """W ranks as W / EP expert-parallel groups of EP ranks (see the module docstring)."""
+    """W ranks as W / EP expert-parallel groups of EP ranks (see the module docstring).
+
+    Raises:
+        ValueError: at construction, when ``ep_size`` does not divide ``world_size``; in the
+            per-rank queries, for a rank outside the world.
+    """
 
     world_size: int
     ep_size: int
@@ -87,7 +96,11 @@ class ExpertMesh:
         """A layout group of stacked expert weights (first dimension E / EP), partitioned
         over the expert-data-parallel group. ``expert_map``: the placement (default the
         contiguous one), checked to spread ``num_experts`` over this mesh's EP ranks;
-        ``stacks``: one description per parameter (default ``LEGACY_STACK``)."""
+        ``stacks``: one description per parameter (default ``LEGACY_STACK``).
+
+        Raises:
+            ValueError: the placement is malformed or does not fit the mesh and ``num_experts``.
+        """
         if expert_map is None:
             placement = contiguous_expert_map(num_experts, self.ep_size)
         else:

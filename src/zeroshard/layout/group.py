@@ -36,14 +36,17 @@ class ParamSlot:
 
     @property
     def name(self) -> str:
+        """The parameter's name."""
         return self.spec.name
 
     @property
     def numel(self) -> int:
+        """The parameter's elements (no padding)."""
         return self.spec.numel
 
     @property
     def end(self) -> int:
+        """Flat offset just past the parameter's last element (its padding follows)."""
         return self.offset + self.spec.numel
 
 
@@ -63,10 +66,12 @@ class Bucket:
 
     @property
     def numel(self) -> int:
+        """Elements of the bucket, tail padding included."""
         return self.content_numel + self.tail_padding
 
     @property
     def end(self) -> int:
+        """Flat offset just past the bucket."""
         return self.start + self.numel
 
     def rank_range(self, rank: int) -> tuple[int, int]:
@@ -153,24 +158,32 @@ class GroupLayout:
 
     @property
     def param_numel(self) -> int:
+        """Elements of the parameters alone (no padding)."""
         return sum(slot.numel for slot in self.params)
 
     @property
     def is_expert_group(self) -> bool:
+        """Whether the group holds stacked expert weights (it has an expert map)."""
         return bool(self.expert_map)
 
     @property
     def inter_param_padding(self) -> int:
+        """Padding elements after parameters (alignment), independent of the world size."""
         return self.logical_numel - self.param_numel
 
     @property
     def tail_padding(self) -> int:
+        """Padding elements at the buckets' tails, which depend on the world size."""
         return self.numel - self.logical_numel
 
     # ---- per rank -------------------------------------------------------------------
 
     def partition_ranges(self, rank: int) -> tuple[tuple[int, int], ...]:
-        """Flat [start, end) of each bucket slice that makes up ``rank``'s partition."""
+        """Flat [start, end) of each bucket slice that makes up ``rank``'s partition.
+
+        Raises:
+            ValueError: ``rank`` is outside the group's world size (as every per-rank query).
+        """
         self._check_rank(rank)
         return tuple(bucket.rank_range(rank) for bucket in self.buckets)
 
@@ -259,7 +272,11 @@ class GroupLayout:
         return tuple(found)
 
     def locate_logical(self, logical_start: int, length: int) -> tuple[LogicalPiece, ...]:
-        """The runs, rank by rank, that hold logical elements [logical_start, +length)."""
+        """The runs, rank by rank, that hold logical elements [logical_start, +length).
+
+        Raises:
+            ValueError: the range is not inside the group's logical elements.
+        """
         if logical_start < 0 or length < 0 or logical_start + length > self.logical_numel:
             raise ValueError(
                 f"logical range [{logical_start}, {logical_start + length}) is outside "

@@ -43,6 +43,7 @@ class PaddingStats:
 
     @property
     def padding_elements(self) -> int:
+        """Padding elements of both kinds: after parameters and at bucket tails."""
         return self.inter_param_elements + self.tail_elements
 
     @property
@@ -64,7 +65,11 @@ class Layout:
     groups: tuple[GroupLayout, ...]
 
     def param(self, name: str) -> tuple[GroupLayout, ParamSlot]:
-        """The group and slot of the parameter called ``name``."""
+        """The group and slot of the parameter called ``name``.
+
+        Raises:
+            KeyError: no parameter of that name.
+        """
         try:
             group_index, param_index = self._index[name]
         except KeyError:
@@ -74,9 +79,11 @@ class Layout:
 
     @property
     def param_names(self) -> tuple[str, ...]:
+        """Every parameter's name, group by group, in buffer order."""
         return tuple(slot.name for group in self.groups for slot in group.params)
 
     def padding(self) -> PaddingStats:
+        """The layout's padding, summed over its groups."""
         param_numel = sum(group.param_numel for group in self.groups)
         param_bytes = sum(group.param_numel * itemsize(group.dtype) for group in self.groups)
         inter = sum(group.inter_param_padding for group in self.groups)
@@ -111,7 +118,11 @@ class Layout:
 
     def with_world_size(self, world_size: int) -> Layout:
         """The same parameters and policy at another world size (dense layouts only: an
-        expert group's shapes and shard group depend on the expert parallelism too)."""
+        expert group's shapes and shard group depend on the expert parallelism too).
+
+        Raises:
+            ValueError: the layout has expert groups, or ``world_size`` is not an integer >= 1.
+        """
         if not self.is_dense:
             raise ValueError(
                 f"layout has shard groups {self.shard_groups}; rebuild it with build_layout for the new world size and EP"
@@ -119,6 +130,11 @@ class Layout:
         return build_layout(self.specs(), world_size, self.policy)
 
     def with_policy(self, policy: LayoutPolicy) -> Layout:
+        """The same groups, shard groups included, at the same world size under ``policy``.
+
+        Raises:
+            ValueError: as :func:`build_layout` (a dtype the policy cannot align).
+        """
         return build_layout(self.group_specs(), self.world_size, policy)
 
     # ---- JSON ----------------------------------------------------------------------------
@@ -153,11 +169,18 @@ class Layout:
         }
 
     def to_json(self, indent: int | None = None) -> str:
+        """:meth:`to_dict` as JSON text (``indent`` as for ``json.dumps``)."""
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Layout:
-        """Rebuild from ``to_dict`` output; the stored offsets must match the recomputed ones."""
+        """Rebuild from ``to_dict`` output; the stored offsets must match the recomputed ones.
+
+        Raises:
+            ValueError: a dict that is not a zeroshard layout, of a version this zeroshard
+                does not read, malformed, or inconsistent (offsets or shard groups that its
+                parameters do not give).
+        """
         if data.get("format") != FORMAT_NAME:
             raise ValueError(f"not a zeroshard layout (format {data.get('format')!r})")
         version = data.get("version")
@@ -180,6 +203,11 @@ class Layout:
 
     @classmethod
     def from_json(cls, text: str) -> Layout:
+        """Rebuild from :meth:`to_json` output.
+
+        Raises:
+            ValueError: the text is not JSON (``json.JSONDecodeError``), or as :meth:`from_dict`.
+        """
         return cls.from_dict(json.loads(text))
 
     @functools.cached_property

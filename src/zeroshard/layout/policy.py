@@ -31,7 +31,9 @@ _DEEPSPEED_PARAMETER_ALIGNMENT_BYTES = 16
 
 @dataclass(frozen=True)
 class LayoutPolicy:
-    """How a group's flat buffer is padded and cut into buckets.
+    """How a group's flat buffer is padded and cut into buckets. ValueError at construction
+    for an unknown kind, a non-positive ``alignment_bytes`` or ``bucket_numel``, or
+    ``bucket_numel`` with the deepspeed kind.
 
     Attributes:
         kind: "native" or "deepspeed".
@@ -60,10 +62,13 @@ class LayoutPolicy:
 
     @classmethod
     def native(cls, alignment_bytes: int = 16, *, compact: bool = False, bucket_numel: int | None = None) -> LayoutPolicy:
+        """zeroshard's own policy: every parameter start (unless ``compact``) and every
+        partition start on ``alignment_bytes``; buckets of ~``bucket_numel`` elements."""
         return cls("native", alignment_bytes=alignment_bytes, compact=compact, bucket_numel=bucket_numel)
 
     @classmethod
     def deepspeed(cls, *, parameter_alignment: bool = False) -> LayoutPolicy:
+        """DeepSpeed 0.19's ZeRO stage 1/2 buffers (with its ``parameter_alignment`` option)."""
         return cls("deepspeed", parameter_alignment=parameter_alignment)
 
     def param_alignment(self, dtype: str) -> int:
@@ -104,10 +109,16 @@ class LayoutPolicy:
         return f"{kind}, {self.alignment_bytes}-byte alignment{buckets}"
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field, JSON-ready."""
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LayoutPolicy:
+        """From :meth:`to_dict` output.
+
+        Raises:
+            TypeError: an unknown field. ValueError: a bad value (as the constructor).
+        """
         return cls(**data)
 
 

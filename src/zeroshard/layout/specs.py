@@ -45,6 +45,7 @@ class ParamSpec:
 
     @property
     def numel(self) -> int:
+        """The parameter's elements."""
         return math.prod(self.shape)
 
     @classmethod

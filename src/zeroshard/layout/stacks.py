@@ -31,6 +31,10 @@ class ExpertStack:
     checkpoint names the stack concatenates along each expert's output dimension, in order
     (transformers' Qwen3-MoE ``gate_up_proj``: ``("gate_proj", "up_proj")``); empty when an
     expert's slice is one tensor.
+
+    Raises:
+        ValueError: at construction, for an unknown orientation or export, parts that are
+            not distinct plain names, or parts without an orientation.
     """
 
     orientation: str = "none"
@@ -55,6 +59,7 @@ class ExpertStack:
         return self.orientation != "none"
 
     def to_dict(self) -> dict[str, Any]:
+        """The three fields, JSON-ready (``parts`` as a list)."""
         return {"orientation": self.orientation, "export": self.export, "parts": list(self.parts)}
 
     @classmethod
@@ -124,7 +129,11 @@ def per_expert_tensors(name: str, stack: ExpertStack, expert_id: int, expert_sha
     share of the ``[out, in]`` matrix's rows; else ``P.{g}.L`` when ``L`` is ``weight`` or
     ``bias`` (the stack is the ``L`` of a list of modules ``P``); else ``P.{g}.L.weight`` for
     a matrix, ``P.{g}.L`` for anything else. Rows count in the exported ``[out, in]``
-    orientation (an ``in_out`` slice transposed); a slice that is no matrix is one tensor."""
+    orientation (an ``in_out`` slice transposed); a slice that is no matrix is one tensor.
+
+    Raises:
+        ValueError: the rows do not split evenly into the stack's parts.
+    """
     prefix, _, leaf = name.rpartition(".")
     base = f"{prefix}.{expert_id}" if prefix else str(expert_id)
     rows = _exported_shape(stack, expert_shape)[0] if expert_shape else 1

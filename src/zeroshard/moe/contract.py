@@ -48,14 +48,17 @@ class ExpertModule:
 
     @property
     def num_experts(self) -> int:
+        """E: the global experts the map places, on all EP ranks."""
         return sum(len(experts) for experts in self.expert_map)
 
     @property
     def expert_ids(self) -> tuple[int, ...]:
+        """The global ids of the experts this module holds, in stack order."""
         return self.expert_map[self.ep_rank]
 
     @property
     def ep_size(self) -> int:
+        """EP: the expert-parallel ranks the map places experts on."""
         return len(self.expert_map)
 
 
@@ -71,8 +74,14 @@ def declare_experts(
 
     ``expert_map`` places the global experts on EP ranks and ``ep_rank`` says which of them
     this module is (default: one rank holding all of its experts). Every named parameter
-    must stack ``len(expert_map[ep_rank])`` experts in dimension 0. Returns the declaration;
-    ValueError naming the parameter for anything that does not fit.
+    must stack ``len(expert_map[ep_rank])`` experts in dimension 0. Returns the declaration.
+    Not collective.
+
+    Raises:
+        ValueError: naming the parameter for anything that does not fit (no stack declared,
+            a name that is not one of the module's own parameters, a malformed expert map
+            or ``ep_rank``, a dimension 0 that is not this rank's expert count, an oriented
+            stack that is not 3-d).
     """
     described = {name: ExpertStack(stack) if isinstance(stack, str) else stack for name, stack in stacks.items()}
     if not described:

@@ -35,7 +35,8 @@ def dispatch(
     slot; slots ``r * E / EP ...`` are EP rank ``r``'s experts, in its local order (with the
     contiguous placement, slot = global expert id). Returns the received rows grouped by
     local expert, the row count of each local expert, and the route back. Collective over
-    ``group``.
+    ``group`` (an all-to-all of the counts, one of the rows; backward sends the rows' gradient
+    back by another).
     """
     ep_size = dist.get_world_size(group)
     local_experts = counts.numel() // ep_size
@@ -54,7 +55,8 @@ def dispatch(
 
 def combine(outputs: torch.Tensor, route: Route, group: dist.ProcessGroup) -> torch.Tensor:
     """Send the experts' outputs (rows in ``dispatch``'s order) back to the tokens' ranks,
-    in the order the tokens were dispatched."""
+    in the order the tokens were dispatched. Collective over ``group`` (an all-to-all; its
+    backward another)."""
     in_received_order = outputs[route.by_local_expert.argsort()]
     return _AllToAll.apply(in_received_order, route.send_splits, route.recv_splits, group)
 

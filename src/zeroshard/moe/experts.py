@@ -32,7 +32,8 @@ class GroupedExperts(nn.Module):
     """The SwiGLU experts with global ids ``expert_ids`` (of ``num_experts``), stacked.
 
     ``expert_map`` is the placement they belong to (default: the contiguous one, of which
-    ``expert_ids`` must be one EP rank's block)."""
+    ``expert_ids`` must be one EP rank's block). ValueError at construction when
+    ``expert_ids`` are not one EP rank's experts of the placement."""
 
     def __init__(
         self,
@@ -67,6 +68,7 @@ class GroupedExperts(nn.Module):
         return torch._grouped_mm(F.silu(gate) * up, self.w2, offs=offsets)
 
     def extra_repr(self) -> str:
+        """The experts it holds and w1's shape, for ``repr``."""
         return f"experts={list(self.expert_ids)} of {self.num_experts}, w1={tuple(self.w1.shape)}"
 
 

@@ -24,18 +24,25 @@ class ExpertGroups:
 
     @property
     def ep_rank(self) -> int:
+        """This rank's place in its EP group: whose experts it holds."""
         return self.mesh.ep_rank(self.rank)
 
     @property
     def expert_dp_rank(self) -> int:
+        """This rank's place in its expert-data-parallel group."""
         return self.mesh.expert_dp_rank(self.rank)
 
 
 def new_expert_groups(ep_size: int, *, backend: str | None = None) -> ExpertGroups:
-    """Create the EP x DP groups on the default process group; every rank must call this.
+    """Create the EP x DP groups on the default process group.
 
-    The sizes are checked (on every rank alike) before any group is created, so a bad
-    ``ep_size`` raises everywhere instead of leaving some ranks waiting.
+    Collective over the default group: every rank calls it with the same ``ep_size`` (each
+    rank creates every group, as ``new_group`` requires) and keeps the two it belongs to.
+
+    Raises:
+        ValueError: ``ep_size`` does not divide the world size, checked on every rank alike
+            before any group is created (so it raises everywhere instead of leaving some
+            ranks waiting); or (torch's) the default process group is not initialised.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     mesh = ExpertMesh(world_size, ep_size)

@@ -20,7 +20,15 @@ from .experts import GroupedExperts
 
 
 class MoEFeedForward(nn.Module):
-    """Router (``gate``, no bias) and SwiGLU experts (``experts``), Mixtral's names."""
+    """Router (``gate``, no bias) and SwiGLU experts (``experts``), Mixtral's names.
+
+    With ``ep_group`` (EP > 1) this rank holds its E / EP experts (the contiguous map), and
+    forward and backward are collective over ``ep_group``.
+
+    Raises:
+        ValueError: at construction, ``top_k`` is not between 1 and ``num_experts``, this
+            rank is not in ``ep_group``, or EP does not divide ``num_experts``.
+    """
 
     def __init__(
         self, dim: int, hidden: int, num_experts: int, top_k: int = 2, ep_group: dist.ProcessGroup | None = None
@@ -39,6 +47,7 @@ class MoEFeedForward(nn.Module):
 
     @property
     def num_experts(self) -> int:
+        """E: the layer's experts on all EP ranks."""
         return self.experts.num_experts
 
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,6 +57,12 @@ class MoEFeedForward(nn.Module):
         return weights / weights.sum(dim=-1, keepdim=True), experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [..., dim] -> the same shape: each token's top-k experts' outputs, weighted.
+
+        Collective over ``ep_group`` when EP > 1 (all-to-alls of the counts and the rows, and
+        backward's of their gradients): every rank of it runs forward and backward together,
+        each with its own tokens.
+        """
         tokens = x.reshape(-1, x.shape[-1])
         weights, experts = self.route(tokens)
         # One row per (token, choice), sorted by expert; order.argsort() undoes the sort.

@@ -29,6 +29,8 @@ class MoEConfig(GPTConfig):
 
 
 class MoEBlock(nn.Module):
+    """TinyGPT's pre-norm block with an :class:`~.layer.MoEFeedForward` as its MLP."""
+
     def __init__(self, config: MoEConfig, ep_group: dist.ProcessGroup | None) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd)
@@ -37,6 +39,8 @@ class MoEBlock(nn.Module):
         self.moe = MoEFeedForward(config.n_embd, config.expert_hidden, config.num_experts, config.top_k, ep_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [batch, time, n_embd] -> the same shape. Collective over the EP group when
+        EP > 1 (the MoE layer's all-to-alls)."""
         x = x + self.attn(self.ln_1(x))
         return x + self.moe(self.ln_2(x))
 
@@ -45,7 +49,8 @@ class MoEGPT(nn.Module):
     """A GPT-2 style decoder with tied embeddings whose blocks' MLPs are MoE layers.
 
     With ``ep_group`` each rank holds E / EP of every layer's experts (by the contiguous
-    expert map); all other parameters are the same on every rank.
+    expert map); all other parameters are the same on every rank, and forward and backward
+    are collective over ``ep_group`` (EP > 1).
     """
 
     def __init__(self, config: MoEConfig = MoEConfig(), ep_group: dist.ProcessGroup | None = None) -> None:
@@ -63,6 +68,9 @@ class MoEGPT(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [batch, time, vocab] of ``idx`` [batch, time], or with ``targets`` the mean
+        cross-entropy (fp32), as TinyGPT's. Collective over ``ep_group`` when EP > 1: every
+        rank of it runs forward and backward together, each with its own batch."""
         x = self.wte(idx) + self.wpe(self.positions[: idx.shape[1]])
         for block in self.blocks:
             x = block(x)
@@ -115,7 +123,12 @@ def moe_param_groups(model: nn.Module, **expert_options: object) -> list[dict]:
 def layout_groups(model: nn.Module, mesh: ExpertMesh, dtype: object | None = None) -> list[list[ParamSpec] | GroupSpec]:
     """Layout groups of a model with experts modules: the dense parameters over all ranks,
     the expert stacks over the expert-data-parallel group (one dtype each), as the engine
-    forms them from :func:`moe_param_groups` on ``mesh``."""
+    forms them from :func:`moe_param_groups` on ``mesh``.
+
+    Raises:
+        ValueError: the MoE layers place their experts differently, or the placement does
+            not fit ``mesh``.
+    """
     params = dict(model.named_parameters())
     dense, expert = expert_param_names(model)
     stacks = expert_stacks(model)

@@ -38,14 +38,19 @@ def expert_parallel(
     device: torch.device | str | None = None,
 ) -> dict[str, ExpertModule]:
     """Make ``model`` expert-parallel over ``groups.ep`` (None: one process, EP = 1); returns
-    the experts modules' new contracts by module name. Not collective: every rank calls it
-    with the same ``expert_map`` (None: contiguous), and keeps its own experts.
+    the experts modules' new contracts by module name. Not collective itself: every rank
+    calls it with the same ``expert_map`` (None: contiguous), and keeps its own experts. The
+    forward it gives a transformers experts module is collective over ``groups.ep`` at
+    EP > 1: every rank of the EP group runs forward and backward together.
 
     A stack on the meta device (a model built under ``torch.device("meta")``) is allocated,
     uninitialised, on ``device`` (default CPU) with only this rank's experts; load weights
-    with :func:`~.pretrained.load_pretrained`. ValueError if the model has no experts modules,
-    holds a module already made parallel or built with an EP group (MoEGPT), or if the
-    placement does not fit every module's expert count.
+    with :func:`~.pretrained.load_pretrained`.
+
+    Raises:
+        ValueError: the model has no experts modules, its modules hold different expert
+            counts, it holds a module already made parallel or built with an EP group
+            (MoEGPT), or the placement does not fit the experts and the EP group.
     """
     ep_size = groups.mesh.ep_size if groups is not None else 1
     ep_rank = groups.ep_rank if groups is not None else 0

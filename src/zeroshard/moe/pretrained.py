@@ -56,9 +56,16 @@ def load_pretrained(
     """Copy ``source``'s tensors into ``model`` (cast to each parameter's dtype), this rank's
     experts only. A model built on the meta device is first allocated on ``device``
     (default CPU) and, if it is a transformers model, initialised (for its computed buffers)
-    before the copy. ``strict``: ValueError naming what the checkpoint lacks, or holds that
-    nothing of the model is called (another rank's experts are not that), before anything
-    is copied; a tensor of another shape than the model's is refused whatever ``strict``."""
+    before the copy. Not collective.
+
+    Raises:
+        ValueError: before anything is copied: a tensor of another shape than the model's
+            (whatever ``strict``); with ``strict``, what the checkpoint lacks, or holds that
+            nothing of the model is called (another rank's experts are not that); an index
+            file without a proper weight map or naming a shard outside the folder; a meta
+            model without ``initialize_weights()``.
+        FileNotFoundError: ``source`` is a folder with neither ``model.safetensors`` nor an index.
+    """
     with _open(source) as reader:
         plan = _plan(model, reader)
         if plan.reshaped:

@@ -114,6 +114,8 @@ class GroupedMMRecorder:
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
+        """Inside, ``torch._grouped_mm`` records each call under :attr:`step` (and checks its
+        weight's gradient in backward); the real function is put back on exit."""
         real = torch._grouped_mm
 
         def recording(tokens: torch.Tensor, weight: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -132,6 +134,7 @@ class GroupedMMRecorder:
             torch._grouped_mm = real
 
     def at_step(self, step: int) -> list[GroupedMMCall]:
+        """The calls recorded at ``step``, in order (empty if none)."""
         return self.calls.get(step, [])
 
     def problems(self) -> list[str]:
