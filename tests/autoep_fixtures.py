@@ -107,18 +107,29 @@ _GENERATED: dict[AutoEPConfig, AutoEPFixture] = {}
 
 
 def generate(root: Path, configs: tuple[AutoEPConfig, ...] = CONFIGS) -> dict[str, AutoEPFixture]:
-    """Run DeepSpeed AutoEP for every configuration not yet run in this process (one torchrun
-    launch per world size) under ``root``."""
+    """Run DeepSpeed AutoEP for every configuration not yet run in this process under ``root``:
+    one torchrun launch per world size, the launches side by side (each spends most of its time
+    starting ranks, and the ranks of one launch wait on each other)."""
     import os
+    from concurrent.futures import ThreadPoolExecutor
 
     root.mkdir(parents=True, exist_ok=True)
     path = os.pathsep.join(p for p in (str(TRANSFORMERS_DIR), os.environ.get("PYTHONPATH", "")) if p)
     missing = [config for config in configs if config not in _GENERATED]
+    launches = {}
     for world_size in sorted({config.world_size for config in missing}):
         batch = [config for config in missing if config.world_size == world_size]
         spec = root / f"autoep_configs_w{world_size}.json"
         spec.write_text(json.dumps([asdict(config) for config in batch]))
-        launch_torchrun(Path(__file__), root, world_size, spec, what="DeepSpeed AutoEP fixture launch", env={"PYTHONPATH": path})
+        launches[world_size] = (batch, spec)
+    with ThreadPoolExecutor(max_workers=max(1, len(launches))) as pool:
+        futures = [
+            pool.submit(launch_torchrun, Path(__file__), root, world_size, spec, what="DeepSpeed AutoEP fixture launch", env={"PYTHONPATH": path})
+            for world_size, (_, spec) in launches.items()
+        ]
+        for future in futures:
+            future.result()
+    for batch, _ in launches.values():
         _GENERATED.update({config: fixture_paths(config, root) for config in batch})
     return {config.name: _GENERATED[config] for config in configs}
 

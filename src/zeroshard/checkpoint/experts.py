@@ -35,15 +35,16 @@ def per_expert_name(stacked_name: str, expert_id: int) -> str:
     return f"{prefix}.{expert_id}.{weight}.weight" if prefix else f"{expert_id}.{weight}.weight"
 
 
-def exported_params(layout: Layout) -> list[ExportedParam]:
+def exported_params(layout: Layout, *, stacked: bool = False) -> list[ExportedParam]:
     """The exported tensors of the layout's trained parameters, in layout order; a stacked
-    expert weight gives one per global expert, in expert order. ValueError naming the
-    parameter for an expert weight that is not a stack of matrices."""
+    expert weight gives one per global expert, in expert order, or with ``stacked`` one tensor
+    of every expert by global id under its own name and in its own orientation. ValueError
+    naming the parameter for an expert weight that is not a stack of matrices."""
     exported: list[ExportedParam] = []
     for group in layout.groups:
         for slot in group.params:
-            if not group.is_expert_group:
-                exported.append(ExportedParam(slot.name, slot.spec.shape, slot.name))
+            if not group.is_expert_group or stacked:
+                exported.append(ExportedParam(slot.name, global_shape(group, slot), slot.name))
                 continue
             shape = global_shape(group, slot)
             if len(shape) != 3:

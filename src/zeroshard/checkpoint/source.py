@@ -46,6 +46,9 @@ class SourceInfo:
     # the trained parameters' weights are their fp32 masters cast (no low-precision copy
     # is stored), so a run may load them in another dtype
     weights_from_masters: bool = False
+    # the fp32 export writes each expert stack as one tensor of all experts under its own name,
+    # in its own orientation (a transformers model's [E, out, in]), not one [out, in] per expert
+    stacked_expert_exports: bool = False
 
     def stored_dtype(self, group: int, key: str) -> str:
         """The dtype ``key`` ("fp32" or a state name) of layout group ``group`` is stored in."""

@@ -58,11 +58,17 @@ def _describe_universal(path: Path, list_all: bool) -> list[str]:
 
 
 def _describe_deepspeed(path: Path, list_all: bool) -> list[str]:
+    with open_source(path) as source:
+        return describe_deepspeed(source, path, _deepspeed_files(source), list_all_files=list_all)
+
+
+def _deepspeed_files(source) -> list[Path]:
+    """The model-states file, the rank files in rank order, then AutoEP's per-expert files."""
     from ..importers.deepspeed_files import model_states_path, rank_file_paths
 
-    with open_source(path) as source:
-        files = [model_states_path(source.path), *rank_file_paths(source.path)]
-        return describe_deepspeed(source, path, files, list_all_files=list_all)
+    raw = getattr(source, "raw", source)
+    experts = raw.experts.paths if raw.experts is not None else []
+    return [model_states_path(raw.path), *rank_file_paths(raw.path), *experts]
 
 
 # ---- --verify: (what was checked, the problems found) ---------------------------------------
@@ -91,10 +97,9 @@ def _verify_universal(path: Path) -> tuple[str, list[str]]:
 
 
 def _verify_deepspeed(path: Path) -> tuple[str, list[str]]:
-    """Opening checks every rank file's structure against the model-states file; then every
-    tensor is read (each zip record's CRC-32 is checked where the reader checks it)."""
-    from ..importers.deepspeed_files import model_states_path, rank_file_paths
-
+    """Opening checks every rank file's structure against the model states (and an AutoEP
+    run's expert files against its metadata); then every tensor is read (each zip record's
+    CRC-32 is checked where the reader checks it)."""
     try:
         source = open_source(path)
     except UnsupportedCheckpointError:
@@ -102,13 +107,15 @@ def _verify_deepspeed(path: Path) -> tuple[str, list[str]]:
     except (ValueError, FileNotFoundError) as err:
         return "", [str(err)]
     with source:
-        files = [model_states_path(source.path), *rank_file_paths(source.path)]
+        raw = getattr(source, "raw", source)  # an AutoEP run's files in DeepSpeed's own layout
+        files = _deepspeed_files(source)
         total = sum(file.stat().st_size for file in files)
         summary = (
             f"{source.path}: OK, DeepSpeed checkpoint, {len(files)} files, {total:,} bytes: every rank file agrees "
             "with the model states and every tensor reads"
         )
-        return summary, [f"{source.path}: {problem}" for problem in read_every_tensor(source)]
+        problems = [f"{source.path}: {problem}" for problem in read_every_tensor(raw)]
+        return summary, problems + (raw.experts.unreadable() if raw.experts is not None else [])
 
 
 def _report_verification(summary: str, problems: list[str]) -> int:

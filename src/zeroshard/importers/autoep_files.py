@@ -277,6 +277,17 @@ class ExpertWeights:
     def weight(self, layer: AutoEPLayer, weight: str, expert: int) -> StoredTensor:
         return self.tensors[(layer.moe_layer_id, weight)][expert]
 
+    def unreadable(self) -> list[str]:
+        """Read every tensor of every file: one line per one that cannot be read (damaged bytes)."""
+        problems = []
+        for tensors in self.tensors.values():
+            for tensor in tensors:
+                try:
+                    tensor.numpy()
+                except (OSError, ValueError) as err:
+                    problems.append(str(err))
+        return problems
+
 
 def expert_file_names(tag_dir: Path) -> list[str]:
     return sorted(name for name in os.listdir(tag_dir) if EXPERT_FILE.match(name))

@@ -21,7 +21,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -49,12 +49,26 @@ from .deepspeed_files import (
 from .deepspeed_pickle import DeepSpeedFormatError
 from .torch_file import StoredTensor, TorchFileError
 
+if TYPE_CHECKING:
+    from .autoep import AutoEPSource
 
-def open_deepspeed(path: str | Path) -> DeepSpeedSource:
-    """Open a DeepSpeed ZeRO stage 1/2 checkpoint, check its layout, and return a source.
-    DeepSpeed's own universal format is refused by name (UnsupportedCheckpointError)."""
+
+def open_deepspeed(path: str | Path) -> DeepSpeedSource | AutoEPSource:
+    """Open a DeepSpeed ZeRO stage 1/2 checkpoint, check its layout, and return a source:
+    an AutoEP run's in the transformers model's names and layout (:class:`~.autoep.AutoEPSource`;
+    its ``raw`` is DeepSpeed's own). DeepSpeed's own universal format is refused by name
+    (UnsupportedCheckpointError)."""
     refuse_deepspeed_universal(path)
-    return DeepSpeedSource(find_tag_dir(path))
+    raw = DeepSpeedSource(find_tag_dir(path))
+    if raw.autoep is None:
+        return raw
+    from .autoep import AutoEPSource  # it builds on this module
+
+    try:
+        return AutoEPSource(raw)
+    except BaseException:
+        raw.close()
+        raise
 
 
 @dataclass(frozen=True, slots=True)

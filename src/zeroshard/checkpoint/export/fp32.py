@@ -153,7 +153,8 @@ def _open(path: Input) -> _ModelView:
 
 
 def _source_view(source: ShardSource, *, close: bool) -> _ModelView:
-    exported = {param.name: param for param in exported_params(source.info.layout)}
+    info = source.info
+    exported = {param.name: param for param in exported_params(info.layout, stacked=info.stacked_expert_exports)}
     return _ModelView(
         trained=[(name, param.shape) for name, param in exported.items()],
         entries=list(source.info.model_entries),
