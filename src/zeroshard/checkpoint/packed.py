@@ -11,8 +11,9 @@ between them reads as zeros.
 from __future__ import annotations
 
 import bisect
+import functools
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -22,6 +23,9 @@ from ..layout import GroupLayout, Layout, LayoutPolicy, ParamSlot
 PACKED_POLICY = LayoutPolicy.native(compact=True)
 
 ReadParam = Callable[[str, int, int], np.ndarray]
+
+if TYPE_CHECKING:
+    from .source import SourceInfo
 
 
 class PackedPartitions:
@@ -76,3 +80,27 @@ class PackedPartitions:
                 out[lo - start : hi - start] = read_param(slot.name, lo - slot.offset, hi - slot.offset)
                 cursor = hi
         out[cursor - start :] = 0
+
+
+class PackedSource:
+    """The range reads of a source that is a world of one: ``read`` and ``read_into`` of the
+    ShardSource protocol, through ``_packed`` (the source's :class:`PackedPartitions`) and its
+    ``_read_param(name, start, end, *, key)``."""
+
+    info: SourceInfo
+    _packed: PackedPartitions
+
+    @property
+    def layout(self) -> Layout:
+        return self.info.layout
+
+    def read(self, rank: int, group: int, key: str, start: int, end: int) -> np.ndarray:
+        """Elements [start, end) of layout group ``group``'s only partition of ``key``, as fp32."""
+        return self._packed.read(rank, group, start, end, functools.partial(self._read_param, key=key))
+
+    def read_into(self, rank: int, group: int, key: str, start: int, out: np.ndarray) -> None:
+        """:meth:`read` into ``out``: each parameter's range lands there, with no buffer between."""
+        self._packed.read_into(rank, group, start, out, functools.partial(self._read_param, key=key))
+
+    def _read_param(self, name: str, start: int, end: int, *, key: str) -> np.ndarray:
+        raise NotImplementedError

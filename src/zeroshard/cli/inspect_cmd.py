@@ -115,7 +115,7 @@ def _verify_deepspeed(path: Path) -> tuple[str, list[str]]:
             "with the model states and every tensor reads"
         )
         problems = [f"{source.path}: {problem}" for problem in read_every_tensor(raw)]
-        return summary, problems + (raw.experts.unreadable() if raw.experts is not None else [])
+        return summary, problems + (raw.experts.unreadable(raw.autoep) if raw.experts is not None else [])
 
 
 def _report_verification(summary: str, problems: list[str]) -> int:

@@ -15,20 +15,20 @@ converters export it under the model's own names.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..checkpoint.packed import PACKED_POLICY, PackedPartitions
+from ..checkpoint.packed import PACKED_POLICY, PackedPartitions, PackedSource
 from ..checkpoint.source import SourceInfo, read_param
-from ..layout import EXPERT_SHARD_GROUP, GroupSpec, Layout, ParamSpec, build_layout
+from ..layout import EXPERT_SHARD_GROUP, GroupSpec, ParamSpec, build_layout
 from .autoep_names import ExpertStack, TransformersNames, transformers_names
 from .deepspeed import DeepSpeedSource
+from .deepspeed_files import MODEL_STATES_FILE
 
 
-class AutoEPSource:
+class AutoEPSource(PackedSource):
     """An AutoEP checkpoint read in the transformers model's names (the ShardSource protocol).
     ``raw`` is the checkpoint in DeepSpeed's own names and layout."""
 
@@ -56,17 +56,6 @@ class AutoEPSource:
             extra={**info.extra, "autoep": _summary(raw)},
             stacked_expert_exports=True,
         )
-
-    @property
-    def layout(self) -> Layout:
-        return self.info.layout
-
-    def read(self, rank: int, group: int, key: str, start: int, end: int) -> np.ndarray:
-        """Elements [start, end) of group ``group``'s only partition of ``key``, as fp32."""
-        return self._packed.read(rank, group, start, end, functools.partial(self._read_param, key=key))
-
-    def read_into(self, rank: int, group: int, key: str, start: int, out: np.ndarray) -> None:
-        self._packed.read_into(rank, group, start, out, functools.partial(self._read_param, key=key))
 
     def scalars(self, group: int) -> dict[str, Any]:
         self._packed.group(group)
@@ -101,7 +90,7 @@ class AutoEPSource:
 
     def _expert_matrix(self, source: str, expert: int) -> np.ndarray:
         layer, weight = self.raw.autoep.expert_params()[source]
-        return self.raw.experts.weight(layer, weight, expert).numpy()
+        return self.raw.experts.read(layer, weight, expert)
 
     def _group(self, group) -> GroupSpec | list[ParamSpec]:
         """The group of the view that holds the raw layout group ``group``'s parameters."""
@@ -118,7 +107,7 @@ def _names(raw: DeepSpeedSource) -> TransformersNames:
     local_shapes = {slot.name: slot.spec.shape for slot in expert_group.params}
     others = [name for name in raw.layout.param_names if name not in local_shapes]
     others += [entry.name for entry in raw.info.model_entries]
-    return transformers_names(raw.autoep, local_shapes, others, raw.path)
+    return transformers_names(raw.autoep, local_shapes, others, raw.path / MODEL_STATES_FILE)
 
 
 def _summary(raw: DeepSpeedSource) -> dict[str, Any]:

@@ -24,10 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..layout import contiguous_expert_map
 from . import deepspeed_fields as fields
 from .deepspeed_pickle import DeepSpeedFormatError, load_checkpoint_file
-from .torch_file import StoredTensor
+from .torch_file import StoredTensor, TorchFileError
 
 LAYERS_KEY = "ds_autoep_layers"
 _LEGACY_LAYERS_KEY = "autoep_layers"  # older DeepSpeed releases
@@ -196,7 +198,9 @@ def check_affine_maps(layer: AutoEPLayer, local_shapes: dict[str, tuple[int, ...
             raise fields.field_error(path, f"{where}['logical_shape']", f"is {saved.get('logical_shape')}, expected {list(logical)}")
         ranks = fields.optional_dict(saved.get("ranks"), f"{where}['ranks']", path)
         if set(ranks) != set(range(layer.ep_size)):
-            raise fields.field_error(path, f"{where}['ranks']", f"has keys {sorted(map(repr, ranks))}, expected EP ranks 0..{layer.ep_size - 1}")
+            keys = sorted(map(repr, ranks))
+            shown = ", ".join(keys[:4]) + (", ..." if len(keys) > 4 else "")
+            raise fields.field_error(path, f"{where}['ranks']", f"has keys {shown}, expected EP ranks 0..{layer.ep_size - 1}")
         for rank, experts in enumerate(layer.placement):
             _check_rank_map(ranks[rank], rank, experts, logical, f"{where}['ranks'][{rank}]", path)
 
@@ -274,18 +278,24 @@ class ExpertWeights:
     tensors: dict[tuple[int, str], list[StoredTensor]]
     paths: list[Path]
 
-    def weight(self, layer: AutoEPLayer, weight: str, expert: int) -> StoredTensor:
-        return self.tensors[(layer.moe_layer_id, weight)][expert]
+    def read(self, layer: AutoEPLayer, weight: str, expert: int) -> np.ndarray:
+        """One expert's weight in its own dtype and shape; damaged bytes (a CRC-32 mismatch, a
+        file cut short since it was opened) are a DeepSpeedFormatError naming file and record."""
+        try:
+            return self.tensors[(layer.moe_layer_id, weight)][expert].numpy()
+        except TorchFileError as err:
+            raise DeepSpeedFormatError(str(err)) from None
 
-    def unreadable(self) -> list[str]:
+    def unreadable(self, autoep: AutoEP) -> list[str]:
         """Read every tensor of every file: one line per one that cannot be read (damaged bytes)."""
         problems = []
-        for tensors in self.tensors.values():
-            for tensor in tensors:
-                try:
-                    tensor.numpy()
-                except (OSError, ValueError) as err:
-                    problems.append(str(err))
+        for layer in autoep.layers:
+            for expert in range(layer.num_experts):
+                for weight in EXPERT_WEIGHTS:
+                    try:
+                        self.read(layer, weight, expert)
+                    except (OSError, ValueError) as err:
+                        problems.append(str(err))
         return problems
 
 

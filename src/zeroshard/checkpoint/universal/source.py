@@ -16,7 +16,6 @@ reshards a universal checkpoint to any (W, EP) as it does a native one.
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -28,14 +27,14 @@ from ...state import ParamGroupState
 from ..io.dtypes import cast
 from ..io.safetensors_io import ReadStats
 from ..formats import SourceFormat
-from ..packed import PACKED_POLICY, PackedPartitions
+from ..packed import PACKED_POLICY, PackedPartitions, PackedSource
 from ..source import SourceInfo
 from ..experts import stacked_from_exported
 from .format import FORMAT_NAME, UniversalManifest, is_universal_checkpoint
 from .read import UniversalCheckpoint, open_universal
 
 
-class UniversalSource:
+class UniversalSource(PackedSource):
     """An opened universal checkpoint, read range by range (the ShardSource protocol)."""
 
     kind = FORMAT_NAME
@@ -61,18 +60,6 @@ class UniversalSource:
         )
         self._packed = PackedPartitions(layout, self.path, "a universal checkpoint has no ranks")
         self._expert_cache: dict[tuple[str, str, int], np.ndarray] = {}
-
-    @property
-    def layout(self) -> Layout:
-        return self.info.layout
-
-    def read(self, rank: int, group: int, key: str, start: int, end: int) -> np.ndarray:
-        """Elements [start, end) of layout group ``group``'s only partition of ``key``, as fp32."""
-        return self._packed.read(rank, group, start, end, functools.partial(self._read_param, key=key))
-
-    def read_into(self, rank: int, group: int, key: str, start: int, out: np.ndarray) -> None:
-        """:meth:`read` into ``out``: each parameter's range lands there, with no buffer between."""
-        self._packed.read_into(rank, group, start, out, functools.partial(self._read_param, key=key))
 
     def _read_param(self, name: str, start: int, end: int, *, key: str) -> np.ndarray:
         """Elements [start, end) of a parameter of the layout: a stored one, or a stacked
