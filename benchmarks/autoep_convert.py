@@ -3,8 +3,8 @@
 The checkpoint is made first, by DeepSpeed 0.19.8 itself: AutoEP (``preset_model: qwen3_moe``)
 trains a random transformers Qwen3-MoE one step at W = 4, EP = 2 on the CPU (gloo, bf16, ZeRO
 stage 2, torch AdamW) and saves. The default model (8 layers, hidden 256, 32 experts of width
-256, vocabulary 4096) has 28 M parameters, 25 M of them experts: about 330 MB of fp32 master
-and Adam state plus the bf16 module and expert files. AutoEP needs transformers 5.9.0, which
+256, vocabulary 4096) has 54 M parameters, 50 M of them experts: 758 MB in 261 files (fp32
+master and Adam state, the bf16 module and 256 expert files). AutoEP needs transformers 5.9.0, which
 ``scripts/setup.sh`` puts in ``.side/transformers-5.9``; only the training ranks see it.
 
 Then, each command in a fresh process measured as in ``deepspeed_convert.py`` (wall time, CPU
@@ -108,8 +108,16 @@ def commands(save_dir: Path, work: Path) -> dict[str, tuple[list[str], Path | No
         "deepspeed zero_to_fp32": ([*me, "zero_to_fp32", str(save_dir), str(work / "ds_fp32")], work / "ds_fp32"),
         "deepspeed ds_to_universal": (
             [
-                *me, "ds_to_universal", "--input_folder", str(tag_dir), "--output_folder", str(work / "ds_universal"),
-                "--num_extract_workers", "1", "--num_merge_workers", "1",
+                *me,
+                "ds_to_universal",
+                "--input_folder",
+                str(tag_dir),
+                "--output_folder",
+                str(work / "ds_universal"),
+                "--num_extract_workers",
+                "1",
+                "--num_merge_workers",
+                "1",
             ],  # fmt: skip
             work / "ds_universal",
         ),
@@ -142,7 +150,10 @@ def deepspeed_in_model_layout(universal: Path, key: str, layers: int) -> dict:
         out[f"{block}.experts.gate_up_proj"] = torch.cat([load(f"{block}.experts.w1"), load(f"{block}.experts.w3")], 1)
         out[f"{block}.experts.down_proj"] = load(f"{block}.experts.w2")
         out[f"{block}.gate.weight"] = load(f"{block}.router.gate.weight")
-        autoep |= {f"{block}.experts.w{i}" for i in (1, 2, 3)} | {f"{block}.router.gate.weight", f"{block}.gate.gate.weight"}
+        autoep |= {f"{block}.experts.w{i}" for i in (1, 2, 3)} | {
+            f"{block}.router.gate.weight",
+            f"{block}.gate.gate.weight",
+        }
     out.update({p.name: load(p.name) for p in zero.iterdir() if p.is_dir() and p.name not in autoep})
     return out
 
@@ -192,7 +203,10 @@ def main() -> None:
             f"load average {load:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n"
         )
         print_table(results, PAIRS)
-        if not any(results[name]["error"] for name in ("deepspeed ds_to_universal", "zeroshard to-fp32", "zeroshard to-universal")):
+        if not any(
+            results[name]["error"]
+            for name in ("deepspeed ds_to_universal", "zeroshard to-fp32", "zeroshard to-universal")
+        ):
             fp32_same, universal_same = outputs_equal(work, args.layers)
             print(f"\nto-fp32 equals ds_to_universal's fp32 in the model's layout, bit for bit: {fp32_same}")
             print(f"to-universal equals ds_to_universal (fp32, exp_avg, exp_avg_sq), bit for bit: {universal_same}")

@@ -124,7 +124,15 @@ def generate(root: Path, configs: tuple[AutoEPConfig, ...] = CONFIGS) -> dict[st
         launches[world_size] = (batch, spec)
     with ThreadPoolExecutor(max_workers=max(1, len(launches))) as pool:
         futures = [
-            pool.submit(launch_torchrun, Path(__file__), root, world_size, spec, what="DeepSpeed AutoEP fixture launch", env={"PYTHONPATH": path})
+            pool.submit(
+                launch_torchrun,
+                Path(__file__),
+                root,
+                world_size,
+                spec,
+                what="DeepSpeed AutoEP fixture launch",
+                env={"PYTHONPATH": path},
+            )
             for world_size, (_, spec) in launches.items()
         ]
         for future in futures:
@@ -166,7 +174,9 @@ def _run_config(config: AutoEPConfig, root: Path) -> None:
     started = time.perf_counter()
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**MODEL_CONFIG))
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=_ds_config(config))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=list(model.parameters()), config=_ds_config(config)
+    )
     rows = GLOBAL_BATCH // world_size
     for step in range(STEPS):
         tokens = global_batch(step)[rank * rows : (rank + 1) * rows]

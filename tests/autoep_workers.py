@@ -26,11 +26,16 @@ def ds_reference(universal: Path, key: str, num_layers: int) -> dict[str, torch.
     autoep_names = set()
     for layer in range(num_layers):
         block = f"model.layers.{layer}.mlp"
-        out[f"{block}.experts.gate_up_proj"] = torch.cat([load(f"{block}.experts.w1"), load(f"{block}.experts.w3")], dim=1)
+        out[f"{block}.experts.gate_up_proj"] = torch.cat(
+            [load(f"{block}.experts.w1"), load(f"{block}.experts.w3")], dim=1
+        )
         out[f"{block}.experts.down_proj"] = load(f"{block}.experts.w2")
         out[f"{block}.gate.weight"] = load(f"{block}.router.gate.weight")
         # AutoEP's alias of the router: ds_to_universal writes it as an untrained tensor (fp32 only).
-        autoep_names |= {f"{block}.experts.w{i}" for i in (1, 2, 3)} | {f"{block}.router.gate.weight", f"{block}.gate.gate.weight"}
+        autoep_names |= {f"{block}.experts.w{i}" for i in (1, 2, 3)} | {
+            f"{block}.router.gate.weight",
+            f"{block}.gate.gate.weight",
+        }
     for folder in sorted(zero.iterdir()):
         if folder.is_dir() and folder.name not in autoep_names:
             out[folder.name] = load(folder.name)

@@ -27,7 +27,7 @@ def autoep_runs(tmp_path_factory):
     from autoep_fixtures import TRANSFORMERS_DIR, generate, transformers_ready
 
     if not transformers_ready():
-        pytest.skip(f"{TRANSFORMERS_DIR} holds no transformers 5.9.0 for DeepSpeed AutoEP (bash scripts/setup.sh makes it)")
+        pytest.skip(f"{TRANSFORMERS_DIR} holds no transformers 5.9.0 for AutoEP (bash scripts/setup.sh makes it)")
     started = time.perf_counter()
     runs = generate(tmp_path_factory.mktemp("autoep"))
     print(f"\nDeepSpeed AutoEP fixtures: {len(runs)} runs ready in {time.perf_counter() - started:.1f} s")

@@ -38,13 +38,17 @@ TARGETS = [(2, 1), (4, 4), (1, 1)]
 
 @pytest.fixture(scope="module")
 def references(autoep_runs):
-    return {name: {key: ds_reference(run.universal, key, LAYERS) for key in STATES} for name, run in autoep_runs.items()}
+    return {
+        name: {key: ds_reference(run.universal, key, LAYERS) for key in STATES} for name, run in autoep_runs.items()
+    }
 
 
 def differing(found: np.ndarray, expected: torch.Tensor) -> int:
     """Elements whose bits differ (NaN equals NaN, -0.0 differs from 0.0)."""
     want = expected.detach().contiguous().float().numpy().reshape(-1)
-    return int((np.ascontiguousarray(found, dtype=np.float32).reshape(-1).view(np.uint32) != want.view(np.uint32)).sum())
+    return int(
+        (np.ascontiguousarray(found, dtype=np.float32).reshape(-1).view(np.uint32) != want.view(np.uint32)).sum()
+    )
 
 
 def model_layout(source, world_size: int, ep_size: int):
@@ -53,14 +57,18 @@ def model_layout(source, world_size: int, ep_size: int):
     dense, stacks = source.layout.groups
     mesh = ExpertMesh(world_size, ep_size)
     experts = [ParamSpec(s.name, (EXPERTS // ep_size, *s.spec.shape[1:]), s.spec.dtype) for s in stacks.params]
-    return build_layout([[s.spec for s in dense.params], mesh.expert_group(experts, EXPERTS)], world_size, LayoutPolicy.native())
+    return build_layout(
+        [[s.spec for s in dense.params], mesh.expert_group(experts, EXPERTS)], world_size, LayoutPolicy.native()
+    )
 
 
 def gathered(source, layout) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, np.ndarray], list]:
     """Every rank's load_state put together by global element: key -> name -> flat tensor,
     how many ranks wrote each element, and the states."""
     shapes = {slot.name: global_shape(group, slot) for group in layout.groups for slot in group.params}
-    out = {key: {name: np.full(math.prod(shape), np.nan, np.float32) for name, shape in shapes.items()} for key in STATES}
+    out = {
+        key: {name: np.full(math.prod(shape), np.nan, np.float32) for name, shape in shapes.items()} for key in STATES
+    }
     counts = {name: np.zeros(math.prod(shape), np.int64) for name, shape in shapes.items()}
     states = [load_state(source, layout, rank) for rank in range(layout.world_size)]
     for rank, state in enumerate(states):
@@ -69,7 +77,9 @@ def gathered(source, layout) -> tuple[dict[str, dict[str, np.ndarray]], dict[str
             for run in rank_runs(group, rank):
                 span = slice(run.global_start, run.global_start + run.length)
                 for key in STATES:
-                    out[key][run.name][span] = partitions[key][run.partition_start : run.partition_start + run.length].numpy()
+                    out[key][run.name][span] = partitions[key][
+                        run.partition_start : run.partition_start + run.length
+                    ].numpy()
                 counts[run.name][span] += 1
     return out, counts, states
 
@@ -77,7 +87,9 @@ def gathered(source, layout) -> tuple[dict[str, dict[str, np.ndarray]], dict[str
 def test_zero_to_fp32_fails_on_autoep_checkpoints(autoep_runs):
     for run in autoep_runs.values():
         error = run.recorded()["zero_to_fp32_error"]
-        assert error is not None and "layer_0_expert_0_mp_rank_00_model_states.pt is not a model state checkpoint" in error
+        assert (
+            error is not None and "layer_0_expert_0_mp_rank_00_model_states.pt is not a model state checkpoint" in error
+        )
         assert run.recorded()["transformers"] == "5.9.0"
 
 
@@ -88,7 +100,10 @@ def test_deepspeed_names_read_as_ds_to_universal(autoep_runs, name):
     with DeepSpeedSource(run.tag_dir) as raw:
         assert raw.layout.world_size == run.config.world_size
         group = next(g for g in raw.layout.groups if g.is_expert_group)
-        assert group.world_size == run.config.world_size // run.config.ep_size and len(group.expert_map) == run.config.ep_size
+        assert (
+            group.world_size == run.config.world_size // run.config.ep_size
+            and len(group.expert_map) == run.config.ep_size
+        )
         bad = {}
         for key in STATES:
             for slot_group in raw.layout.groups:
@@ -147,7 +162,11 @@ def test_to_universal_loads_back_to_the_same_state(autoep_runs, references, tmp_
     with open_source(out) as universal, open_source(run.save_dir) as source:
         layout = model_layout(source, 4, 4)
         from_universal, counts, _ = gathered(universal, layout)
-    bad = {(k, n): differing(from_universal[k][n], references[run.config.name][k][n]) for k in STATES for n in from_universal[k]}
+    bad = {
+        (k, n): differing(from_universal[k][n], references[run.config.name][k][n])
+        for k in STATES
+        for n in from_universal[k]
+    }
     assert sum(bad.values()) == 0, {k: v for k, v in bad.items() if v}
 
 
@@ -157,11 +176,15 @@ def test_open_source_names_the_model_and_keeps_deepspeed_layout_as_raw(autoep_ru
         dense, experts = source.layout.groups
         assert source.layout.world_size == 1 and experts.expert_map == (tuple(range(EXPERTS)),)
         names = [slot.name for slot in experts.params]
-        assert names == [f"model.layers.{i}.mlp.experts.{w}" for i in range(LAYERS) for w in ("gate_up_proj", "down_proj")]
+        assert names == [
+            f"model.layers.{i}.mlp.experts.{w}" for i in range(LAYERS) for w in ("gate_up_proj", "down_proj")
+        ]
         i, h = MODEL_CONFIG["moe_intermediate_size"], MODEL_CONFIG["hidden_size"]
         assert [slot.spec.shape for slot in experts.params[:2]] == [(EXPERTS, 2 * i, h), (EXPERTS, h, i)]
         assert "model.layers.0.mlp.gate.weight" in {slot.name for slot in dense.params}
-        assert not [entry for entry in source.info.model_entries if ".mlp." in entry.name]  # AutoEP's router alias is gone
+        assert not [
+            entry for entry in source.info.model_entries if ".mlp." in entry.name
+        ]  # AutoEP's router alias is gone
         assert source.raw.layout.world_size == 4 and source.raw.layout.shard_groups == {"dp": 4, "expert_dp": 2}
 
 
@@ -172,7 +195,10 @@ def test_inspect_describes_the_autoep_run(autoep_runs, capsys):
     assert main(["inspect", str(run.save_dir)]) == 0
     printed = capsys.readouterr().out
     assert "DeepSpeed ZeRO stage 2 checkpoint (DeepSpeed 0.19.8) with AutoEP (preset qwen3_moe, EP=2)" in printed
-    assert "world size: 4" in printed and "shard groups: dp (4 ranks), expert_dp (2 ranks); expert parallelism EP=2" in printed
+    assert (
+        "world size: 4" in printed
+        and "shard groups: dp (4 ranks), expert_dp (2 ranks); expert parallelism EP=2" in printed
+    )
     assert "EP rank 1: experts 2, 3 on ranks 1, 3" in printed
     assert "model.layers.0.mlp.experts.gate_up_proj [4, 32, 24] = cat(w1, w3)" in printed
     assert "8 expert files layer_L_expert_E_mp_rank_00_model_states.pt: 38,992 bytes" in printed
@@ -196,6 +222,9 @@ def test_an_engine_loads_it_online(autoep_runs, references):
     for rank, found in enumerate(results):
         bad = {(k, n): differing(found[f"{k}/{n}"].numpy(), reference[k][n]) for k in STATES for n in reference[k]}
         assert sum(bad.values()) == 0, (rank, {k: v for k, v in bad.items() if v})
-        casts = {n: differing(found[f"weight/{n}"].numpy(), reference["fp32"][n].bfloat16().float()) for n in reference["fp32"]}
+        casts = {
+            n: differing(found[f"weight/{n}"].numpy(), reference["fp32"][n].bfloat16().float())
+            for n in reference["fp32"]
+        }
         assert sum(casts.values()) == 0, (rank, {k: v for k, v in casts.items() if v})
         assert found["lr"].tolist() == [1e-3, 1e-3] and int(found["global_steps"]) == STEPS

@@ -61,96 +61,164 @@ def self_containing() -> dict:
 
 
 FIELD_CASES = {
-    "layers is a dict": (MODEL, lambda raw: raw.update(ds_autoep_layers={}), "ds_autoep_layers is a dict, expected a list"),
+    "layers is a dict": (
+        MODEL,
+        lambda raw: raw.update(ds_autoep_layers={}),
+        "ds_autoep_layers is a dict, expected a list",
+    ),
     "layers is empty": (MODEL, lambda raw: raw.update(ds_autoep_layers=[]), "ds_autoep_layers is empty"),
-    "a layer is a number": (MODEL, lambda raw: raw["ds_autoep_layers"].__setitem__(0, 5), "ds_autoep_layers[0] is a int, expected a dict"),
+    "a layer is a number": (
+        MODEL,
+        lambda raw: raw["ds_autoep_layers"].__setitem__(0, 5),
+        "ds_autoep_layers[0] is a int, expected a dict",
+    ),
     "num_experts is a float": (
-        MODEL, layer(lambda e: e.update(num_experts=4.0)), "ds_autoep_layers[0]['num_experts'] is a float, expected an integer"
+        MODEL,
+        layer(lambda e: e.update(num_experts=4.0)),
+        "ds_autoep_layers[0]['num_experts'] is a float, expected an integer",
     ),
     "num_local_experts disagrees": (
-        MODEL, layer(lambda e: e.update(num_local_experts=3)), "['num_local_experts'] is 3: 2 EP ranks x 3 is not 4 experts"
+        MODEL,
+        layer(lambda e: e.update(num_local_experts=3)),
+        "['num_local_experts'] is 3: 2 EP ranks x 3 is not 4 experts",
     ),
     "an expert on two EP ranks": (
-        MODEL, placement(lambda p: p["ranks"][1].update(experts=[1, 3])), "places experts [[0, 1], [1, 3]]"
+        MODEL,
+        placement(lambda p: p["ranks"][1].update(experts=[1, 3])),
+        "places experts [[0, 1], [1, 3]]",
     ),
-    "placement version": (MODEL, placement(lambda p: p.update(version=2)), "['expert_placement']['version'] is 2, expected 1"),
-    "placement of EP rank 5": (MODEL, placement(lambda p: p["ranks"][1].update(rank=5)), "['expert_placement']['ranks'][1]['rank'] is 5"),
+    "placement version": (
+        MODEL,
+        placement(lambda p: p.update(version=2)),
+        "['expert_placement']['version'] is 2, expected 1",
+    ),
+    "placement of EP rank 5": (
+        MODEL,
+        placement(lambda p: p["ranks"][1].update(rank=5)),
+        "['expert_placement']['ranks'][1]['rank'] is 5",
+    ),
     "placement contains itself": (
-        MODEL, placement(lambda p: p["ranks"].__setitem__(1, self_containing())),
+        MODEL,
+        placement(lambda p: p["ranks"].__setitem__(1, self_containing())),
         "['expert_placement']['ranks'][1]['rank'] is 0: EP ranks are 0..1, each once",
     ),
     "affine map names other experts": (
-        MODEL, w1_map(lambda m: m["ranks"][0]["pieces"][0].update(source=[768, [384, 24, 1]])),
+        MODEL,
+        w1_map(lambda m: m["ranks"][0]["pieces"][0].update(source=[768, [384, 24, 1]])),
         "does not map EP rank 0's experts [0, 1] as the placement does",
     ),
     "affine map keyed by strings": (
-        MODEL, w1_map(lambda m: m.update(ranks={str(k): v for k, v in m["ranks"].items()})), "has keys '0', '1', expected EP ranks 0..1"
+        MODEL,
+        w1_map(lambda m: m.update(ranks={str(k): v for k, v in m["ranks"].items()})),
+        "has keys '0', '1', expected EP ranks 0..1",
     ),
     "affine map of a wrong shape": (
-        MODEL, w1_map(lambda m: m.update(logical_shape=[4, 24, 16])), "['logical_shape'] is [4, 24, 16], expected [4, 16, 24]"
+        MODEL,
+        w1_map(lambda m: m.update(logical_shape=[4, 24, 16])),
+        "['logical_shape'] is [4, 24, 16], expected [4, 16, 24]",
     ),
     "affine map for another weight": (
-        MODEL, layer(lambda e: e["affine_maps"]["params"].update(extra={})), "['affine_maps']['params'] holds ['extra',"
+        MODEL,
+        layer(lambda e: e["affine_maps"]["params"].update(extra={})),
+        "['affine_maps']['params'] holds ['extra',",
     ),
     "ZeRO-3 expert format": (
-        MODEL, layer(lambda e: e.update(checkpoint_format="zero3_partitioned")), "only 'per_expert_files' is read"
+        MODEL,
+        layer(lambda e: e.update(checkpoint_format="zero3_partitioned")),
+        "only 'per_expert_files' is read",
     ),
     "EP group name": (MODEL, layer(lambda e: e.update(ep_group_name="ep_size_4")), "['ep_group_name'] is 'ep_size_4'"),
     "not rank 0's metadata": (MODEL, layer(lambda e: e.update(ep_rank=1)), "['ep_rank'] is 1, expected 0"),
     "expert range": (
-        MODEL, layer(lambda e: e.update(global_expert_end=3)), "and global_expert_end are [0, 3), EP rank 0 holds experts [0, 1]"
+        MODEL,
+        layer(lambda e: e.update(global_expert_end=3)),
+        "and global_expert_end are [0, 3), EP rank 0 holds experts [0, 1]",
     ),
     "prefix outside the module": (
-        MODEL, layer(lambda e: e.update(expert_key_prefix="other.experts")), "'other.experts' is not inside module 'model.layers.0.mlp'"
+        MODEL,
+        layer(lambda e: e.update(expert_key_prefix="other.experts")),
+        "'other.experts' is not inside module 'model.layers.0.mlp'",
     ),
-    "a layer id twice": (MODEL, layer(lambda e: e.update(moe_layer_id=0), 1), "ds_autoep_layers names a moe_layer_id twice"),
+    "a layer id twice": (
+        MODEL,
+        layer(lambda e: e.update(moe_layer_id=0), 1),
+        "ds_autoep_layers names a moe_layer_id twice",
+    ),
     "expert-DP size": (
-        MODEL, layer(lambda e: e.update(expert_data_parallel_world_size=2)), "ds_autoep_layers says 2 expert-data-parallel ranks"
+        MODEL,
+        layer(lambda e: e.update(expert_data_parallel_world_size=2)),
+        "ds_autoep_layers says 2 expert-data-parallel ranks",
     ),
     "expert counts per layer": (MODEL, lambda raw: raw.update(num_experts=[4, 8]), "num_experts is [4, 8]"),
     "older metadata key": (
-        MODEL, lambda raw: raw.update(autoep_layers=raw.pop("ds_autoep_layers")), "autoep_layers: AutoEP metadata of an older DeepSpeed"
+        MODEL,
+        lambda raw: raw.update(autoep_layers=raw.pop("ds_autoep_layers")),
+        "autoep_layers: AutoEP metadata of an older DeepSpeed",
     ),
     "expert parallelism off": (
-        MODEL, expert_parallel(lambda c: c.update(enabled=False)), "ds_config['expert_parallel']['enabled'] is False"
+        MODEL,
+        expert_parallel(lambda c: c.update(enabled=False)),
+        "ds_config['expert_parallel']['enabled'] is False",
     ),
     "another EP in the config": (MODEL, expert_parallel(lambda c: c.update(autoep_size=4)), "['autoep_size'] is 4"),
     "data before expert parallelism": (
-        MODEL, lambda raw: raw["ds_config"].update(use_data_before_expert_parallelism=True), "that rank order of expert groups"
+        MODEL,
+        lambda raw: raw["ds_config"].update(use_data_before_expert_parallelism=True),
+        "that rank order of expert groups",
     ),
     "preset without names": (
-        MODEL, expert_parallel(lambda c: c.update(preset_model="mixtral")), "AutoEP preset 'mixtral' has no transformers names"
+        MODEL,
+        expert_parallel(lambda c: c.update(preset_model="mixtral")),
+        "AutoEP preset 'mixtral' has no transformers names",
     ),
     "stacked shape": (
-        MODEL, lambda raw: raw["param_shapes"][1].update({"model.layers.0.mlp.experts.w2": (2, 16, 24)}),
+        MODEL,
+        lambda raw: raw["param_shapes"][1].update({"model.layers.0.mlp.experts.w2": (2, 16, 24)}),
         "param_shapes gives model.layers.0.mlp.experts.w1 [2, 16, 24], w2 [2, 16, 24]",
     ),
     "module tensor the model lacks": (
-        MODEL, lambda raw: raw["module"].update({"model.layers.0.mlp.expert_bias": torch.zeros(4)}),
+        MODEL,
+        lambda raw: raw["module"].update({"model.layers.0.mlp.expert_bias": torch.zeros(4)}),
         "'model.layers.0.mlp.expert_bias' has no name in the transformers model",
     ),
     "expert files without metadata": (MODEL, lambda raw: raw.pop("ds_autoep_layers"), "no ds_autoep_layers"),
     "expert group not moe": (
-        RANK0, lambda raw: raw["optimizer_state_dict"]["base_optimizer_state"]["param_groups"][1].update(moe=False),
+        RANK0,
+        lambda raw: raw["optimizer_state_dict"]["base_optimizer_state"]["param_groups"][1].update(moe=False),
         "says moe=False",
     ),
     "expert group partitions": (
-        RANK1, lambda raw: raw["optimizer_state_dict"].update(partition_count=[2, 2]), "partition_count 2, expected 1"
+        RANK1,
+        lambda raw: raw["optimizer_state_dict"].update(partition_count=[2, 2]),
+        "partition_count 2, expected 1",
     ),
     "expert file keys": (
-        EXPERT, lambda raw: raw.update({"model.layers.0.mlp.experts.w1.3": raw.pop("model.layers.0.mlp.experts.w1.2")}),
+        EXPERT,
+        lambda raw: raw.update({"model.layers.0.mlp.experts.w1.3": raw.pop("model.layers.0.mlp.experts.w1.2")}),
         "expected exactly ['model.layers.0.mlp.experts.w1.2',",
     ),
     "expert transposed": (
-        EXPERT, lambda raw: raw.update({"model.layers.0.mlp.experts.w1.2": raw["model.layers.0.mlp.experts.w1.2"].t().contiguous()}),
+        EXPERT,
+        lambda raw: raw.update(
+            {"model.layers.0.mlp.experts.w1.2": raw["model.layers.0.mlp.experts.w1.2"].t().contiguous()}
+        ),
         "model.layers.0.mlp.experts.w1.2 is a bfloat16 tensor of shape [24, 16], expected bfloat16 [16, 24]",
     ),
     "expert in fp32": (
-        EXPERT, lambda raw: raw.update({"model.layers.0.mlp.experts.w3.2": raw["model.layers.0.mlp.experts.w3.2"].float()}),
+        EXPERT,
+        lambda raw: raw.update({"model.layers.0.mlp.experts.w3.2": raw["model.layers.0.mlp.experts.w3.2"].float()}),
         "w3.2 is a float32 tensor of shape [16, 24], expected bfloat16",
     ),
-    "expert is a number": (EXPERT, lambda raw: raw.update({"model.layers.0.mlp.experts.w2.2": 7}), "w2.2 is a int, expected a tensor"),
-    "expert bomb": (EXPERT, lambda raw: raw.update({"model.layers.0.mlp.experts.w2.2": bomb()}), "expanded view is refused"),
+    "expert is a number": (
+        EXPERT,
+        lambda raw: raw.update({"model.layers.0.mlp.experts.w2.2": 7}),
+        "w2.2 is a int, expected a tensor",
+    ),
+    "expert bomb": (
+        EXPERT,
+        lambda raw: raw.update({"model.layers.0.mlp.experts.w2.2": bomb()}),
+        "expanded view is refused",
+    ),
 }
 
 
@@ -184,7 +252,11 @@ def test_every_entry_point_refuses_in_one_line(tag_dir, tmp_path, capsys):
     (tag_dir / "layer_1_expert_3_mp_rank_00_model_states.pt").unlink()
     with pytest.raises(DeepSpeedFormatError, match="layer_1_expert_3_mp_rank_00_model_states.pt is missing"):
         open_source(tag_dir)
-    for command in (["to-fp32", str(tag_dir), str(tmp_path / "out")], ["to-universal", str(tag_dir), str(tmp_path / "u")], ["inspect", str(tag_dir)]):
+    for command in (
+        ["to-fp32", str(tag_dir), str(tmp_path / "out")],
+        ["to-universal", str(tag_dir), str(tmp_path / "u")],
+        ["inspect", str(tag_dir)],
+    ):
         assert main(command) == 2, command
         err = capsys.readouterr().err.strip()
         assert "\n" not in err and "layer_1_expert_3_mp_rank_00_model_states.pt is missing" in err, err
@@ -220,12 +292,21 @@ def everything(tag_dir: Path) -> dict[str, bytes]:
                 for key in ("fp32", *source.info.state_keys[group.index]):
                     out[f"{key}/{slot.name}"] = read_param(source, slot.name, key).tobytes()
                 out[f"weight/{slot.name}"] = np.ascontiguousarray(source.model_tensor(slot.name)).tobytes()
-            out[f"scalars/{group.index}"] = repr({k: np.asarray(v).tobytes() for k, v in source.scalars(group.index).items()}).encode()
-        out["info"] = repr([source.info.extra, [g.hyperparameters for g in source.info.param_groups], source.info.model_entries]).encode()
+            out[f"scalars/{group.index}"] = repr(
+                {k: np.asarray(v).tobytes() for k, v in source.scalars(group.index).items()}
+            ).encode()
+        out["info"] = repr(
+            [source.info.extra, [g.hyperparameters for g in source.info.param_groups], source.info.model_entries]
+        ).encode()
     return out
 
 
 def test_fuzzed_autoep_files_convert_identically_or_are_refused(tag_dir):
-    files = [tag_dir / MODEL, tag_dir / EXPERT, tag_dir / "layer_1_expert_0_mp_rank_00_model_states.pt", tag_dir / RANK1]
+    files = [
+        tag_dir / MODEL,
+        tag_dir / EXPERT,
+        tag_dir / "layer_1_expert_0_mp_rank_00_model_states.pt",
+        tag_dir / RANK1,
+    ]
     outcomes = fuzz(tag_dir, files, everything, 200, 20261201)
     assert outcomes["refused"] > 140, outcomes  # flips in bytes never read (zip padding) may pass

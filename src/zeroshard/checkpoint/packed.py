@@ -62,9 +62,8 @@ class PackedPartitions:
             raise ValueError(f"rank {rank} is outside world size 1 ({self._what})")
         layout_group = self.group(group)
         if not 0 <= start <= end <= layout_group.partition_numel:
-            raise ValueError(
-                f"range [{start}, {end}) is outside group {group}'s partition of {layout_group.partition_numel} elements"
-            )
+            numel = layout_group.partition_numel
+            raise ValueError(f"range [{start}, {end}) is outside group {group}'s partition of {numel} elements")
         return layout_group.params[bisect.bisect_right(self._param_ends[group], start) :]
 
     @staticmethod

@@ -158,15 +158,15 @@ def autoep_lines(view: Any) -> list[str]:
     :class:`~zeroshard.importers.AutoEPSource`)."""
     names = view.names
     first = names.stacks[:2]
-    stacks = ", ".join(
-        f"{stack.name} {list(stack.shape())} = "
-        + (f"cat({', '.join(part.source.rsplit('.', 1)[1] for part in stack.parts)})" if len(stack.parts) > 1 else stack.parts[0].source.rsplit(".", 1)[1])
-        for stack in first
-    )
+    def made_of(stack) -> str:
+        weights = [part.source.rsplit(".", 1)[1] for part in stack.parts]
+        return f"cat({', '.join(weights)})" if len(weights) > 1 else weights[0]
+
+    stacks = ", ".join(f"{stack.name} {list(stack.shape())} = {made_of(stack)}" for stack in first)
     router = next(iter(names.renamed.items()), None)
     return [
-        f"AutoEP: {len(view.raw.autoep.layers)} MoE layers of {first[0].num_experts} experts; read (to-fp32, to-universal, "
-        f"load_checkpoint) in the transformers model's names: {stacks}"
+        f"AutoEP: {len(view.raw.autoep.layers)} MoE layers of {first[0].num_experts} experts; read (to-fp32, "
+        f"to-universal, load_checkpoint) in the transformers model's names: {stacks}"
         + (f", {router[1]} = {router[0]}" if router else "")
         + f"; likewise in every layer ({len(names.router_aliases)} AutoEP aliases of its routers left out)"
     ]

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 
 from ..checkpoint.packed import PACKED_POLICY, PackedPartitions, PackedSource
-from ..checkpoint.source import SourceInfo, read_param
+from ..checkpoint.source import read_param
 from ..layout import EXPERT_SHARD_GROUP, GroupSpec, ParamSpec, build_layout
-from .autoep_names import ExpertStack, TransformersNames, transformers_names
+from .autoep_names import ModelStack, TransformersNames, transformers_names
 from .deepspeed import DeepSpeedSource
 from .deepspeed_files import MODEL_STATES_FILE
 
@@ -54,7 +54,7 @@ class AutoEPSource(PackedSource):
             ],
             aliases={self.names.name(alias): self.names.name(target) for alias, target in info.aliases.items()},
             extra={**info.extra, "autoep": _summary(raw)},
-            stacked_expert_exports=True,
+            stacked_expert_exports=all(stack.export == "stacked" for stack in self.names.stacks),
         )
 
     def scalars(self, group: int) -> dict[str, Any]:
@@ -85,7 +85,9 @@ class AutoEPSource(PackedSource):
         stack = self._stacks.get(name)
         if stack is None:
             return read_param(self.raw, self._autoep_name.get(name, name), key, start, end)
-        pieces = [read_param(self.raw, source, key, first, stop) for source, first, stop in stack.source_ranges(start, end)]
+        pieces = [
+            read_param(self.raw, source, key, first, stop) for source, first, stop in stack.source_ranges(start, end)
+        ]
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
     def _expert_matrix(self, source: str, expert: int) -> np.ndarray:
@@ -99,6 +101,9 @@ class AutoEPSource(PackedSource):
         stacks = [stack for stack in self.names.stacks if stack.parts[0].source in {slot.name for slot in group.params}]
         experts = stacks[0].num_experts
         specs = tuple(ParamSpec(stack.name, stack.shape(), group.dtype) for stack in stacks)
+        # With zeroshard's expert contract (the hfmoe branch's layout.stacks), this group also
+        # declares its stacks, stacks=tuple(ExpertStack(s.orientation, s.export,
+        # s.checkpoint_parts) for s in stacks), and that replaces SourceInfo.stacked_expert_exports.
         return GroupSpec(specs, EXPERT_SHARD_GROUP, 1, (tuple(range(experts)),))
 
 
@@ -122,4 +127,4 @@ def _summary(raw: DeepSpeedSource) -> dict[str, Any]:
     }
 
 
-__all__ = ["AutoEPSource", "ExpertStack"]
+__all__ = ["AutoEPSource", "ModelStack"]

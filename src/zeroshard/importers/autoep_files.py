@@ -80,7 +80,9 @@ def parse_autoep(raw: dict[str, Any], ds_config: dict[str, Any], path: Path) -> 
     """The AutoEP metadata of a model-states file (``raw``, its top-level dict; ``ds_config``
     already checked as plain data), or None for a run without AutoEP."""
     if raw.get(_LEGACY_LAYERS_KEY) is not None and raw.get(LAYERS_KEY) is None:
-        raise DeepSpeedFormatError(f"{path}: {_LEGACY_LAYERS_KEY}: AutoEP metadata of an older DeepSpeed is not supported")
+        raise DeepSpeedFormatError(
+            f"{path}: {_LEGACY_LAYERS_KEY}: AutoEP metadata of an older DeepSpeed is not supported"
+        )
     value = raw.get(LAYERS_KEY)
     if value is None:
         return None
@@ -88,7 +90,10 @@ def parse_autoep(raw: dict[str, Any], ds_config: dict[str, Any], path: Path) -> 
     if not entries:
         raise fields.field_error(path, LAYERS_KEY, "is empty")
     layers = tuple(_layer(entry, f"{LAYERS_KEY}[{index}]", path) for index, entry in enumerate(entries))
-    for what, values in (("moe_layer_id", [layer.moe_layer_id for layer in layers]), ("module_path", [layer.module_path for layer in layers])):
+    for what, values in (
+        ("moe_layer_id", [layer.moe_layer_id for layer in layers]),
+        ("module_path", [layer.module_path for layer in layers]),
+    ):
         if len(set(values)) != len(values):
             raise fields.field_error(path, LAYERS_KEY, f"names a {what} twice ({values})")
     sizes = {layer.ep_size for layer in layers}
@@ -97,7 +102,9 @@ def parse_autoep(raw: dict[str, Any], ds_config: dict[str, Any], path: Path) -> 
     ep_size = sizes.pop()
     counts = raw.get("num_experts")
     if counts is not None and fields.integers(counts, "num_experts", path) != [layer.num_experts for layer in layers]:
-        raise fields.field_error(path, "num_experts", f"is {counts}, {LAYERS_KEY} gives {[layer.num_experts for layer in layers]}")
+        raise fields.field_error(
+            path, "num_experts", f"is {counts}, {LAYERS_KEY} gives {[layer.num_experts for layer in layers]}"
+        )
     return AutoEP(layers, ep_size, _check_config(ds_config, ep_size, path))
 
 
@@ -118,7 +125,10 @@ def _layer(value: Any, where: str, path: Path) -> AutoEPLayer:
 
     fmt = entry.get("checkpoint_format", CHECKPOINT_FORMAT)
     if fmt != CHECKPOINT_FORMAT or entry.get("checkpoint_format_version") is not None:
-        raise wrong("checkpoint_format", f"is {fmt!r} (version {entry.get('checkpoint_format_version')!r}); only {CHECKPOINT_FORMAT!r} is read")
+        raise wrong(
+            "checkpoint_format",
+            f"is {fmt!r} (version {entry.get('checkpoint_format_version')!r}); only {CHECKPOINT_FORMAT!r} is read",
+        )
     num_experts, ep_size, local = integer("num_experts", 1), integer("ep_size", 1), integer("num_local_experts", 1)
     if local * ep_size != num_experts:
         raise wrong("num_local_experts", f"is {local}: {ep_size} EP ranks x {local} is not {num_experts} experts")
@@ -134,10 +144,19 @@ def _layer(value: Any, where: str, path: Path) -> AutoEPLayer:
     first = placement[0]
     start, end = integer("global_expert_start"), integer("global_expert_end")
     if list(first) == list(range(first[0], first[0] + len(first))) and (start, end) != (first[0], first[-1] + 1):
-        raise wrong("global_expert_start", f"and global_expert_end are [{start}, {end}), EP rank 0 holds experts {list(first)}")
+        raise wrong(
+            "global_expert_start", f"and global_expert_end are [{start}, {end}), EP rank 0 holds experts {list(first)}"
+        )
     maps = _affine_maps(entry.get("affine_maps"), prefix, f"{where}['affine_maps']", path)
     return AutoEPLayer(
-        integer("moe_layer_id"), module_path, prefix, num_experts, ep_size, placement, maps, integer("expert_data_parallel_world_size", 1)
+        integer("moe_layer_id"),
+        module_path,
+        prefix,
+        num_experts,
+        ep_size,
+        placement,
+        maps,
+        integer("expert_data_parallel_world_size", 1),
     )
 
 
@@ -195,21 +214,29 @@ def check_affine_maps(layer: AutoEPLayer, local_shapes: dict[str, tuple[int, ...
         local = local_shapes[name]
         logical = (layer.num_experts, *local[1:])
         if tuple(fields.integers(saved.get("logical_shape"), f"{where}['logical_shape']", path)) != logical:
-            raise fields.field_error(path, f"{where}['logical_shape']", f"is {saved.get('logical_shape')}, expected {list(logical)}")
+            raise fields.field_error(
+                path, f"{where}['logical_shape']", f"is {saved.get('logical_shape')}, expected {list(logical)}"
+            )
         ranks = fields.optional_dict(saved.get("ranks"), f"{where}['ranks']", path)
         if set(ranks) != set(range(layer.ep_size)):
             keys = sorted(map(repr, ranks))
             shown = ", ".join(keys[:4]) + (", ..." if len(keys) > 4 else "")
-            raise fields.field_error(path, f"{where}['ranks']", f"has keys {shown}, expected EP ranks 0..{layer.ep_size - 1}")
+            raise fields.field_error(
+                path, f"{where}['ranks']", f"has keys {shown}, expected EP ranks 0..{layer.ep_size - 1}"
+            )
         for rank, experts in enumerate(layer.placement):
             _check_rank_map(ranks[rank], rank, experts, logical, f"{where}['ranks'][{rank}]", path)
 
 
-def _check_rank_map(value: Any, rank: int, experts: tuple[int, ...], logical: tuple[int, ...], where: str, path: Path) -> None:
+def _check_rank_map(
+    value: Any, rank: int, experts: tuple[int, ...], logical: tuple[int, ...], where: str, path: Path
+) -> None:
     entry = fields.mapping(value, where, path)
     shard = (len(experts), *logical[1:])
     if tuple(fields.integers(entry.get("shard_shape"), f"{where}['shard_shape']", path)) != shard:
-        raise fields.field_error(path, f"{where}['shard_shape']", f"is {entry.get('shard_shape')}, expected {list(shard)}")
+        raise fields.field_error(
+            path, f"{where}['shard_shape']", f"is {entry.get('shard_shape')}, expected {list(shard)}"
+        )
     per_expert = 1
     for dim in logical[1:]:
         per_expert *= dim
@@ -229,10 +256,16 @@ def _check_rank_map(value: Any, rank: int, experts: tuple[int, ...], logical: tu
         first_local, first_global = (dest[0] // per_expert, source[0] // per_expert) if per_expert else (0, 0)
         runs = [(first_local + k, first_global + k) for k in range(shape[0])] if ok else []
         if not ok or any(local >= len(experts) or experts[local] != expert for local, expert in runs):
-            raise fields.field_error(path, label, f"does not map EP rank {rank}'s experts {list(experts)} as the placement does")
+            raise fields.field_error(
+                path, label, f"does not map EP rank {rank}'s experts {list(experts)} as the placement does"
+            )
         covered += [local for local, _ in runs]
     if sorted(covered) != list(range(len(experts))):
-        raise fields.field_error(path, f"{where}['pieces']", f"cover local experts {sorted(covered)}, expected 0..{len(experts) - 1} once each")
+        raise fields.field_error(
+            path,
+            f"{where}['pieces']",
+            f"cover local experts {sorted(covered)}, expected 0..{len(experts) - 1} once each",
+        )
 
 
 def _offset_and_strides(value: Any, where: str, path: Path) -> tuple[int, tuple[int, ...]]:
@@ -256,14 +289,22 @@ def _check_config(ds_config: dict[str, Any], ep_size: int, path: Path) -> str | 
     section = fields.optional_mapping(ds_config.get("expert_parallel"), "ds_config['expert_parallel']", path)
     where = "ds_config['expert_parallel']"
     if section.get("enabled") is not True:
-        raise fields.field_error(path, f"{where}['enabled']", f"is {section.get('enabled')!r}, but the file holds {LAYERS_KEY}")
+        raise fields.field_error(
+            path, f"{where}['enabled']", f"is {section.get('enabled')!r}, but the file holds {LAYERS_KEY}"
+        )
     if section.get("autoep_size", 1) != ep_size:
-        raise fields.field_error(path, f"{where}['autoep_size']", f"is {section.get('autoep_size')!r}, {LAYERS_KEY} gives EP {ep_size}")
+        raise fields.field_error(
+            path, f"{where}['autoep_size']", f"is {section.get('autoep_size')!r}, {LAYERS_KEY} gives EP {ep_size}"
+        )
     if section.get("expert_tensor_parallel_size", 1) != 1:
-        raise fields.field_error(path, f"{where}['expert_tensor_parallel_size']", "is not 1: expert tensor parallelism is not supported")
+        raise fields.field_error(
+            path, f"{where}['expert_tensor_parallel_size']", "is not 1: expert tensor parallelism is not supported"
+        )
     if ds_config.get("use_data_before_expert_parallelism", False) is not False:
         raise fields.field_error(
-            path, "ds_config['use_data_before_expert_parallelism']", "is set: that rank order of expert groups is not supported"
+            path,
+            "ds_config['use_data_before_expert_parallelism']",
+            "is set: that rank order of expert groups is not supported",
         )
     return fields.optional_text(section.get("preset_model"), f"{where}['preset_model']", path)
 
@@ -329,7 +370,9 @@ def read_expert_files(tag_dir: Path, autoep: AutoEP, shapes: dict[str, tuple[int
             want = shapes[layer.param_name(weight)]
             if tensor.shape != want or tensor.dtype != dtype:
                 raise fields.field_error(
-                    path, key, f"is a {tensor.dtype} tensor of shape {list(tensor.shape)}, expected {dtype} {list(want)}"
+                    path,
+                    key,
+                    f"is a {tensor.dtype} tensor of shape {list(tensor.shape)}, expected {dtype} {list(want)}",
                 )
             tensors[(layer.moe_layer_id, weight)].append(tensor)
         paths.append(path)

@@ -47,7 +47,9 @@ def expert_group_spec(
         raise DeepSpeedFormatError(f"{path}: param_shapes has no expert weight {missing[0]!r}")
     placements = {layer.placement for layer in autoep.layers}
     if len(placements) != 1:
-        raise DeepSpeedFormatError(f"{path}: AutoEP layers place their experts differently; one placement per group is read")
+        raise DeepSpeedFormatError(
+            f"{path}: AutoEP layers place their experts differently; one placement per group is read"
+        )
     ep = autoep.ep_size
     if world_size % ep:
         raise DeepSpeedFormatError(f"{path}: expert parallelism {ep} does not divide the {world_size} rank files")

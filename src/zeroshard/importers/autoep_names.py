@@ -35,10 +35,19 @@ class Preset:
     experts: str  # the model's experts module ("experts")
     gate_up: str  # the fused gate-and-up stack ("gate_up_proj", [E, 2I, H])
     down: str  # the down stack ("down_proj", [E, H, I])
+    gate_up_parts: tuple[str, str]  # its rows' per-expert names in save_pretrained's files
 
 
 # Presets whose checkpoints were read from real DeepSpeed runs (tests/autoep_fixtures.py).
-PRESETS = {"qwen3_moe": Preset(router="gate", experts="experts", gate_up="gate_up_proj", down="down_proj")}
+PRESETS = {
+    "qwen3_moe": Preset(
+        router="gate",
+        experts="experts",
+        gate_up="gate_up_proj",
+        down="down_proj",
+        gate_up_parts=("gate_proj", "up_proj"),
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -50,13 +59,20 @@ class StackPart:
 
 
 @dataclass(frozen=True)
-class ExpertStack:
-    """One stack of the model, ``[E, rows, columns]``: per expert, its parts' rows in order."""
+class ModelStack:
+    """One expert stack of the model, ``[E, rows, columns]``: per expert, its parts' rows in
+    order. ``orientation``, ``export`` and ``checkpoint_parts`` describe it as zeroshard's expert
+    contract does (``zeroshard.layout.stacks.ModelStack`` of the hfmoe branch: each expert an
+    ``[out, in]`` matrix, exported whole, and the per-expert names transformers'
+    ``save_pretrained`` gives its rows), so the view can declare it there once that lands."""
 
     name: str  # "model.layers.0.mlp.experts.gate_up_proj"
     num_experts: int
     columns: int
     parts: tuple[StackPart, ...]
+    checkpoint_parts: tuple[str, ...] = ()  # ("gate_proj", "up_proj") for gate_up_proj
+    orientation: str = "out_in"  # each expert's matrix is [out, in], as the model multiplies it
+    export: str = "stacked"  # exports write the whole [E, out, in] stack under its own name
 
     @property
     def rows(self) -> int:
@@ -93,7 +109,7 @@ class TransformersNames:
 
     renamed: dict[str, str]  # AutoEP name -> the model's, for dense parameters and module tensors
     router_aliases: dict[str, str]  # AutoEP's alias of a router tensor -> its name; the model has no alias
-    stacks: tuple[ExpertStack, ...]  # in layer order; each layer's gate_up then down
+    stacks: tuple[ModelStack, ...]  # in layer order; each layer's gate_up then down
 
     def name(self, autoep_name: str) -> str:
         return self.renamed.get(autoep_name, autoep_name)
@@ -109,22 +125,29 @@ def transformers_names(
     preset = PRESETS.get(autoep.preset or "")
     if preset is None:
         raise DeepSpeedFormatError(
-            f"{path}: AutoEP preset {autoep.preset!r} has no transformers names here (read: {', '.join(sorted(PRESETS))})"
+            f"{path}: AutoEP preset {autoep.preset!r} has no transformers names here "
+            f"(read: {', '.join(sorted(PRESETS))})"
         )
     renamed: dict[str, str] = {}
     aliases: dict[str, str] = {}
-    stacks: list[ExpertStack] = []
+    stacks: list[ModelStack] = []
     for layer in autoep.layers:
         block = layer.module_path
         if layer.expert_key_prefix != f"{block}.{preset.experts}":
-            raise DeepSpeedFormatError(f"{path}: expert_key_prefix {layer.expert_key_prefix!r} is not {block}.{preset.experts}")
+            raise DeepSpeedFormatError(
+                f"{path}: expert_key_prefix {layer.expert_key_prefix!r} is not {block}.{preset.experts}"
+            )
         gate, down, up = (local_shapes[layer.param_name(weight)] for weight in ("w1", "w2", "w3"))
         experts = layer.expert_key_prefix
+        gate_up = (StackPart(layer.param_name("w1"), gate[1]), StackPart(layer.param_name("w3"), up[1]))
         stacks.append(
-            ExpertStack(f"{experts}.{preset.gate_up}", layer.num_experts, gate[2],
-                        (StackPart(layer.param_name("w1"), gate[1]), StackPart(layer.param_name("w3"), up[1])))
-        )  # fmt: skip
-        stacks.append(ExpertStack(f"{experts}.{preset.down}", layer.num_experts, down[2], (StackPart(layer.param_name("w2"), down[1]),)))
+            ModelStack(f"{experts}.{preset.gate_up}", layer.num_experts, gate[2], gate_up, preset.gate_up_parts)
+        )
+        stacks.append(
+            ModelStack(
+                f"{experts}.{preset.down}", layer.num_experts, down[2], (StackPart(layer.param_name("w2"), down[1]),)
+            )
+        )
         for name in module_names:
             if not name.startswith(block + "."):
                 continue
@@ -134,10 +157,14 @@ def transformers_names(
             elif inner.startswith(f"{preset.router}.gate."):  # AutoEP's alias of its router
                 aliases[name] = f"{block}.router.{inner.removeprefix(preset.router + '.')}"
             else:
-                raise DeepSpeedFormatError(f"{path}: {name!r} has no name in the transformers model (preset {autoep.preset!r})")
+                raise DeepSpeedFormatError(
+                    f"{path}: {name!r} has no name in the transformers model (preset {autoep.preset!r})"
+                )
     strays = sorted(alias for alias, target in aliases.items() if target not in renamed)
     if strays:
-        raise DeepSpeedFormatError(f"{path}: {strays[0]!r} looks like AutoEP's router alias, but {aliases[strays[0]]!r} is not saved")
+        raise DeepSpeedFormatError(
+            f"{path}: {strays[0]!r} looks like AutoEP's router alias, but {aliases[strays[0]]!r} is not saved"
+        )
     targets = set(renamed.values()) | {stack.name for stack in stacks}
     clash = sorted(targets & (set(module_names) - set(renamed) - set(aliases)))
     if clash:

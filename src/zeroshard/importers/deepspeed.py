@@ -209,7 +209,9 @@ def rebuild_layout(model: ModelStates, first: RankShard, world_size: int) -> Lay
     An AutoEP run's expert group is partitioned over its W / EP expert-data-parallel ranks."""
     where = f"{first.path}, rank 0"
     if model.autoep is None and set(first.partition_count) != {world_size}:  # named first: the likeliest damage
-        raise DeepSpeedFormatError(f"{where}: partition_count {first.partition_count}, but there are {world_size} rank files")
+        raise DeepSpeedFormatError(
+            f"{where}: partition_count {first.partition_count}, but there are {world_size} rank files"
+        )
     saved_world = model.counters.get("dp_world_size")  # an int: read_model_states checked it
     if saved_world is not None and saved_world != world_size:
         raise DeepSpeedFormatError(
@@ -218,14 +220,17 @@ def rebuild_layout(model: ModelStates, first: RankShard, world_size: int) -> Lay
         )
     for what, count in (("fp32 partitions", len(first.fp32)), ("optimizer groups", len(first.param_groups))):
         if len(model.param_shapes) != count:
-            raise DeepSpeedFormatError(f"{where}: {count} {what}, but {model.path.name} lists {len(model.param_shapes)} groups")
+            raise DeepSpeedFormatError(
+                f"{where}: {count} {what}, but {model.path.name} lists {len(model.param_shapes)} groups"
+            )
     fallback_dtype = _config_dtype(model.ds_config, first.path)
     groups: list[GroupSpec | list[ParamSpec]] = []
     for index, shapes in enumerate(model.param_shapes):
         if group_kind(model.autoep, list(shapes), first.param_groups[index], f"{where}, group {index}"):
             groups.append(expert_group_spec(model.autoep, shapes, fallback_dtype, world_size, model.path))
         else:
-            groups.append([ParamSpec.of(name, shape, _param_dtype(model, name, shape, fallback_dtype)) for name, shape in shapes.items()])
+            dtypes = {name: _param_dtype(model, name, shape, fallback_dtype) for name, shape in shapes.items()}
+            groups.append([ParamSpec.of(name, shape, dtypes[name]) for name, shape in shapes.items()])
     counts = [group.world_size if isinstance(group, GroupSpec) else world_size for group in groups]
     if first.partition_count != counts:
         raise DeepSpeedFormatError(
