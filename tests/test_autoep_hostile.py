@@ -87,6 +87,17 @@ FIELD_CASES = {
         placement(lambda p: p["ranks"][1].update(experts=[1, 3])),
         "places experts [[0, 1], [1, 3]]",
     ),
+    "no placement": (MODEL, layer(lambda e: e.pop("expert_placement")), "['expert_placement'] is missing"),
+    "a trillion experts": (  # refused by the ids' count, before anything of that size exists
+        MODEL,
+        layer(
+            lambda e: [
+                e.update(num_experts=10**12, num_local_experts=5 * 10**11),
+                e["expert_placement"].update(num_experts=10**12),
+            ]
+        ),
+        "places experts [[0, 1], [2, 3]]: each of 0..999999999999 must be on exactly one EP rank",
+    ),
     "placement version": (
         MODEL,
         placement(lambda p: p.update(version=2)),

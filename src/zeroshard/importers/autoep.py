@@ -40,6 +40,7 @@ class AutoEPSource(PackedSource):
         self.world_size = raw.layout.world_size  # of the run that saved it
         self.names = _names(raw)
         self._stacks = {stack.name: stack for stack in self.names.stacks}
+        self._weights = raw.autoep.expert_params()  # AutoEP weight name -> (its layer, w1/w2/w3)
         layout = build_layout([self._group(group) for group in raw.layout.groups], 1, PACKED_POLICY)
         self._autoep_name = {model_name: name for name, model_name in self.names.renamed.items()}
         self._packed = PackedPartitions(layout, self.path, "an AutoEP checkpoint is read as a world of one")
@@ -91,7 +92,7 @@ class AutoEPSource(PackedSource):
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
     def _expert_matrix(self, source: str, expert: int) -> np.ndarray:
-        layer, weight = self.raw.autoep.expert_params()[source]
+        layer, weight = self._weights[source]
         return self.raw.experts.read(layer, weight, expert)
 
     def _group(self, group) -> GroupSpec | list[ParamSpec]:

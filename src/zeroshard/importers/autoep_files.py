@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 
-from ..layout import contiguous_expert_map
 from . import deepspeed_fields as fields
 from .deepspeed_pickle import DeepSpeedFormatError, load_checkpoint_file
 from .torch_file import StoredTensor, TorchFileError
@@ -161,10 +160,11 @@ def _layer(value: Any, where: str, path: Path) -> AutoEPLayer:
 
 
 def _placement(value: Any, num_experts: int, ep_size: int, where: str, path: Path) -> tuple[tuple[int, ...], ...]:
-    """Global expert ids per EP rank. Without a descriptor (older files) DeepSpeed's own
-    default: contiguous. Every expert on exactly one EP rank, E / EP on each."""
+    """Global expert ids per EP rank, every expert on exactly one EP rank, E / EP on each.
+    Files without a descriptor (older DeepSpeed releases) are refused: the ids would come from
+    ``num_experts`` alone, a number a file could make as big as it likes."""
     if value is None:
-        return contiguous_expert_map(num_experts, ep_size)
+        raise fields.field_error(path, where, "is missing (AutoEP metadata of an older DeepSpeed is not supported)")
     descriptor = fields.mapping(value, where, path)
     for key, expected in (("version", _VERSION), ("num_experts", num_experts), ("ep_size", ep_size)):
         found = descriptor.get(key)
@@ -183,7 +183,8 @@ def _placement(value: Any, num_experts: int, ep_size: int, where: str, path: Pat
         raise fields.field_error(path, f"{where}['ranks']", f"lists {len(by_rank)} EP ranks, expected {ep_size}")
     placement = tuple(by_rank[rank] for rank in range(ep_size))
     ids = sorted(expert for experts in placement for expert in experts)
-    if ids != list(range(num_experts)) or any(len(experts) != num_experts // ep_size for experts in placement):
+    uneven = any(len(experts) != num_experts // ep_size for experts in placement)
+    if len(ids) != num_experts or ids != list(range(num_experts)) or uneven:  # sizes first: num_experts is the file's
         raise fields.field_error(
             path, where, f"places experts {[list(experts) for experts in placement]}: each of 0..{num_experts - 1} "
             f"must be on exactly one EP rank, {num_experts // ep_size} per rank (replicated experts are not read)"

@@ -148,18 +148,20 @@ def transformers_names(
                 f"{experts}.{preset.down}", layer.num_experts, down[2], (StackPart(layer.param_name("w2"), down[1]),)
             )
         )
-        for name in module_names:
-            if not name.startswith(block + "."):
-                continue
-            inner = name[len(block) + 1 :]
-            if inner.startswith("router.gate."):  # AutoEP's router: the model's gate
-                renamed[name] = f"{block}.{preset.router}.{inner.removeprefix('router.gate.')}"
-            elif inner.startswith(f"{preset.router}.gate."):  # AutoEP's alias of its router
-                aliases[name] = f"{block}.router.{inner.removeprefix(preset.router + '.')}"
-            else:
-                raise DeepSpeedFormatError(
-                    f"{path}: {name!r} has no name in the transformers model (preset {autoep.preset!r})"
-                )
+    blocks = {layer.module_path for layer in autoep.layers}
+    for name in module_names:  # each once: its MoE block is the longest module path it starts with
+        block = _block_of(name, blocks)
+        if block is None:
+            continue
+        inner = name[len(block) + 1 :]
+        if inner.startswith("router.gate."):  # AutoEP's router: the model's gate
+            renamed[name] = f"{block}.{preset.router}.{inner.removeprefix('router.gate.')}"
+        elif inner.startswith(f"{preset.router}.gate."):  # AutoEP's alias of its router
+            aliases[name] = f"{block}.router.{inner.removeprefix(preset.router + '.')}"
+        else:
+            raise DeepSpeedFormatError(
+                f"{path}: {name!r} has no name in the transformers model (preset {autoep.preset!r})"
+            )
     strays = sorted(alias for alias, target in aliases.items() if target not in renamed)
     if strays:
         raise DeepSpeedFormatError(
@@ -170,3 +172,12 @@ def transformers_names(
     if clash:
         raise DeepSpeedFormatError(f"{path}: {clash[0]!r} is both a saved name and the model's name of another")
     return TransformersNames(renamed, aliases, tuple(stacks))
+
+
+def _block_of(name: str, blocks: set[str]) -> str | None:
+    parts = name.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:end])
+        if prefix in blocks:
+            return prefix
+    return None
