@@ -299,7 +299,14 @@ def warm_page_cache(path: Path) -> None:
 # ---- report ------------------------------------------------------------------------------------------
 
 
-def print_table(results: dict[str, dict]) -> None:
+DENSE_PAIRS = (
+    ("fp32 export", "deepspeed zero_to_fp32", "zeroshard to-fp32"),
+    ("universal", "deepspeed ds_to_universal", "zeroshard to-universal"),
+)
+
+
+def print_table(results: dict[str, dict], pairs: tuple[tuple[str, str, str], ...] = DENSE_PAIRS) -> None:
+    """The table of ``results``, then per (task, DeepSpeed's command, ours) the ratios."""
     print(
         f"| {'command':<27} | {'process s':>9} | {'CPU s':>6} | {'conversion s':>12} | {'conversion CPU s':>16} "
         f"| {'peak RSS MB':>11} |"
@@ -314,10 +321,7 @@ def print_table(results: dict[str, dict]) -> None:
                 f"| {result['conversion_cpu']:>16.2f} | {result['peak_mb']:>11.0f} |"
             )
     print()
-    for task, theirs, ours in (
-        ("fp32 export", "deepspeed zero_to_fp32", "zeroshard to-fp32"),
-        ("universal", "deepspeed ds_to_universal", "zeroshard to-universal"),
-    ):
+    for task, theirs, ours in pairs:
         a, b = results[theirs], results[ours]
         if a["error"] or b["error"]:
             print(f"{task}: no ratio ({theirs if a['error'] else ours} failed)")

@@ -29,6 +29,16 @@ else
     pip_install "$TORCH_PIN"
 fi
 # DeepSpeed (an optional group) builds the DeepSpeed checkpoints the importer tests read;
-# transformers (the hf group) is the MoE model family tests/test_hf_moe.py trains.
+# transformers (the hf group) is the MoE model family tests/test_hf_moe.py trains and loads
+# the fp32 exports of transformers models with from_pretrained.
 DS_BUILD_OPS=0 pip_install -e ".[test,deepspeed,hf]"
+# DeepSpeed 0.19.8's AutoEP runs with transformers 5.9.0 only (5.24 raises a TypeError in its
+# output recorders). The AutoEP fixture runs (tests/autoep_fixtures.py) put this folder first on
+# their PYTHONPATH; nothing else sees it. The rest of what it needs is the environment's.
+SIDE=.side/transformers-5.9
+if [ ! -d "$SIDE/transformers-5.9.0.dist-info" ]; then
+    rm -rf "$SIDE"
+    pip_install --no-deps --target "$SIDE" transformers==5.9.0 huggingface-hub==1.33.0 tokenizers==0.22.2 \
+        httpx==0.28.1 httpcore==1.0.9 h11==0.16.0 certifi
+fi
 .venv/bin/python -c "import torch, safetensors, zeroshard; print('setup: ok, torch', torch.__version__)"

@@ -17,3 +17,18 @@ def deepspeed_runs(tmp_path_factory):
     runs = generate(tmp_path_factory.mktemp("deepspeed"))
     print(f"\nDeepSpeed fixtures: {len(runs)} runs ready in {time.perf_counter() - started:.1f} s")
     return runs
+
+
+@pytest.fixture(scope="session")
+def autoep_runs(tmp_path_factory):
+    """Real DeepSpeed AutoEP checkpoints of a tiny transformers Qwen3-MoE, made once per session
+    (tests/autoep_fixtures.py) with the transformers 5.9.0 that scripts/setup.sh puts aside."""
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install -e '.[deepspeed]')")
+    from autoep_fixtures import TRANSFORMERS_DIR, generate, transformers_ready
+
+    if not transformers_ready():
+        pytest.skip(f"{TRANSFORMERS_DIR} holds no transformers 5.9.0 for AutoEP (bash scripts/setup.sh makes it)")
+    started = time.perf_counter()
+    runs = generate(tmp_path_factory.mktemp("autoep"))
+    print(f"\nDeepSpeed AutoEP fixtures: {len(runs)} runs ready in {time.perf_counter() - started:.1f} s")
+    return runs

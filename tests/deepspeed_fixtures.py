@@ -159,22 +159,28 @@ def generate(root: Path, configs: tuple[FixtureConfig, ...] = CONFIGS) -> dict[s
 def _launch(root: Path, world_size: int, configs: list[FixtureConfig]) -> None:
     spec = root / f"configs_w{world_size}.json"
     spec.write_text(json.dumps([asdict(config) for config in configs]))
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    launch_torchrun(Path(__file__), root, world_size, spec, what="DeepSpeed fixture launch")
+
+
+def launch_torchrun(
+    script: Path, root: Path, world_size: int, spec: Path, *, what: str, env: dict[str, str] | None = None
+) -> None:
+    """``torchrun script ROOT SPEC`` on ``world_size`` CPU ranks; its log goes to ROOT. The
+    launch counts as done when every rank wrote its finished marker (see _worker_main)."""
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size),
-        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), __file__, str(root), str(spec),
+        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(script), str(root), str(spec),
     ]  # fmt: skip
     started = time.perf_counter()
     try:
         done = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     except subprocess.TimeoutExpired as err:
-        raise RuntimeError(
-            f"DeepSpeed fixture launch (world size {world_size}) timed out after {LAUNCH_TIMEOUT_S} s"
-        ) from err
-    finished = all(_finished_marker(root, world_size, rank).is_file() for rank in range(world_size))
+        raise RuntimeError(f"{what} (world size {world_size}) timed out after {LAUNCH_TIMEOUT_S} s") from err
+    finished = all(finished_marker(root, world_size, rank).is_file() for rank in range(world_size))
     if done.returncode != 0 and not finished:
         raise RuntimeError(
-            f"DeepSpeed fixture launch (world size {world_size}) failed with exit code {done.returncode}:\n"
+            f"{what} (world size {world_size}) failed with exit code {done.returncode}:\n"
             f"{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
         )
     note = "" if done.returncode == 0 else f"exit code {done.returncode} after every rank finished: ignored\n"
@@ -183,7 +189,7 @@ def _launch(root: Path, world_size: int, configs: list[FixtureConfig]) -> None:
     )
 
 
-def _finished_marker(root: Path, world_size: int, rank: int) -> Path:
+def finished_marker(root: Path, world_size: int, rank: int) -> Path:
     """Written by a rank once every run of its launch is saved and every rank has got there."""
     return root / f"finished_w{world_size}_rank{rank}"
 
@@ -337,6 +343,14 @@ def _record_live_layout(engine, path: Path) -> None:
 
 
 def _worker_main(root: Path, spec: Path) -> None:
+    init_cpu_distributed()
+    for entry in json.loads(spec.read_text()):
+        _run_config(FixtureConfig(**entry), root)
+    finish_worker(root)
+
+
+def init_cpu_distributed() -> None:
+    """DeepSpeed's process group on gloo, in a torchrun worker."""
     import importlib
 
     import deepspeed
@@ -346,11 +360,15 @@ def _worker_main(root: Path, spec: Path) -> None:
     # torch package, re-exported; the submodule has to be fetched by name.)
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
-    for entry in json.loads(spec.read_text()):
-        _run_config(FixtureConfig(**entry), root)
+
+
+def finish_worker(root: Path) -> None:
+    """Mark this rank finished once every rank got here, and leave (never returns)."""
+    import deepspeed
+
     deepspeed.comm.barrier()
     rank, world_size = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
-    _finished_marker(root, world_size, rank).write_text("")
+    finished_marker(root, world_size, rank).write_text("")
     # Teardown of the gloo groups sometimes aborted a rank after all the work was done
     # ("terminate called without an active exception"; seen 3 times in some 25 launches under
     # load once the continued steps were added, never in 40 launches run for it). Destroy the groups

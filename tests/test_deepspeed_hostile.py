@@ -285,16 +285,16 @@ def mutations(data: bytes, rng: random.Random):
     return f"bits flipped at {flips}", bytes(mutated)
 
 
-def test_fuzzed_files_convert_identically_or_are_refused(tag_dir):
+def fuzz(tag_dir: Path, files: list[Path], everything, cases: int, seed: int) -> dict[str, int]:
+    """Mutate one of ``files`` at a time (``cases`` times): every outcome must be ``everything``
+    of the intact checkpoint, byte for byte, or a one-line DeepSpeedFormatError naming a file
+    in ``tag_dir``. Returns how many were each."""
     intact = everything(tag_dir)
-    files = sorted(tag_dir.glob("*.pt"))
     originals = {path: path.read_bytes() for path in files}
-    with zipfile.ZipFile(files[0]) as archive:
-        assert archive.testzip() is None
-    rng = random.Random(20261130)
+    rng = random.Random(seed)
     outcomes = {"same": 0, "refused": 0}
     started = time.perf_counter()
-    for case in range(300):
+    for case in range(cases):
         path = rng.choice(files)
         what, data = mutations(originals[path], rng)
         path.write_bytes(data)
@@ -310,5 +310,14 @@ def test_fuzzed_files_convert_identically_or_are_refused(tag_dir):
         finally:
             path.write_bytes(originals[path])
     print(f"fuzz: {outcomes} in {time.perf_counter() - started:.1f} s")
+    return outcomes
+
+
+def test_fuzzed_files_convert_identically_or_are_refused(tag_dir):
+    files = sorted(tag_dir.glob("*.pt"))
+    with zipfile.ZipFile(files[0]) as archive:
+        assert archive.testzip() is None
+    started = time.perf_counter()
+    outcomes = fuzz(tag_dir, files, everything, 300, 20261130)
     assert outcomes["refused"] > 200, outcomes  # flips in bytes never read (zip padding) may pass
     assert time.perf_counter() - started < 60

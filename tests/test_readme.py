@@ -4,8 +4,9 @@ ones run. The demo and the test suite themselves are run by tests/test_demo.py a
 
 Commands are the README's indented code blocks (outside fenced ones) and the inline code spans
 that start with a program (``zeroshard``, ``.venv/bin/...``, ``torchrun``, ``source``).
-Placeholders (CKPT, OUT, shapes.json) stand for a real checkpoint, a fresh folder and a shape
-file made here; ``[...]`` marks options, each of which is passed.
+Placeholders (CKPT, OUT, shapes.json, AUTOEP_CKPT) stand for a real checkpoint, a fresh folder,
+a shape file made here and a DeepSpeed AutoEP checkpoint (tests/autoep_fixtures.py); ``[...]``
+marks options, each of which is passed.
 """
 
 from __future__ import annotations
@@ -79,8 +80,13 @@ def test_the_readme_has_the_commands_a_new_user_runs():
 
 
 @pytest.mark.parametrize("command", readme_commands())
-def test_every_readme_command_names_what_the_setup_installs_and_options_that_exist(command, placeholders, tmp_path):
-    argv = words(command, {**placeholders, "OUT": str(tmp_path / "out")})
+def test_every_readme_command_names_what_the_setup_installs_and_options_that_exist(
+    command, placeholders, tmp_path, request
+):
+    placeholders = {**placeholders, "OUT": str(tmp_path / "out")}
+    if "AUTOEP_CKPT" in command:  # a real DeepSpeed AutoEP checkpoint (made once per session)
+        placeholders["AUTOEP_CKPT"] = str(request.getfixturevalue("autoep_runs")["w2_ep2_s2"].save_dir)
+    argv = words(command, placeholders)
     program, args = argv[0], argv[1:]
     if program == "bash":
         assert (ROOT / args[0]).is_file(), args[0]

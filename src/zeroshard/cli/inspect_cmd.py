@@ -72,11 +72,17 @@ def _describe_universal(path: Path, list_all: bool) -> list[str]:
 
 
 def _describe_deepspeed(path: Path, list_all: bool) -> list[str]:
+    with open_source(path) as source:
+        return describe_deepspeed(source, path, _deepspeed_files(source), list_all_files=list_all)
+
+
+def _deepspeed_files(source) -> list[Path]:
+    """The model-states file, the rank files in rank order, then AutoEP's per-expert files."""
     from ..importers.deepspeed_files import model_states_path, rank_file_paths
 
-    with open_source(path) as source:
-        files = [model_states_path(source.path), *rank_file_paths(source.path)]
-        return describe_deepspeed(source, path, files, list_all_files=list_all)
+    raw = getattr(source, "raw", source)
+    experts = raw.experts.paths if raw.experts is not None else []
+    return [model_states_path(raw.path), *rank_file_paths(raw.path), *experts]
 
 
 # ---- --verify: (what was checked, the problems found) ---------------------------------------
@@ -112,10 +118,9 @@ def _verify_universal(path: Path) -> Verified:
 
 
 def _verify_deepspeed(path: Path) -> Verified:
-    """Opening checks every rank file's structure against the model-states file; then every
-    tensor is read (each zip record's CRC-32 is checked where the reader checks it)."""
-    from ..importers.deepspeed_files import model_states_path, rank_file_paths
-
+    """Opening checks every rank file's structure against the model states (and an AutoEP
+    run's expert files against its metadata); then every tensor is read (each zip record's
+    CRC-32 is checked where the reader checks it)."""
     try:
         source = open_source(path)
     except UnsupportedCheckpointError:
@@ -123,14 +128,17 @@ def _verify_deepspeed(path: Path) -> Verified:
     except (ValueError, FileNotFoundError) as err:
         return "", [str(err)], {}
     with source:
-        files = [model_states_path(source.path), *rank_file_paths(source.path)]
+        raw = getattr(source, "raw", source)  # an AutoEP run's files in DeepSpeed's own layout
+        files = _deepspeed_files(source)
         total = sum(file.stat().st_size for file in files)
         summary = (
             f"{source.path}: OK, DeepSpeed checkpoint, {len(files)} files, {total:,} bytes: every rank file agrees "
             "with the model states and every tensor reads"
         )
         checked = {file.name: file.stat().st_size for file in files}
-        return summary, [f"{source.path}: {problem}" for problem in read_every_tensor(source)], checked
+        problems = [f"{source.path}: {problem}" for problem in read_every_tensor(raw)]
+        problems += raw.experts.unreadable(raw.autoep) if raw.experts is not None else []
+        return summary, problems, checked
 
 
 def _report_verification(summary: str, problems: list[str], listed: dict[str, int]) -> int:

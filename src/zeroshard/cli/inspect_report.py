@@ -25,7 +25,11 @@ OPTIMIZER_STEP_KEYS = ("global_steps", "global_step")  # counted by the engine /
 SAVED_AFTER_KEY = "step"  # the Checkpointer's: the training-loop step the checkpoint was saved after
 LISTED_FILES = 8
 # universal.json's "source.kind" -> what the report calls it
-_SOURCE_KINDS = {"zeroshard.checkpoint": "zeroshard", "DeepSpeedSource": "DeepSpeed ZeRO"}
+_SOURCE_KINDS = {
+    "zeroshard.checkpoint": "zeroshard",
+    "DeepSpeedSource": "DeepSpeed ZeRO",
+    "DeepSpeedAutoEPSource": "DeepSpeed AutoEP ZeRO",
+}
 _SAME_STAGES = "not recorded (stage 1 and stage 2 save the same state, and either loads it)"
 
 
@@ -103,11 +107,15 @@ def describe_universal(ckpt: UniversalCheckpoint, *, list_all_files: bool = Fals
 
 
 def describe_deepspeed(source: Any, root: Path, files: Sequence[Path], *, list_all_files: bool = False) -> list[str]:
-    """``source`` is an opened :class:`~zeroshard.importers.DeepSpeedSource`; ``files`` its
-    model-states file, then its rank files in rank order."""
+    """``source`` is an opened DeepSpeed source (:class:`~zeroshard.importers.DeepSpeedSource`,
+    or for an AutoEP run :class:`~zeroshard.importers.AutoEPSource`, described in DeepSpeed's
+    own layout with the model's names beside it); ``files`` its model-states file, then its rank
+    files in rank order, then any AutoEP expert files."""
+    view, source = source, getattr(source, "raw", source)
     info = source.info
     extra = info.extra
     layout = info.layout
+    autoep = getattr(source, "autoep", None)
     named_by = f" (named by {root / 'latest'})" if root != source.path else ""
     version = extra.get("deepspeed_version")
     saved_step = source.scalars(0).get("step") if layout.groups else None
@@ -115,6 +123,7 @@ def describe_deepspeed(source: Any, root: Path, files: Sequence[Path], *, list_a
         f"checkpoint {source.path}{named_by}",
         f"kind: DeepSpeed ZeRO stage {extra.get('zero_stage')} checkpoint"
         + (f" (DeepSpeed {version})" if version else "")
+        + (f" with AutoEP (preset {autoep.preset}, EP={autoep.ep_size})" if autoep else "")
         + "; read-only here: to-universal and to-fp32 convert it, load_checkpoint resumes from it",
         f"step: {_step(extra) or _scalar_step(saved_step, 'the optimizer step count of group 0')}",
         f"world size: {layout.world_size}",
@@ -127,19 +136,41 @@ def describe_deepspeed(source: Any, root: Path, files: Sequence[Path], *, list_a
             [list(source.scalars(group.index)) for group in layout.groups],
         ),
     ]
+    entries = view.info  # an AutoEP run's: without AutoEP's aliases of its routers
     lines += [
-        f"{_trainable(layout)}; model state: {len(info.model_entries)} buffers or frozen tensors, "
-        f"{len(info.aliases)} tied alias(es)",
+        f"{_trainable(layout)}; model state: {len(entries.model_entries)} buffers or frozen tensors, "
+        f"{len(entries.aliases)} tied alias(es)",
         _padding_line(layout),
     ]
-    model_file, rank_files = files[0], files[1:]
-    lines += file_lines(
-        {model_file.name: model_file.stat().st_size},
-        {path.name: path.stat().st_size for path in rank_files},
-        "rank files",
-        list_all_files,
-    )
+    model_file, rank_files = files[0], files[1 : 1 + layout.world_size]
+    fixed = {model_file.name: model_file.stat().st_size}
+    if autoep:
+        lines += autoep_lines(view)
+        expert_files = files[1 + layout.world_size :]
+        fixed[f"{len(expert_files)} expert files layer_L_expert_E_mp_rank_00_model_states.pt"] = sum(
+            path.stat().st_size for path in expert_files
+        )
+    lines += file_lines(fixed, {path.name: path.stat().st_size for path in rank_files}, "rank files", list_all_files)
     return lines
+
+
+def autoep_lines(view: Any) -> list[str]:
+    """How an AutoEP run's tensors read in the transformers model's names (``view``: an
+    :class:`~zeroshard.importers.AutoEPSource`)."""
+    names = view.names
+    first = names.stacks[:2]
+    def made_of(stack) -> str:
+        weights = [part.source.rsplit(".", 1)[1] for part in stack.parts]
+        return f"cat({', '.join(weights)})" if len(weights) > 1 else weights[0]
+
+    stacks = ", ".join(f"{stack.name} {list(stack.shape())} = {made_of(stack)}" for stack in first)
+    router = next(iter(names.renamed.items()), None)
+    return [
+        f"AutoEP: {len(view.raw.autoep.layers)} MoE layers of {first[0].num_experts} experts; read (to-fp32, "
+        f"to-universal, load_checkpoint) in the transformers model's names: {stacks}"
+        + (f", {router[1]} = {router[0]}" if router else "")
+        + f"; likewise in every layer ({len(names.router_aliases)} AutoEP aliases of its routers left out)"
+    ]
 
 
 # ---- shared pieces -----------------------------------------------------------------------------

@@ -5,10 +5,12 @@ universal conversion, fp32 export and resharded loading work on it unchanged, an
 :class:`~zeroshard.checkpoint.formats.SourceFormat` that ``zeroshard.CHECKPOINT_FORMATS``
 lists, so :func:`~zeroshard.checkpoint.formats.open_source` recognises it.
 
-* :func:`open_deepspeed`: DeepSpeed ZeRO stage 1/2 (docs/DEEPSPEED.md).
+* :func:`open_deepspeed`: DeepSpeed ZeRO stage 1/2 (docs/DEEPSPEED.md); an AutoEP run's as
+  :class:`AutoEPSource`, in the transformers model's names and layout.
 """
 
 from ..checkpoint.formats import SourceFormat
+from .autoep import AutoEPSource
 from .deepspeed import DeepSpeedSource, open_deepspeed
 from .deepspeed_files import find_tag_dir, is_deepspeed_checkpoint, is_deepspeed_universal, recognise_deepspeed
 from .deepspeed_pickle import ALLOWED_GLOBALS, DeepSpeedFormatError
@@ -18,6 +20,7 @@ DEEPSPEED_FORMAT = SourceFormat("deepspeed", recognise_deepspeed, open_deepspeed
 
 __all__ = [
     "ALLOWED_GLOBALS",
+    "AutoEPSource",
     "DEEPSPEED_FORMAT",
     "DeepSpeedFormatError",
     "DeepSpeedSource",

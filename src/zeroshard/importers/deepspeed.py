@@ -21,7 +21,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -29,9 +29,13 @@ from ..checkpoint.format import state_name_problem
 from ..checkpoint.io.dtypes import to_float32
 from ..checkpoint.source import ModelEntry, SourceInfo
 from ..collector import collector_paused
-from ..layout import GroupLayout, Layout, LayoutPolicy, ParamSpec, build_layout, canonical_dtype
+from ..layout import GroupLayout, GroupSpec, Layout, LayoutPolicy, ParamSpec, build_layout, canonical_dtype
+from ..layout.coordinates import shard_rank
 from ..state import ParamGroupState
+from .autoep_files import ExpertWeights, expert_file_names, read_expert_files
+from .autoep_layout import expert_group_spec, group_kind
 from .deepspeed_files import (
+    MODEL_STATES_FILE,
     ModelStates,
     RankShard,
     find_tag_dir,
@@ -46,12 +50,26 @@ from .deepspeed_files import (
 from .deepspeed_pickle import DeepSpeedFormatError
 from .torch_file import StoredTensor, TorchFileError
 
+if TYPE_CHECKING:
+    from .autoep import AutoEPSource
 
-def open_deepspeed(path: str | Path) -> DeepSpeedSource:
-    """Open a DeepSpeed ZeRO stage 1/2 checkpoint, check its layout, and return a source.
-    DeepSpeed's own universal format is refused by name (UnsupportedCheckpointError)."""
+
+def open_deepspeed(path: str | Path) -> DeepSpeedSource | AutoEPSource:
+    """Open a DeepSpeed ZeRO stage 1/2 checkpoint, check its layout, and return a source:
+    an AutoEP run's in the transformers model's names and layout (:class:`~.autoep.AutoEPSource`;
+    its ``raw`` is DeepSpeed's own). DeepSpeed's own universal format is refused by name
+    (UnsupportedCheckpointError)."""
     refuse_deepspeed_universal(path)
-    return DeepSpeedSource(find_tag_dir(path))
+    raw = DeepSpeedSource(find_tag_dir(path))
+    if raw.autoep is None:
+        return raw
+    from .autoep import AutoEPSource  # it builds on this module
+
+    try:
+        return AutoEPSource(raw)
+    except BaseException:
+        raw.close()
+        raise
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +87,11 @@ class DeepSpeedSource:
         self.path = tag_dir
         refuse_unsupported(tag_dir)
         self._model = read_model_states(model_states_path(tag_dir))
+        if self._model.autoep is None and expert_file_names(tag_dir):
+            raise DeepSpeedFormatError(
+                f"{tag_dir}: MoE checkpoints are not supported (only AutoEP's; found {expert_file_names(tag_dir)[0]}, "
+                f"and {MODEL_STATES_FILE} has no ds_autoep_layers)"
+            )
         rank_paths = rank_file_paths(tag_dir)
         first = read_rank_shard(rank_paths[0], 0)
         layout = rebuild_layout(self._model, first, world_size=len(rank_paths))
@@ -86,6 +109,13 @@ class DeepSpeedSource:
         self.info = _source_info(layout, self._model, first)
         self._partition_numels = [group.partition_numel for group in layout.groups]
         self._scalars = [read_scalars(group) for group in first.scalars]
+        self.autoep = self._model.autoep  # None unless DeepSpeed AutoEP made the run
+        self.experts = self._read_expert_files() if self.autoep is not None else None
+
+    def _read_expert_files(self) -> ExpertWeights:
+        group = next(group for group in self.layout.groups if group.is_expert_group)
+        shapes = {slot.name: slot.spec.shape[1:] for slot in group.params}
+        return read_expert_files(self.path, self.autoep, shapes, group.dtype)
 
     @property
     def layout(self) -> Layout:
@@ -179,10 +209,10 @@ def _named_errors() -> Iterator[None]:
 
 def rebuild_layout(model: ModelStates, first: RankShard, world_size: int) -> Layout:
     """The layout DeepSpeed used: groups from ``param_shapes`` (already in flat-buffer order,
-    round-robin reordering included), dtypes from the module, alignment from the paddings."""
+    round-robin reordering included), dtypes from the module, alignment from the paddings.
+    An AutoEP run's expert group is partitioned over its W / EP expert-data-parallel ranks."""
     where = f"{first.path}, rank 0"
-    counts = set(first.partition_count)
-    if counts != {world_size}:
+    if model.autoep is None and set(first.partition_count) != {world_size}:  # named first: the likeliest damage
         raise DeepSpeedFormatError(
             f"{where}: partition_count {first.partition_count}, but there are {world_size} rank files"
         )
@@ -192,15 +222,25 @@ def rebuild_layout(model: ModelStates, first: RankShard, world_size: int) -> Lay
             f"{model.path}: dp_world_size is {saved_world}, "
             f"but there are {world_size} rank files in {model.path.parent}"
         )
-    if len(model.param_shapes) != len(first.fp32):
-        raise DeepSpeedFormatError(
-            f"{where}: {len(first.fp32)} fp32 partitions, but {model.path.name} lists {len(model.param_shapes)} groups"
-        )
+    for what, count in (("fp32 partitions", len(first.fp32)), ("optimizer groups", len(first.param_groups))):
+        if len(model.param_shapes) != count:
+            raise DeepSpeedFormatError(
+                f"{where}: {count} {what}, but {model.path.name} lists {len(model.param_shapes)} groups"
+            )
     fallback_dtype = _config_dtype(model.ds_config, first.path)
-    groups = [
-        [ParamSpec.of(name, shape, _param_dtype(model, name, shape, fallback_dtype)) for name, shape in shapes.items()]
-        for shapes in model.param_shapes
-    ]
+    groups: list[GroupSpec | list[ParamSpec]] = []
+    for index, shapes in enumerate(model.param_shapes):
+        if group_kind(model.autoep, list(shapes), first.param_groups[index], f"{where}, group {index}"):
+            groups.append(expert_group_spec(model.autoep, shapes, fallback_dtype, world_size, model.path))
+        else:
+            dtypes = {name: _param_dtype(model, name, shape, fallback_dtype) for name, shape in shapes.items()}
+            groups.append([ParamSpec.of(name, shape, dtypes[name]) for name, shape in shapes.items()])
+    counts = [group.world_size if isinstance(group, GroupSpec) else world_size for group in groups]
+    if first.partition_count != counts:
+        raise DeepSpeedFormatError(
+            f"{where}: partition_count {first.partition_count}, but {world_size} rank files at EP "
+            f"{model.autoep.ep_size if model.autoep else 1} give {counts}"
+        )
     policy = LayoutPolicy.deepspeed(parameter_alignment=_uses_parameter_alignment(first, model.ds_config))
     try:
         return build_layout(groups, world_size, policy)
@@ -250,8 +290,9 @@ class RankChecks:
 
         if shard.partition_count[index] != group.world_size:
             raise mismatch(f"partition_count {shard.partition_count[index]}, expected {group.world_size}")
+        place = shard_rank(group, rank)  # the rank's place in the group's shard group (an expert group's: rank // EP)
         # DeepSpeed saves the fp32 partition without the group's tail padding.
-        stored = sum(piece.length for piece in group.logical_ranges(rank))
+        stored = sum(piece.length for piece in group.logical_ranges(place))
         tail = partition_numel - stored
         fp32 = shard.fp32[index]
         if fp32.numel() != stored:
@@ -270,7 +311,7 @@ class RankChecks:
             raise mismatch(
                 f"param_alignment_paddings {shard.param_alignment_paddings[index]}, the layout gives {expected_pads}"
             )
-        expected = {f.name: (f.length, f.partition_start) for f in group.fragments(rank)}
+        expected = {f.name: (f.length, f.partition_start) for f in group.fragments(place)}
         found = shard.slice_mappings[index]
         if found != expected:
             name = next(n for n in sorted(set(found) | set(expected)) if found.get(n) != expected.get(n))

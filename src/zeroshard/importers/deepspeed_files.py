@@ -23,6 +23,7 @@ from typing import Any
 
 from ..checkpoint.formats import UnsupportedCheckpointError
 from . import deepspeed_fields as fields
+from .autoep_files import AutoEP, parse_autoep
 from .deepspeed_pickle import (
     DeepSpeedFormatError,
     FragmentAddress,
@@ -47,8 +48,12 @@ _UNSUPPORTED_FILES = (
         "tensor/model-parallel checkpoints are not supported",
     ),
     (
-        re.compile(r"^(bf16_)?expp?_rank_\d+_mp_rank_\d+_optim_states\.pt$|^.*expert_\d+.*\.pt$"),
-        "MoE checkpoints are not supported",
+        # AutoEP's per-expert files are read (with ds_autoep_layers); DeepSpeed MoE's other files are not.
+        re.compile(
+            r"^(bf16_)?expp?_rank_\d+_mp_rank_\d+_optim_states\.pt$"
+            r"|^(?!layer_\d+_expert_\d+_mp_rank_00_model_states\.pt$).*expert_\d+.*\.pt$"
+        ),
+        "MoE checkpoints are not supported (only AutoEP's)",
     ),
 )
 _ANY_UNSUPPORTED = re.compile("|".join(f"(?:{pattern.pattern})" for pattern, _ in _UNSUPPORTED_FILES))
@@ -139,6 +144,7 @@ class ModelStates:
     lr_scheduler: Any
     ds_config: dict[str, Any]
     ds_version: str | None
+    autoep: AutoEP | None = None  # ds_autoep_layers: a run with DeepSpeed AutoEP
 
 
 @dataclass
@@ -169,6 +175,7 @@ def read_model_states(path: Path) -> ModelStates:
     if strays:
         raise DeepSpeedFormatError(f"{path}: module entries {strays[:3]} are not tensors")
     counter_keys = ("global_steps", "global_samples", "skipped_steps", "dp_world_size", "mp_world_size")
+    ds_config = _ds_config(raw.get("ds_config"), path)
     return ModelStates(
         path=path,
         module=module,
@@ -180,8 +187,9 @@ def read_model_states(path: Path) -> ModelStates:
         },
         counters={key: fields.integer(raw[key], key, path) for key in counter_keys if raw.get(key) is not None},
         lr_scheduler=fields.plain(raw.get("lr_scheduler"), "lr_scheduler", path),
-        ds_config=_ds_config(raw.get("ds_config"), path),
+        ds_config=ds_config,
         ds_version=fields.optional_text(raw.get("ds_version"), "ds_version", path),
+        autoep=parse_autoep(raw, ds_config, path),
     )
 
 

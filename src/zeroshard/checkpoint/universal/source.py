@@ -16,28 +16,25 @@ reshards a universal checkpoint to any (W, EP) as it does a native one.
 
 from __future__ import annotations
 
-import bisect
 import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ...layout import Layout, LayoutPolicy, ParamSlot, build_layout
+from ...layout import Layout, build_layout
 from ...state import ParamGroupState
 from ..io.dtypes import cast
 from ..io.safetensors_io import ReadStats
 from ..formats import SourceFormat
+from ..packed import PACKED_POLICY, PackedPartitions, PackedSource
 from ..source import SourceInfo
 from ..experts import stacked_from_exported
 from .format import FORMAT_NAME, UniversalManifest, is_universal_checkpoint
 from .read import UniversalCheckpoint, open_universal
 
-# Parameters back to back, each group's tail padded to 16 bytes.
-_POLICY = LayoutPolicy.native(compact=True)
 
-
-class UniversalSource:
+class UniversalSource(PackedSource):
     """An opened universal checkpoint, read range by range (the ShardSource protocol)."""
 
     kind = FORMAT_NAME
@@ -46,7 +43,7 @@ class UniversalSource:
         self.checkpoint = open_universal(checkpoint, stats=stats)
         self.path: Path = self.checkpoint.directory
         manifest = self.checkpoint.manifest
-        layout = build_layout(manifest.layout_groups(), 1, _POLICY)
+        layout = build_layout(manifest.layout_groups(), 1, PACKED_POLICY)
         self._owner = [manifest.stacked(group.params[0].name).group for group in layout.groups]
         self.info = SourceInfo(
             layout=layout,
@@ -61,27 +58,10 @@ class UniversalSource:
             extra=dict(manifest.extra),
             weights_from_masters=True,
         )
-        self._param_ends = [[slot.end for slot in group.params] for group in layout.groups]
+        self._packed = PackedPartitions(layout, self.path, "a universal checkpoint has no ranks")
         self._expert_cache: dict[tuple[str, str, int], np.ndarray] = {}
 
-    @property
-    def layout(self) -> Layout:
-        return self.info.layout
-
-    def read(self, rank: int, group: int, key: str, start: int, end: int) -> np.ndarray:
-        """Elements [start, end) of layout group ``group``'s only partition of ``key``, as fp32."""
-        slots = self._slots(rank, group, start, end)
-        if slots and slots[0].offset <= start and end <= slots[0].end:  # within one parameter: no copy
-            return self._read_param(slots[0].name, key, start - slots[0].offset, end - slots[0].offset)
-        out = np.empty(end - start, dtype=np.float32)
-        self._fill(slots, key, start, out)
-        return out
-
-    def read_into(self, rank: int, group: int, key: str, start: int, out: np.ndarray) -> None:
-        """:meth:`read` into ``out``: each parameter's range lands there, with no buffer between."""
-        self._fill(self._slots(rank, group, start, start + out.size), key, start, out)
-
-    def _read_param(self, name: str, key: str, start: int, end: int) -> np.ndarray:
+    def _read_param(self, name: str, start: int, end: int, *, key: str) -> np.ndarray:
         """Elements [start, end) of a parameter of the layout: a stored one, or a stacked
         expert weight assembled from its experts' tensors."""
         experts = self.checkpoint.manifest.experts.get(name)
@@ -109,7 +89,7 @@ class UniversalSource:
 
     def scalars(self, group: int) -> dict[str, Any]:
         """The scalars of the param group layout group ``group`` belongs to."""
-        self._group(group)
+        self._packed.group(group)
         return self.checkpoint.scalars(self._owner[group])
 
     def model_tensor(self, name: str) -> np.ndarray:
@@ -118,7 +98,7 @@ class UniversalSource:
         manifest = self.checkpoint.manifest
         if name in manifest.experts:
             param = manifest.stacked(name)
-            return cast(self._read_param(name, "fp32", 0, param.numel), param.dtype).reshape(param.shape)
+            return cast(self._read_param(name, 0, param.numel, key="fp32"), param.dtype).reshape(param.shape)
         param = manifest.params.get(name)
         if param is None:
             return self.checkpoint.model_tensor(name)
@@ -133,36 +113,6 @@ class UniversalSource:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _slots(self, rank: int, group: int, start: int, end: int) -> tuple[ParamSlot, ...]:
-        """The parameters from the one that holds (or follows) element ``start`` on."""
-        if rank != 0:
-            raise ValueError(f"rank {rank} is outside world size 1 (a universal checkpoint has no ranks)")
-        layout_group = self._group(group)
-        if not 0 <= start <= end <= layout_group.partition_numel:
-            raise ValueError(
-                f"range [{start}, {end}) is outside group {group}'s partition of {layout_group.partition_numel} elements"
-            )
-        return layout_group.params[bisect.bisect_right(self._param_ends[group], start) :]
-
-    def _fill(self, slots: tuple[ParamSlot, ...], key: str, start: int, out: np.ndarray) -> None:
-        """Elements [start, start + len(out)) from ``slots``; padding between them is zeros."""
-        end, cursor = start + out.size, start
-        for slot in slots:
-            if slot.offset >= end:
-                break
-            lo, hi = max(slot.offset, start), min(slot.end, end)
-            if lo < hi:
-                out[cursor - start : lo - start] = 0
-                out[lo - start : hi - start] = self._read_param(slot.name, key, lo - slot.offset, hi - slot.offset)
-                cursor = hi
-        out[cursor - start :] = 0
-
-    def _group(self, group: int):
-        groups = self.info.layout.groups
-        if not 0 <= group < len(groups):
-            raise ValueError(f"{self.path}: group {group} does not exist (the checkpoint has {len(groups)})")
-        return groups[group]
 
 
 def _state_keys(layout: Layout, group: int, manifest: UniversalManifest) -> list[str]:

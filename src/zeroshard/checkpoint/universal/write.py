@@ -136,7 +136,7 @@ def describe(source: ShardSource) -> UniversalManifest:
         source={
             "kind": getattr(source, "kind", type(source).__name__),
             "path": str(source.path),
-            "world_size": layout.world_size,
+            "world_size": getattr(source, "world_size", layout.world_size),  # a view's: of the run it read
             "policy": layout.policy.to_dict(),
         },
         optimizer_class=info.optimizer_class,
