@@ -174,9 +174,9 @@ def test_each_rank_file_is_parsed_once(deepspeed_runs, monkeypatch, tmp_path):
     from zeroshard.importers import deepspeed_pickle
 
     parsed = []
-    original = deepspeed_pickle.load_torch_file
+    original = deepspeed_pickle.read_torch_file
     monkeypatch.setattr(
-        deepspeed_pickle, "load_torch_file", lambda path, **kw: parsed.append(path) or original(path, **kw)
+        deepspeed_pickle, "read_torch_file", lambda path, **kw: parsed.append(path) or original(path, **kw)
     )
     run = deepspeed_runs["w8_s1_tiny"]
     with open_deepspeed(run.save_dir) as source:

@@ -42,8 +42,10 @@ from .deepspeed_files import (
     refuse_deepspeed_universal,
     refuse_unsupported,
 )
+from ..checkpoint.io.budget import quoted
 from .deepspeed_pickle import DeepSpeedFormatError
 from .torch_file import StoredTensor, TorchFileError
+from .torch_records import one_line
 
 
 def open_deepspeed(path: str | Path) -> DeepSpeedSource:
@@ -124,7 +126,7 @@ class DeepSpeedSource:
         if key == "fp32":
             return shard.fp32[group]
         if key not in shard.states[group]:
-            raise KeyError(f"group {group} has no optimizer state {key!r} (it has {sorted(shard.states[group])})")
+            raise KeyError(f"group {group} has no optimizer state {key!r} (it has {quoted(sorted(shard.states[group]))})")
         return shard.states[group][key]
 
     def scalars(self, group: int) -> dict[str, Any]:
@@ -180,12 +182,12 @@ def rebuild_layout(model: ModelStates, first: RankShard, world_size: int) -> Lay
     counts = set(first.partition_count)
     if counts != {world_size}:
         raise DeepSpeedFormatError(
-            f"{where}: partition_count {first.partition_count}, but there are {world_size} rank files"
+            f"{where}: partition_count {quoted(first.partition_count)}, but there are {world_size} rank files"
         )
     saved_world = model.counters.get("dp_world_size")  # an int: read_model_states checked it
     if saved_world is not None and saved_world != world_size:
         raise DeepSpeedFormatError(
-            f"{model.path}: dp_world_size is {saved_world}, "
+            f"{model.path}: dp_world_size is {quoted(saved_world)}, "
             f"but there are {world_size} rank files in {model.path.parent}"
         )
     if len(model.param_shapes) != len(first.fp32):
@@ -201,7 +203,7 @@ def rebuild_layout(model: ModelStates, first: RankShard, world_size: int) -> Lay
     try:
         return build_layout(groups, world_size, policy)
     except ValueError as err:
-        raise DeepSpeedFormatError(f"{model.path}: param_shapes do not give a layout: {err}") from None
+        raise DeepSpeedFormatError(f"{model.path}: param_shapes do not give a layout: {one_line(err)}") from None
 
 
 def check_rank(layout: Layout, shard: RankShard) -> None:
@@ -245,7 +247,7 @@ class RankChecks:
             return DeepSpeedFormatError(f"{shard.path}, group {index}, rank {rank}: {message}")
 
         if shard.partition_count[index] != group.world_size:
-            raise mismatch(f"partition_count {shard.partition_count[index]}, expected {group.world_size}")
+            raise mismatch(f"partition_count {quoted(shard.partition_count[index])}, expected {group.world_size}")
         # DeepSpeed saves the fp32 partition without the group's tail padding.
         stored = sum(piece.length for piece in group.logical_ranges(rank))
         tail = partition_numel - stored
@@ -255,23 +257,24 @@ class RankChecks:
         if fp32.dtype != "float32":
             raise mismatch(f"saved fp32 partition is {fp32.dtype}, not float32")
         if shard.group_paddings[index] != tail:
-            raise mismatch(f"group_paddings says {shard.group_paddings[index]}, the layout gives {tail}")
+            raise mismatch(f"group_paddings says {quoted(shard.group_paddings[index])}, the layout gives {tail}")
         for key, tensor in shard.states[index].items():
             if tensor.numel() != partition_numel:
                 raise mismatch(
-                    f"optimizer state {key!r} has {tensor.numel()} elements, the partition has {partition_numel}"
+                    f"optimizer state {quoted(key)} has {tensor.numel()} elements, the partition has {partition_numel}"
                 )
         expected_pads = self._paddings[index]
         if shard.param_alignment_paddings is not None and shard.param_alignment_paddings[index] != expected_pads:
             raise mismatch(
-                f"param_alignment_paddings {shard.param_alignment_paddings[index]}, the layout gives {expected_pads}"
+                f"param_alignment_paddings {quoted(shard.param_alignment_paddings[index])}, "
+                f"the layout gives {quoted(expected_pads)}"
             )
         expected = {f.name: (f.length, f.partition_start) for f in group.fragments(rank)}
         found = shard.slice_mappings[index]
         if found != expected:
             name = next(n for n in sorted(set(found) | set(expected)) if found.get(n) != expected.get(n))
             raise mismatch(
-                f"param_slice_mappings[{name!r}] (numel, start) is {found.get(name)}, "
+                f"param_slice_mappings[{quoted(name)}] (numel, start) is {quoted(found.get(name))}, "
                 f"the layout gives {expected.get(name)}"
             )
 
@@ -290,11 +293,11 @@ def _param_dtype(model: ModelStates, name: str, shape: tuple[int, ...], fallback
     tensor = model.module.get(name)
     if tensor is None:
         if model.module:
-            raise DeepSpeedFormatError(f"{model.path}: param_shapes lists {name!r}, the module has no such tensor")
+            raise DeepSpeedFormatError(f"{model.path}: param_shapes lists {quoted(name)}, the module has no such tensor")
         return fallback
     if tuple(tensor.shape) != shape:
         raise DeepSpeedFormatError(
-            f"{model.path}: {name!r} is {list(tensor.shape)} in the module, {list(shape)} in param_shapes"
+            f"{model.path}: {quoted(name)} is {list(tensor.shape)} in the module, {quoted(list(shape))} in param_shapes"
         )
     return canonical_dtype(tensor.dtype)
 

@@ -4,6 +4,11 @@
 :class:`StorageRecord`, a run of bytes in the file. Its bytes are read with ``os.pread`` when
 asked for, into a fresh numpy array (``ml_dtypes`` for bfloat16 and float8). The first read
 of a record checks the zip CRC-32 of the whole record (:func:`verify_record`).
+
+The markers a pickle's objects carry are here too: :func:`refuses_state` and
+:func:`fills_state` decide what a BUILD opcode may do to an object, and :func:`charge_load`
+charges the budget of the load running on this thread (the unpickler's callbacks have no
+other way to reach it).
 """
 
 from __future__ import annotations
@@ -11,12 +16,15 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ..checkpoint.io.budget import DICT_ITEM_BYTES, Budget, named
 from ..checkpoint.io.dtypes import dtype_info
 from ..checkpoint.io.safetensors_io import map_range
 
@@ -73,6 +81,45 @@ def refuses_state(cls: type) -> type:
 
 def refuses_state_of(cls: type) -> bool:
     return getattr(getattr(cls, "__setstate__", None), "refuses_state", False)
+
+
+def fills_state(cls: type) -> type:
+    """Let a pickle's BUILD opcode fill the ``__dict__`` of an instance of ``cls`` from a dict
+    with string keys, charged to the load's budget: without a ``__setstate__``, BUILD copies
+    the state in C, and one memoised state given to many objects copies it again each time."""
+
+    def __setstate__(self: Any, state: Any) -> None:
+        if type(state) is not dict:
+            raise FileProblem(f"corrupt pickle data.pkl: the state of a {cls.__name__} is not a dict")
+        charge_load(len(state) * DICT_ITEM_BYTES, f"setting {len(state):,} attributes of a {cls.__name__}")
+        if not set(map(type, state)) <= _STRINGS:
+            raise FileProblem(f"corrupt pickle data.pkl: the state of a {cls.__name__} has a key that is not a string")
+        vars(self).update(state)
+
+    cls.__setstate__ = __setstate__  # type: ignore[attr-defined]
+    return cls
+
+
+_STRINGS = frozenset((str,))
+_load = threading.local()  # .budget: the Budget of the load this thread runs, if any
+
+
+@contextmanager
+def charging(budget: Budget) -> Iterator[None]:
+    """Make ``budget`` the one :func:`charge_load` charges on this thread, for the block."""
+    previous = getattr(_load, "budget", None)
+    _load.budget = budget
+    try:
+        yield
+    finally:
+        _load.budget = previous
+
+
+def charge_load(nbytes: int, what: str) -> None:
+    """Charge the budget of the load running on this thread (nothing outside a load)."""
+    budget = getattr(_load, "budget", None)
+    if budget is not None:
+        budget.charge(nbytes, what)
 
 
 def unbuildable(cls: type) -> type:
@@ -332,7 +379,7 @@ def _checked_record(storage: StorageRecord, fd: int) -> bytes:
 def _check_crc(storage: StorageRecord, found: int) -> None:
     if found != storage.crc32:
         raise TorchFileError(
-            f"{storage.path}: record {storage.record_name} is corrupt: its CRC-32 is {found:08x}, "
+            f"{storage.path}: record {named(storage.record_name)} is corrupt: its CRC-32 is {found:08x}, "
             f"the zip directory says {storage.crc32:08x}"
         )
 
@@ -354,7 +401,9 @@ def _record_crc(storage: StorageRecord, fd: int) -> int:
 
 
 def _ends_early(storage: StorageRecord) -> TorchFileError:
-    return TorchFileError(f"{storage.path}: file ends inside storage record {storage.key} (changed since it was loaded?)")
+    return TorchFileError(
+        f"{storage.path}: file ends inside storage record {named(storage.key)} (changed since it was loaded?)"
+    )
 
 
 def _pread_into(fd: int, buffer: memoryview, offset: int) -> int:
