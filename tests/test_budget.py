@@ -61,8 +61,10 @@ def test_a_budget_is_its_file_size_times_the_factor_plus_the_constant(tmp_path):
         budget.charge(0, "nothing")
     with pytest.raises(ValueError):
         Budget(path, -1)
-    small = Budget("x", 10, factor=2, constant=5)
-    assert small.limit == 25
+    lazy = Budget("x", 0)
+    lazy.charge(CONSTANT, "{} is not formatted", Exploding())  # words are formatted when said
+    with pytest.raises(BudgetExceeded, match="^x: 3 items of 'a' exceeds"):
+        lazy.charge(1, "{:,} items of {!r}", 3, "a")
 
 
 class Exploding:
@@ -106,9 +108,14 @@ def expect_refused_within_budget(path: Path, *words: str, allowed=None) -> str:
 
 
 COPIES = {  # what a 7-byte "get the global, get the memoised list, TUPLE1, REDUCE" copies
-    "set": ("builtins.set", distinct_ints(2000), 500),
-    "torch.Size": ("torch.Size", distinct_ints(2000), 2000),
-    "OrderedDict": ("collections.OrderedDict", b"".join(b"(" + integer(i) + b"Nt" for i in range(2000)), 200),
+    "set": ("builtins.set", distinct_ints(2000), 500, "copying 2,000 items into a set exceeds the budget"),
+    "torch.Size": ("torch.Size", distinct_ints(2000), 2000, "copying 2,000 items into a torch.Size exceeds"),
+    "OrderedDict": (  # torch.save calls OrderedDict without arguments, and it takes none now
+        "collections.OrderedDict",
+        b"".join(b"(" + integer(i) + b"Nt" for i in range(2000)),
+        200,
+        "corrupt pickle data.pkl: LoadedOrderedDict.copy() takes no arguments",
+    ),
 }
 
 
@@ -116,10 +123,10 @@ COPIES = {  # what a 7-byte "get the global, get the memoised list, TUPLE1, REDU
 def test_an_allowed_constructor_is_charged_for_what_it_copies(tmp_path, case):
     """set(L), torch.Size(L), OrderedDict(L) of one memoised list L, hundreds of times: the
     old reader took 9 KB to 66 MB (set), a quadratic cost; each copy is charged now."""
-    qualname, items, copies = COPIES[case]
+    qualname, items, copies, words = COPIES[case]
     data = PROTO + memoised_list(0, items) + glob(qualname) + put(1) + b"0" + kept(get(1) + get(0) + b"\x85R", copies)
     path = archive(tmp_path / "copies.pt", data + b".")
-    expect_refused_within_budget(path, "exceeds the budget", "copying 2,000 items into")
+    expect_refused_within_budget(path, words)
 
 
 BUILDS = {  # BUILD with one memoised dict of 2,000 entries as the state of a new object each time
@@ -230,3 +237,25 @@ def test_a_record_named_twice_is_refused(tmp_path, record):
     with pytest.raises(TorchFileError) as caught:
         load_torch_file(path)
     assert str(caught.value) == f"{path}: the zip archive holds two records named {record!r}"
+
+
+def test_a_small_range_of_a_record_is_not_read_with_all_of_it(tmp_path, monkeypatch):
+    """A record of up to 256 KiB was read whole (and its CRC computed) at every read: a layout
+    of many one-element parameters read it again for each of them. A range that is a small
+    part of it is read alone, the record checked once."""
+    import os
+
+    import torch
+
+    from zeroshard.importers import torch_records
+
+    path = tmp_path / "vector.pt"
+    torch.save({"v": torch.arange(65536, dtype=torch.float32)}, path)  # one 256 KiB record
+    vector = load_torch_file(path)["v"]
+    read = []
+    original = os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, size, offset: read.append(size) or original(fd, size, offset))
+    starts = range(0, 65536, 1024)
+    assert [float(vector.read(start, start + 1)[0]) for start in starts] == [float(start) for start in starts]
+    assert sum(read) < 64 << 10, sum(read)  # the old reader: 64 reads of the whole record, 16 MiB
+    assert vector.read(0, 16384).tobytes() == torch.arange(16384, dtype=torch.float32).numpy().tobytes()

@@ -162,11 +162,48 @@ def test_one_storage_viewed_by_many_tensors_is_charged_per_view(tag_dir, tmp_pat
 
 @needs_deepspeed
 def test_an_integer_too_long_for_json_is_refused_naming_the_file(tag_dir, tmp_path, capsys):
+    """json.dumps of universal.json raised Python's own ValueError (more than 4,300 digits)."""
     edit(tag_dir / MODEL, lambda raw: raw.update(lr_scheduler={"seed": 10**5000}))
-    err = expect_refused(
-        capsys, "to-universal", tag_dir, tmp_path / "out", within=tag_dir, file=tag_dir / MODEL, words="lr_scheduler"
-    )
-    assert "an int of 16,610 bits" in err
+    words = "refused to unpickle data.pkl: an integer of 2,077 bytes"
+    expect_refused(capsys, "to-universal", tag_dir, tmp_path / "out", within=tag_dir, file=tag_dir / MODEL, words=words)
+
+
+@needs_deepspeed
+def test_tied_aliases_are_charged_for_the_copies_an_export_writes(tag_dir, tmp_path, capsys):
+    """An fp32 export writes a tied parameter again under each alias: 20,000 aliases of one
+    parameter (each a short name in shared_params) made the old to-fp32 write 7.7 MB from
+    0.4 MB, and a big parameter multiplies that."""
+
+    def change(raw):
+        name = next(iter(raw["param_shapes"][0]))
+        raw["shared_params"] = {f"alias{i}": name for i in range(20_000)}
+
+    edit(tag_dir / MODEL, change)
+    words = "copying 20,000 tied parameters into an export exceeds the budget"
+    expect_refused(capsys, "to-fp32", tag_dir, tmp_path / "fp32", within=tag_dir, file=tag_dir / MODEL, words=words)
+    assert not (tmp_path / "fp32").exists()
+
+
+def test_names_an_output_repeats_are_charged_to_the_file_naming_the_states(tmp_path):
+    """A universal checkpoint names every parameter once per optimizer state and every state
+    once per parameter: one state named with 100,000 characters, in a rank file of a few KB,
+    would be written once for each of 300 parameters."""
+    from types import SimpleNamespace
+
+    from zeroshard.checkpoint.io.budget import Budget
+    from zeroshard.importers.deepspeed import KEY_BYTES, charge_outputs
+    from zeroshard.importers.deepspeed_pickle import DeepSpeedFormatError
+
+    layout = build_layout([[ParamSpec.of(f"p{i}", (4,), "bf16") for i in range(300)]], 2)
+    model = SimpleNamespace(budget=Budget(tmp_path / MODEL, 10_000))
+    fine = SimpleNamespace(states=[{"exp_avg": None, "exp_avg_sq": None}], budget=Budget(tmp_path / RANK0, 5_000))
+    charge_outputs(layout, model, fine, {})
+    names = sum(len(f"p{i}") + KEY_BYTES for i in range(300))
+    assert fine.budget.spent == 3 * names + len("exp_avgexp_avg_sq") * 300 and model.budget.spent == 0
+    long = SimpleNamespace(states=[{"s" * 100_000: None}], budget=Budget(tmp_path / RANK0, 5_000))
+    with pytest.raises(DeepSpeedFormatError) as caught:
+        charge_outputs(layout, model, long, {})
+    assert str(caught.value).startswith(f"{tmp_path / RANK0}: naming every parameter's optimizer states in an output")
 
 
 # ---- native and universal manifests ---------------------------------------------------------------

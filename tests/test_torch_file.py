@@ -796,7 +796,7 @@ def genops_verdict(data: bytes) -> str:
     (an opcode outside the allow-list, a memo index past the pickle's size) or "corrupt"."""
     import pickletools
 
-    from zeroshard.importers.pickle_scan import ALLOWED_OPCODES
+    from zeroshard.importers.pickle_scan import ALLOWED_OPCODES, MAX_INT_BYTES
 
     try:
         for opcode, arg, position in pickletools.genops(data):
@@ -806,6 +806,8 @@ def genops_verdict(data: bytes) -> str:
                 return "refused"
             if opcode.name == "FRAME" and position + 9 + arg > len(data):
                 return "corrupt"  # the C unpickler would allocate the frame before reading it
+            if opcode.name == "LONG4" and len(pickle.encode_long(arg)) > MAX_INT_BYTES:
+                return "refused"
     except UnicodeDecodeError:
         return "undecodable"  # the unpickler refuses it; pickletools stops there, so no verdict
     except ValueError:

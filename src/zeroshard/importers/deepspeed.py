@@ -42,7 +42,7 @@ from .deepspeed_files import (
     refuse_deepspeed_universal,
     refuse_unsupported,
 )
-from ..checkpoint.io.budget import quoted
+from ..checkpoint.io.budget import BudgetExceeded, quoted
 from .deepspeed_pickle import DeepSpeedFormatError
 from .torch_file import StoredTensor, TorchFileError
 from .torch_records import one_line
@@ -82,6 +82,7 @@ class DeepSpeedSource:
                 checks.check(shard)
                 self._ranks.append(RankTensors(shard.fp32, shard.states))
         self.info = _source_info(layout, self._model, first)
+        charge_outputs(layout, self._model, first, self.info.aliases)
         self._partition_numels = [group.partition_numel for group in layout.groups]
         self._scalars = [read_scalars(group) for group in first.scalars]
 
@@ -318,6 +319,29 @@ def _read_zero_extended(saved: StoredTensor, start: int, end: int) -> np.ndarray
     if start < stop:
         out[: stop - start] = saved.read(start, stop)
     return out
+
+
+KEY_BYTES = 64  # what naming one tensor in an output costs besides its name (a header entry)
+
+
+def charge_outputs(layout: Layout, model: ModelStates, first: RankShard, aliases: dict[str, str]) -> None:
+    """Charge what a conversion repeats from these files, in files of their own size's order:
+    every parameter's name once for each tensor an output holds for it (fp32 and each state
+    rank 0's file names) and every state's name once per parameter, to rank 0's file; every
+    tied alias's copy of its target (an fp32 export writes the tensor again under each name),
+    to the model-states file."""
+    named = 0
+    for group, states in zip(layout.groups, first.states):
+        name_bytes = sum(len(slot.name) + KEY_BYTES for slot in group.params)
+        named += name_bytes * (1 + len(states)) + sum(map(len, states)) * len(group.params)
+    tied = sum(len(alias) + KEY_BYTES + 4 * layout.param(target)[1].numel for alias, target in aliases.items())
+    try:
+        if first.budget is not None:
+            first.budget.charge(named, "naming every parameter's optimizer states in an output")
+        if model.budget is not None:
+            model.budget.charge(tied, "copying {:,} tied parameters into an export", len(aliases))
+    except BudgetExceeded as err:
+        raise DeepSpeedFormatError(str(err)) from None
 
 
 # ---- SourceInfo ----------------------------------------------------------------------------------

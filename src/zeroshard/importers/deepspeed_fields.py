@@ -25,9 +25,8 @@ from .torch_unpickler import ITEMSIZES
 # bigger is not what DeepSpeed writes, and a self-containing dict is infinitely deep.
 MAX_DEPTH = 32
 MAX_ITEMS = 100_000
-MAX_INT_BITS = 14_000  # JSON writes an int in decimal; Python refuses more than 4,300 digits
 _SCALARS = (bool, int, float, str)  # and None
-_SCALAR_BYTES = 24  # what a number, a bool or null costs in a JSON manifest, at most
+_SCALAR_BYTES = 24  # what a float, a bool or null costs in a JSON manifest, at most
 
 
 def field_error(path: Path, field: str, problem: str) -> DeepSpeedFormatError:
@@ -148,11 +147,13 @@ def vector(value: Any, field: str, path: Path) -> StoredTensor:
 
 def plain(value: Any, field: str, path: Path, budget: Budget) -> Any:
     """Plain data as JSON holds it (None, bool, int, float, str, lists, tuples and dicts with
-    string keys), bounded in depth, size and integer width; returned as it is. For the
+    string keys), bounded in depth and size; returned as it is (the opcode scan bounds an
+    integer's width: each is short enough for JSON's decimal text). For the
     free-form values that end up in a manifest: the lr scheduler state, hyperparameters, the
     config. What copying it into a manifest costs (its JSON size, every reference to a shared
     value again) is charged to ``budget``."""
     items = [MAX_ITEMS]
+    field_name = named(field)
 
     def count(values: int) -> None:
         items[0] -= values
@@ -163,11 +164,11 @@ def plain(value: Any, field: str, path: Path, budget: Budget) -> Any:
         where = field + "".join(f"[{quoted(key)}]" for key in keys)
         return field_error(path, field, words.format(where=where))
 
-    def scalar_bytes(item: Any, keys: tuple[Any, ...]) -> int:
+    def scalar_bytes(item: Any) -> int:
         if type(item) is str:
             return len(item) + 2
-        if type(item) is int and item.bit_length() > MAX_INT_BITS:
-            raise problem(keys, f"holds an int of {item.bit_length():,} bits at {{where}} (at most {MAX_INT_BITS:,})")
+        if type(item) is int:  # its decimal digits: 0.302 per bit (the scan bounds it at 8,192 bits)
+            return item.bit_length() * 77 // 256 + 2
         return _SCALAR_BYTES
 
     def walk(item: Any, keys: tuple[Any, ...], depth: int) -> None:
@@ -190,16 +191,16 @@ def plain(value: Any, field: str, path: Path, budget: Budget) -> Any:
         nested = []
         for key, child in children:
             if child is None or isinstance(child, _SCALARS):
-                size += scalar_bytes(child, (*keys, key))
+                size += scalar_bytes(child)
             else:
                 nested.append((key, child))
-        budget.charge(size, f"copying {named(field)}")
+        budget.charge(size, "copying {}", field_name)
         for key, child in nested:
             walk(child, (*keys, key), depth + 1)
 
     count(1)
     if value is None or isinstance(value, _SCALARS):
-        budget.charge(scalar_bytes(value, ()), f"copying {named(field)}")
+        budget.charge(scalar_bytes(value), "copying {}", named(field))
     else:
         walk(value, (), 0)
     return value

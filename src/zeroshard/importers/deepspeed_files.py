@@ -147,6 +147,7 @@ class ModelStates:
     lr_scheduler: Any
     ds_config: dict[str, Any]
     ds_version: str | None
+    budget: Budget | None = field(default=None, repr=False, compare=False)  # the file's, charged on
 
 
 @dataclass
@@ -169,6 +170,7 @@ class RankShard:
     ds_version: str | None  # (its ds_config is the model-states file's; not read here)
     pickle: bytes = field(default=b"", repr=False, compare=False)  # what the file's pickle was
     kept_bytes: int = field(default=0, repr=False, compare=False)  # of its tensors, charged to its budget
+    budget: Budget | None = field(default=None, repr=False, compare=False)  # the file's, charged on
 
 
 _Read = TypeVar("_Read", bound=Callable[..., Any])
@@ -209,6 +211,7 @@ def read_model_states(path: Path) -> ModelStates:
         lr_scheduler=fields.plain(raw.get("lr_scheduler"), "lr_scheduler", path, budget),
         ds_config=_ds_config(raw.get("ds_config"), path, budget),
         ds_version=fields.optional_text(raw.get("ds_version"), "ds_version", path),
+        budget=budget,
     )
 
 
@@ -225,7 +228,7 @@ def read_rank_shard(
     raw, pickled, budget = load_checkpoint_file(path)
     if after is not None and after.pickle and pickled == after.pickle:
         budget.charge(after.kept_bytes, "reading its tensors")
-        return _same_pickle_as(after, raw, path, rank)
+        return _same_pickle_as(after, raw, path, rank, budget)
     state = _require(raw, "optimizer_state_dict", path)
     if not fields.is_mapping(state):
         state = fields.mapping(state, "optimizer_state_dict", path)
@@ -270,10 +273,11 @@ def read_rank_shard(
         ds_version=fields.optional_text(raw.get("ds_version"), "ds_version", path),
         pickle=pickled,
         kept_bytes=fields.charge_tensors(kept, budget, "reading its tensors"),
+        budget=budget,
     )
 
 
-def _same_pickle_as(checked: RankShard, raw: dict[str, Any], path: Path, rank: int) -> RankShard:
+def _same_pickle_as(checked: RankShard, raw: dict[str, Any], path: Path, rank: int, budget: Budget) -> RankShard:
     """The shard of a file unpickled from the bytes ``checked`` was: every value and verdict is
     ``checked``'s, and its tensors sit where :func:`read_rank_shard` found ``checked``'s."""
     state = raw["optimizer_state_dict"]
@@ -285,7 +289,7 @@ def _same_pickle_as(checked: RankShard, raw: dict[str, Any], path: Path, rank: i
         states.append({key: entries[key] for key in vectors})
         scalars.append({key: entries[key] for key in others})
     fp32 = list(state["single_partition_of_fp32_groups"])
-    return replace(checked, path=path, rank=rank, fp32=fp32, states=states, scalars=scalars)
+    return replace(checked, path=path, rank=rank, fp32=fp32, states=states, scalars=scalars, budget=budget)
 
 
 def _param_shapes(value: Any, path: Path, budget: Budget) -> list[dict[str, tuple[int, ...]]]:
@@ -295,9 +299,9 @@ def _param_shapes(value: Any, path: Path, budget: Budget) -> list[dict[str, tupl
     for index, group in enumerate(fields.sequence(value, "param_shapes", path)):
         where = f"param_shapes[{index}]"
         shapes = fields.mapping(group, where, path)
-        budget.charge(PARAM_BYTES * len(shapes), f"rebuilding the layout of {where}")
+        budget.charge(PARAM_BYTES * len(shapes), "rebuilding the layout of param_shapes[{}]", index)
         parsed = {name: fields.shape(dims, f"{where}[{quoted(name)}]", path) for name, dims in shapes.items()}
-        budget.charge(REFERENCE_BYTES * sum(map(len, parsed.values())), f"rebuilding the layout of {where}")
+        budget.charge(REFERENCE_BYTES * sum(map(len, parsed.values())), "rebuilding the layout of param_shapes[{}]", index)
         groups.append(parsed)
     return groups
 
@@ -347,19 +351,20 @@ def _split_optimizer_state(
                 f"{path}: optimizer group {index} should hold one flat partition: params={quoted(ids)}"
             )
         entries = state.get(ids[0])
-        where = f"base_optimizer_state['state'][{quoted(ids[0])}]"
         if not fields.is_mapping(entries):
-            entries = fields.optional_mapping(entries, where, path)
-        budget.charge(DICT_ITEM_BYTES * len(entries), f"reading {where}")
+            entries = fields.optional_mapping(entries, f"base_optimizer_state['state'][{quoted(ids[0])}]", path)
+        budget.charge(DICT_ITEM_BYTES * len(entries), "reading base_optimizer_state['state']")
         group_vectors: dict[str, StoredTensor] = {}
         group_scalars: dict[str, Any] = {}
         for key, value in entries.items():
             if fields.is_vector(value):
                 group_vectors[key] = value
-            elif _is_vector(value):  # 1-D, but not a flat partition: an error naming the entry
-                group_vectors[key] = fields.vector(value, f"{where}[{quoted(key)}]", path)
+                continue
+            where = f"base_optimizer_state['state'][{quoted(ids[0])}][{quoted(key)}]"
+            if _is_vector(value):  # 1-D, but not a flat partition: an error naming the entry
+                group_vectors[key] = fields.vector(value, where, path)
             else:
-                group_scalars[key] = _as_value(value, f"{where}[{quoted(key)}]", path, budget)
+                group_scalars[key] = _as_value(value, where, path, budget)
         vectors.append(group_vectors)
         scalars.append(group_scalars)
     return vectors, scalars
@@ -375,7 +380,7 @@ def _alignment_paddings(
     field = "param_alignment_paddings"
     groups = fields.sequence(value, field, path)
     parsed = [fields.integers(group, f"{field}[{i}]", path) for i, group in enumerate(groups)]
-    budget.charge(REFERENCE_BYTES * sum(map(len, parsed)), f"reading {field}")
+    budget.charge(REFERENCE_BYTES * sum(map(len, parsed)), "reading param_alignment_paddings")
     return parsed
 
 

@@ -4,8 +4,10 @@ The C unpickler trusts what a pickle declares: ``LONG_BINPUT`` with index 2**32 
 allocate (and zero) a memo of 64 GiB, ``BINBYTES8`` and ``FRAME`` allocate their declared size
 before reading it, and protocol 0/1 or out-of-band opcodes are nothing torch.save writes. So
 before unpickling, every opcode is checked against the set a torch.save pickle (protocol 2 to
-4) uses, every memo index is bounded by the pickle's size and every counted string, integer
-or frame must fit in the bytes that follow. The scan also says what the opcodes that create
+4) uses, every memo index is bounded by the pickle's size, every counted string, integer or
+frame must fit in the bytes that follow, and an integer may not be longer than 1 KiB (its hash,
+computed again each time it is a dict key, costs its length; its decimal text, in a JSON
+manifest or an error, would be more than Python prints). The scan also says what the opcodes that create
 an empty container (one byte for a set of 216) may allocate, for the load's budget.
 
 :func:`check_opcodes` does that without decoding opcodes one by one in Python (which costs
@@ -45,6 +47,8 @@ _COUNTED = {
 }  # fmt: skip
 _LONG_BINPUT = _OPCODES["LONG_BINPUT"].code.encode("latin-1")[0]
 _FRAME = _OPCODES["FRAME"].code.encode("latin-1")[0]
+_LONG4 = _OPCODES["LONG4"].code.encode("latin-1")[0]
+MAX_INT_BYTES = 1024  # an int of 8,192 bits, 2,467 digits: Python prints up to 4,300
 # Opcodes creating a container from nothing (FROZENSET from what the stack holds), and the
 # bytes CPython allocates for an empty one.
 _CREATING = tuple(
@@ -145,6 +149,11 @@ def _slow_opcode(data: bytes, position: int) -> int:
     if width is not None:
         length = _unsigned(data, position + 1, width, op.name)
         after = position + 1 + width + length
+        if code == _LONG4 and length > MAX_INT_BYTES:  # hashing one costs its length, each time it is a key
+            raise FileProblem(
+                f"refused to unpickle data.pkl: an integer of {length:,} bytes at byte {position} "
+                f"(at most {MAX_INT_BYTES:,}: torch.save writes none this long)"
+            )
     elif code == _LONG_BINPUT:
         index = _unsigned(data, position + 1, 4, op.name)
         if index > len(data):

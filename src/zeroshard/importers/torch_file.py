@@ -44,9 +44,8 @@ import struct
 import types
 import zipfile
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..checkpoint.io.budget import Budget, BudgetExceeded, named, quoted
 from .torch_records import (
@@ -63,17 +62,17 @@ from .zip_directory import read_directory
 
 __all__ = ["StorageRecord", "StoredTensor", "TorchFile", "TorchFileError", "load_torch_file", "read_torch_file"]
 
+_new_tuple = tuple.__new__
 _LEGACY_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")  # first pickle of pre-1.6 files
 WHOLE_FILE_BYTES = 1 << 20  # files up to this size are read with one read, not record by record
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra field length
 _loads = itertools.count(1)  # numbers the loads of this process (StorageRecord.load)
 
 
-@dataclass(frozen=True, slots=True)
-class TorchFile:
+class TorchFile(NamedTuple):
     """What :func:`read_torch_file` read: the object, the bytes of the pickle it was unpickled
     from (checked: a caller can tell files holding the same pickle apart), and the file's
-    budget, for the caller to go on charging."""
+    budget, for the caller to go on charging. (A tuple: one is made per file.)"""
 
     value: Any
     pickle: bytes
@@ -117,7 +116,8 @@ def read_torch_file(path: Path, allowed: Mapping[str, type] | None = None) -> To
             if data is None:
                 raise FileProblem(f"record {archive.prefix}data.pkl is missing")
             budget = Budget(path, size)
-            return TorchFile(unpickle(data, globals_, archive.storage, budget), data, budget)
+            value = unpickle(data, globals_, archive.storage, budget)
+            return _new_tuple(TorchFile, (value, data, budget))  # TorchFile(...) is a Python call
         finally:
             os.close(fd)
     except FileProblem as problem:

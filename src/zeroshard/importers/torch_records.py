@@ -16,8 +16,6 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -84,42 +82,43 @@ def refuses_state_of(cls: type) -> bool:
 
 
 def fills_state(cls: type) -> type:
-    """Let a pickle's BUILD opcode fill the ``__dict__`` of an instance of ``cls`` from a dict
-    with string keys, charged to the load's budget: without a ``__setstate__``, BUILD copies
-    the state in C, and one memoised state given to many objects copies it again each time."""
+    """Let a pickle's BUILD opcode fill the ``__dict__`` of an instance of ``cls`` from a dict,
+    charged to the load's budget: without a ``__setstate__``, BUILD copies the state in C, and
+    one memoised state given to many objects copies it again each time. (A state of a few
+    entries costs less than the opcodes giving it, and is not charged.)"""
 
     def __setstate__(self: Any, state: Any) -> None:
         if type(state) is not dict:
             raise FileProblem(f"corrupt pickle data.pkl: the state of a {cls.__name__} is not a dict")
-        charge_load(len(state) * DICT_ITEM_BYTES, f"setting {len(state):,} attributes of a {cls.__name__}")
-        if not set(map(type, state)) <= _STRINGS:
-            raise FileProblem(f"corrupt pickle data.pkl: the state of a {cls.__name__} has a key that is not a string")
-        vars(self).update(state)
+        if len(state) > _SMALL_STATE:
+            charge_load(len(state) * DICT_ITEM_BYTES, "setting {:,} attributes of a {}", len(state), cls.__name__)
+        self.__dict__.update(state)
 
     cls.__setstate__ = __setstate__  # type: ignore[attr-defined]
     return cls
 
 
-_STRINGS = frozenset((str,))
+_SMALL_STATE = 4
 _load = threading.local()  # .budget: the Budget of the load this thread runs, if any
 
 
-@contextmanager
-def charging(budget: Budget) -> Iterator[None]:
-    """Make ``budget`` the one :func:`charge_load` charges on this thread, for the block."""
+def begin_load(budget: Budget) -> Budget | None:
+    """Make ``budget`` the one :func:`charge_load` charges on this thread; the one it was,
+    for :func:`end_load` to put back (a plain call, not a context manager: one per file)."""
     previous = getattr(_load, "budget", None)
     _load.budget = budget
-    try:
-        yield
-    finally:
-        _load.budget = previous
+    return previous
 
 
-def charge_load(nbytes: int, what: str) -> None:
+def end_load(previous: Budget | None) -> None:
+    _load.budget = previous
+
+
+def charge_load(nbytes: int, what: str, *details: Any) -> None:
     """Charge the budget of the load running on this thread (nothing outside a load)."""
     budget = getattr(_load, "budget", None)
     if budget is not None:
-        budget.charge(nbytes, what)
+        budget.charge(nbytes, what, *details)
 
 
 def unbuildable(cls: type) -> type:
@@ -253,16 +252,18 @@ def span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
 def _read(storage: StorageRecord, dtype: str, first: int, count: int) -> np.ndarray:
     """``count`` elements of ``dtype`` from element ``first`` of a storage: mapped when big,
     else read with pread. The record's CRC is checked first (once per load); a small record
-    is read whole, with its check, in one pread."""
+    is read whole, with its check, in one pread, unless the range is a small part of it (a
+    layout of many tiny parameters would read the record again for each)."""
     numpy_dtype = dtype_info(dtype).numpy
     begin = first * numpy_dtype.itemsize
     end = begin + count * numpy_dtype.itemsize
     try:
         fd = os.open(storage.path, os.O_RDONLY)
         try:
-            if end - begin < MAP_BYTES and storage.record_size <= _SMALL_RECORD_BYTES:
-                record = _checked_record(storage, fd)
-                return np.frombuffer(memoryview(record)[begin:end], numpy_dtype).copy()
+            record = storage.record_size
+            if end - begin < MAP_BYTES and record <= min(_SMALL_RECORD_BYTES, _WHOLE_READS * (end - begin) + _WHOLE_BYTES):
+                whole = _checked_record(storage, fd)
+                return np.frombuffer(memoryview(whole)[begin:end], numpy_dtype).copy()
             verify_record(storage, fd)
             return _read_range(storage, fd, numpy_dtype, storage.data_offset + begin, count)
         finally:
@@ -334,6 +335,7 @@ def _read_range(storage: StorageRecord, fd: int, numpy_dtype: np.dtype, begin: i
 
 _CRC_WINDOW = 16 << 20
 _SMALL_RECORD_BYTES = 256 << 10  # read whole with one pread (mapping one costs more than copying it)
+_WHOLE_READS, _WHOLE_BYTES = 16, 16 << 10  # ... when at most 16 times the range plus 16 KiB
 _VERIFIED_LIMIT = 1 << 14
 _verified: dict[tuple[Any, ...], None] = {}  # records checked: by load, record and file identity
 _verified_lock = threading.Lock()

@@ -43,8 +43,9 @@ from .torch_records import (
     FileProblem,
     StorageRecord,
     StoredTensor,
+    begin_load,
     charge_load,
-    charging,
+    end_load,
     one_line,
     span,
     unbuildable,
@@ -58,7 +59,8 @@ class _SealedGlobal(type):
     must not set their attributes (torch's weights-only unpickler refuses that too)."""
 
     def __call__(cls, *args: Any) -> Any:
-        _charge_arguments(cls, args)
+        if len(args) > _FEW_ARGUMENTS:
+            _charge_arguments(cls, args)
         return cls.target(*args)  # type: ignore[attr-defined]
 
     def __setattr__(cls, name: str, value: Any) -> None:
@@ -74,7 +76,8 @@ def seal(qualname: str, target: Callable[..., Any]) -> Any:
     call = _member_lookup(qualname, target) if isinstance(target, enum.EnumMeta) else target
 
     def new(cls: type, *args: Any) -> Any:
-        _charge_arguments(cls, args)
+        if len(args) > _FEW_ARGUMENTS:
+            _charge_arguments(cls, args)
         if not isinstance(target, type):
             raise FileProblem(f"refused to unpickle data.pkl: NEWOBJ of {qualname!r}, which is not a class")
         if call is not target:  # an Enum's __new__ looks its value up
@@ -97,8 +100,12 @@ def _member_lookup(qualname: str, target: enum.EnumMeta) -> Callable[..., Any]:
 
 
 def _charge_arguments(cls: type, args: tuple[Any, ...]) -> None:
-    """A call unpacks its arguments: charged, as a memoised tuple of them may be passed again and again."""
-    charge_load(len(args) * REFERENCE_BYTES, f"calling {cls.__name__} with {len(args):,} arguments")
+    """A call unpacks its arguments: charged, as a memoised tuple of them may be passed again
+    and again (a few cost less than the opcodes passing them, and are not charged)."""
+    charge_load(len(args) * REFERENCE_BYTES, "calling {} with {:,} arguments", cls.__name__, len(args))
+
+
+_FEW_ARGUMENTS = 8
 
 
 _IMMUTABLE_TYPE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE: built-in types, whose attributes cannot be set
@@ -154,15 +161,17 @@ def unpickle(
     """The object the pickle ``data`` describes, what it creates and copies charged to
     ``budget`` (BudgetExceeded); FileProblem for anything else wrong with it."""
     budget.charge(check_opcodes(data), "creating the containers of data.pkl")
+    previous = begin_load(budget)
     try:
-        with charging(budget):
-            return _Unpickler(data, globals_, storage).load()
+        return _Unpickler(data, globals_, storage).load()
     except (FileProblem, BudgetExceeded):
         raise
     except MemoryError:
         raise FileProblem("unpickling data.pkl ran out of memory") from None
     except Exception as err:  # noqa: BLE001 - whatever a malformed stream makes the unpickler or a stand-in raise
         raise FileProblem(f"corrupt pickle data.pkl: {one_line(err)}") from None
+    finally:
+        end_load(previous)
 
 
 # The rebuild functions take what the file passes, anything: _tensor checks it. Hooks are
@@ -292,19 +301,12 @@ def _set(*args: Any) -> set[Any]:
     return set(*args)
 
 
-@_refuses_state
-def _ordered_dict(*args: Any) -> LoadedOrderedDict:
-    if args:
-        _charge_copy(args, ORDERED_DICT_ITEM_BYTES, "an OrderedDict")
-    return LoadedOrderedDict(*args)
-
-
 def _charge_copy(args: tuple[Any, ...], item_bytes: int, what: str) -> None:
     try:
         count = len(args[0]) if len(args) == 1 else 0  # anything else: the constructor refuses it
     except TypeError:  # no length: not iterable, so nothing is copied
         return
-    charge_load(count * item_bytes, f"copying {count:,} items into {what}")
+    charge_load(count * item_bytes, "copying {:,} items into {}", count, what)
 
 
 class LoadedOrderedDict(OrderedDict):  # type: ignore[type-arg]
@@ -317,8 +319,14 @@ class LoadedOrderedDict(OrderedDict):  # type: ignore[type-arg]
     def __setstate__(self, state: Any) -> None:
         if type(state) is not dict:
             raise FileProblem("corrupt pickle data.pkl: the state of an OrderedDict is not a dict")
-        charge_load(len(state) * DICT_ITEM_BYTES, f"setting {len(state):,} attributes of an OrderedDict")
-        vars(self).update(state)
+        charge_load(len(state) * DICT_ITEM_BYTES, "setting {:,} attributes of an OrderedDict", len(state))
+        self.__dict__.update(state)
+
+
+# torch.save writes an OrderedDict as a call without arguments, then its items: the copy
+# method of an empty one makes a new empty one in C (no Python call per OrderedDict, one per
+# tensor of a file) and refuses arguments, so nothing is copied into it but its items.
+_ordered_dict = LoadedOrderedDict().copy
 
 
 ALLOWED_GLOBALS: dict[str, Any] = {
@@ -329,6 +337,6 @@ ALLOWED_GLOBALS: dict[str, Any] = {
     "torch._utils._rebuild_tensor_v3": _rebuild_tensor_v3,
     "torch._utils._rebuild_parameter": _rebuild_parameter,
     "torch.Size": _size,
-    "collections.OrderedDict": _ordered_dict,
+    "collections.OrderedDict": _ordered_dict,  # type: ignore[dict-item]
     "builtins.set": _set,
 }

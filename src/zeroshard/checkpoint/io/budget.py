@@ -42,12 +42,12 @@ class Budget:
 
     __slots__ = ("path", "file_bytes", "limit", "spent")
 
-    def __init__(self, path: str | os.PathLike[str], file_bytes: int, *, factor: int = FACTOR, constant: int = CONSTANT):
+    def __init__(self, path: str | os.PathLike[str], file_bytes: int) -> None:
         if file_bytes < 0:
             raise ValueError(f"{path}: a file of {file_bytes} bytes")
         self.path = path
         self.file_bytes = file_bytes
-        self.limit = factor * file_bytes + constant
+        self.limit = FACTOR * file_bytes + CONSTANT
         self.spent = 0
 
     @classmethod
@@ -55,13 +55,14 @@ class Budget:
         """The budget of the file at ``path``, by its size now (OSError where there is none)."""
         return cls(path, Path(path).stat().st_size)
 
-    def charge(self, nbytes: int, what: str) -> None:
-        """Spend ``nbytes`` on ``what`` (a few words: "a copy of a set"); BudgetExceeded when
-        that goes over the limit (what was spent stays spent)."""
+    def charge(self, nbytes: int, what: str, *details: Any) -> None:
+        """Spend ``nbytes`` on ``what`` (a few words, "copying {:,} items into a set", formatted
+        with ``details`` only when it is said: charges are many); BudgetExceeded when that
+        goes over the limit (what was spent stays spent)."""
         self.spent += nbytes
         if self.spent > self.limit:
             raise BudgetExceeded(
-                f"{self.path}: {what} exceeds the budget of {self.limit:,} bytes "
+                f"{self.path}: {what.format(*details)} exceeds the budget of {self.limit:,} bytes "
                 f"for a file of {self.file_bytes:,} bytes ({FACTOR} per byte, plus {CONSTANT:,})"
             )
 

@@ -141,7 +141,7 @@ def decode(value: Any) -> Any:
         return {_hashable(decode(k)): decode(v) for k, v in value["items"]}
     if kind == "tensor":
         return _decode_tensor(value)
-    raise ValueError(f"unknown tagged value {kind!r} in the manifest")
+    raise ValueError(f"unknown tagged value {quoted(kind)} in the manifest")
 
 
 def _is_torch_tensor(value: Any) -> bool:
