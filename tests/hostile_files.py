@@ -8,6 +8,7 @@ and its time, so a test can assert a bound instead of letting a bomb allocate gi
 
 from __future__ import annotations
 
+import os
 import time
 import tracemalloc
 import zipfile
@@ -83,3 +84,14 @@ def measured(call: Callable[[], Any]) -> tuple[Any, int, float]:
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     return outcome, peak, elapsed
+
+
+def edit_torch_file(path: Path, change: Callable[[Any], None]) -> None:
+    """Load a file DeepSpeed wrote (its own classes), let ``change`` edit it, save it back:
+    torch.save writes an object the edit shares once and refers to it after."""
+    import torch
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    raw = torch.load(path, map_location="cpu", weights_only=False)
+    change(raw)
+    torch.save(raw, path)

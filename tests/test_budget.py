@@ -43,11 +43,11 @@ SLACK = 2 << 20  # what a refused load may allocate besides 64 bytes per byte of
 def test_a_budget_is_its_file_size_times_the_factor_plus_the_constant(tmp_path):
     path = tmp_path / "f.pt"
     path.write_bytes(bytes(1000))
-    budget = Budget.for_file(path)
+    budget = Budget(path, path.stat().st_size)
     assert (budget.file_bytes, budget.limit, budget.spent) == (1000, FACTOR * 1000 + CONSTANT, 0)
     budget.charge(budget.limit - 1, "most of it")
     budget.charge(1, "the rest")
-    assert budget.remaining == 0
+    assert budget.spent == budget.limit
     with pytest.raises(BudgetExceeded) as caught:
         budget.charge(1, "one byte more")
     message = str(caught.value)

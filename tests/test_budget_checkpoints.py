@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 from pathlib import Path
 
 import pytest
+from hostile_files import edit_torch_file as edit
 from hostile_files import measured
 
 from zeroshard.checkpoint import run_ranks, save_sharded
@@ -77,15 +77,6 @@ def tag_dir(deepspeed_runs, tmp_path) -> Path:
     target = tmp_path / "w2_s2"
     shutil.copytree(deepspeed_runs["w2_s2"].tag_dir, target)
     return target
-
-
-def edit(path: Path, change) -> None:
-    import torch
-
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    raw = torch.load(path, map_location="cpu", weights_only=False)
-    change(raw)
-    torch.save(raw, path)
 
 
 COMMANDS = [("inspect",), ("inspect", "--verify"), ("to-universal",), ("to-fp32",)]
@@ -251,67 +242,61 @@ def test_a_declared_world_size_is_compared_with_the_files_listed_first(native, c
         assert code in (1, 2) and expected in printed, (command, code, printed)
 
 
-NATIVE_EDITS = {
-    "version true": (lambda d: d.update(version=True), "format version True is not valid"),
-    "a shape of strings": (
+WRONG_KINDS = {
+    ("native", "version true"): (lambda d: d.update(version=True), "format version True is not valid"),
+    ("native", "a shape of strings"): (
         lambda d: d["model"]["tensors"]["a"].update(shape=["7", "5"]),
         "the shape of module tensor 'a' has a dimension that is '7', expected an integer",
     ),
-    "a float dimension": (
+    ("native", "a float dimension"): (
         lambda d: d["model"]["tensors"]["b"].update(shape=[13.0]),
         "the shape of module tensor 'b' has a dimension that is 13.0, expected an integer",
     ),
-    "a shape that is a string": (
+    ("native", "a shape that is a string"): (
         lambda d: d["model"]["tensors"]["b"].update(shape="13"),
         "the shape of module tensor 'b' is '13', expected a list of integers",
     ),
-}
-
-
-@pytest.mark.parametrize("case", list(NATIVE_EDITS))
-def test_a_native_manifest_holding_the_wrong_kind_of_value_is_refused(native, case):
-    change, words = NATIVE_EDITS[case]
-    edit_json(native / "manifest.json", change)
-    with pytest.raises(ValueError) as caught:
-        read_manifest(native)
-    message = str(caught.value)
-    assert message.startswith(f"{native / 'manifest.json'}: ") and words in message, message
-
-
-UNIVERSAL_EDITS = {
-    "a negative dimension": (
+    ("universal", "a negative dimension"): (
         lambda d: d["params"]["a"].update(shape=[-7, -5]),
         "params['a']['shape'] has a dimension that is -7, expected at least 0",
     ),
-    "a shape of strings": (
+    ("universal", "a shape of strings"): (
         lambda d: d["params"]["c"].update(shape=["9"]),
         "params['c']['shape'] has a dimension that is '9', expected an integer",
     ),
-    "a float dimension": (
+    ("universal", "a float dimension"): (
         lambda d: d["params"]["c"].update(shape=[9.5]),
         "params['c']['shape'] has a dimension that is 9.5, expected an integer",
     ),
-    "a boolean group": (lambda d: d["params"]["c"].update(group=True), "params['c']['group'] is True, expected an integer"),
+    ("universal", "a boolean group"): (
+        lambda d: d["params"]["c"].update(group=True),
+        "params['c']['group'] is True, expected an integer",
+    ),
 }
 
 
-@pytest.mark.parametrize("case", list(UNIVERSAL_EDITS))
-def test_a_universal_manifest_holding_the_wrong_kind_of_value_is_refused(universal, case):
-    change, words = UNIVERSAL_EDITS[case]
-    edit_json(universal / "universal.json", change)
+def manifest_of(kind: str, native: Path, universal: Path):
+    """(the checkpoint's directory, its manifest, the function reading it)."""
+    if kind == "native":
+        return native, native / "manifest.json", read_manifest
+    return universal, universal / "universal.json", read_universal_manifest
+
+
+@pytest.mark.parametrize("kind, case", list(WRONG_KINDS), ids=[" ".join(key) for key in WRONG_KINDS])
+def test_a_manifest_holding_the_wrong_kind_of_value_is_refused(native, universal, kind, case):
+    change, words = WRONG_KINDS[kind, case]
+    directory, path, read = manifest_of(kind, native, universal)
+    edit_json(path, change)
     with pytest.raises(ValueError) as caught:
-        read_universal_manifest(universal)
+        read(directory)
     message = str(caught.value)
-    assert message.startswith(f"{universal / 'universal.json'}: ") and words in message, message
+    assert message.startswith(f"{path}: ") and words in message, message
 
 
 @pytest.mark.parametrize("kind", ["native", "universal"])
 def test_an_integer_of_more_than_4300_digits_is_refused_naming_the_manifest(native, universal, kind):
     """json.loads raised Python's own ValueError, which named no file."""
-    directory, name, read = (
-        (native, "manifest.json", read_manifest) if kind == "native" else (universal, "universal.json", read_universal_manifest)
-    )
-    path = directory / name
+    directory, path, read = manifest_of(kind, native, universal)
     path.write_text(path.read_text().replace('"extra": {', '"extra": {"big": ' + "9" * 5000 + ", ", 1))
     with pytest.raises(ValueError) as caught:
         read(directory)

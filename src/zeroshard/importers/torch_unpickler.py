@@ -8,11 +8,11 @@ the opcodes are checked against the set a torch.save pickle uses
 (:func:`~.pickle_scan.check_opcodes`).
 
 A pickle's memo lets a few bytes hand one object to a constructor again and again, so what
-the allowed globals copy is charged to the load's budget: ``torch.Size``, ``set`` and
-``OrderedDict`` are wrappers charging the items they copy (and an OrderedDict the state a
-BUILD gives it), a stand-in the arguments it is called with and the state it is filled
-with (:func:`~.torch_records.fills_state`); the scan charges the containers the pickle
-creates.
+the allowed globals copy is charged to the load's budget: ``torch.Size`` and ``set`` are
+wrappers charging the items they copy, ``OrderedDict`` takes no arguments (torch.save passes
+none) and charges the state a BUILD gives it, a stand-in charges the arguments it is called
+with and the state it is filled with (:func:`~.torch_records.fills_state`); the scan
+charges the containers the pickle creates.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from typing import Any
 
 from ..checkpoint.io.budget import (
     DICT_ITEM_BYTES,
-    ORDERED_DICT_ITEM_BYTES,
     REFERENCE_BYTES,
     SET_ITEM_BYTES,
     Budget,

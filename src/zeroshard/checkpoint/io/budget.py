@@ -1,13 +1,14 @@
 """What reading one file may cost: a byte budget proportional to the file's size.
 
 Every object a reader takes from a file is bounded by the reader's checks, but shared
-references (a pickle's memo) let a small file hand out one object many times, and a count
-the file declares (a world size) can name more than it holds. So each file a load,
-conversion or inspection reads gets one :class:`Budget` of ``FACTOR`` bytes per byte of the
-file plus ``CONSTANT``, and the readers charge it for what the file makes them allocate,
+references (a pickle's memo) let a small file hand out one object many times. So each file a
+load, conversion or inspection reads gets one :class:`Budget` of ``FACTOR`` bytes per byte of
+the file plus ``CONSTANT``, and the readers charge it for what the file makes them allocate,
 copy, repeat or print: container copies, containers a pickle creates, the bytes of every
-tensor view they keep, values they copy into an output, and counts the file declares before
-acting on them. Going over is a one-line :class:`BudgetExceeded` naming the file.
+tensor view they keep, values and names they copy into an output. Going over is a one-line
+:class:`BudgetExceeded` naming the file. (A JSON manifest shares nothing, so it costs a small
+multiple of its bytes to parse; a count it declares, a world size, is compared with what it
+lists before a reader acts on it.)
 
 :func:`quoted` words a value read from a file for an error message by its type and length
 when it is not short, so that a message never calls the ``repr()`` of a file-built object
@@ -17,18 +18,16 @@ when it is not short, so that a message never calls the ``repr()`` of a file-bui
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 FACTOR = 16  # bytes a reader may spend per byte of the file
 CONSTANT = 1 << 20  # and this much for any file, however small
 
 # What charges count, in bytes (CPython 3.11 on 64-bit, measured): a reference in a list or
-# tuple, an entry of a set, of a dict (an instance __dict__ too) and of an OrderedDict.
+# tuple, an entry of a set and of a dict (an instance __dict__ too).
 REFERENCE_BYTES = 8
 SET_ITEM_BYTES = 48
 DICT_ITEM_BYTES = 56
-ORDERED_DICT_ITEM_BYTES = 112
 
 
 class BudgetExceeded(ValueError):
@@ -50,11 +49,6 @@ class Budget:
         self.limit = FACTOR * file_bytes + CONSTANT
         self.spent = 0
 
-    @classmethod
-    def for_file(cls, path: str | os.PathLike[str]) -> Budget:
-        """The budget of the file at ``path``, by its size now (OSError where there is none)."""
-        return cls(path, Path(path).stat().st_size)
-
     def charge(self, nbytes: int, what: str, *details: Any) -> None:
         """Spend ``nbytes`` on ``what`` (a few words, "copying {:,} items into a set", formatted
         with ``details`` only when it is said: charges are many); BudgetExceeded when that
@@ -65,10 +59,6 @@ class Budget:
                 f"{self.path}: {what.format(*details)} exceeds the budget of {self.limit:,} bytes "
                 f"for a file of {self.file_bytes:,} bytes ({FACTOR} per byte, plus {CONSTANT:,})"
             )
-
-    @property
-    def remaining(self) -> int:
-        return self.limit - self.spent
 
     def __repr__(self) -> str:
         return f"Budget({str(self.path)!r}, {self.file_bytes}, spent {self.spent} of {self.limit})"
