@@ -25,7 +25,6 @@ from hostile_files import (
     memoised_dict,
     memoised_list,
     put,
-    text,
 )
 
 from zeroshard.checkpoint.io.budget import CONSTANT, FACTOR, Budget, BudgetExceeded, quoted
@@ -81,7 +80,7 @@ def test_quoted_words_a_value_by_type_and_length_unless_it_is_short():
     assert quoted(10**5000) == f"an int of {(10**5000).bit_length():,} bits"  # str() would raise
     assert quoted(None) == "None" and quoted(True) == "True" and quoted(2.5) == "2.5"
     assert quoted([Exploding()] * 3) == "a list of 3 items"
-    assert quoted([1, "a", None]) == "[1, 'a', None]" and quoted((2**70,)) == f"(an int of 71 bits,)"
+    assert quoted([1, "a", None]) == "[1, 'a', None]" and quoted((2**70,)) == "(an int of 71 bits,)"
     assert quoted(list(range(9))) == "a list of 9 items"
     assert quoted((Exploding(),)) == "a tuple of 1 item"
     assert quoted({"a": Exploding()}) == "a dict of 1 item"
@@ -132,8 +131,16 @@ def test_an_allowed_constructor_is_charged_for_what_it_copies(tmp_path, case):
 BUILDS = {  # BUILD with one memoised dict of 2,000 entries as the state of a new object each time
     "OrderedDict": (glob("collections.OrderedDict"), b")R" + get(0) + b"b", "exceeds the budget"),
     "OrderedDict, slot state": (glob("collections.OrderedDict"), b")RN" + get(0) + b"\x86b", "is not a dict"),
-    "fragment_address": (glob("deepspeed.utils.tensor_fragment.fragment_address"), b")\x81" + get(0) + b"b", "exceeds the budget"),
-    "LossScaler": (glob("deepspeed.runtime.fp16.loss_scaler.LossScaler"), b")\x81" + get(0) + b"b", "exceeds the budget"),
+    "fragment_address": (
+        glob("deepspeed.utils.tensor_fragment.fragment_address"),
+        b")\x81" + get(0) + b"b",
+        "exceeds the budget",
+    ),
+    "LossScaler": (
+        glob("deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+        b")\x81" + get(0) + b"b",
+        "exceeds the budget",
+    ),
 }
 
 
@@ -223,17 +230,23 @@ def test_an_error_quotes_a_long_global_name_by_its_length(tmp_path):
     assert f"of {len(name) + 2:,} characters" in message and "is not allowed" in message
 
 
+def write_twice(path: Path, record: str) -> None:
+    """A torch.save-like zip holding two records named ``record`` (zipfile warns)."""
+    pickles = record.endswith("pkl")
+    with zipfile.ZipFile(path, "w") as zipped:
+        zipped.writestr("archive/data.pkl", PROTO + b"N.")
+        zipped.writestr("archive/byteorder", b"little")
+        zipped.writestr(record, PROTO + b"K\x01." if pickles else b"abcd")
+        if not pickles:
+            zipped.writestr(record, b"efgh")
+
+
 @pytest.mark.parametrize("record", ["archive/data.pkl", "archive/data/0"])
 def test_a_record_named_twice_is_refused(tmp_path, record):
     """torch.load reads the first of two records of one name, zipfile (and so we) the last."""
-    first, second = (PROTO + b"N.", PROTO + b"K\x01.") if record.endswith("pkl") else (b"abcd", b"efgh")
     path = tmp_path / "twice.pt"
-    with pytest.warns(UserWarning, match="Duplicate name"), zipfile.ZipFile(path, "w") as zipped:
-        zipped.writestr("archive/data.pkl", PROTO + b"N." if record.endswith("/0") else first)
-        zipped.writestr("archive/byteorder", b"little")
-        zipped.writestr(record, second if record.endswith("pkl") else first)
-        if record.endswith("/0"):
-            zipped.writestr(record, second)
+    with pytest.warns(UserWarning, match="Duplicate name"):
+        write_twice(path, record)
     with pytest.raises(TorchFileError) as caught:
         load_torch_file(path)
     assert str(caught.value) == f"{path}: the zip archive holds two records named {record!r}"
@@ -246,8 +259,6 @@ def test_a_small_range_of_a_record_is_not_read_with_all_of_it(tmp_path, monkeypa
     import os
 
     import torch
-
-    from zeroshard.importers import torch_records
 
     path = tmp_path / "vector.pt"
     torch.save({"v": torch.arange(65536, dtype=torch.float32)}, path)  # one 256 KiB record

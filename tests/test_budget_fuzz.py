@@ -20,7 +20,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from hostile_files import PROTO, get, glob, integer, kept, measured, memoised_dict, memoised_list, put, text
+from hostile_files import get, glob, integer, kept, measured, memoised_dict, memoised_list, put, text
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -37,7 +37,11 @@ SECONDS = 5.0  # "a few seconds", under tracemalloc on a shared machine
 MODEL = "mp_rank_00_model_states.pt"
 COMMANDS = ("inspect", "inspect --verify", "to-universal", "to-fp32", "load")
 FUZZ = settings(
-    max_examples=16, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+    max_examples=16,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 
 
@@ -103,7 +107,14 @@ def model_pickle(tag: Path) -> bytes:
 
 def view() -> bytes:
     """_rebuild_tensor_v2 of the whole big storage."""
-    call = glob("torch._utils._rebuild_tensor_v2") + b"(" + BIG_STORAGE + b"K\x00" + integer(BIG_NUMEL) + b"\x85K\x01\x85\x89"
+    call = (
+        glob("torch._utils._rebuild_tensor_v2")
+        + b"("
+        + BIG_STORAGE
+        + b"K\x00"
+        + integer(BIG_NUMEL)
+        + b"\x85K\x01\x85\x89"
+    )
     return call + glob("collections.OrderedDict") + b")RtR"
 
 
@@ -131,7 +142,10 @@ def hostile_value(kind: str, size: int, count: int, which: int) -> bytes:
         items = b"".join((b"(" + integer(i) + b"Nt") if which == 2 else integer(i) for i in range(size))
         return memoised_list(0, items) + glob(constructor) + put(1) + b"0" + kept(get(1) + get(0) + b"\x85R", count)
     if kind == "builds":
-        target, make = (("collections.OrderedDict", b")R"), ("deepspeed.runtime.fp16.loss_scaler.LossScaler", b")\x81"))[which % 2]
+        target, make = (
+            ("collections.OrderedDict", b")R"),
+            ("deepspeed.runtime.fp16.loss_scaler.LossScaler", b")\x81"),
+        )[which % 2]
         return memoised_dict(0, size) + glob(target) + put(1) + b"0" + kept(get(1) + make + get(0) + b"b", count)
     if kind == "shared text":
         return text("x" * size) + put(0) + b"0}(" + text("names") + kept(get(0), count) + b"u"
@@ -223,7 +237,9 @@ def manifest_edits(draw, universal: bool):
     if kind == "long text":
         return kind, lambda data: data.update(tag="t" * 500_000, created_by="c" * 400_000)
     key = "shards" if universal else "files"
-    return kind, lambda data: data[key].update({f"rank-{i:05d}-of-99999.safetensors": data[key][next(iter(data[key]))] for i in range(3000)})
+    return kind, lambda data: data[key].update(
+        {f"rank-{i:05d}-of-99999.safetensors": data[key][next(iter(data[key]))] for i in range(3000)}
+    )
 
 
 @FUZZ

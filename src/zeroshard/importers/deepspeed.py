@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from ..checkpoint.io.budget import BudgetExceeded, quoted
 from ..checkpoint.io.dtypes import to_float32
 from ..checkpoint.source import ModelEntry, SourceInfo
 from ..collector import collector_paused
@@ -42,7 +43,6 @@ from .deepspeed_files import (
     refuse_deepspeed_universal,
     refuse_unsupported,
 )
-from ..checkpoint.io.budget import BudgetExceeded, quoted
 from .deepspeed_pickle import DeepSpeedFormatError
 from .torch_file import StoredTensor, TorchFileError
 from .torch_records import one_line
@@ -127,7 +127,8 @@ class DeepSpeedSource:
         if key == "fp32":
             return shard.fp32[group]
         if key not in shard.states[group]:
-            raise KeyError(f"group {group} has no optimizer state {key!r} (it has {quoted(sorted(shard.states[group]))})")
+            states = quoted(sorted(shard.states[group]))
+            raise KeyError(f"group {group} has no optimizer state {key!r} (it has {states})")
         return shard.states[group][key]
 
     def scalars(self, group: int) -> dict[str, Any]:
@@ -294,7 +295,9 @@ def _param_dtype(model: ModelStates, name: str, shape: tuple[int, ...], fallback
     tensor = model.module.get(name)
     if tensor is None:
         if model.module:
-            raise DeepSpeedFormatError(f"{model.path}: param_shapes lists {quoted(name)}, the module has no such tensor")
+            raise DeepSpeedFormatError(
+                f"{model.path}: param_shapes lists {quoted(name)}, the module has no such tensor"
+            )
         return fallback
     if tuple(tensor.shape) != shape:
         raise DeepSpeedFormatError(

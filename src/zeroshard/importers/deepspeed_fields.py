@@ -187,7 +187,8 @@ def plain(value: Any, field: str, path: Path, budget: Budget) -> Any:
         count(len(item))
         if item and depth >= MAX_DEPTH:
             first = next(iter(item)) if isinstance(item, dict) else 0
-            raise problem((*keys, first), f"is nested more than {MAX_DEPTH} deep (at {{where}}; does it contain itself?)")
+            words = f"is nested more than {MAX_DEPTH} deep (at {{where}}; does it contain itself?)"
+            raise problem((*keys, first), words)
         nested = []
         for key, child in children:
             if child is None or isinstance(child, _SCALARS):

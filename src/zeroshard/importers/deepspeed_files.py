@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ..checkpoint.formats import UnsupportedCheckpointError
-from ..checkpoint.io.budget import DICT_ITEM_BYTES, REFERENCE_BYTES, Budget, BudgetExceeded, quoted
+from ..checkpoint.io.budget import DICT_ITEM_BYTES, REFERENCE_BYTES, UNCHARGED_BYTES, Budget, BudgetExceeded, quoted
 from . import deepspeed_fields as fields
 from .deepspeed_pickle import (
     DeepSpeedFormatError,
@@ -227,7 +227,8 @@ def read_rank_shard(
     unpickle to the same values, so only its tensors, views of its own records, are new."""
     raw, pickled, budget = load_checkpoint_file(path)
     if after is not None and after.pickle and pickled == after.pickle:
-        budget.charge(after.kept_bytes, "reading its tensors")
+        if after.kept_bytes > UNCHARGED_BYTES:
+            budget.charge(after.kept_bytes, "reading its tensors")
         return _same_pickle_as(after, raw, path, rank, budget)
     state = _require(raw, "optimizer_state_dict", path)
     if not fields.is_mapping(state):
@@ -301,14 +302,17 @@ def _param_shapes(value: Any, path: Path, budget: Budget) -> list[dict[str, tupl
         shapes = fields.mapping(group, where, path)
         budget.charge(PARAM_BYTES * len(shapes), "rebuilding the layout of param_shapes[{}]", index)
         parsed = {name: fields.shape(dims, f"{where}[{quoted(name)}]", path) for name, dims in shapes.items()}
-        budget.charge(REFERENCE_BYTES * sum(map(len, parsed.values())), "rebuilding the layout of param_shapes[{}]", index)
+        dims = sum(map(len, parsed.values()))
+        budget.charge(REFERENCE_BYTES * dims, "rebuilding the layout of param_shapes[{}]", index)
         groups.append(parsed)
     return groups
 
 
 def _param_group(group: Any, index: int, path: Path, budget: Budget) -> dict[str, Any]:
     budget.charge(DICT_ITEM_BYTES * len(group) if isinstance(group, dict) else 0, "reading param_groups")
-    return group if fields.is_mapping(group) else fields.mapping(group, f"base_optimizer_state['param_groups'][{index}]", path)
+    if fields.is_mapping(group):
+        return group
+    return fields.mapping(group, f"base_optimizer_state['param_groups'][{index}]", path)
 
 
 # Sections of ds_config the importer reads, which must be dicts where present
@@ -387,7 +391,8 @@ def _alignment_paddings(
 def _slice_mappings(value: Any, path: Path, budget: Budget) -> list[dict[str, tuple[int, int]]]:
     parsed: list[dict[str, tuple[int, int]]] = []
     for index, mapping in enumerate(fields.sequence(value, "param_slice_mappings", path)):
-        budget.charge(DICT_ITEM_BYTES * len(mapping) if isinstance(mapping, dict) else 0, "reading param_slice_mappings")
+        entries = len(mapping) if isinstance(mapping, dict) else 0
+        budget.charge(DICT_ITEM_BYTES * entries, "reading param_slice_mappings")
         if not fields.is_mapping(mapping):
             mapping = fields.mapping(mapping, f"param_slice_mappings[{index}]", path)
         group: dict[str, tuple[int, int]] = {}

@@ -23,6 +23,7 @@ import re
 import sys
 import threading
 
+from ..checkpoint.io.budget import CONSTANT
 from .torch_records import FileProblem
 
 # The opcodes a torch.save pickle (protocol 2 to 4) uses for data; no buffers, INST/OBJ, EXT.
@@ -55,6 +56,7 @@ _CREATING = tuple(
     (_OPCODES[name].code.encode("latin-1"), sys.getsizeof(empty))
     for name, empty in (("EMPTY_DICT", {}), ("EMPTY_LIST", []), ("EMPTY_SET", set()), ("FROZENSET", frozenset((0,))))
 )
+_MOST_CREATED = max(size for _, size in _CREATING)  # bytes one byte of pickle may create
 _FAST_MEMO_LIMIT = 1 << 16  # LONG_BINPUT indices below this pass the fast scan of pickles this big
 
 
@@ -101,7 +103,8 @@ def check_opcodes(data: bytes) -> int:
     """Refuse a pickle with an opcode outside ALLOWED_OPCODES, a memo index beyond its size
     (the C unpickler sizes its memo by the largest index), or an argument running past its end;
     the bytes its container-creating opcodes may allocate (an upper bound: every byte of the
-    pickle with such an opcode's value is counted, in arguments too).
+    pickle with such an opcode's value is counted, in arguments too; 0 for a pickle that could
+    not create more than the budget's constant).
 
     The verdict depends on the bytes alone, so the last few small pickles that passed are
     remembered by their content: at large D, runs of DeepSpeed rank files hold the same pickle
@@ -110,7 +113,11 @@ def check_opcodes(data: bytes) -> int:
     if created is not None:
         return created
     _scan(data)
-    created = sum(data.count(code) * size for code, size in _CREATING)
+    # A pickle too small to create more than the budget's constant is not counted (a rank
+    # file's at large D: a few KB, each a new one); a bigger one is, by its byte values.
+    created = 0
+    if len(data) * _MOST_CREATED > CONSTANT:
+        created = sum(data.count(code) * size for code, size in _CREATING)
     if len(data) <= _PASSED_BYTES:
         with _PASSED_LOCK:
             if len(_PASSED) >= _PASSED_COUNT:
@@ -162,7 +169,9 @@ def _slow_opcode(data: bytes, position: int) -> int:
     elif code == _FRAME:  # the frame's opcodes follow, and are scanned as any others
         length = _unsigned(data, position + 1, 8, op.name)
         if position + 9 + length > len(data):
-            raise FileProblem(f"corrupt pickle data.pkl: the FRAME of {length:,} bytes at byte {position} runs past the end")
+            raise FileProblem(
+                f"corrupt pickle data.pkl: the FRAME of {length:,} bytes at byte {position} runs past the end"
+            )
         after = position + 9
     else:  # an opcode the fast scan takes when its argument is complete
         after = len(data) + 1

@@ -266,7 +266,8 @@ class _Archive:
         found = crc32(data)
         if found != info.CRC:
             raise FileProblem(
-                f"record {named(info.filename)} is corrupt: its CRC-32 is {found:08x}, the zip directory says {info.CRC:08x}"
+                f"record {named(info.filename)} is corrupt: its CRC-32 is {found:08x}, "
+                f"the zip directory says {info.CRC:08x}"
             )
         return data
 
@@ -288,7 +289,8 @@ class _Archive:
             name, size = info.filename, info.file_size
             if size < nbytes:
                 raise FileProblem(
-                    f"storage record {named(name)} has {size} bytes, its {numel}-element {kind.dtype} storage needs {nbytes}"
+                    f"storage record {named(name)} has {size} bytes, "
+                    f"its {numel}-element {kind.dtype} storage needs {nbytes}"
                 )
             offset = self._data_offset(info)
             record = StorageRecord(self.path, key, offset, nbytes, kind.dtype, name, size, info.CRC, self.load)

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpoint.io.budget import DICT_ITEM_BYTES, Budget, named
+from ..checkpoint.io.budget import DICT_ITEM_BYTES, named
 from ..checkpoint.io.dtypes import dtype_info
 from ..checkpoint.io.safetensors_io import map_range
 
@@ -99,24 +99,12 @@ def fills_state(cls: type) -> type:
 
 
 _SMALL_STATE = 4
-_load = threading.local()  # .budget: the Budget of the load this thread runs, if any
-
-
-def begin_load(budget: Budget) -> Budget | None:
-    """Make ``budget`` the one :func:`charge_load` charges on this thread; the one it was,
-    for :func:`end_load` to put back (a plain call, not a context manager: one per file)."""
-    previous = getattr(_load, "budget", None)
-    _load.budget = budget
-    return previous
-
-
-def end_load(previous: Budget | None) -> None:
-    _load.budget = previous
+LOADING = threading.local()  # .budget: the Budget of the load this thread runs (set by the unpickler)
 
 
 def charge_load(nbytes: int, what: str, *details: Any) -> None:
     """Charge the budget of the load running on this thread (nothing outside a load)."""
-    budget = getattr(_load, "budget", None)
+    budget = getattr(LOADING, "budget", None)
     if budget is not None:
         budget.charge(nbytes, what, *details)
 
@@ -261,7 +249,8 @@ def _read(storage: StorageRecord, dtype: str, first: int, count: int) -> np.ndar
         fd = os.open(storage.path, os.O_RDONLY)
         try:
             record = storage.record_size
-            if end - begin < MAP_BYTES and record <= min(_SMALL_RECORD_BYTES, _WHOLE_READS * (end - begin) + _WHOLE_BYTES):
+            whole_read = record <= min(_SMALL_RECORD_BYTES, _WHOLE_READS * (end - begin) + _WHOLE_BYTES)
+            if end - begin < MAP_BYTES and whole_read:
                 whole = _checked_record(storage, fd)
                 return np.frombuffer(memoryview(whole)[begin:end], numpy_dtype).copy()
             verify_record(storage, fd)

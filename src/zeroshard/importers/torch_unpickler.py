@@ -30,6 +30,7 @@ from ..checkpoint.io.budget import (
     DICT_ITEM_BYTES,
     REFERENCE_BYTES,
     SET_ITEM_BYTES,
+    UNCHARGED_BYTES,
     Budget,
     BudgetExceeded,
     named,
@@ -38,13 +39,12 @@ from ..checkpoint.io.budget import (
 from ..checkpoint.io.dtypes import dtype_info
 from .pickle_scan import check_opcodes
 from .torch_records import (
+    LOADING,
     STORAGE_CLASSES,
     FileProblem,
     StorageRecord,
     StoredTensor,
-    begin_load,
     charge_load,
-    end_load,
     one_line,
     span,
     unbuildable,
@@ -66,36 +66,37 @@ class _SealedGlobal(type):
         raise FileProblem(f"refused to unpickle data.pkl: it sets attribute {name!r} of global {cls.__name__!r}")
 
 
+class _SealedEnum(_SealedGlobal):
+    """:class:`_SealedGlobal` of an Enum: called with its value only, a plain int or str (the
+    Enum's own error message would hold the repr() of anything else). An Enum's ``__new__``
+    looks its value up too, so NEWOBJ does the same."""
+
+    def __call__(cls, *args: Any) -> Any:
+        if len(args) != 1 or type(args[0]) not in (int, str):
+            raise FileProblem(f"corrupt pickle data.pkl: {cls.__name__} called with {quoted(args)}, not a value")
+        try:
+            return cls.target(args[0])  # type: ignore[attr-defined]
+        except ValueError:
+            raise FileProblem(f"corrupt pickle data.pkl: {quoted(args[0])} is not a {cls.__name__}") from None
+
+
 def seal(qualname: str, target: Callable[..., Any]) -> Any:
     """What find_class hands out for ``target``: a built-in type as it is (nothing of it can be
-    set), anything else wrapped in a :class:`_SealedGlobal`. An Enum is called with its value
-    only, a plain int or str (its error message would hold the repr() of anything else)."""
+    set), anything else wrapped in a :class:`_SealedGlobal` (a :class:`_SealedEnum` for an Enum)."""
     if isinstance(target, type) and target.__flags__ & _IMMUTABLE_TYPE:
         return target
-    call = _member_lookup(qualname, target) if isinstance(target, enum.EnumMeta) else target
+    sealed = _SealedEnum if isinstance(target, enum.EnumMeta) else _SealedGlobal
 
     def new(cls: type, *args: Any) -> Any:
         if len(args) > _FEW_ARGUMENTS:
             _charge_arguments(cls, args)
         if not isinstance(target, type):
             raise FileProblem(f"refused to unpickle data.pkl: NEWOBJ of {qualname!r}, which is not a class")
-        if call is not target:  # an Enum's __new__ looks its value up
-            return call(*args)
+        if sealed is _SealedEnum:
+            return cls(*args)
         return target.__new__(target, *args)
 
-    return _SealedGlobal(qualname, (), {"__slots__": (), "target": call, "__new__": new})
-
-
-def _member_lookup(qualname: str, target: enum.EnumMeta) -> Callable[..., Any]:
-    def member(*args: Any) -> Any:
-        if len(args) != 1 or type(args[0]) not in (int, str):
-            raise FileProblem(f"corrupt pickle data.pkl: {qualname} called with {quoted(args)}, not a value")
-        try:
-            return target(args[0])
-        except ValueError:
-            raise FileProblem(f"corrupt pickle data.pkl: {quoted(args[0])} is not a {qualname}") from None
-
-    return member
+    return sealed(qualname, (), {"__slots__": (), "target": target, "__new__": new})
 
 
 def _charge_arguments(cls: type, args: tuple[Any, ...]) -> None:
@@ -159,8 +160,11 @@ def unpickle(
 ) -> Any:
     """The object the pickle ``data`` describes, what it creates and copies charged to
     ``budget`` (BudgetExceeded); FileProblem for anything else wrong with it."""
-    budget.charge(check_opcodes(data), "creating the containers of data.pkl")
-    previous = begin_load(budget)
+    created = check_opcodes(data)
+    if created > UNCHARGED_BYTES:
+        budget.charge(created, "creating the containers of data.pkl")
+    previous = getattr(LOADING, "budget", None)
+    LOADING.budget = budget  # for the callbacks, which have no other way to it
     try:
         return _Unpickler(data, globals_, storage).load()
     except (FileProblem, BudgetExceeded):
@@ -170,7 +174,7 @@ def unpickle(
     except Exception as err:  # noqa: BLE001 - whatever a malformed stream makes the unpickler or a stand-in raise
         raise FileProblem(f"corrupt pickle data.pkl: {one_line(err)}") from None
     finally:
-        end_load(previous)
+        LOADING.budget = previous
 
 
 # The rebuild functions take what the file passes, anything: _tensor checks it. Hooks are

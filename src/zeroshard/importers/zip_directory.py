@@ -37,7 +37,7 @@ class Entry(NamedTuple):
     compress_size: int
     compress_type: int
     flag_bits: int
-    CRC: int  # noqa: N815 - ZipInfo's name
+    CRC: int
 
 
 def read_directory(read: Read, size: int) -> dict[str, Entry] | None:

@@ -22,6 +22,9 @@ from typing import Any
 
 FACTOR = 16  # bytes a reader may spend per byte of the file
 CONSTANT = 1 << 20  # and this much for any file, however small
+# A hot path (once per file, thousands of files) may leave out a charge of at most this
+# much, a few times per file: the constant covers it, and the call costs more than the bytes.
+UNCHARGED_BYTES = 64 << 10
 
 # What charges count, in bytes (CPython 3.11 on 64-bit, measured): a reference in a list or
 # tuple, an entry of a set and of a dict (an instance __dict__ too).
@@ -39,7 +42,7 @@ class Budget:
 
     Not locked: threads charging one budget at once may lose a charge, never add one."""
 
-    __slots__ = ("path", "file_bytes", "limit", "spent")
+    __slots__ = ("file_bytes", "limit", "path", "spent")
 
     def __init__(self, path: str | os.PathLike[str], file_bytes: int) -> None:
         if file_bytes < 0:

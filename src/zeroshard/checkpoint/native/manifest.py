@@ -15,10 +15,6 @@ from typing import Any
 from ... import __version__
 from ...layout import Layout
 from ...state import ParamGroupState
-from ..io import jsonvalue
-from ..io.budget import quoted
-from ..io.checksum import FileRecord
-from ..io.directory import read_json_file
 from ..format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -29,6 +25,10 @@ from ..format import (
     scalar_key,
     state_key,
 )
+from ..io import jsonvalue
+from ..io.budget import quoted
+from ..io.checksum import FileRecord
+from ..io.directory import read_json_file
 
 TENSOR_KINDS = ("trainable", "frozen", "buffer", "other")
 
@@ -180,7 +180,9 @@ class Manifest:
             groups=tuple(GroupRecord.from_dict(group) for group in data["groups"]),
             model_tensors={
                 str(name): ModelTensorRecord(
-                    jsonvalue.read_shape(t["shape"], "the shape of module tensor {}", name), str(t["dtype"]), str(t["kind"])
+                    jsonvalue.read_shape(t["shape"], "the shape of module tensor {}", name),
+                    str(t["dtype"]),
+                    str(t["kind"]),
                 )
                 for name, t in model["tensors"].items()
             },
@@ -238,7 +240,8 @@ def _model_tensor_kind_problem(tensors: dict[str, ModelTensorRecord], trained: s
             return f"module tensor {quoted(name)} has unknown kind {quoted(record.kind)} (expected one of {expected})"
         if (record.kind == "trainable") != (name in trained):
             state = "is" if name in trained else "is not"
-            return f"module tensor {quoted(name)} has kind {quoted(record.kind)} but {state} a trained parameter of the layout"
+            kind = quoted(record.kind)
+            return f"module tensor {quoted(name)} has kind {kind} but {state} a trained parameter of the layout"
     return None
 
 

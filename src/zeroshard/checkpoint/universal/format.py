@@ -230,7 +230,8 @@ class UniversalManifest:
         for name, entry in self.model_entries.items():
             if entry.kind not in MODEL_ENTRY_KINDS:
                 expected = ", ".join(MODEL_ENTRY_KINDS)
-                return f"module tensor {quoted(name)} has unknown kind {quoted(entry.kind)} (expected one of {expected})"
+                kind = quoted(entry.kind)
+                return f"module tensor {quoted(name)} has unknown kind {kind} (expected one of {expected})"
             if name in self.params:
                 return f"module tensor {quoted(name)} is also a trained parameter"
         specs = self.tensor_specs()
@@ -286,7 +287,10 @@ def _fields_from_dict(data: dict[str, Any]) -> UniversalManifest:
         },
         model_entries={
             str(name): ModelEntry(
-                str(name), jsonvalue.read_shape(e["shape"], "the shape of model tensor {}", name), str(e["dtype"]), str(e["kind"])
+                str(name),
+                jsonvalue.read_shape(e["shape"], "the shape of model tensor {}", name),
+                str(e["dtype"]),
+                str(e["kind"]),
             )
             for name, e in model["tensors"].items()
         },
