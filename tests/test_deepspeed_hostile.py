@@ -22,6 +22,8 @@ import torch
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("deepspeed is not installed (pip install -e '.[deepspeed]')", allow_module_level=True)
 
+from hostile_files import edit_torch_file as edit
+
 from zeroshard.checkpoint.export.fp32 import load_fp32_state_dict
 from zeroshard.checkpoint.source import read_param
 from zeroshard.importers import DeepSpeedFormatError, open_deepspeed
@@ -35,14 +37,6 @@ def tag_dir(deepspeed_runs, tmp_path) -> Path:
     target = tmp_path / "w2_s2"
     shutil.copytree(deepspeed_runs["w2_s2"].tag_dir, target)
     return target
-
-
-def edit(path: Path, change) -> None:
-    """Load a file DeepSpeed wrote (its own classes), let ``change`` edit it, save it back."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    raw = torch.load(path, map_location="cpu", weights_only=False)
-    change(raw)
-    torch.save(raw, path)
 
 
 def open_error(tag_dir: Path) -> str:

@@ -174,9 +174,9 @@ def test_each_rank_file_is_parsed_once(deepspeed_runs, monkeypatch, tmp_path):
     from zeroshard.importers import deepspeed_pickle
 
     parsed = []
-    original = deepspeed_pickle.load_torch_file
+    original = deepspeed_pickle.read_torch_file
     monkeypatch.setattr(
-        deepspeed_pickle, "load_torch_file", lambda path, **kw: parsed.append(path) or original(path, **kw)
+        deepspeed_pickle, "read_torch_file", lambda path, **kw: parsed.append(path) or original(path, **kw)
     )
     run = deepspeed_runs["w8_s1_tiny"]
     with open_deepspeed(run.save_dir) as source:
@@ -210,8 +210,9 @@ def test_a_file_with_the_pickle_of_the_one_before_reads_as_when_checked_in_full(
         assert len(taken) == rank + 1
         assert fast.pickle == full.pickle and fast.path == path and fast.rank == rank
         for field in dataclasses.fields(full):
-            if field.name not in ("fp32", "states", "scalars", "pickle"):
+            if field.name not in ("fp32", "states", "scalars", "pickle", "budget"):
                 assert getattr(fast, field.name) == getattr(full, field.name), field.name
+        assert fast.budget is not full.budget and fast.budget.path == path  # its own file's
         assert [tensor_place(t) for t in fast.fp32] == [tensor_place(t) for t in full.fp32]
         assert [{k: tensor_place(t) for k, t in g.items()} for g in fast.states] == [
             {k: tensor_place(t) for k, t in g.items()} for g in full.states

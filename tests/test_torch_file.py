@@ -27,7 +27,8 @@ from hypothesis import strategies as st
 
 from zeroshard.importers import torch_file, torch_unpickler
 from zeroshard.importers.torch_file import StoredTensor, TorchFileError, load_torch_file
-from zeroshard.importers.torch_records import refuses_state
+from zeroshard.importers.torch_records import fills_state, refuses_state
+from zeroshard.importers.torch_unpickler import LoadedOrderedDict
 
 DTYPES = ("float32", "bfloat16", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
           "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64")  # fmt: skip
@@ -62,9 +63,12 @@ def assert_same(mine: Any, ref: Any, pairs: list | None = None, where: str = "ro
     elif isinstance(ref, torch.Size):
         assert type(mine) is tuple and mine == tuple(ref), where
     elif isinstance(ref, dict):
-        assert type(mine) is type(ref) and list(mine) == list(ref), where
+        same_type = type(mine) is type(ref) or (type(ref) is OrderedDict and type(mine) is LoadedOrderedDict)
+        assert same_type and list(mine) == list(ref), where
         for key in ref:
             assert_same(mine[key], ref[key], pairs, f"{where}[{key!r}]")
+        if type(ref) is OrderedDict:  # a state_dict's _metadata
+            assert_same(vars(mine), vars(ref), pairs, f"{where}.__dict__")
     elif isinstance(ref, (list, tuple)):
         assert type(mine) is type(ref) and len(mine) == len(ref), where
         for index, (a, b) in enumerate(zip(mine, ref)):
@@ -388,8 +392,13 @@ class Stage(int, enum.Enum):
     on = 2
 
 
+@fills_state
 class PointStandIn:
     """Data only, like deepspeed_pickle's stand-ins."""
+
+
+class UndecoratedStandIn:
+    """No __setstate__: a pickle's BUILD would fill it in C, uncharged."""
 
 
 @refuses_state
@@ -417,6 +426,8 @@ def test_unknown_class_is_refused_and_a_stand_in_is_built(tmp_path):
     assert stateful["point"].seen == {"x": 1, "y": 2}
     with pytest.raises(TypeError):
         load_torch_file(path, {f"{__name__}.Point": os.system})
+    with pytest.raises(TypeError, match="decorate it with fills_state"):
+        load_torch_file(path, {f"{__name__}.Point": UndecoratedStandIn})
 
 
 @pytest.mark.parametrize(
@@ -785,13 +796,17 @@ def genops_verdict(data: bytes) -> str:
     (an opcode outside the allow-list, a memo index past the pickle's size) or "corrupt"."""
     import pickletools
 
-    from zeroshard.importers.pickle_scan import ALLOWED_OPCODES
+    from zeroshard.importers.pickle_scan import ALLOWED_OPCODES, MAX_INT_BYTES
 
     try:
-        for opcode, arg, _ in pickletools.genops(data):
+        for opcode, arg, position in pickletools.genops(data):
             if opcode.name not in ALLOWED_OPCODES:
                 return "refused"
             if opcode.name == "LONG_BINPUT" and arg > len(data):
+                return "refused"
+            if opcode.name == "FRAME" and position + 9 + arg > len(data):
+                return "corrupt"  # the C unpickler would allocate the frame before reading it
+            if opcode.name == "LONG4" and len(pickle.encode_long(arg)) > MAX_INT_BYTES:
                 return "refused"
     except UnicodeDecodeError:
         return "undecodable"  # the unpickler refuses it; pickletools stops there, so no verdict

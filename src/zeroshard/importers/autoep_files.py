@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from ..checkpoint.io.budget import quoted
 from . import deepspeed_fields as fields
 from .deepspeed_pickle import DeepSpeedFormatError, load_checkpoint_file
 from .torch_file import StoredTensor, TorchFileError
@@ -111,32 +112,33 @@ def _layer(value: Any, where: str, path: Path) -> AutoEPLayer:
     entry = fields.mapping(value, where, path)
 
     def integer(key: str, minimum: int = 0) -> int:
-        return fields.integer(entry.get(key), f"{where}[{key!r}]", path, minimum=minimum)
+        return fields.integer(entry.get(key), f"{where}[{quoted(key)}]", path, minimum=minimum)
 
     def text(key: str) -> str:
-        found = fields.text(entry.get(key), f"{where}[{key!r}]", path)
+        found = fields.text(entry.get(key), f"{where}[{quoted(key)}]", path)
         if not found:
-            raise fields.field_error(path, f"{where}[{key!r}]", "is empty")
+            raise fields.field_error(path, f"{where}[{quoted(key)}]", "is empty")
         return found
 
     def wrong(key: str, problem: str) -> DeepSpeedFormatError:
-        return fields.field_error(path, f"{where}[{key!r}]", problem)
+        return fields.field_error(path, f"{where}[{quoted(key)}]", problem)
 
     fmt = entry.get("checkpoint_format", CHECKPOINT_FORMAT)
     if fmt != CHECKPOINT_FORMAT or entry.get("checkpoint_format_version") is not None:
         raise wrong(
             "checkpoint_format",
-            f"is {fmt!r} (version {entry.get('checkpoint_format_version')!r}); only {CHECKPOINT_FORMAT!r} is read",
+            f"is {quoted(fmt)} (version {quoted(entry.get('checkpoint_format_version'))}); "
+            f"only {CHECKPOINT_FORMAT!r} is read",
         )
     num_experts, ep_size, local = integer("num_experts", 1), integer("ep_size", 1), integer("num_local_experts", 1)
     if local * ep_size != num_experts:
         raise wrong("num_local_experts", f"is {local}: {ep_size} EP ranks x {local} is not {num_experts} experts")
     module_path, prefix = text("module_path"), text("expert_key_prefix")
     if not prefix.startswith(module_path + "."):
-        raise wrong("expert_key_prefix", f"{prefix!r} is not inside module {module_path!r}")
+        raise wrong("expert_key_prefix", f"{quoted(prefix)} is not inside module {quoted(module_path)}")
     placement = _placement(entry.get("expert_placement"), num_experts, ep_size, f"{where}['expert_placement']", path)
     if text("ep_group_name") != f"ep_size_{ep_size}":
-        raise wrong("ep_group_name", f"is {entry['ep_group_name']!r}, expected 'ep_size_{ep_size}'")
+        raise wrong("ep_group_name", f"is {quoted(entry['ep_group_name'])}, expected 'ep_size_{ep_size}'")
     for key in ("ep_rank", "expert_data_parallel_rank"):  # rank 0 writes the file
         if integer(key) != 0:
             raise wrong(key, f"is {entry[key]}, expected 0 (the model-states file is rank 0's)")
@@ -169,7 +171,7 @@ def _placement(value: Any, num_experts: int, ep_size: int, where: str, path: Pat
     for key, expected in (("version", _VERSION), ("num_experts", num_experts), ("ep_size", ep_size)):
         found = descriptor.get(key)
         if type(found) is not int or found != expected:
-            raise fields.field_error(path, f"{where}[{key!r}]", f"is {found!r}, expected {expected}")
+            raise fields.field_error(path, f"{where}[{quoted(key)}]", f"is {quoted(found)}, expected {expected}")
     ranks = fields.sequence(descriptor.get("ranks"), f"{where}['ranks']", path)
     by_rank: dict[int, tuple[int, ...]] = {}
     for index, item in enumerate(ranks):
@@ -198,12 +200,14 @@ def _affine_maps(value: Any, prefix: str, where: str, path: Path) -> dict[str, A
         return {}
     maps = fields.mapping(value, where, path)
     if type(maps.get("version")) is not int or maps["version"] != _VERSION:
-        raise fields.field_error(path, f"{where}['version']", f"is {maps.get('version')!r}, expected {_VERSION}")
+        raise fields.field_error(path, f"{where}['version']", f"is {quoted(maps.get('version'))}, expected {_VERSION}")
     params = fields.mapping(maps.get("params"), f"{where}['params']", path)
     expected = {f"{prefix}.{weight}" for weight in EXPERT_WEIGHTS}
     if set(params) != expected:
-        raise fields.field_error(path, f"{where}['params']", f"holds {sorted(params)}, expected {sorted(expected)}")
-    return {name: fields.mapping(params[name], f"{where}['params'][{name!r}]", path) for name in sorted(expected)}
+        raise fields.field_error(
+            path, f"{where}['params']", f"holds {quoted(sorted(params))}, expected {sorted(expected)}"
+        )
+    return {name: fields.mapping(params[name], f"{where}['params'][{quoted(name)}]", path) for name in sorted(expected)}
 
 
 def check_affine_maps(layer: AutoEPLayer, local_shapes: dict[str, tuple[int, ...]], path: Path) -> None:
@@ -211,7 +215,7 @@ def check_affine_maps(layer: AutoEPLayer, local_shapes: dict[str, tuple[int, ...
     ``r`` is global expert ``placement[r][l]``, rows laid out row-major, each piece on its own
     rank. ``local_shapes``: the stacked weights' shapes (``param_shapes``)."""
     for name, saved in layer.affine_maps.items():
-        where = f"{LAYERS_KEY}[{layer.moe_layer_id}]['affine_maps']['params'][{name!r}]"
+        where = f"{LAYERS_KEY}[{layer.moe_layer_id}]['affine_maps']['params'][{quoted(name)}]"
         local = local_shapes[name]
         logical = (layer.num_experts, *local[1:])
         if tuple(fields.integers(saved.get("logical_shape"), f"{where}['logical_shape']", path)) != logical:
@@ -291,11 +295,11 @@ def _check_config(ds_config: dict[str, Any], ep_size: int, path: Path) -> str | 
     where = "ds_config['expert_parallel']"
     if section.get("enabled") is not True:
         raise fields.field_error(
-            path, f"{where}['enabled']", f"is {section.get('enabled')!r}, but the file holds {LAYERS_KEY}"
+            path, f"{where}['enabled']", f"is {quoted(section.get('enabled'))}, but the file holds {LAYERS_KEY}"
         )
     if section.get("autoep_size", 1) != ep_size:
         raise fields.field_error(
-            path, f"{where}['autoep_size']", f"is {section.get('autoep_size')!r}, {LAYERS_KEY} gives EP {ep_size}"
+            path, f"{where}['autoep_size']", f"is {quoted(section.get('autoep_size'))}, {LAYERS_KEY} gives EP {ep_size}"
         )
     if section.get("expert_tensor_parallel_size", 1) != 1:
         raise fields.field_error(
@@ -362,10 +366,10 @@ def read_expert_files(tag_dir: Path, autoep: AutoEP, shapes: dict[str, tuple[int
     paths = []
     for name, (layer, expert) in expected.items():
         path = tag_dir / name
-        content = load_checkpoint_file(path)
+        content, _, budget = load_checkpoint_file(path)
         keys = {layer.expert_key(weight, expert): weight for weight in EXPERT_WEIGHTS}
         if set(content) != set(keys):
-            raise DeepSpeedFormatError(f"{path}: holds {sorted(content)[:4]}, expected exactly {sorted(keys)}")
+            raise DeepSpeedFormatError(f"{path}: holds {quoted(sorted(content)[:4])}, expected exactly {sorted(keys)}")
         for key, weight in keys.items():
             tensor = fields.tensor(content[key], key, path)
             want = shapes[layer.param_name(weight)]
@@ -373,8 +377,9 @@ def read_expert_files(tag_dir: Path, autoep: AutoEP, shapes: dict[str, tuple[int
                 raise fields.field_error(
                     path,
                     key,
-                    f"is a {tensor.dtype} tensor of shape {list(tensor.shape)}, expected {dtype} {list(want)}",
+                    f"is a {tensor.dtype} tensor of shape {quoted(list(tensor.shape))}, expected {dtype} {list(want)}",
                 )
             tensors[(layer.moe_layer_id, weight)].append(tensor)
+        fields.charge_tensors([content[key] for key in keys], budget, "reading the expert weights")
         paths.append(path)
     return ExpertWeights(tensors, paths)

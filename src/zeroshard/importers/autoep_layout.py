@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint.io.budget import quoted
 from ..layout import EXPERT_SHARD_GROUP, GroupSpec, ParamSpec
 from .autoep_files import AutoEP, check_affine_maps
 from .deepspeed_pickle import DeepSpeedFormatError
@@ -30,7 +31,9 @@ def group_kind(autoep: AutoEP | None, names: list[str], hyperparameters: dict[st
         raise DeepSpeedFormatError(f"{where}: mixes AutoEP expert weights and dense parameters in one group")
     if bool(hyperparameters.get("moe", False)) != is_expert:
         what = "holds expert weights" if is_expert else "holds no expert weights"
-        raise DeepSpeedFormatError(f"{where}: {what}, but its optimizer group says moe={hyperparameters.get('moe')!r}")
+        raise DeepSpeedFormatError(
+            f"{where}: {what}, but its optimizer group says moe={quoted(hyperparameters.get('moe'))}"
+        )
     return is_expert
 
 
@@ -44,7 +47,7 @@ def expert_group_spec(
     layers = {params[name][0].moe_layer_id: params[name][0] for name in shapes}
     if len(layers) != len(autoep.layers) or len(shapes) != len(params):
         missing = sorted(set(params) - set(shapes))
-        raise DeepSpeedFormatError(f"{path}: param_shapes has no expert weight {missing[0]!r}")
+        raise DeepSpeedFormatError(f"{path}: param_shapes has no expert weight {quoted(missing[0])}")
     placements = {layer.placement for layer in autoep.layers}
     if len(placements) != 1:
         raise DeepSpeedFormatError(

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..checkpoint.io.budget import quoted
 from ..layout import ExpertStack
 from .autoep_files import AutoEP
 from .deepspeed_pickle import DeepSpeedFormatError
@@ -130,7 +131,7 @@ def transformers_names(
     preset = PRESETS.get(autoep.preset or "")
     if preset is None:
         raise DeepSpeedFormatError(
-            f"{path}: AutoEP preset {autoep.preset!r} has no transformers names here "
+            f"{path}: AutoEP preset {quoted(autoep.preset)} has no transformers names here "
             f"(read: {', '.join(sorted(PRESETS))})"
         )
     renamed: dict[str, str] = {}
@@ -140,7 +141,7 @@ def transformers_names(
         block = layer.module_path
         if layer.expert_key_prefix != f"{block}.{preset.experts}":
             raise DeepSpeedFormatError(
-                f"{path}: expert_key_prefix {layer.expert_key_prefix!r} is not {block}.{preset.experts}"
+                f"{path}: expert_key_prefix {quoted(layer.expert_key_prefix)} is not {block}.{preset.experts}"
             )
         gate, down, up = (local_shapes[layer.param_name(weight)] for weight in ("w1", "w2", "w3"))
         experts = layer.expert_key_prefix
@@ -161,17 +162,18 @@ def transformers_names(
             aliases[name] = f"{block}.router.{inner.removeprefix(preset.router + '.')}"
         else:
             raise DeepSpeedFormatError(
-                f"{path}: {name!r} has no name in the transformers model (preset {autoep.preset!r})"
+                f"{path}: {quoted(name)} has no name in the transformers model (preset {quoted(autoep.preset)})"
             )
     strays = sorted(alias for alias, target in aliases.items() if target not in renamed)
     if strays:
         raise DeepSpeedFormatError(
-            f"{path}: {strays[0]!r} looks like AutoEP's router alias, but {aliases[strays[0]]!r} is not saved"
+            f"{path}: {quoted(strays[0])} looks like AutoEP's router alias, "
+            f"but {quoted(aliases[strays[0]])} is not saved"
         )
     targets = set(renamed.values()) | {stack.name for stack in stacks}
     clash = sorted(targets & (set(module_names) - set(renamed) - set(aliases)))
     if clash:
-        raise DeepSpeedFormatError(f"{path}: {clash[0]!r} is both a saved name and the model's name of another")
+        raise DeepSpeedFormatError(f"{path}: {quoted(clash[0])} is both a saved name and the model's name of another")
     return TransformersNames(renamed, aliases, tuple(stacks))
 
 

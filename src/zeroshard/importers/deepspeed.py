@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..checkpoint.format import state_name_problem
+from ..checkpoint.io.budget import BudgetExceeded, quoted
 from ..checkpoint.io.dtypes import to_float32
 from ..checkpoint.source import ModelEntry, SourceInfo
 from ..collector import collector_paused
@@ -49,6 +50,7 @@ from .deepspeed_files import (
 )
 from .deepspeed_pickle import DeepSpeedFormatError
 from .torch_file import StoredTensor, TorchFileError
+from .torch_records import one_line
 
 if TYPE_CHECKING:
     from .autoep import AutoEPSource
@@ -107,6 +109,7 @@ class DeepSpeedSource:
         if problem:  # an optimizer state no reader could tell from the fp32 masters
             raise DeepSpeedFormatError(f"{rank_paths[0]}: {problem}")
         self.info = _source_info(layout, self._model, first)
+        charge_outputs(layout, self._model, first, self.info.aliases)
         self._partition_numels = [group.partition_numel for group in layout.groups]
         self._scalars = [read_scalars(group) for group in first.scalars]
         self.autoep = self._model.autoep  # None unless DeepSpeed AutoEP made the run
@@ -158,7 +161,8 @@ class DeepSpeedSource:
         if key == "fp32":
             return shard.fp32[group]
         if key not in shard.states[group]:
-            raise KeyError(f"group {group} has no optimizer state {key!r} (it has {sorted(shard.states[group])})")
+            states = quoted(sorted(shard.states[group]))
+            raise KeyError(f"group {group} has no optimizer state {key!r} (it has {states})")
         return shard.states[group][key]
 
     def scalars(self, group: int) -> dict[str, Any]:
@@ -214,12 +218,12 @@ def rebuild_layout(model: ModelStates, first: RankShard, world_size: int) -> Lay
     where = f"{first.path}, rank 0"
     if model.autoep is None and set(first.partition_count) != {world_size}:  # named first: the likeliest damage
         raise DeepSpeedFormatError(
-            f"{where}: partition_count {first.partition_count}, but there are {world_size} rank files"
+            f"{where}: partition_count {quoted(first.partition_count)}, but there are {world_size} rank files"
         )
     saved_world = model.counters.get("dp_world_size")  # an int: read_model_states checked it
     if saved_world is not None and saved_world != world_size:
         raise DeepSpeedFormatError(
-            f"{model.path}: dp_world_size is {saved_world}, "
+            f"{model.path}: dp_world_size is {quoted(saved_world)}, "
             f"but there are {world_size} rank files in {model.path.parent}"
         )
     for what, count in (("fp32 partitions", len(first.fp32)), ("optimizer groups", len(first.param_groups))):
@@ -238,14 +242,14 @@ def rebuild_layout(model: ModelStates, first: RankShard, world_size: int) -> Lay
     counts = [group.world_size if isinstance(group, GroupSpec) else world_size for group in groups]
     if first.partition_count != counts:
         raise DeepSpeedFormatError(
-            f"{where}: partition_count {first.partition_count}, but {world_size} rank files at EP "
+            f"{where}: partition_count {quoted(first.partition_count)}, but {world_size} rank files at EP "
             f"{model.autoep.ep_size if model.autoep else 1} give {counts}"
         )
     policy = LayoutPolicy.deepspeed(parameter_alignment=_uses_parameter_alignment(first, model.ds_config))
     try:
         return build_layout(groups, world_size, policy)
     except ValueError as err:
-        raise DeepSpeedFormatError(f"{model.path}: param_shapes do not give a layout: {err}") from None
+        raise DeepSpeedFormatError(f"{model.path}: param_shapes do not give a layout: {one_line(err)}") from None
 
 
 def check_rank(layout: Layout, shard: RankShard) -> None:
@@ -289,7 +293,7 @@ class RankChecks:
             return DeepSpeedFormatError(f"{shard.path}, group {index}, rank {rank}: {message}")
 
         if shard.partition_count[index] != group.world_size:
-            raise mismatch(f"partition_count {shard.partition_count[index]}, expected {group.world_size}")
+            raise mismatch(f"partition_count {quoted(shard.partition_count[index])}, expected {group.world_size}")
         place = shard_rank(group, rank)  # the rank's place in the group's shard group (an expert group's: rank // EP)
         # DeepSpeed saves the fp32 partition without the group's tail padding.
         stored = sum(piece.length for piece in group.logical_ranges(place))
@@ -300,23 +304,24 @@ class RankChecks:
         if fp32.dtype != "float32":
             raise mismatch(f"saved fp32 partition is {fp32.dtype}, not float32")
         if shard.group_paddings[index] != tail:
-            raise mismatch(f"group_paddings says {shard.group_paddings[index]}, the layout gives {tail}")
+            raise mismatch(f"group_paddings says {quoted(shard.group_paddings[index])}, the layout gives {tail}")
         for key, tensor in shard.states[index].items():
             if tensor.numel() != partition_numel:
                 raise mismatch(
-                    f"optimizer state {key!r} has {tensor.numel()} elements, the partition has {partition_numel}"
+                    f"optimizer state {quoted(key)} has {tensor.numel()} elements, the partition has {partition_numel}"
                 )
         expected_pads = self._paddings[index]
         if shard.param_alignment_paddings is not None and shard.param_alignment_paddings[index] != expected_pads:
             raise mismatch(
-                f"param_alignment_paddings {shard.param_alignment_paddings[index]}, the layout gives {expected_pads}"
+                f"param_alignment_paddings {quoted(shard.param_alignment_paddings[index])}, "
+                f"the layout gives {quoted(expected_pads)}"
             )
         expected = {f.name: (f.length, f.partition_start) for f in group.fragments(place)}
         found = shard.slice_mappings[index]
         if found != expected:
             name = next(n for n in sorted(set(found) | set(expected)) if found.get(n) != expected.get(n))
             raise mismatch(
-                f"param_slice_mappings[{name!r}] (numel, start) is {found.get(name)}, "
+                f"param_slice_mappings[{quoted(name)}] (numel, start) is {quoted(found.get(name))}, "
                 f"the layout gives {expected.get(name)}"
             )
 
@@ -335,11 +340,13 @@ def _param_dtype(model: ModelStates, name: str, shape: tuple[int, ...], fallback
     tensor = model.module.get(name)
     if tensor is None:
         if model.module:
-            raise DeepSpeedFormatError(f"{model.path}: param_shapes lists {name!r}, the module has no such tensor")
+            raise DeepSpeedFormatError(
+                f"{model.path}: param_shapes lists {quoted(name)}, the module has no such tensor"
+            )
         return fallback
     if tuple(tensor.shape) != shape:
         raise DeepSpeedFormatError(
-            f"{model.path}: {name!r} is {list(tensor.shape)} in the module, {list(shape)} in param_shapes"
+            f"{model.path}: {quoted(name)} is {list(tensor.shape)} in the module, {quoted(list(shape))} in param_shapes"
         )
     return canonical_dtype(tensor.dtype)
 
@@ -360,6 +367,29 @@ def _read_zero_extended(saved: StoredTensor, start: int, end: int) -> np.ndarray
     if start < stop:
         out[: stop - start] = saved.read(start, stop)
     return out
+
+
+KEY_BYTES = 64  # what naming one tensor in an output costs besides its name (a header entry)
+
+
+def charge_outputs(layout: Layout, model: ModelStates, first: RankShard, aliases: dict[str, str]) -> None:
+    """Charge what a conversion repeats from these files, in files of their own size's order:
+    every parameter's name once for each tensor an output holds for it (fp32 and each state
+    rank 0's file names) and every state's name once per parameter, to rank 0's file; every
+    tied alias's copy of its target (an fp32 export writes the tensor again under each name),
+    to the model-states file."""
+    named = 0
+    for group, states in zip(layout.groups, first.states):
+        name_bytes = sum(len(slot.name) + KEY_BYTES for slot in group.params)
+        named += name_bytes * (1 + len(states)) + sum(map(len, states)) * len(group.params)
+    tied = sum(len(alias) + KEY_BYTES + 4 * layout.param(target)[1].numel for alias, target in aliases.items())
+    try:
+        if first.budget is not None:
+            first.budget.charge(named, "naming every parameter's optimizer states in an output")
+        if model.budget is not None:
+            model.budget.charge(tied, "copying {:,} tied parameters into an export", len(aliases))
+    except BudgetExceeded as err:
+        raise DeepSpeedFormatError(str(err)) from None
 
 
 # ---- SourceInfo ----------------------------------------------------------------------------------

@@ -5,22 +5,28 @@ for ``zero_stage``, a list for ``module``, a dict that contains itself). Each ch
 the value, the field's name and the file, and returns the value in the type the importer
 uses or raises a one-line :class:`DeepSpeedFormatError` naming the file and the field, so no
 later step meets a type it does not expect (and fails with a TypeError or RecursionError).
+Values the importer copies into its outputs (:func:`plain`) and tensors it keeps
+(:func:`charge_tensors`) are charged to the file's budget: the checks bound one value, the
+budget the total a file makes of values it shares (a pickle's memo).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint.io.budget import REFERENCE_BYTES, Budget, named, quoted
 from .deepspeed_pickle import DeepSpeedFormatError
 from .torch_records import STORAGE_CLASSES, StoredTensor
+from .torch_unpickler import ITEMSIZES
 
 # Bounds for free-form values (lr scheduler state, hyperparameters, config): deeper or
 # bigger is not what DeepSpeed writes, and a self-containing dict is infinitely deep.
 MAX_DEPTH = 32
 MAX_ITEMS = 100_000
 _SCALARS = (bool, int, float, str)  # and None
+_SCALAR_BYTES = 24  # what a float, a bool or null costs in a JSON manifest, at most
 
 
 def field_error(path: Path, field: str, problem: str) -> DeepSpeedFormatError:
@@ -36,7 +42,7 @@ def integer(value: Any, field: str, path: Path, *, minimum: int | None = 0) -> i
     if not isinstance(value, int) or isinstance(value, bool):
         raise field_error(path, field, f"is {_kind(value)}, expected an integer")
     if minimum is not None and value < minimum:
-        raise field_error(path, field, f"is {value}, expected at least {minimum}")
+        raise field_error(path, field, f"is {quoted(int(value))}, expected at least {minimum}")
     return int(value)
 
 
@@ -139,39 +145,74 @@ def vector(value: Any, field: str, path: Path) -> StoredTensor:
     return found
 
 
-def plain(value: Any, field: str, path: Path) -> Any:
+def plain(value: Any, field: str, path: Path, budget: Budget) -> Any:
     """Plain data as JSON holds it (None, bool, int, float, str, lists, tuples and dicts with
-    string keys), bounded in depth and size; returned as it is. For the free-form values
-    that end up in a manifest: the lr scheduler state, hyperparameters, the config."""
-    budget = [MAX_ITEMS]
+    string keys), bounded in depth and size; returned as it is (the opcode scan bounds an
+    integer's width: each is short enough for JSON's decimal text). For the
+    free-form values that end up in a manifest: the lr scheduler state, hyperparameters, the
+    config. What copying it into a manifest costs (its JSON size, every reference to a shared
+    value again) is charged to ``budget``."""
+    items = [MAX_ITEMS]
+    field_name = named(field)
 
     def count(values: int) -> None:
-        budget[0] -= values
-        if budget[0] < 0:
+        items[0] -= values
+        if items[0] < 0:
             raise field_error(path, field, f"holds more than {MAX_ITEMS} values")
 
-    def walk(item: Any, where: str, depth: int) -> None:
-        """Check a counted container at ``depth``; its scalar children need no call of their own."""
+    def problem(keys: tuple[Any, ...], words: str) -> DeepSpeedFormatError:
+        where = field + "".join(f"[{quoted(key)}]" for key in keys)
+        return field_error(path, field, words.format(where=where))
+
+    def scalar_bytes(item: Any) -> int:
+        if type(item) is str:
+            return len(item) + 2
+        if type(item) is int:  # its decimal digits: 0.302 per bit (the scan bounds it at 8,192 bits)
+            return item.bit_length() * 77 // 256 + 2
+        return _SCALAR_BYTES
+
+    def walk(item: Any, keys: tuple[Any, ...], depth: int) -> None:
+        """Check and charge a container at ``depth``; its scalar children need no call of their own."""
         if isinstance(item, (list, tuple)):
-            children: Any = item
-            labels: Iterator[str] = (f"{where}[{index}]" for index in range(len(item)))
+            children: Iterable[tuple[Any, Any]] = enumerate(item)
+            size = REFERENCE_BYTES * len(item)
         elif isinstance(item, dict):
             bad = next((key for key in item if not isinstance(key, str)), None)
             if bad is not None:
-                raise field_error(path, field, f"has a key of type {type(bad).__name__} at {where}")
-            children = item.values()
-            labels = (f"{where}[{key!r}]" for key in item)
+                raise problem(keys, f"has a key of type {type(bad).__name__} at {{where}}")
+            children = item.items()
+            size = sum(map(len, item)) + REFERENCE_BYTES * len(item)
         else:
-            raise field_error(path, field, f"holds {_kind(item)} at {where}, expected plain values")
-        count(len(children))
-        if children and depth >= MAX_DEPTH:
-            problem = f"is nested more than {MAX_DEPTH} deep (at {next(labels)}; does it contain itself?)"
-            raise field_error(path, field, problem)
-        for child, label in zip(children, labels):
-            if child is not None and not isinstance(child, _SCALARS):
-                walk(child, label, depth + 1)
+            raise problem(keys, f"holds {_kind(item)} at {{where}}, expected plain values")
+        count(len(item))
+        if item and depth >= MAX_DEPTH:
+            first = next(iter(item)) if isinstance(item, dict) else 0
+            words = f"is nested more than {MAX_DEPTH} deep (at {{where}}; does it contain itself?)"
+            raise problem((*keys, first), words)
+        nested = []
+        for key, child in children:
+            if child is None or isinstance(child, _SCALARS):
+                size += scalar_bytes(child)
+            else:
+                nested.append((key, child))
+        budget.charge(size, "copying {}", field_name)
+        for key, child in nested:
+            walk(child, (*keys, key), depth + 1)
 
     count(1)
-    if value is not None and not isinstance(value, _SCALARS):
-        walk(value, field, 0)
+    if value is None or isinstance(value, _SCALARS):
+        budget.charge(scalar_bytes(value), "copying {}", named(field))
+    else:
+        walk(value, (), 0)
     return value
+
+
+def charge_tensors(tensors: Iterable[StoredTensor], budget: Budget, what: str) -> int:
+    """Charge ``budget`` the bytes of every tensor the importer keeps (one storage viewed by
+    many tensors is read once per view); the bytes charged."""
+    total = 0
+    for tensor in tensors:
+        shape = tensor.shape
+        total += (shape[0] if len(shape) == 1 else tensor.numel()) * ITEMSIZES[tensor.dtype]
+    budget.charge(total, what)
+    return total

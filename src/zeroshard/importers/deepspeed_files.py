@@ -9,19 +9,24 @@ Two kinds of file in a tag folder (DeepSpeed 0.19; docs/DEEPSPEED.md):
   DeepSpeed says about its layout (paddings, partition counts, slice mappings).
 
 Finding the files (tag folder, ``latest``, rank files, layouts and formats we refuse) is here too.
-Parsing checks types and shapes, not the layout; that is :mod:`.deepspeed`'s job.
+Parsing checks types and shapes, not the layout; that is :mod:`.deepspeed`'s job. Every file
+is read within its budget (:mod:`zeroshard.checkpoint.io.budget`): what parsing walks again
+for each reference to a shared container, the tensors kept and the values copied out are
+charged to it.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
-import reprlib
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ..checkpoint.formats import UnsupportedCheckpointError
+from ..checkpoint.io.budget import DICT_ITEM_BYTES, REFERENCE_BYTES, UNCHARGED_BYTES, Budget, BudgetExceeded, quoted
 from . import deepspeed_fields as fields
 from .autoep_files import AutoEP, parse_autoep
 from .deepspeed_pickle import (
@@ -30,10 +35,10 @@ from .deepspeed_pickle import (
     LossScaler,
     ZeroStageEnum,
     load_checkpoint_file,
-    load_checkpoint_file_and_pickle,
 )
 from .torch_file import StoredTensor, TorchFileError
-from .torch_records import one_line
+
+PARAM_BYTES = 512  # what a parameter of param_shapes costs in the layout rebuilt from it, at most
 
 MODEL_STATES_FILE = "mp_rank_00_model_states.pt"
 LATEST_FILE = "latest"
@@ -56,6 +61,7 @@ _UNSUPPORTED_FILES = (
         "MoE checkpoints are not supported (only AutoEP's)",
     ),
 )
+_LATEST_BYTES = 4096  # a longer latest file names no folder (names are at most 255 bytes)
 _ANY_UNSUPPORTED = re.compile("|".join(f"(?:{pattern.pattern})" for pattern, _ in _UNSUPPORTED_FILES))
 
 
@@ -71,14 +77,16 @@ def find_tag_dir(path: str | Path) -> Path:
         return path
     latest = path / LATEST_FILE
     if latest.is_file():
+        with latest.open("rb") as file:
+            text = file.read(_LATEST_BYTES + 1)
         try:
-            tag = latest.read_text().strip()
+            tag = text.decode().strip()
         except UnicodeDecodeError:
             raise DeepSpeedFormatError(f"{latest}: is not text (it should name the tag folder)") from None
-        if not tag or "/" in tag or tag in (".", ".."):
-            raise DeepSpeedFormatError(f"{latest}: does not name a tag folder ({tag!r})")
+        if len(text) > _LATEST_BYTES or not tag or "/" in tag or tag in (".", "..") or "\0" in tag:
+            raise DeepSpeedFormatError(f"{latest}: does not name a tag folder ({quoted(tag)})")
         if not (path / tag).is_dir():
-            raise DeepSpeedFormatError(f"{latest}: names tag {tag!r}, but {path / tag} does not exist")
+            raise DeepSpeedFormatError(f"{latest}: names tag {quoted(tag)}, but {path / tag} does not exist")
         return path / tag
     raise DeepSpeedFormatError(f"{path}: not a DeepSpeed checkpoint (no {MODEL_STATES_FILE} and no {LATEST_FILE} file)")
 
@@ -145,6 +153,7 @@ class ModelStates:
     ds_config: dict[str, Any]
     ds_version: str | None
     autoep: AutoEP | None = None  # ds_autoep_layers: a run with DeepSpeed AutoEP
+    budget: Budget | None = field(default=None, repr=False, compare=False)  # the file's, charged on
 
 
 @dataclass
@@ -166,33 +175,55 @@ class RankShard:
     clip_grad: Any
     ds_version: str | None  # (its ds_config is the model-states file's; not read here)
     pickle: bytes = field(default=b"", repr=False, compare=False)  # what the file's pickle was
+    kept_bytes: int = field(default=0, repr=False, compare=False)  # of its tensors, charged to its budget
+    budget: Budget | None = field(default=None, repr=False, compare=False)  # the file's, charged on
 
 
+_Read = TypeVar("_Read", bound=Callable[..., Any])
+
+
+def _within_budget(read: _Read) -> _Read:
+    """A file that costs more than its budget is a DeepSpeedFormatError, as any other fault."""
+
+    @functools.wraps(read)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return read(*args, **kwargs)
+        except BudgetExceeded as err:
+            raise DeepSpeedFormatError(str(err)) from None
+
+    return checked  # type: ignore[return-value]
+
+
+@_within_budget
 def read_model_states(path: Path) -> ModelStates:
-    raw = load_checkpoint_file(path)
+    raw, _, budget = load_checkpoint_file(path)
     module = fields.optional_mapping(raw.get("module"), "module", path)
     strays = [name for name, value in module.items() if not isinstance(value, StoredTensor)]
     if strays:
-        raise DeepSpeedFormatError(f"{path}: module entries {strays[:3]} are not tensors")
+        raise DeepSpeedFormatError(f"{path}: module entries {quoted(strays[:3])} are not tensors")
+    fields.charge_tensors(module.values(), budget, "reading the module's tensors")
     counter_keys = ("global_steps", "global_samples", "skipped_steps", "dp_world_size", "mp_world_size")
-    ds_config = _ds_config(raw.get("ds_config"), path)
+    ds_config = _ds_config(raw.get("ds_config"), path, budget)
     return ModelStates(
         path=path,
         module=module,
-        param_shapes=_param_shapes(_require(raw, "param_shapes", path), path),
+        param_shapes=_param_shapes(_require(raw, "param_shapes", path), path, budget),
         buffer_names=fields.texts(raw.get("buffer_names") or [], "buffer_names", path),
         shared_params={
-            alias: fields.text(target, f"shared_params[{alias!r}]", path)
+            alias: fields.text(target, f"shared_params[{quoted(alias)}]", path)
             for alias, target in fields.optional_mapping(raw.get("shared_params"), "shared_params", path).items()
         },
         counters={key: fields.integer(raw[key], key, path) for key in counter_keys if raw.get(key) is not None},
-        lr_scheduler=fields.plain(raw.get("lr_scheduler"), "lr_scheduler", path),
+        lr_scheduler=fields.plain(raw.get("lr_scheduler"), "lr_scheduler", path, budget),
         ds_config=ds_config,
         ds_version=fields.optional_text(raw.get("ds_version"), "ds_version", path),
         autoep=parse_autoep(raw, ds_config, path),
+        budget=budget,
     )
 
 
+@_within_budget
 def read_rank_shard(
     path: Path, rank: int, like: RankShard | None = None, after: RankShard | None = None
 ) -> RankShard:
@@ -202,9 +233,11 @@ def read_rank_shard(
     comparison stops at the checked value's depth.) A file whose pickle is byte for byte that
     of ``after`` (the shard read before it) is not checked again at all: the same bytes
     unpickle to the same values, so only its tensors, views of its own records, are new."""
-    raw, pickled = load_checkpoint_file_and_pickle(path)
+    raw, pickled, budget = load_checkpoint_file(path)
     if after is not None and after.pickle and pickled == after.pickle:
-        return _same_pickle_as(after, raw, path, rank)
+        if after.kept_bytes > UNCHARGED_BYTES:
+            budget.charge(after.kept_bytes, "reading its tensors")
+        return _same_pickle_as(after, raw, path, rank, budget)
     state = _require(raw, "optimizer_state_dict", path)
     if not fields.is_mapping(state):
         state = fields.mapping(state, "optimizer_state_dict", path)
@@ -224,34 +257,36 @@ def read_rank_shard(
     fp32_key = "single_partition_of_fp32_groups"
     fp32 = fields.sequence(_require(state, fp32_key, path), fp32_key, path)
     groups = fields.sequence(_require(base, "param_groups", path), "param_groups", path)
-    param_groups = [
-        group if fields.is_mapping(group) else fields.mapping(group, f"base_optimizer_state['param_groups'][{i}]", path)
-        for i, group in enumerate(groups)
-    ]
+    param_groups = [_param_group(group, i, path, budget) for i, group in enumerate(groups)]
     optimizer_state = fields.optional_dict(base.get("state"), "base_optimizer_state['state']", path)
-    states, scalars = _split_optimizer_state(optimizer_state, param_groups, path)
+    states, scalars = _split_optimizer_state(optimizer_state, param_groups, path, budget)
+    fp32 = [t if fields.is_vector(t) else fields.vector(t, f"{fp32_key}[{i}]", path) for i, t in enumerate(fp32)]
+    kept = [*fp32, *(t for group in states for t in group.values())]
+    kept += [value for group in scalars for value in group.values() if isinstance(value, StoredTensor)]
     return RankShard(
         path=path,
         rank=rank,
         zero_stage=stage,
-        fp32=[t if fields.is_vector(t) else fields.vector(t, f"{fp32_key}[{i}]", path) for i, t in enumerate(fp32)],
+        fp32=fp32,
         states=states,
         scalars=scalars,
-        param_groups=_hyperparameters(param_groups, path, like.param_groups if like else None),
+        param_groups=_hyperparameters(param_groups, path, like.param_groups if like else None, budget),
         group_paddings=fields.integers(_require(state, "group_paddings", path), "group_paddings", path),
         param_alignment_paddings=_alignment_paddings(
-            state.get("param_alignment_paddings"), path, like.param_alignment_paddings if like else None
+            state.get("param_alignment_paddings"), path, like.param_alignment_paddings if like else None, budget
         ),
         partition_count=fields.integers(_require(state, "partition_count", path), "partition_count", path),
-        slice_mappings=_slice_mappings(_require(state, "param_slice_mappings", path), path),
-        loss_scaler=_loss_scaler(state.get("loss_scaler")),
-        clip_grad=fields.plain(state.get("clip_grad"), "clip_grad", path),
+        slice_mappings=_slice_mappings(_require(state, "param_slice_mappings", path), path, budget),
+        loss_scaler=_loss_scaler(state.get("loss_scaler"), path, budget),
+        clip_grad=fields.plain(state.get("clip_grad"), "clip_grad", path, budget),
         ds_version=fields.optional_text(raw.get("ds_version"), "ds_version", path),
         pickle=pickled,
+        kept_bytes=fields.charge_tensors(kept, budget, "reading its tensors"),
+        budget=budget,
     )
 
 
-def _same_pickle_as(checked: RankShard, raw: dict[str, Any], path: Path, rank: int) -> RankShard:
+def _same_pickle_as(checked: RankShard, raw: dict[str, Any], path: Path, rank: int, budget: Budget) -> RankShard:
     """The shard of a file unpickled from the bytes ``checked`` was: every value and verdict is
     ``checked``'s, and its tensors sit where :func:`read_rank_shard` found ``checked``'s."""
     state = raw["optimizer_state_dict"]
@@ -263,16 +298,29 @@ def _same_pickle_as(checked: RankShard, raw: dict[str, Any], path: Path, rank: i
         states.append({key: entries[key] for key in vectors})
         scalars.append({key: entries[key] for key in others})
     fp32 = list(state["single_partition_of_fp32_groups"])
-    return replace(checked, path=path, rank=rank, fp32=fp32, states=states, scalars=scalars)
+    return replace(checked, path=path, rank=rank, fp32=fp32, states=states, scalars=scalars, budget=budget)
 
 
-def _param_shapes(value: Any, path: Path) -> list[dict[str, tuple[int, ...]]]:
+def _param_shapes(value: Any, path: Path, budget: Budget) -> list[dict[str, tuple[int, ...]]]:
+    """Per group, each parameter's shape; every parameter (and every dimension) charged to
+    ``budget`` for the layout built from it, however often the pickle repeats a group."""
     groups = []
     for index, group in enumerate(fields.sequence(value, "param_shapes", path)):
         where = f"param_shapes[{index}]"
         shapes = fields.mapping(group, where, path)
-        groups.append({name: fields.shape(dims, f"{where}[{name!r}]", path) for name, dims in shapes.items()})
+        budget.charge(PARAM_BYTES * len(shapes), "rebuilding the layout of param_shapes[{}]", index)
+        parsed = {name: fields.shape(dims, f"{where}[{quoted(name)}]", path) for name, dims in shapes.items()}
+        dims = sum(map(len, parsed.values()))
+        budget.charge(REFERENCE_BYTES * dims, "rebuilding the layout of param_shapes[{}]", index)
+        groups.append(parsed)
     return groups
+
+
+def _param_group(group: Any, index: int, path: Path, budget: Budget) -> dict[str, Any]:
+    budget.charge(DICT_ITEM_BYTES * len(group) if isinstance(group, dict) else 0, "reading param_groups")
+    if fields.is_mapping(group):
+        return group
+    return fields.mapping(group, f"base_optimizer_state['param_groups'][{index}]", path)
 
 
 # Sections of ds_config the importer reads, which must be dicts where present
@@ -280,8 +328,8 @@ def _param_shapes(value: Any, path: Path) -> list[dict[str, tuple[int, ...]]]:
 _CONFIG_SECTIONS = ("bf16", "bfloat16", "fp16", "optimizer")
 
 
-def _ds_config(value: Any, path: Path) -> dict[str, Any]:
-    config = fields.plain(fields.optional_mapping(value, "ds_config", path), "ds_config", path)
+def _ds_config(value: Any, path: Path, budget: Budget) -> dict[str, Any]:
+    config = fields.plain(fields.optional_mapping(value, "ds_config", path), "ds_config", path, budget)
     for section in _CONFIG_SECTIONS:
         fields.optional_mapping(config.get(section), f"ds_config[{section!r}]", path)
     if not isinstance(config.get("zero_optimization"), bool):
@@ -293,58 +341,66 @@ def _ds_config(value: Any, path: Path) -> dict[str, Any]:
 
 
 def _hyperparameters(
-    groups: list[dict[str, Any]], path: Path, checked: list[dict[str, Any]] | None
+    groups: list[dict[str, Any]], path: Path, checked: list[dict[str, Any]] | None, budget: Budget
 ) -> list[dict[str, Any]]:
     hypers = [{key: value for key, value in group.items() if key != "params"} for group in groups]
     if hypers == checked:
         return checked
     where = "base_optimizer_state['param_groups']"
-    return [fields.plain(hyper, f"{where}[{index}]", path) for index, hyper in enumerate(hypers)]
+    return [fields.plain(hyper, f"{where}[{index}]", path, budget) for index, hyper in enumerate(hypers)]
 
 
 def _split_optimizer_state(
-    state: dict[Any, Any], param_groups: list[dict[str, Any]], path: Path
+    state: dict[Any, Any], param_groups: list[dict[str, Any]], path: Path, budget: Budget
 ) -> tuple[list[dict[str, StoredTensor]], list[dict[str, Any]]]:
     """Per group: 1-D state (one value per partition element) and everything else."""
     vectors: list[dict[str, StoredTensor]] = []
     scalars: list[dict[str, Any]] = []
     for index, group in enumerate(param_groups):
         ids = group.get("params")
-        if not isinstance(ids, list) or len(ids) != 1 or not isinstance(ids[0], int):
-            found = one_line(reprlib.repr(ids))
+        if not isinstance(ids, list) or len(ids) != 1 or type(ids[0]) is not int:
             raise DeepSpeedFormatError(
-                f"{path}: optimizer group {index} should hold one flat partition: params={found}"
+                f"{path}: optimizer group {index} should hold one flat partition: params={quoted(ids)}"
             )
         entries = state.get(ids[0])
         if not fields.is_mapping(entries):
-            entries = fields.optional_mapping(entries, f"base_optimizer_state['state'][{ids[0]}]", path)
+            entries = fields.optional_mapping(entries, f"base_optimizer_state['state'][{quoted(ids[0])}]", path)
+        budget.charge(DICT_ITEM_BYTES * len(entries), "reading base_optimizer_state['state']")
         group_vectors: dict[str, StoredTensor] = {}
         group_scalars: dict[str, Any] = {}
         for key, value in entries.items():
             if fields.is_vector(value):
                 group_vectors[key] = value
-            elif _is_vector(value):  # 1-D, but not a flat partition: an error naming the entry
-                group_vectors[key] = fields.vector(value, f"base_optimizer_state['state'][{ids[0]}][{key!r}]", path)
+                continue
+            where = f"base_optimizer_state['state'][{quoted(ids[0])}][{quoted(key)}]"
+            if _is_vector(value):  # 1-D, but not a flat partition: an error naming the entry
+                group_vectors[key] = fields.vector(value, where, path)
             else:
-                group_scalars[key] = _as_value(value, f"base_optimizer_state['state'][{ids[0]}][{key!r}]", path)
+                group_scalars[key] = _as_value(value, where, path, budget)
         vectors.append(group_vectors)
         scalars.append(group_scalars)
     return vectors, scalars
 
 
-def _alignment_paddings(value: Any, path: Path, checked: list[list[int]] | None) -> list[list[int]] | None:
+def _alignment_paddings(
+    value: Any, path: Path, checked: list[list[int]] | None, budget: Budget
+) -> list[list[int]] | None:
     if value is None:
         return None
     if value == checked:
         return checked
     field = "param_alignment_paddings"
     groups = fields.sequence(value, field, path)
-    return [fields.integers(group, f"{field}[{i}]", path) for i, group in enumerate(groups)]
+    parsed = [fields.integers(group, f"{field}[{i}]", path) for i, group in enumerate(groups)]
+    budget.charge(REFERENCE_BYTES * sum(map(len, parsed)), "reading param_alignment_paddings")
+    return parsed
 
 
-def _slice_mappings(value: Any, path: Path) -> list[dict[str, tuple[int, int]]]:
+def _slice_mappings(value: Any, path: Path, budget: Budget) -> list[dict[str, tuple[int, int]]]:
     parsed: list[dict[str, tuple[int, int]]] = []
     for index, mapping in enumerate(fields.sequence(value, "param_slice_mappings", path)):
+        entries = len(mapping) if isinstance(mapping, dict) else 0
+        budget.charge(DICT_ITEM_BYTES * entries, "reading param_slice_mappings")
         if not fields.is_mapping(mapping):
             mapping = fields.mapping(mapping, f"param_slice_mappings[{index}]", path)
         group: dict[str, tuple[int, int]] = {}
@@ -354,7 +410,7 @@ def _slice_mappings(value: Any, path: Path) -> list[dict[str, tuple[int, int]]]:
                 if type(numel) is int and type(start) is int and numel >= 0 and start >= 0:
                     group[name] = (numel, start)
                     continue
-            group[name] = _fragment(address, f"param_slice_mappings[{index}][{name!r}]", path)
+            group[name] = _fragment(address, f"param_slice_mappings[{index}][{quoted(name)}]", path)
         parsed.append(group)
     return parsed
 
@@ -367,10 +423,11 @@ def _fragment(address: Any, field: str, path: Path) -> tuple[int, int]:
     return numel, start
 
 
-def _loss_scaler(value: Any) -> dict[str, Any]:
+def _loss_scaler(value: Any, path: Path, budget: Budget) -> dict[str, Any]:
     if isinstance(value, LossScaler):
         # Plain values only: the stand-in object itself cannot go into a manifest.
-        return {k: v for k, v in vars(value).items() if isinstance(v, (bool, int, float, str)) or v is None}
+        found = {k: v for k, v in vars(value).items() if isinstance(v, (bool, int, float, str)) or v is None}
+        return fields.plain(found, "loss_scaler", path, budget)
     return {}
 
 
@@ -378,9 +435,9 @@ def _is_vector(value: Any) -> bool:
     return isinstance(value, StoredTensor) and len(value.shape) == 1
 
 
-def _as_value(value: Any, field: str, path: Path) -> Any:
+def _as_value(value: Any, field: str, path: Path, budget: Budget) -> Any:
     """A tensor as it is (not read yet: only rank 0's are used); anything else, if plain."""
-    return value if isinstance(value, StoredTensor) else fields.plain(value, field, path)
+    return value if isinstance(value, StoredTensor) else fields.plain(value, field, path, budget)
 
 
 def read_scalars(scalars: dict[str, Any]) -> dict[str, Any]:

@@ -8,9 +8,9 @@ three globals besides torch's tensor rebuilders: ``ZeroStageEnum``, ``fragment_a
 the loss scaler. We allow stand-ins defined here under DeepSpeed's exact names, so no
 DeepSpeed code runs and DeepSpeed need not be installed. The unpickler only calls an allowed
 class (``ZeroStageEnum(2)``), creates an instance of one without running ``__init__`` and
-fills its ``__dict__``: the stand-ins hold data and have no behaviour a file could trigger.
-``ZeroStageEnum``'s members are shared by the process, so they refuse that filling.
-Tensors come back as lazy :class:`~.torch_file.StoredTensor` records.
+fills its ``__dict__`` (charged to the file's budget): the stand-ins hold data and have no
+behaviour a file could trigger. ``ZeroStageEnum``'s members are shared by the process, so
+they refuse that filling. Tensors come back as lazy :class:`~.torch_file.StoredTensor` records.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import enum
 from pathlib import Path
 from typing import Any
 
-from .torch_file import TorchFileError, load_torch_file
-from .torch_records import refuses_state
+from ..checkpoint.io.budget import Budget, quoted
+from .torch_file import TorchFileError, read_torch_file
+from .torch_records import fills_state, refuses_state
 
 
 class DeepSpeedFormatError(ValueError):
@@ -38,7 +39,8 @@ class ZeroStageEnum(int, enum.Enum):
     weights = 3
 
 
-@dataclasses.dataclass
+@fills_state
+@dataclasses.dataclass(repr=False)
 class FragmentAddress:
     """Stand-in for ``deepspeed.utils.tensor_fragment.fragment_address``: a run of ``numel``
     elements starting at ``start`` in a rank's partition."""
@@ -46,12 +48,18 @@ class FragmentAddress:
     numel: int
     start: int
 
+    def __repr__(self) -> str:  # what a file put there, by type unless short: a chain of them would print forever
+        fields = vars(self)
+        return f"FragmentAddress(numel={quoted(fields.get('numel'))}, start={quoted(fields.get('start'))})"
 
+
+@fills_state
 class LossScaler:
     """Stand-in for ``deepspeed.runtime.fp16.loss_scaler.LossScaler``; attributes come from
     the file (``cur_scale``, ``dynamic``)."""
 
 
+@fills_state
 class DynamicLossScaler(LossScaler):
     """Stand-in for ``deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler`` (fp16 runs)."""
 
@@ -64,21 +72,17 @@ ALLOWED_GLOBALS: dict[str, type] = {
 }
 
 
-def load_checkpoint_file(path: Path) -> dict[str, Any]:
-    """One DeepSpeed ``.pt`` file as plain values with lazy tensors: opening a file costs
-    its pickle, not its tensors.
+def load_checkpoint_file(path: Path) -> tuple[dict[str, Any], bytes, Budget]:
+    """One DeepSpeed ``.pt`` file as plain values with lazy tensors (opening a file costs its
+    pickle, not its tensors), the bytes of its pickle, and the file's budget (what reading it
+    costs, charged on by the caller).
 
     Raises DeepSpeedFormatError with the file name and a one-line cause.
     """
-    return load_checkpoint_file_and_pickle(path)[0]
-
-
-def load_checkpoint_file_and_pickle(path: Path) -> tuple[dict[str, Any], bytes]:
-    """:func:`load_checkpoint_file`, and the bytes of the file's pickle."""
     try:
-        loaded, pickled = load_torch_file(path, allowed=ALLOWED_GLOBALS, with_pickle=True)
+        loaded = read_torch_file(path, allowed=ALLOWED_GLOBALS)
     except TorchFileError as err:
         raise DeepSpeedFormatError(str(err)) from None
-    if not isinstance(loaded, dict):
-        raise DeepSpeedFormatError(f"{path}: expected a dict at the top level, found {type(loaded).__name__}")
-    return loaded, pickled
+    if not isinstance(loaded.value, dict):
+        raise DeepSpeedFormatError(f"{path}: expected a dict at the top level, found {type(loaded.value).__name__}")
+    return loaded.value, loaded.pickle, loaded.budget

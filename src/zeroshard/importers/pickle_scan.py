@@ -1,11 +1,14 @@
 """The opcode allow-list of torch.save pickles, checked in one pass before unpickling.
 
 The C unpickler trusts what a pickle declares: ``LONG_BINPUT`` with index 2**32 - 1 makes it
-allocate (and zero) a memo of 64 GiB, ``BINBYTES8`` allocates its declared size before reading
-it, and protocol 0/1 or out-of-band opcodes are nothing torch.save writes. So before
-unpickling, every opcode is checked against the set a torch.save pickle (protocol 2 to 4)
-uses, every memo index is bounded by the pickle's size and every counted string or integer
-must fit in the bytes that follow.
+allocate (and zero) a memo of 64 GiB, ``BINBYTES8`` and ``FRAME`` allocate their declared size
+before reading it, and protocol 0/1 or out-of-band opcodes are nothing torch.save writes. So
+before unpickling, every opcode is checked against the set a torch.save pickle (protocol 2 to
+4) uses, every memo index is bounded by the pickle's size, every counted string, integer or
+frame must fit in the bytes that follow, and an integer may not be longer than 1 KiB (its hash,
+computed again each time it is a dict key, costs its length; its decimal text, in a JSON
+manifest or an error, would be more than Python prints). The scan also says what the opcodes that create
+an empty container (one byte for a set of 216) may allocate, for the load's budget.
 
 :func:`check_opcodes` does that without decoding opcodes one by one in Python (which costs
 more than unpickling): one regular expression consumes runs of allowed opcodes whose
@@ -17,8 +20,10 @@ from __future__ import annotations
 
 import pickletools
 import re
+import sys
 import threading
 
+from ..checkpoint.io.budget import CONSTANT
 from .torch_records import FileProblem
 
 # The opcodes a torch.save pickle (protocol 2 to 4) uses for data; no buffers, INST/OBJ, EXT.
@@ -42,6 +47,16 @@ _COUNTED = {
     )
 }  # fmt: skip
 _LONG_BINPUT = _OPCODES["LONG_BINPUT"].code.encode("latin-1")[0]
+_FRAME = _OPCODES["FRAME"].code.encode("latin-1")[0]
+_LONG4 = _OPCODES["LONG4"].code.encode("latin-1")[0]
+MAX_INT_BYTES = 1024  # an int of 8,192 bits, 2,467 digits: Python prints up to 4,300
+# Opcodes creating a container from nothing (FROZENSET from what the stack holds), and the
+# bytes CPython allocates for an empty one.
+_CREATING = tuple(
+    (_OPCODES[name].code.encode("latin-1"), sys.getsizeof(empty))
+    for name, empty in (("EMPTY_DICT", {}), ("EMPTY_LIST", []), ("EMPTY_SET", set()), ("FROZENSET", frozenset((0,))))
+)
+_MOST_CREATED = max(size for _, size in _CREATING)  # bytes one byte of pickle may create
 _FAST_MEMO_LIMIT = 1 << 16  # LONG_BINPUT indices below this pass the fast scan of pickles this big
 
 
@@ -58,7 +73,7 @@ def _fast_scanner(long_binput: bool) -> re.Pattern[bytes]:
     with a 1-byte argument (BINPUT, BINGET, BININT1: half of a torch.save pickle), then those
     without one, then BINUNICODE (1.5x faster than the other way round)."""
     by_width: dict[int, list[bytes]] = {}
-    for name in sorted(ALLOWED_OPCODES - {"STOP", "GLOBAL", "LONG_BINPUT"}):
+    for name in sorted(ALLOWED_OPCODES - {"STOP", "GLOBAL", "LONG_BINPUT", "FRAME"}):
         op = _OPCODES[name]
         if op.code.encode("latin-1")[0] not in _COUNTED:
             by_width.setdefault(op.arg.n if op.arg else 0, []).append(_code(name))
@@ -84,24 +99,34 @@ _FAST = _fast_scanner(long_binput=False)
 _FAST_BIG = _fast_scanner(long_binput=True)
 
 
-def check_opcodes(data: bytes) -> None:
+def check_opcodes(data: bytes) -> int:
     """Refuse a pickle with an opcode outside ALLOWED_OPCODES, a memo index beyond its size
-    (the C unpickler sizes its memo by the largest index), or an argument running past its end.
+    (the C unpickler sizes its memo by the largest index), or an argument running past its end;
+    the bytes its container-creating opcodes may allocate (an upper bound: every byte of the
+    pickle with such an opcode's value is counted, in arguments too; 0 for a pickle that could
+    not create more than the budget's constant).
 
     The verdict depends on the bytes alone, so the last few small pickles that passed are
     remembered by their content: at large D, runs of DeepSpeed rank files hold the same pickle
     (the same keys, shapes and slice mappings), and comparing bytes costs a tenth of a scan."""
-    if data in _PASSED:
-        return
+    created = _PASSED.get(data)
+    if created is not None:
+        return created
     _scan(data)
+    # A pickle too small to create more than the budget's constant is not counted (a rank
+    # file's at large D: a few KB, each a new one); a bigger one is, by its byte values.
+    created = 0
+    if len(data) * _MOST_CREATED > CONSTANT:
+        created = sum(data.count(code) * size for code, size in _CREATING)
     if len(data) <= _PASSED_BYTES:
         with _PASSED_LOCK:
             if len(_PASSED) >= _PASSED_COUNT:
                 del _PASSED[next(iter(_PASSED))]  # the oldest
-            _PASSED[data] = None
+            _PASSED[data] = created
+    return created
 
 
-_PASSED: dict[bytes, None] = {}
+_PASSED: dict[bytes, int] = {}
 _PASSED_LOCK = threading.Lock()
 _PASSED_COUNT = 16
 _PASSED_BYTES = 64 << 10
@@ -131,11 +156,23 @@ def _slow_opcode(data: bytes, position: int) -> int:
     if width is not None:
         length = _unsigned(data, position + 1, width, op.name)
         after = position + 1 + width + length
+        if code == _LONG4 and length > MAX_INT_BYTES:  # hashing one costs its length, each time it is a key
+            raise FileProblem(
+                f"refused to unpickle data.pkl: an integer of {length:,} bytes at byte {position} "
+                f"(at most {MAX_INT_BYTES:,}: torch.save writes none this long)"
+            )
     elif code == _LONG_BINPUT:
         index = _unsigned(data, position + 1, 4, op.name)
         if index > len(data):
             raise FileProblem(f"corrupt pickle data.pkl: memo index {index} in a pickle of {len(data)} bytes")
         after = position + 5
+    elif code == _FRAME:  # the frame's opcodes follow, and are scanned as any others
+        length = _unsigned(data, position + 1, 8, op.name)
+        if position + 9 + length > len(data):
+            raise FileProblem(
+                f"corrupt pickle data.pkl: the FRAME of {length:,} bytes at byte {position} runs past the end"
+            )
+        after = position + 9
     else:  # an opcode the fast scan takes when its argument is complete
         after = len(data) + 1
     if after > len(data):

@@ -28,7 +28,9 @@ Integrity: every record read is checked against the CRC-32 of the zip directory:
 bytes are read (:func:`~.torch_records.verify_record`). No size the file declares drives an
 allocation beyond the bytes it holds: a storage must fit its record, and a tensor view must
 fit its storage and hold no more elements than it (so a stride-0 view of a small storage
-cannot expand into gigabytes).
+cannot expand into gigabytes). What unpickling creates and copies is charged to the file's
+:class:`~zeroshard.checkpoint.io.budget.Budget`, which the caller keeps charging for what it
+does with the result (the DeepSpeed importer charges every tensor it keeps).
 """
 
 from __future__ import annotations
@@ -37,15 +39,15 @@ import enum
 import functools
 import itertools
 import os
-import reprlib
 import stat
 import struct
 import types
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from ..checkpoint.io.budget import Budget, BudgetExceeded, named, quoted
 from .torch_records import (
     FileProblem,
     StorageRecord,
@@ -58,28 +60,45 @@ from .torch_records import (
 from .torch_unpickler import ALLOWED_GLOBALS, ITEMSIZES, StorageType, seal, unpickle
 from .zip_directory import read_directory
 
-__all__ = ["StorageRecord", "StoredTensor", "TorchFileError", "load_torch_file"]
+__all__ = ["StorageRecord", "StoredTensor", "TorchFile", "TorchFileError", "load_torch_file", "read_torch_file"]
 
+_new_tuple = tuple.__new__
 _LEGACY_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")  # first pickle of pre-1.6 files
 WHOLE_FILE_BYTES = 1 << 20  # files up to this size are read with one read, not record by record
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra field length
 _loads = itertools.count(1)  # numbers the loads of this process (StorageRecord.load)
 
 
-def load_torch_file(path: Path, allowed: Mapping[str, type] | None = None, *, with_pickle: bool = False) -> Any:
+class TorchFile(NamedTuple):
+    """What :func:`read_torch_file` read: the object, the bytes of the pickle it was unpickled
+    from (checked: a caller can tell files holding the same pickle apart), and the file's
+    budget, for the caller to go on charging. (A tuple: one is made per file.)"""
+
+    value: Any
+    pickle: bytes
+    budget: Budget
+
+
+def load_torch_file(path: Path, allowed: Mapping[str, type] | None = None) -> Any:
     """The object a torch.save file holds, with :class:`StoredTensor` leaves (``torch.Size``
-    comes back as a tuple, a dtype as its name); with ``with_pickle``, that object and the
-    bytes of the pickle it was unpickled from (checked), so that a caller can tell files
-    holding the same pickle apart from others.
+    comes back as a tuple, an ``OrderedDict`` as a
+    :class:`~.torch_unpickler.LoadedOrderedDict`, a dtype as its name).
 
     ``allowed`` maps further globals (``"module.name"``) to data-only stand-in classes: the
-    pickle may call one with arguments, create one without ``__init__`` and fill its
-    ``__dict__`` (or call the stand-in's own ``__setstate__``). It cannot replace the
-    built-in entries. A stand-in whose instances are shared beyond one load (an Enum's
-    members) must refuse that (:func:`~.torch_records.refuses_state`), so that a file cannot
-    change them for the whole process. Raises TorchFileError, whose one-line message starts
-    with ``path``.
+    pickle may call one with arguments, create one without ``__init__`` and set its state
+    through its ``__setstate__``, which every stand-in must have: one that fills its
+    ``__dict__`` within the load's budget (:func:`~.torch_records.fills_state`), its own, or
+    one that refuses (:func:`~.torch_records.refuses_state`; a stand-in whose instances are
+    shared beyond one load, an Enum's members, must refuse, so that a file cannot change them
+    for the whole process). It cannot replace the built-in entries. Raises TorchFileError,
+    whose one-line message starts with ``path``, also where the file would cost more than its
+    budget (:mod:`zeroshard.checkpoint.io.budget`).
     """
+    return read_torch_file(path, allowed).value
+
+
+def read_torch_file(path: Path, allowed: Mapping[str, type] | None = None) -> TorchFile:
+    """:func:`load_torch_file`, with the pickle's bytes and the file's budget."""
     path = path if isinstance(path, Path) else Path(path)  # Path(a Path) parses it again
     stand_ins = tuple((allowed or {}).items())
     for name, cls in stand_ins:
@@ -96,12 +115,15 @@ def load_torch_file(path: Path, allowed: Mapping[str, type] | None = None, *, wi
             data = archive.read("data.pkl")
             if data is None:
                 raise FileProblem(f"record {archive.prefix}data.pkl is missing")
-            value = unpickle(data, globals_, archive.storage)
-            return (value, data) if with_pickle else value
+            budget = Budget(path, size)
+            value = unpickle(data, globals_, archive.storage, budget)
+            return _new_tuple(TorchFile, (value, data, budget))  # TorchFile(...) is a Python call
         finally:
             os.close(fd)
     except FileProblem as problem:
         raise TorchFileError(f"{path}: {problem}") from None
+    except BudgetExceeded as err:
+        raise TorchFileError(str(err)) from None
     except OSError as err:
         raise TorchFileError(f"{path}: cannot be read: {err.strerror or err}") from None
 
@@ -115,6 +137,11 @@ def _globals(allowed: tuple[tuple[str, type], ...]) -> Mapping[str, Any]:
         if issubclass(cls, enum.Enum) and not refuses_state_of(cls):
             raise TypeError(
                 f"allowed[{name!r}] is an Enum, whose members every load shares: decorate it with refuses_state"
+            )
+        if getattr(cls, "__setstate__", None) is None:
+            raise TypeError(
+                f"allowed[{name!r}] has no __setstate__, so a pickle's BUILD would fill it uncharged: "
+                "decorate it with fills_state (or refuses_state)"
             )
         globals_.setdefault(name, seal(name, cls))
     return types.MappingProxyType(globals_)
@@ -178,6 +205,11 @@ def _directory(path: Path, file: _FileBytes) -> Mapping[str, Any]:
     if found is not None:
         return found
     with _open_zip(path) as zip_file:
+        records = zip_file.infolist()
+        if len(records) != len(zip_file.NameToInfo):  # torch.load reads the first of two, zipfile the last
+            seen: set[str] = set()
+            twice = next(info.filename for info in records if info.filename in seen or seen.add(info.filename))
+            raise FileProblem(f"the zip archive holds two records named {quoted(twice)}")
         return dict(zip_file.NameToInfo)
 
 
@@ -218,7 +250,9 @@ class _Archive:
         if info is None:
             return None
         if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 1:
-            raise FileProblem(f"record {info.filename} is compressed or encrypted; torch.save stores records as they are")
+            raise FileProblem(
+                f"record {named(info.filename)} is compressed or encrypted; torch.save stores records as they are"
+            )
         return info
 
     def read(self, name: str) -> bytes | None:
@@ -228,11 +262,12 @@ class _Archive:
             return None
         data = self.file.read(self._data_offset(info), info.file_size)
         if len(data) != info.file_size:
-            raise FileProblem(f"record {info.filename} runs past the end of the file (truncated?)")
+            raise FileProblem(f"record {named(info.filename)} runs past the end of the file (truncated?)")
         found = crc32(data)
         if found != info.CRC:
             raise FileProblem(
-                f"record {info.filename} is corrupt: its CRC-32 is {found:08x}, the zip directory says {info.CRC:08x}"
+                f"record {named(info.filename)} is corrupt: its CRC-32 is {found:08x}, "
+                f"the zip directory says {info.CRC:08x}"
             )
         return data
 
@@ -250,17 +285,18 @@ class _Archive:
         if record is None:
             info = self.info(f"data/{key}")
             if info is None:
-                raise FileProblem(f"storage record {self.prefix}data/{key} is missing")
+                raise FileProblem(f"storage record {named(f'{self.prefix}data/{key}')} is missing")
             name, size = info.filename, info.file_size
             if size < nbytes:
                 raise FileProblem(
-                    f"storage record {name} has {size} bytes, its {numel}-element {kind.dtype} storage needs {nbytes}"
+                    f"storage record {named(name)} has {size} bytes, "
+                    f"its {numel}-element {kind.dtype} storage needs {nbytes}"
                 )
             offset = self._data_offset(info)
             record = StorageRecord(self.path, key, offset, nbytes, kind.dtype, name, size, info.CRC, self.load)
             self.storages[key] = record
         elif record.nbytes != nbytes or record.dtype != kind.dtype:
-            raise FileProblem(f"corrupt pickle data.pkl: storage {key} is declared with two types or sizes")
+            raise FileProblem(f"corrupt pickle data.pkl: storage {named(key)} is declared with two types or sizes")
         return record
 
     def _data_offset(self, info: Any) -> int:
@@ -271,12 +307,12 @@ class _Archive:
         except struct.error:  # the file ends inside the header
             signature = None
         if signature != b"PK\x03\x04":
-            raise FileProblem(f"record {info.filename}: bad local zip header")
+            raise FileProblem(f"record {named(info.filename)}: bad local zip header")
         start = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
         if start + info.file_size > self.file.size:
-            raise FileProblem(f"record {info.filename} runs past the end of the file (truncated?)")
+            raise FileProblem(f"record {named(info.filename)} runs past the end of the file (truncated?)")
         return start
 
 
 def _unexpected_pid(pid: Any) -> FileProblem:
-    return FileProblem(f"corrupt pickle data.pkl: unexpected persistent id {one_line(reprlib.repr(pid))}")
+    return FileProblem(f"corrupt pickle data.pkl: unexpected persistent id {quoted(pid)}")

@@ -4,6 +4,11 @@
 :class:`StorageRecord`, a run of bytes in the file. Its bytes are read with ``os.pread`` when
 asked for, into a fresh numpy array (``ml_dtypes`` for bfloat16 and float8). The first read
 of a record checks the zip CRC-32 of the whole record (:func:`verify_record`).
+
+The markers a pickle's objects carry are here too: :func:`refuses_state` and
+:func:`fills_state` decide what a BUILD opcode may do to an object, and :func:`charge_load`
+charges the budget of the load running on this thread (the unpickler's callbacks have no
+other way to reach it).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from ..checkpoint.io.budget import DICT_ITEM_BYTES, named
 from ..checkpoint.io.dtypes import dtype_info
 from ..checkpoint.io.safetensors_io import map_range
 
@@ -73,6 +79,34 @@ def refuses_state(cls: type) -> type:
 
 def refuses_state_of(cls: type) -> bool:
     return getattr(getattr(cls, "__setstate__", None), "refuses_state", False)
+
+
+def fills_state(cls: type) -> type:
+    """Let a pickle's BUILD opcode fill the ``__dict__`` of an instance of ``cls`` from a dict,
+    charged to the load's budget: without a ``__setstate__``, BUILD copies the state in C, and
+    one memoised state given to many objects copies it again each time. (A state of a few
+    entries costs less than the opcodes giving it, and is not charged.)"""
+
+    def __setstate__(self: Any, state: Any) -> None:
+        if type(state) is not dict:
+            raise FileProblem(f"corrupt pickle data.pkl: the state of a {cls.__name__} is not a dict")
+        if len(state) > _SMALL_STATE:
+            charge_load(len(state) * DICT_ITEM_BYTES, "setting {:,} attributes of a {}", len(state), cls.__name__)
+        self.__dict__.update(state)
+
+    cls.__setstate__ = __setstate__  # type: ignore[attr-defined]
+    return cls
+
+
+_SMALL_STATE = 4
+LOADING = threading.local()  # .budget: the Budget of the load this thread runs (set by the unpickler)
+
+
+def charge_load(nbytes: int, what: str, *details: Any) -> None:
+    """Charge the budget of the load running on this thread (nothing outside a load)."""
+    budget = getattr(LOADING, "budget", None)
+    if budget is not None:
+        budget.charge(nbytes, what, *details)
 
 
 def unbuildable(cls: type) -> type:
@@ -206,16 +240,19 @@ def span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
 def _read(storage: StorageRecord, dtype: str, first: int, count: int) -> np.ndarray:
     """``count`` elements of ``dtype`` from element ``first`` of a storage: mapped when big,
     else read with pread. The record's CRC is checked first (once per load); a small record
-    is read whole, with its check, in one pread."""
+    is read whole, with its check, in one pread, unless the range is a small part of it (a
+    layout of many tiny parameters would read the record again for each)."""
     numpy_dtype = dtype_info(dtype).numpy
     begin = first * numpy_dtype.itemsize
     end = begin + count * numpy_dtype.itemsize
     try:
         fd = os.open(storage.path, os.O_RDONLY)
         try:
-            if end - begin < MAP_BYTES and storage.record_size <= _SMALL_RECORD_BYTES:
-                record = _checked_record(storage, fd)
-                return np.frombuffer(memoryview(record)[begin:end], numpy_dtype).copy()
+            record = storage.record_size
+            whole_read = record <= min(_SMALL_RECORD_BYTES, _WHOLE_READS * (end - begin) + _WHOLE_BYTES)
+            if end - begin < MAP_BYTES and whole_read:
+                whole = _checked_record(storage, fd)
+                return np.frombuffer(memoryview(whole)[begin:end], numpy_dtype).copy()
             verify_record(storage, fd)
             return _read_range(storage, fd, numpy_dtype, storage.data_offset + begin, count)
         finally:
@@ -287,6 +324,7 @@ def _read_range(storage: StorageRecord, fd: int, numpy_dtype: np.dtype, begin: i
 
 _CRC_WINDOW = 16 << 20
 _SMALL_RECORD_BYTES = 256 << 10  # read whole with one pread (mapping one costs more than copying it)
+_WHOLE_READS, _WHOLE_BYTES = 16, 16 << 10  # ... when at most 16 times the range plus 16 KiB
 _VERIFIED_LIMIT = 1 << 14
 _verified: dict[tuple[Any, ...], None] = {}  # records checked: by load, record and file identity
 _verified_lock = threading.Lock()
@@ -332,7 +370,7 @@ def _checked_record(storage: StorageRecord, fd: int) -> bytes:
 def _check_crc(storage: StorageRecord, found: int) -> None:
     if found != storage.crc32:
         raise TorchFileError(
-            f"{storage.path}: record {storage.record_name} is corrupt: its CRC-32 is {found:08x}, "
+            f"{storage.path}: record {named(storage.record_name)} is corrupt: its CRC-32 is {found:08x}, "
             f"the zip directory says {storage.crc32:08x}"
         )
 
@@ -354,7 +392,9 @@ def _record_crc(storage: StorageRecord, fd: int) -> int:
 
 
 def _ends_early(storage: StorageRecord) -> TorchFileError:
-    return TorchFileError(f"{storage.path}: file ends inside storage record {storage.key} (changed since it was loaded?)")
+    return TorchFileError(
+        f"{storage.path}: file ends inside storage record {named(storage.key)} (changed since it was loaded?)"
+    )
 
 
 def _pread_into(fd: int, buffer: memoryview, offset: int) -> int:

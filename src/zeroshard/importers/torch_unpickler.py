@@ -6,22 +6,49 @@ rebuild functions and markers and to the caller's data-only stand-in classes, an
 every other global by name, as ``torch.load(weights_only=True)`` does. Before unpickling,
 the opcodes are checked against the set a torch.save pickle uses
 (:func:`~.pickle_scan.check_opcodes`).
+
+A pickle's memo lets a few bytes hand one object to a constructor again and again, so what
+the allowed globals copy is charged to the load's budget: ``torch.Size`` and ``set`` are
+wrappers charging the items they copy, ``OrderedDict`` takes no arguments (torch.save passes
+none) and charges the state a BUILD gives it, a stand-in charges the arguments it is called
+with and the state it is filled with (:func:`~.torch_records.fills_state`); the scan
+charges the containers the pickle creates.
 """
 
 from __future__ import annotations
 
+import enum
 import io
 import math
 import pickle
-import reprlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ..checkpoint.io.budget import (
+    DICT_ITEM_BYTES,
+    REFERENCE_BYTES,
+    SET_ITEM_BYTES,
+    UNCHARGED_BYTES,
+    Budget,
+    BudgetExceeded,
+    named,
+    quoted,
+)
 from ..checkpoint.io.dtypes import dtype_info
 from .pickle_scan import check_opcodes
-from .torch_records import STORAGE_CLASSES, FileProblem, StorageRecord, StoredTensor, one_line, span, unbuildable
+from .torch_records import (
+    LOADING,
+    STORAGE_CLASSES,
+    FileProblem,
+    StorageRecord,
+    StoredTensor,
+    charge_load,
+    one_line,
+    span,
+    unbuildable,
+)
 
 
 class _SealedGlobal(type):
@@ -31,24 +58,54 @@ class _SealedGlobal(type):
     must not set their attributes (torch's weights-only unpickler refuses that too)."""
 
     def __call__(cls, *args: Any) -> Any:
+        if len(args) > _FEW_ARGUMENTS:
+            _charge_arguments(cls, args)
         return cls.target(*args)  # type: ignore[attr-defined]
 
     def __setattr__(cls, name: str, value: Any) -> None:
         raise FileProblem(f"refused to unpickle data.pkl: it sets attribute {name!r} of global {cls.__name__!r}")
 
 
+class _SealedEnum(_SealedGlobal):
+    """:class:`_SealedGlobal` of an Enum: called with its value only, a plain int or str (the
+    Enum's own error message would hold the repr() of anything else). An Enum's ``__new__``
+    looks its value up too, so NEWOBJ does the same."""
+
+    def __call__(cls, *args: Any) -> Any:
+        if len(args) != 1 or type(args[0]) not in (int, str):
+            raise FileProblem(f"corrupt pickle data.pkl: {cls.__name__} called with {quoted(args)}, not a value")
+        try:
+            return cls.target(args[0])  # type: ignore[attr-defined]
+        except ValueError:
+            raise FileProblem(f"corrupt pickle data.pkl: {quoted(args[0])} is not a {cls.__name__}") from None
+
+
 def seal(qualname: str, target: Callable[..., Any]) -> Any:
     """What find_class hands out for ``target``: a built-in type as it is (nothing of it can be
-    set), anything else wrapped in a :class:`_SealedGlobal`."""
+    set), anything else wrapped in a :class:`_SealedGlobal` (a :class:`_SealedEnum` for an Enum)."""
     if isinstance(target, type) and target.__flags__ & _IMMUTABLE_TYPE:
         return target
+    sealed = _SealedEnum if isinstance(target, enum.EnumMeta) else _SealedGlobal
 
     def new(cls: type, *args: Any) -> Any:
+        if len(args) > _FEW_ARGUMENTS:
+            _charge_arguments(cls, args)
         if not isinstance(target, type):
             raise FileProblem(f"refused to unpickle data.pkl: NEWOBJ of {qualname!r}, which is not a class")
+        if sealed is _SealedEnum:
+            return cls(*args)
         return target.__new__(target, *args)
 
-    return _SealedGlobal(qualname, (), {"__slots__": (), "target": target, "__new__": new})
+    return sealed(qualname, (), {"__slots__": (), "target": target, "__new__": new})
+
+
+def _charge_arguments(cls: type, args: tuple[Any, ...]) -> None:
+    """A call unpacks its arguments: charged, as a memoised tuple of them may be passed again
+    and again (a few cost less than the opcodes passing them, and are not charged)."""
+    charge_load(len(args) * REFERENCE_BYTES, "calling {} with {:,} arguments", cls.__name__, len(args))
+
+
+_FEW_ARGUMENTS = 8
 
 
 _IMMUTABLE_TYPE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE: built-in types, whose attributes cannot be set
@@ -83,7 +140,7 @@ class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         qualname = f"{'builtins' if module == '__builtin__' else module}.{name}"
         if qualname not in self._globals:
-            raise FileProblem(f"refused to unpickle data.pkl: global {qualname!r} is not allowed")
+            raise FileProblem(f"refused to unpickle data.pkl: global {quoted(qualname)} is not allowed")
         return self._globals[qualname]
 
 
@@ -98,14 +155,26 @@ def _peekable(data: bytes) -> io.BufferedReader:
 _PEEK_BYTES = 1 << 20  # bigger pickles are peeked into a megabyte at a time
 
 
-def unpickle(data: bytes, globals_: Mapping[str, Any], storage: Callable[[Any], StorageRecord]) -> Any:
-    check_opcodes(data)
+def unpickle(
+    data: bytes, globals_: Mapping[str, Any], storage: Callable[[Any], StorageRecord], budget: Budget
+) -> Any:
+    """The object the pickle ``data`` describes, what it creates and copies charged to
+    ``budget`` (BudgetExceeded); FileProblem for anything else wrong with it."""
+    created = check_opcodes(data)
+    if created > UNCHARGED_BYTES:
+        budget.charge(created, "creating the containers of data.pkl")
+    previous = getattr(LOADING, "budget", None)
+    LOADING.budget = budget  # for the callbacks, which have no other way to it
     try:
         return _Unpickler(data, globals_, storage).load()
-    except FileProblem:
+    except (FileProblem, BudgetExceeded):
         raise
+    except MemoryError:
+        raise FileProblem("unpickling data.pkl ran out of memory") from None
     except Exception as err:  # noqa: BLE001 - whatever a malformed stream makes the unpickler or a stand-in raise
         raise FileProblem(f"corrupt pickle data.pkl: {one_line(err)}") from None
+    finally:
+        LOADING.budget = previous
 
 
 # The rebuild functions take what the file passes, anything: _tensor checks it. Hooks are
@@ -118,6 +187,8 @@ def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad, hoo
 
 @_refuses_state
 def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, hooks, dtype, metadata=None):
+    if type(dtype) is not str:  # a dtype global's name; anything else may cost more to hash
+        raise FileProblem("corrupt pickle data.pkl: malformed tensor")
     return _tensor(storage, dtype, storage_offset, size, stride, requires_grad, metadata)
 
 
@@ -174,7 +245,7 @@ def _checked_tensor(
     ):
         raise FileProblem("corrupt pickle data.pkl: malformed tensor")
     if metadata:  # the conjugate or negative bit: values would need a transformation
-        raise FileProblem(f"tensor metadata {one_line(reprlib.repr(metadata))} is unsupported")
+        raise FileProblem(f"tensor metadata {quoted(metadata)} is unsupported")
     _check_view_fits(storage, dtype, storage_offset, shape, steps)
     return StoredTensor(storage, dtype, shape, steps, storage_offset, requires_grad)
 
@@ -195,11 +266,11 @@ def _check_view_fits(
     needed = (offset + span(shape, stride)) * itemsize
     if needed > storage.nbytes:
         what = f"a {dtype} tensor of shape {shape}, stride {stride}, offset {offset}"
-        raise FileProblem(f"{what} needs {needed} bytes of storage {storage.key}, which has {storage.nbytes}")
+        raise FileProblem(f"{what} needs {needed} bytes of storage {named(storage.key)}, which has {storage.nbytes}")
     if numel * itemsize > storage.nbytes:
         what = f"a {dtype} tensor of shape {shape}, stride {stride}, offset {offset}"
         raise FileProblem(
-            f"{what} has {numel} elements, storage {storage.key} holds {storage.nbytes // itemsize}: "
+            f"{what} has {numel} elements, storage {named(storage.key)} holds {storage.nbytes // itemsize}: "
             "an expanded view is refused (reading it would allocate more than the file holds)"
         )
 
@@ -218,6 +289,49 @@ def _sizes(value: Any) -> tuple[int, ...] | None:
     return tuple(value)
 
 
+# The built-in constructors a torch.save pickle calls, as wrappers that charge what they
+# copy (a function, not a type, so NEWOBJ on one is refused as for the rebuild functions).
+@_refuses_state
+def _size(*args: Any) -> tuple[Any, ...]:
+    """``torch.Size``, read as a tuple."""
+    _charge_copy(args, REFERENCE_BYTES, "a torch.Size")
+    return tuple(*args)
+
+
+@_refuses_state
+def _set(*args: Any) -> set[Any]:
+    _charge_copy(args, SET_ITEM_BYTES, "a set")
+    return set(*args)
+
+
+def _charge_copy(args: tuple[Any, ...], item_bytes: int, what: str) -> None:
+    try:
+        count = len(args[0]) if len(args) == 1 else 0  # anything else: the constructor refuses it
+    except TypeError:  # no length: not iterable, so nothing is copied
+        return
+    charge_load(count * item_bytes, "copying {:,} items into {}", count, what)
+
+
+class LoadedOrderedDict(OrderedDict):  # type: ignore[type-arg]
+    """What an ``OrderedDict`` of a pickle unpickles to: an OrderedDict whose BUILD state (the
+    ``_metadata`` of a module's state_dict) is charged to the load's budget, as C would copy
+    it uncharged into every OrderedDict a memoised state is given to."""
+
+    __slots__ = ()
+
+    def __setstate__(self, state: Any) -> None:
+        if type(state) is not dict:
+            raise FileProblem("corrupt pickle data.pkl: the state of an OrderedDict is not a dict")
+        charge_load(len(state) * DICT_ITEM_BYTES, "setting {:,} attributes of an OrderedDict", len(state))
+        self.__dict__.update(state)
+
+
+# torch.save writes an OrderedDict as a call without arguments, then its items: the copy
+# method of an empty one makes a new empty one in C (no Python call per OrderedDict, one per
+# tensor of a file) and refuses arguments, so nothing is copied into it but its items.
+_ordered_dict = LoadedOrderedDict().copy
+
+
 ALLOWED_GLOBALS: dict[str, Any] = {
     **{f"torch.{storage}": StorageType(name) for name, storage in STORAGE_CLASSES.items() if storage},
     "torch.storage.UntypedStorage": StorageType("uint8"),
@@ -225,7 +339,7 @@ ALLOWED_GLOBALS: dict[str, Any] = {
     "torch._utils._rebuild_tensor_v2": _rebuild_tensor_v2,
     "torch._utils._rebuild_tensor_v3": _rebuild_tensor_v3,
     "torch._utils._rebuild_parameter": _rebuild_parameter,
-    "torch.Size": tuple,
-    "collections.OrderedDict": OrderedDict,
-    "builtins.set": set,
+    "torch.Size": _size,
+    "collections.OrderedDict": _ordered_dict,  # type: ignore[dict-item]
+    "builtins.set": _set,
 }

@@ -3,9 +3,9 @@
 ``zipfile.ZipFile`` builds a full ``ZipInfo`` per record in Python, which costs more than
 the rest of opening a small DeepSpeed rank file. :func:`read_directory` parses the layout
 torch.save writes (no archive comment, no data before the archive, a zip64 end record or
-not, every size in the 32-bit fields) into :class:`Entry` records with the attributes of
-``ZipInfo`` that the reader uses. Anything else gives None, and the caller falls back to
-``zipfile``, which also words the errors for damaged archives.
+not, every size in the 32-bit fields, no name twice) into :class:`Entry` records with the
+attributes of ``ZipInfo`` that the reader uses. Anything else gives None, and the caller falls
+back to ``zipfile``, which also words the errors for damaged archives.
 
 The bytes come from ``read(offset, size)``: slices of the whole file when the caller read
 it at once (small files), or ``pread`` calls (the end records, then the directory).
@@ -37,7 +37,7 @@ class Entry(NamedTuple):
     compress_size: int
     compress_type: int
     flag_bits: int
-    CRC: int  # noqa: N815 - ZipInfo's name
+    CRC: int
 
 
 def read_directory(read: Read, size: int) -> dict[str, Entry] | None:
@@ -94,6 +94,8 @@ def _entries(data: bytes, count: int, directory_at: int) -> dict[str, Entry] | N
             start = position + _HEADER.size
             position = start + name_length  # a name cut short by the end: position ends past it
             name = data[start:position].decode("ascii")
+            if name in entries:
+                return None  # two records of one name: zipfile's reading words the refusal
             entries[name] = new_entry(Entry, (name, header_offset, file_size, compressed, method, flags, crc))
             position += extra_length + comment_length
     except (struct.error, UnicodeDecodeError):  # the directory ends early, or a name is not ASCII

@@ -14,10 +14,12 @@ import base64
 import json
 import math
 import re
+import sys
 from typing import Any
 
 import numpy as np
 
+from .budget import quoted
 from .dtypes import as_array, dtype_of, dtype_of_code
 
 _TAG = "__zeroshard__"
@@ -36,6 +38,30 @@ def loads(text: str | bytes, where: object) -> Any:
         return json.loads(text)
     except RecursionError:
         raise ValueError(f"{where}: corrupted: JSON nested too deeply to parse (the limit is {MAX_DEPTH})") from None
+    except json.JSONDecodeError:
+        raise
+    except ValueError:  # the only other one: an integer longer than Python converts from text
+        digits = sys.get_int_max_str_digits()
+        raise ValueError(f"{where}: corrupted: it holds an integer of more than {digits:,} digits") from None
+
+
+def read_int(value: Any, what: str, name: Any = None, minimum: int = 0) -> int:
+    """``value`` if it is a JSON integer (not a bool, a float or a string of digits) of at
+    least ``minimum``; else ValueError saying what ``what`` (a template of ``name``, formatted
+    only then: a manifest holds thousands) is."""
+    if type(value) is not int or value < minimum:
+        expected = "an integer" if type(value) is not int else f"at least {minimum}"
+        raise ValueError(f"{what.format(quoted(name))} is {quoted(value)}, expected {expected}")
+    return value
+
+
+def read_shape(value: Any, what: str, name: Any = None) -> tuple[int, ...]:
+    """A tensor shape: a JSON list of integers of at least 0 (``what`` as for :func:`read_int`)."""
+    if type(value) is not list:
+        raise ValueError(f"{what.format(quoted(name))} is {quoted(value)}, expected a list of integers")
+    for dim in value:
+        read_int(dim, what + " has a dimension that", name)
+    return tuple(value)
 
 
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
@@ -115,7 +141,7 @@ def decode(value: Any) -> Any:
         return {_hashable(decode(k)): decode(v) for k, v in value["items"]}
     if kind == "tensor":
         return _decode_tensor(value)
-    raise ValueError(f"unknown tagged value {kind!r} in the manifest")
+    raise ValueError(f"unknown tagged value {quoted(kind)} in the manifest")
 
 
 def _is_torch_tensor(value: Any) -> bool:

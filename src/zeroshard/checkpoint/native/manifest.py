@@ -15,9 +15,6 @@ from typing import Any
 from ... import __version__
 from ...layout import Layout
 from ...state import ParamGroupState
-from ..io import jsonvalue
-from ..io.checksum import FileRecord
-from ..io.directory import read_json_file
 from ..format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -29,6 +26,10 @@ from ..format import (
     state_key,
     state_name_problem,
 )
+from ..io import jsonvalue
+from ..io.budget import quoted
+from ..io.checksum import FileRecord
+from ..io.directory import read_json_file
 
 TENSOR_KINDS = ("trainable", "frozen", "buffer", "other")
 
@@ -55,7 +56,10 @@ class GroupRecord:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GroupRecord:
-        scalars = {name: (str(s["dtype"]), tuple(int(d) for d in s["shape"])) for name, s in data["scalars"].items()}
+        scalars = {
+            name: (str(s["dtype"]), jsonvalue.read_shape(s["shape"], "the shape of scalar {}", name))
+            for name, s in data["scalars"].items()
+        }
         return cls(str(data["fp32_dtype"]), {str(k): str(v) for k, v in data["states"].items()}, scalars)
 
 
@@ -143,10 +147,10 @@ class Manifest:
         """Parse and check; ValueError names ``source`` and the problem in one line."""
         if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
             found = data.get("format") if isinstance(data, dict) else type(data).__name__
-            raise ValueError(f"{source}: not a zeroshard checkpoint manifest (format {found!r})")
+            raise ValueError(f"{source}: not a zeroshard checkpoint manifest (format {quoted(found)})")
         version = data.get("version")
-        if not isinstance(version, int) or version < 1:
-            raise ValueError(f"{source}: format version {version!r} is not valid")
+        if type(version) is not int or version < 1:
+            raise ValueError(f"{source}: format version {quoted(version)} is not valid")
         if version > FORMAT_VERSION:
             raise ValueError(
                 f"{source}: format version {version} is newer than this zeroshard reads ({FORMAT_VERSION}); upgrade zeroshard"
@@ -176,7 +180,11 @@ class Manifest:
             ],
             groups=tuple(GroupRecord.from_dict(group) for group in data["groups"]),
             model_tensors={
-                str(name): ModelTensorRecord(tuple(int(d) for d in t["shape"]), str(t["dtype"]), str(t["kind"]))
+                str(name): ModelTensorRecord(
+                    jsonvalue.read_shape(t["shape"], "the shape of module tensor {}", name),
+                    str(t["dtype"]),
+                    str(t["kind"]),
+                )
                 for name, t in model["tensors"].items()
             },
             aliases={str(k): str(v) for k, v in model["aliases"].items()},
@@ -187,26 +195,32 @@ class Manifest:
         )
 
     def _check_consistent(self, data: dict[str, Any], source: str) -> None:
-        if data.get("world_size") != self.world_size:
+        if data.get("world_size") != self.world_size or type(data.get("world_size")) is not int:
             raise ValueError(
-                f"{source}: world_size {data.get('world_size')!r} disagrees with the layout's {self.world_size}"
+                f"{source}: world_size {quoted(data.get('world_size'))} disagrees with the layout's {self.world_size}"
             )
         if len(self.groups) != len(self.layout.groups):
             raise ValueError(f"{source}: {len(self.groups)} group records for {len(self.layout.groups)} layout groups")
+        if len(self.files) != self.world_size + 1:  # compared first: the world size is what the file declares
+            raise ValueError(
+                f"{source}: file list does not match world size {self.world_size}: {len(self.files)} files listed, "
+                f"{self.world_size + 1:,} expected (the model file and one per rank)"
+            )
         for index, record in enumerate(self.groups):
             problem = next(filter(None, map(state_name_problem, record.states)), None)
             if problem:
                 raise ValueError(f"{source}: group {index}: {problem}")
         expected = {MODEL_FILE, *self.rank_files()}
         if set(self.files) != expected:
-            missing = sorted(expected - set(self.files))
-            unknown = sorted(set(self.files) - expected)
+            missing = sorted(expected - set(self.files))[:3]
+            unknown = sorted(set(self.files) - expected)[:3]
             raise ValueError(
-                f"{source}: file list does not match world size {self.world_size} (missing {missing}, unknown {unknown})"
+                f"{source}: file list does not match world size {self.world_size} "
+                f"(missing {quoted(missing)}, unknown {quoted(unknown)})"
             )
         for alias, target in self.aliases.items():
             if target not in self.model_tensors or alias in self.model_tensors:
-                raise ValueError(f"{source}: alias {alias!r} -> {target!r} does not name a stored tensor")
+                raise ValueError(f"{source}: alias {quoted(alias)} -> {quoted(target)} does not name a stored tensor")
         problem = _model_tensor_kind_problem(
             self.model_tensors, set(self.layout.param_names) - expert_param_names(self.layout), expert_param_names(self.layout)
         )
@@ -225,13 +239,14 @@ def _model_tensor_kind_problem(tensors: dict[str, ModelTensorRecord], trained: s
     parameters; expert weights are not in the model file."""
     for name, record in tensors.items():
         if name in experts:
-            return f"module tensor {name!r} is an expert weight, which the model file does not hold"
+            return f"module tensor {quoted(name)} is an expert weight, which the model file does not hold"
         if record.kind not in TENSOR_KINDS:
             expected = ", ".join(TENSOR_KINDS)
-            return f"module tensor {name!r} has unknown kind {record.kind!r} (expected one of {expected})"
+            return f"module tensor {quoted(name)} has unknown kind {quoted(record.kind)} (expected one of {expected})"
         if (record.kind == "trainable") != (name in trained):
             state = "is" if name in trained else "is not"
-            return f"module tensor {name!r} has kind {record.kind!r} but {state} a trained parameter of the layout"
+            kind = quoted(record.kind)
+            return f"module tensor {quoted(name)} has kind {kind} but {state} a trained parameter of the layout"
     return None
 
 

@@ -31,6 +31,7 @@ from ...layout import (
 from ...layout.stacks import check_stack_shape
 from ..format import state_name_problem
 from ..io import jsonvalue
+from ..io.budget import quoted
 from ..io.checksum import FileRecord
 from ..io.directory import read_json_file
 from ..source import ModelEntry
@@ -220,10 +221,10 @@ class UniversalManifest:
         """Parse and check; ValueError naming ``where`` and the problem in one line."""
         if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
             found = data.get("format") if isinstance(data, dict) else type(data).__name__
-            raise ValueError(f"{where}: not a zeroshard universal checkpoint (format {found!r})")
+            raise ValueError(f"{where}: not a zeroshard universal checkpoint (format {quoted(found)})")
         version = data.get("version")
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-            raise ValueError(f"{where}: format version {version!r} is not valid")
+            raise ValueError(f"{where}: format version {quoted(version)} is not valid")
         if version > FORMAT_VERSION:
             raise ValueError(
                 f"{where}: format version {version} is newer than this zeroshard reads ({FORMAT_VERSION}); upgrade zeroshard"
@@ -241,24 +242,25 @@ class UniversalManifest:
         """What contradicts itself in this manifest, or None."""
         for name, param in self.params.items():
             if not 0 <= param.group < len(self.param_groups) or name not in self.param_groups[param.group].params:
-                return f"parameter {name!r} is not a member of its param group {param.group}"
+                return f"parameter {quoted(name)} is not a member of its param group {param.group}"
             problem = next(filter(None, map(state_name_problem, param.states)), None)
             if problem or len(set(param.states)) != len(param.states):
-                return f"parameter {name!r}: {problem or 'an optimizer state is listed twice'}"
+                return f"parameter {quoted(name)}: {problem or 'an optimizer state is listed twice'}"
         members = [name for group in self.param_groups for name in group.params]
         if len(members) != len(set(members)) or sorted(members) != sorted(self.params):
             return "the param groups' members are not exactly the parameters"
         for alias, target in self.aliases.items():
             if alias in self.params or alias in self.model_entries:
-                return f"alias {alias!r} is also a stored name"
+                return f"alias {quoted(alias)} is also a stored name"
             if target not in self.params and target not in self.model_entries:
-                return f"alias {alias!r} -> {target!r} does not name a stored tensor"
+                return f"alias {quoted(alias)} -> {quoted(target)} does not name a stored tensor"
         for name, entry in self.model_entries.items():
             if entry.kind not in MODEL_ENTRY_KINDS:
                 expected = ", ".join(MODEL_ENTRY_KINDS)
-                return f"module tensor {name!r} has unknown kind {entry.kind!r} (expected one of {expected})"
+                kind = quoted(entry.kind)
+                return f"module tensor {quoted(name)} has unknown kind {kind} (expected one of {expected})"
             if name in self.params:
-                return f"module tensor {name!r} is also a trained parameter"
+                return f"module tensor {quoted(name)} is also a trained parameter"
         specs = self.tensor_specs()
         if set(self.weight_map) != set(specs):
             missing = sorted(set(specs) - set(self.weight_map))[:3]
@@ -275,18 +277,18 @@ class UniversalManifest:
         listed: set[str] = set()
         for stack, names in self.experts.items():
             if stack in self.params or stack in self.model_entries or stack in self.aliases:
-                return f"expert weight {stack!r} is also a stored name"
+                return f"expert weight {quoted(stack)} is also a stored name"
             if not names or any(name not in self.params for name in names):
-                return f"expert weight {stack!r} lists experts that are not trained parameters"
+                return f"expert weight {quoted(stack)} lists experts that are not trained parameters"
             if listed & set(names) or len(set(names)) != len(names):
-                return f"expert weight {stack!r} lists an expert tensor listed before"
+                return f"expert weight {quoted(stack)} lists an expert tensor listed before"
             listed.update(names)
             first = self.params[names[0]]
             if len(first.shape) != 2 or any(self.params[name] != first for name in names):
-                return f"the experts of {stack!r} are not alike [out, in] matrices (shape, dtype, group, states)"
+                return f"the experts of {quoted(stack)} are not alike [out, in] matrices (shape, dtype, group, states)"
         for name, stack in self.expert_stacks.items():
             if name not in self.params or name in listed:
-                return f"expert stack {name!r} is not a stored trained parameter of its own"
+                return f"expert stack {quoted(name)} is not a stored trained parameter of its own"
             try:
                 check_stack_shape(name, stack, self.params[name].shape)
             except ValueError as err:
@@ -310,15 +312,20 @@ def _fields_from_dict(data: dict[str, Any]) -> UniversalManifest:
         ],
         params={
             str(name): UniversalParam(
-                shape=tuple(int(d) for d in p["shape"]),
+                shape=jsonvalue.read_shape(p["shape"], "params[{}]['shape']", name),
                 dtype=canonical_dtype(p["dtype"]),
-                group=int(p["group"]),
+                group=jsonvalue.read_int(p["group"], "params[{}]['group']", name),
                 states=tuple(str(s) for s in p["states"]),
             )
             for name, p in data["params"].items()
         },
         model_entries={
-            str(name): ModelEntry(str(name), tuple(int(d) for d in e["shape"]), str(e["dtype"]), str(e["kind"]))
+            str(name): ModelEntry(
+                str(name),
+                jsonvalue.read_shape(e["shape"], "the shape of model tensor {}", name),
+                str(e["dtype"]),
+                str(e["kind"]),
+            )
             for name, e in model["tensors"].items()
         },
         aliases={str(k): str(v) for k, v in model["aliases"].items()},

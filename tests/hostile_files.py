@@ -1,0 +1,97 @@
+"""Making hostile torch.save files by hand, and measuring what reading one costs.
+
+A pickle is written opcode by opcode (protocol 2, what torch.save writes), so that a test can
+re-use one memoised object as often as it likes: what a hostile file does and no pickler
+would. :func:`measured` runs a call under ``tracemalloc`` and reports its peak allocation
+and its time, so a test can assert a bound instead of letting a bomb allocate gigabytes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import tracemalloc
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+PROTO = b"\x80\x02"
+
+
+def archive(path: Path, data: bytes, records: dict[str, bytes] | None = None) -> Path:
+    """A torch.save-like zip holding the pickle ``data`` and storage ``records``."""
+    with zipfile.ZipFile(path, "w") as zipped:
+        zipped.writestr("archive/data.pkl", data)
+        zipped.writestr("archive/byteorder", b"little")
+        for key, value in (records or {}).items():
+            zipped.writestr(f"archive/data/{key}", value)
+    return path
+
+
+def text(value: str) -> bytes:
+    """BINUNICODE."""
+    encoded = value.encode()
+    return b"X" + len(encoded).to_bytes(4, "little") + encoded
+
+
+def integer(value: int) -> bytes:
+    """BININT (a signed 32-bit int)."""
+    return b"J" + value.to_bytes(4, "little", signed=True)
+
+
+def put(index: int) -> bytes:
+    return b"r" + index.to_bytes(4, "little")  # LONG_BINPUT
+
+
+def get(index: int) -> bytes:
+    return b"j" + index.to_bytes(4, "little")  # LONG_BINGET
+
+
+def glob(qualname: str) -> bytes:
+    module, _, name = qualname.rpartition(".")
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+def distinct_ints(count: int) -> bytes:
+    return b"".join(integer(i) for i in range(count))
+
+
+def memoised_list(index: int, items: bytes) -> bytes:
+    """A list of ``items`` stored in memo ``index`` and popped off the stack."""
+    return b"](" + items + b"e" + put(index) + b"0"
+
+
+def memoised_dict(index: int, count: int) -> bytes:
+    """A dict of ``count`` string keys (values None) stored in memo ``index``, popped."""
+    return b"}(" + b"".join(text(f"k{i}") + b"N" for i in range(count)) + b"u" + put(index) + b"0"
+
+
+def kept(repeated: bytes, times: int) -> bytes:
+    """``repeated`` (which leaves one object on the stack) ``times`` times, into one list."""
+    return b"](" + repeated * times + b"e"
+
+
+def measured(call: Callable[[], Any]) -> tuple[Any, int, float]:
+    """(what ``call`` returned or the exception it raised, peak bytes allocated, seconds)."""
+    tracemalloc.start()
+    started = time.perf_counter()
+    try:
+        outcome = call()
+    except Exception as err:  # noqa: BLE001 - the caller asserts which
+        outcome = err
+    elapsed = time.perf_counter() - started
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return outcome, peak, elapsed
+
+
+def edit_torch_file(path: Path, change: Callable[[Any], None]) -> None:
+    """Load a file DeepSpeed wrote (its own classes), let ``change`` edit it, save it back:
+    torch.save writes an object the edit shares once and refers to it after."""
+    import torch
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    raw = torch.load(path, map_location="cpu", weights_only=False)
+    change(raw)
+    torch.save(raw, path)
