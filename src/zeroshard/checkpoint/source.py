@@ -11,12 +11,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from ..layout import Layout, global_shape, locate_global
 from ..state import ParamGroupState
+
+if TYPE_CHECKING:
+    from .digests import StateDigests
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,9 @@ class SourceInfo:
     # the trained parameters' weights are their fp32 masters cast (no low-precision copy
     # is stored), so a run may load them in another dtype
     weights_from_masters: bool = False
+    # the saved run's digests (native, universal); None for a source without them (DeepSpeed,
+    # a version 1 native checkpoint): a load then digests what it reads instead
+    digests: StateDigests | None = None
 
     def stored_dtype(self, group: int, key: str) -> str:
         """The dtype ``key`` ("fp32" or a state name) of layout group ``group`` is stored in."""

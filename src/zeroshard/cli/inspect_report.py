@@ -32,7 +32,7 @@ def describe_native(ckpt: Checkpoint, *, list_all_files: bool = False) -> list[s
     manifest = ckpt.manifest
     lines = [
         f"checkpoint {ckpt.directory}",
-        f"kind: zeroshard checkpoint (tag {manifest.tag!r}, format version {manifest.version}, {manifest.created_by})",
+        f"kind: zeroshard checkpoint (tag {manifest.tag!r}, format version {manifest.format_version}, {manifest.created_by})",
         f"step: {_step(manifest.extra) or _native_optimizer_step(ckpt)}",
         f"world size: {manifest.world_size}",
         f"ZeRO stage: {manifest.extra.get('zero_stage', _SAME_STAGES)}",
@@ -68,7 +68,7 @@ def describe_universal(ckpt: UniversalCheckpoint, *, list_all_files: bool = Fals
     stage = manifest.extra.get("zero_stage")
     lines = [
         f"checkpoint {ckpt.directory}",
-        f"kind: zeroshard universal checkpoint (format version {manifest.version}, {manifest.created_by}), "
+        f"kind: zeroshard universal checkpoint (format version {manifest.format_version}, {manifest.created_by}), "
         f"converted from a {_SOURCE_KINDS.get(source.get('kind'), source.get('kind', 'unknown'))} run",
         f"step: {_step(manifest.extra) or _scalar_step(scalars.get('step'), 'optimizer step of param group 0')}",
         f"world size: any (converted from world size {source.get('world_size', 'unknown')})",

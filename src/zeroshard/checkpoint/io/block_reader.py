@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from .checksum import FileRecord
+from .damage import CheckpointDamagedError
 from .dtypes import from_bytes
 from .members import open_member
 from .safetensors_io import ReadStats, check_blocks, map_range, pread_into
@@ -173,7 +174,7 @@ class RangeReader:
             view = map_range(file.fileno(), span_start, span_end)
             if view is None:
                 size = os.fstat(file.fileno()).st_size
-                raise ValueError(f"{path}: truncated: expected {span_end} bytes, the file ends at {size}")
+                raise CheckpointDamagedError(f"{path}: truncated: expected {span_end} bytes, the file ends at {size}")
         key = str(path)
         for index in range(first, last + 1):
             if (key, index) in self._cache:

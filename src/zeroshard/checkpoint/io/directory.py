@@ -33,6 +33,7 @@ from typing import Any, Callable, Mapping
 
 from . import jsonvalue
 from .checksum import FileRecord
+from .damage import CheckpointDamagedError
 from ..format import (
     DELETE_MARKER,
     LATEST_FILE,
@@ -278,4 +279,4 @@ def check_files_present(directory: Path, records: Mapping[str, FileRecord]) -> N
     for name, record in records.items():
         size = member_path(directory, name).lstat().st_size
         if size != record.size:
-            raise ValueError(f"{directory / name}: truncated or altered: {size} bytes, the manifest says {record.size}")
+            raise CheckpointDamagedError(f"{directory / name}: truncated or altered: {size} bytes, the manifest says {record.size}")

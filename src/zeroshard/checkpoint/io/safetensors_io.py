@@ -16,12 +16,13 @@ import struct
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from . import jsonvalue
 from .checksum import BlockHasher, FileRecord, block_crc
+from .damage import CheckpointDamagedError
 from .dtypes import as_array, dtype_info, dtype_of, dtype_of_code
 from .members import open_member
 
@@ -34,6 +35,9 @@ if sys.byteorder != "little":  # safetensors is little-endian and tensors are wr
     raise ImportError("zeroshard checkpoints need a little-endian machine")
 
 Tensor = Any  # a numpy array or a torch tensor (torch is not imported here)
+Observer = Callable[[int, memoryview], None]
+"""Called as ``observe(offset, chunk)`` with consecutive chunks of a tensor's bytes as they are
+written (``offset``: of the chunk in the tensor), while they are in the CPU cache."""
 
 
 @dataclass(frozen=True)
@@ -93,10 +97,10 @@ class SafetensorsWriter:
             self._file.close()
             raise named_os_error(err, path) if isinstance(err, OSError) else err
 
-    def write(self, key: str, tensor: Tensor) -> None:
+    def write(self, key: str, tensor: Tensor, observe: Observer | None = None) -> None:
         """Write the next planned tensor (a numpy array or a CPU torch tensor): ``key`` and
         dtype as planned, the planned number of elements (any shape: the header holds the
-        planned one)."""
+        planned one). ``observe``, if given, sees each chunk as it goes out (digests)."""
         if self._next >= len(self._plan):
             raise ValueError(f"{self.path}: {key!r} was not planned; all {len(self._plan)} tensors are written")
         planned = self._plan[self._next]
@@ -110,7 +114,10 @@ class SafetensorsWriter:
         raw = _as_bytes(array)
         try:
             for start in range(0, len(raw), _WRITE_CHUNK):
-                _write_all(self._file, raw[start : start + _WRITE_CHUNK], self._hasher)
+                chunk = raw[start : start + _WRITE_CHUNK]
+                _write_all(self._file, chunk, self._hasher)
+                if observe is not None:
+                    observe(start, chunk)
                 self._start_writeback()
         except OSError as err:
             raise named_os_error(err, self.path) from err
@@ -157,13 +164,19 @@ class SafetensorsWriter:
 
 
 def write_safetensors(
-    path: Path, tensors: Sequence[tuple[str, Tensor]], block_size: int, metadata: dict[str, str] | None = None
+    path: Path,
+    tensors: Sequence[tuple[str, Tensor]],
+    block_size: int,
+    metadata: dict[str, str] | None = None,
+    observers: Mapping[str, Observer] | None = None,
 ) -> FileRecord:
-    """Write ``tensors`` in the given order to ``path``, fsync it, return its block checksums."""
+    """Write ``tensors`` in the given order to ``path``, fsync it, return its block checksums.
+    ``observers[key]`` sees tensor ``key``'s bytes as they are written."""
     plan = [PlannedTensor(name, dtype_of(tensor).name, tuple(tensor.shape)) for name, tensor in tensors]
+    observers = observers or {}
     with SafetensorsWriter(path, plan, block_size, metadata) as writer:
         for name, tensor in tensors:
-            writer.write(name, tensor)
+            writer.write(name, tensor, observers.get(name))
         return writer.close()
 
 
@@ -205,8 +218,11 @@ def _write_all(out, data: memoryview, hasher: BlockHasher) -> None:
         written += out.write(data[written:])
 
 
-def read_header(path: Path, file_size: int, stats: ReadStats | None = None) -> dict[str, TensorEntry]:
-    """Parse and check a safetensors header; offsets become absolute and must fit the file."""
+def read_header(
+    path: Path, file_size: int, stats: ReadStats | None = None, metadata: dict[str, Any] | None = None
+) -> dict[str, TensorEntry]:
+    """Parse and check a safetensors header; offsets become absolute and must fit the file.
+    ``metadata``, if given, receives the header's ``__metadata__`` entries."""
     with open(open_member(path), "rb", buffering=0) as handle:
         prefix = handle.read(8)
         if len(prefix) < 8:
@@ -227,6 +243,8 @@ def read_header(path: Path, file_size: int, stats: ReadStats | None = None) -> d
     entries = {}
     for name, info in header.items():
         if name == "__metadata__":
+            if metadata is not None and isinstance(info, dict):
+                metadata.update(info)
             continue
         try:
             begin, end = (data_start + int(v) for v in info["data_offsets"])
@@ -348,7 +366,7 @@ def pread_into(fd: int, view: memoryview, offset: int, path: Path) -> None:
     while done < len(view):
         got = os.preadv(fd, [view[done:]], offset + done)
         if got == 0:  # the file ends before offset + done (a read that starts past the end gets 0 too)
-            raise ValueError(
+            raise CheckpointDamagedError(
                 f"{path}: truncated: expected {offset + len(view)} bytes, the file ends at {os.fstat(fd).st_size}"
             )
         done += got
@@ -362,4 +380,4 @@ def check_blocks(
     for index in range(first, last + 1):
         begin, end = record.block_range(index)
         if block_crc(view[begin - run_start : end - run_start]) != record.crc32[index]:
-            raise ValueError(f"{path}: checksum mismatch in block {index} (bytes {begin}-{end}): the file is corrupted")
+            raise CheckpointDamagedError(f"{path}: checksum mismatch in block {index} (bytes {begin}-{end}): the file is corrupted")

@@ -2,7 +2,8 @@
 
 Reads are range reads of the rank files, every checksum block under them verified (see
 :mod:`.block_reader`); each file's safetensors header is checked against the manifest the
-first time the file is read.
+first time the file is read, and so is a rank file's binding (:mod:`.binding`: the layout,
+rank, shard groups and experts it was written for).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..io.checksum import FileRecord
 from ..io.dtypes import dtype_info, itemsize_of, to_float32
 from ..io.safetensors_io import ReadStats, TensorEntry, check_entries, read_header
 from ..source import ModelEntry, SourceInfo
+from .binding import check_binding
 from .handle import Checkpoint, open_checkpoint
 from .manifest import ModelTensorRecord
 
@@ -39,6 +41,7 @@ class NativeSource:
         self._stats = stats
         self._headers: dict[str, dict[str, TensorEntry]] = {}
         self._rank_tensors = manifest.rank_file_tensors()
+        self._layout_digest = manifest.layout_digest if manifest.digests is not None else None
         self.info = SourceInfo(
             layout=manifest.layout,
             optimizer_class=manifest.optimizer_class,
@@ -55,6 +58,7 @@ class NativeSource:
                 {key: dtype for key, dtype in {"fp32": record.fp32_dtype, **record.states}.items() if dtype != "float32"}
                 for record in manifest.groups
             ],
+            digests=manifest.digests,
         )
 
     def read(self, rank: int, group: int, key: str, start: int, end: int) -> np.ndarray:
@@ -161,9 +165,12 @@ class NativeSource:
         if header is None:
             manifest = self.checkpoint.manifest
             path = self.checkpoint.path(file_name)
-            header = read_header(path, manifest.files[file_name].size, self._stats)
+            metadata: dict = {}
+            header = read_header(path, manifest.files[file_name].size, self._stats, metadata)
             expected = manifest.model_file_tensors() if file_name == MODEL_FILE else self._rank_tensors
             check_entries(path, header, expected)
+            if file_name != MODEL_FILE and self._layout_digest is not None:
+                check_binding(path, metadata, manifest.layout, self._layout_digest, _rank_of(file_name))
             self._headers[file_name] = header
         return header
 
@@ -172,6 +179,11 @@ class NativeSource:
 
     def _record(self, file_name: str) -> FileRecord:
         return self.checkpoint.manifest.files[file_name]
+
+
+def _rank_of(file_name: str) -> int:
+    """The rank of ``rank-RRRRR-of-DDDDD.safetensors`` (a name the manifest's file list holds)."""
+    return int(file_name.split("-")[1])
 
 
 def _adjacent_runs(names: list[str], entry_of: Callable[[str], TensorEntry]) -> list[list[str]]:
