@@ -118,7 +118,7 @@ def test_universal_summary(universal, capsys):
     padding = LAYOUT.padding()
     for expected in (
         f"checkpoint {universal}",
-        "kind: zeroshard universal checkpoint (format version 1,",
+        "kind: zeroshard universal checkpoint (format version 3,",
         "converted from a zeroshard run",
         "step: 7 (extra['global_step'])",
         "world size: any (converted from world size 12)",

@@ -38,9 +38,9 @@ from .digests import (
     logical_keys,
     partition_terms,
     range_term,
+    scalar_digest,
 )
 from .io.damage import CheckpointDamagedError
-from .io.dtypes import as_array
 from .io.digest import digest
 
 if TYPE_CHECKING:
@@ -153,7 +153,7 @@ class Evidence:
         """The optimizer scalars new group ``group`` took from old group ``source_group``."""
         if not self.enabled:
             return
-        found = {name: array_digest(as_array(value)) for name, value in scalars.items()}
+        found = {name: scalar_digest(value) for name, value in scalars.items()}
         self._evidence.scalars[group] = found
         if self._expected is None:
             return

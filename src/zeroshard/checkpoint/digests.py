@@ -228,22 +228,6 @@ class PartitionDigester:
             self._next, self._running = self._next + 1, None
 
 
-class WholeDigester:
-    """The digest of one whole tensor fed chunk by chunk (the module file's tensors)."""
-
-    def __init__(self) -> None:
-        self.raw: int | None = None
-        self.nbytes = 0
-
-    def __call__(self, offset: int, chunk: memoryview) -> None:
-        self.raw = raw_crc(chunk, self.raw)
-        self.nbytes += len(chunk)
-
-    @property
-    def value(self) -> int:
-        return finish(0 if self.raw is None else piece_term(self.raw, 0), self.nbytes)
-
-
 def logical_keys(layout: Layout, kinds_of: Mapping[int, Iterable[str]], params: Iterable[str] | None = None) -> dict[Key, int]:
     """Every digest key of ``layout`` (of ``params`` only, if given) with its element count:
     each parameter (each global expert) in each kind ``kinds_of[group index]`` lists."""
@@ -273,6 +257,22 @@ def array_digest(array: np.ndarray) -> int:
     """The digest of a whole array's bytes (C order)."""
     data = np.ascontiguousarray(array).reshape(-1)
     return digest(memoryview(data.view(np.uint8)) if data.size else b"")
+
+
+def scalar_digest(value: Any) -> int:
+    """The digest of an optimizer scalar as the engine holds it: an array's bytes; a plain
+    Python number as the 0-d tensor ``torch.tensor`` makes of it (int64, float32, bool)."""
+    if isinstance(value, np.ndarray):
+        return array_digest(value)
+    if isinstance(value, bool):
+        return array_digest(np.array(value, dtype=np.bool_))
+    if isinstance(value, int):
+        return array_digest(np.array(value, dtype=np.int64))
+    if isinstance(value, float):
+        return array_digest(np.array(value, dtype=np.float32))
+    from .io.dtypes import as_array  # a torch tensor
+
+    return array_digest(as_array(value))
 
 
 def digests_from_terms(

@@ -12,6 +12,7 @@ use it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -58,15 +59,23 @@ def exported_params(layout: Layout) -> list[ExportedParam]:
     return exported
 
 
-def read_exported(source: ShardSource, param: ExportedParam, key: str) -> np.ndarray:
+def read_exported(
+    source: ShardSource, param: ExportedParam, key: str, check: Callable[..., None] | None = None
+) -> np.ndarray:
     """The ``key`` tensor ("fp32" or an optimizer state) of ``param`` as fp32, flattened in
     the exported shape: an expert's slice of the stacked weight (read by global expert id),
-    transposed to [out, in]."""
+    transposed to [out, in]. ``check(param, expert, key, values)``, if given, sees the values
+    in logical order first (a :class:`~.read_digests.ReadChecker` digests them there)."""
     if param.expert is None:
-        return read_whole_param(source, param.param, key)
+        values = read_whole_param(source, param.param, key)
+        if check is not None:
+            check(param.param, None, key, values)
+        return values
     d_out, d_in = param.shape
     numel = d_out * d_in
     stacked = read_param(source, param.param, key, param.expert * numel, (param.expert + 1) * numel)
+    if check is not None:
+        check(param.param, param.expert, key, stacked)
     return np.ascontiguousarray(stacked.reshape(d_in, d_out).T).reshape(-1)
 
 

@@ -8,7 +8,9 @@ global expert (``blocks.0.moe.experts.3.w1.weight``, see :mod:`..experts`), the 
 ``GroupedExperts`` loads with ``strict=True``. One ``model.safetensors``, or, when
 ``max_shard_size`` is given and exceeded, ``model-00001-of-0000N.safetensors`` shards and a
 ``model.safetensors.index.json``. Streaming and atomic like :func:`to_universal`, and like
-it torch-free: :func:`load_fp32_state_dict` alone hands out torch tensors.
+it torch-free: :func:`load_fp32_state_dict` alone hands out torch tensors. Every master read
+is checked against the checkpoint's digests (:mod:`..read_digests`), and ``DIGESTS_FILE``
+records the digest (``zlib.crc32``) of every tensor written.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from ..formats import open_source
 from ..io.output_dir import staged_output
 from ..io.safetensors_io import PlannedTensor
 from ..experts import exported_params, read_exported
+from ..io.digest import ALGORITHM
+from ..read_digests import ReadChecker
 from ..source import ModelEntry, ShardSource
 from ..io.streaming import OutputTensor, plan_shards, write_shards
 from ..universal.read import UniversalCheckpoint
@@ -37,6 +41,8 @@ from ..universal.source import UniversalSource
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+DIGESTS_FILE = "zeroshard.digests.json"  # the digest of every tensor written, by name
+DIGESTS_FORMAT = "zeroshard.fp32-digests"
 if TYPE_CHECKING:
     import torch
 
@@ -80,6 +86,7 @@ def to_fp32(
         shards = plan_shards(sizes, max_shard_size)
         names = [SINGLE_FILE] if len(shards) == 1 else [shard_file_name(i, len(shards)) for i in range(len(shards))]
         with staged_output(out_dir, markers=[SINGLE_FILE, INDEX_FILE], overwrite=overwrite, what="model export") as staging:
+            digests: dict[str, int] = {}
             write_shards(
                 staging,
                 tensors,
@@ -89,7 +96,10 @@ def to_fp32(
                 metadata={"format": "pt"},  # what transformers checks before loading a file
                 progress=progress,
                 description="to-fp32",
+                digests=digests,
             )
+            record = {"format": DIGESTS_FORMAT, "version": 1, "algorithm": ALGORITHM, "dtype": dtype, "tensors": digests}
+            write_file_durably(staging / DIGESTS_FILE, json.dumps(record, indent=1) + "\n")
             if len(shards) > 1:
                 weight_map = {tensors[i].planned.key: name for shard, name in zip(shards, names) for i in shard}
                 index = {"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(weight_map.items()))}
@@ -154,12 +164,19 @@ def _open(path: Input) -> _ModelView:
 
 def _source_view(source: ShardSource, *, close: bool) -> _ModelView:
     exported = {param.name: param for param in exported_params(source.info.layout)}
+    checker = ReadChecker(source)  # every master and module tensor read, against the saved digests
+
+    def model_tensor(name: str) -> np.ndarray:
+        values = source.model_tensor(name)
+        checker.model_tensor(name, values)
+        return values
+
     return _ModelView(
         trained=[(name, param.shape) for name, param in exported.items()],
         entries=list(source.info.model_entries),
         aliases=dict(source.info.aliases),
-        master=lambda name: read_exported(source, exported[name], "fp32"),
-        model_tensor=source.model_tensor,
+        master=lambda name: read_exported(source, exported[name], "fp32", checker.param),
+        model_tensor=model_tensor,
         close=source.close if close else _nothing,
     )
 

@@ -69,6 +69,17 @@ def digest(data: memoryview | bytes) -> int:
     return crc32(data)
 
 
+class RunningDigest:
+    """The digest of one whole tensor fed chunk by chunk, as a writer streams it
+    (an :class:`~.safetensors_io.Observer`)."""
+
+    def __init__(self) -> None:
+        self.value = 0  # zlib.crc32 of the bytes so far
+
+    def __call__(self, offset: int, chunk: memoryview) -> None:
+        self.value = crc32(chunk, self.value)
+
+
 def shift(value: int, count: int) -> int:
     """``value`` (a raw CRC) followed by ``count`` zero bytes: times ``x^(8 count)`` mod P."""
     if count == 0 or value == 0:

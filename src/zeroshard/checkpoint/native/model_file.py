@@ -14,7 +14,7 @@ from typing import Collection, Mapping
 
 import torch
 
-from ..digests import WholeDigester
+from ..io.digest import RunningDigest
 from ..io.checksum import FileRecord
 from ..io.dtypes import dtype_of_code, torch_dtype
 from .manifest import ModelTensorRecord, dtype_name
@@ -54,7 +54,7 @@ def save_model_state(
             first_name_of[identity] = name
         stored.append((name, tensor))
         tensors[name] = ModelTensorRecord(tuple(tensor.shape), dtype_name(tensor.dtype), kind)
-    digesters = {name: WholeDigester() for name, _ in stored}
+    digesters = {name: RunningDigest() for name, _ in stored}
     record = write_safetensors(path, stored, block_size, observers=digesters)
     return SavedModel(record, tensors, aliases, {name: digester.value for name, digester in digesters.items()})
 

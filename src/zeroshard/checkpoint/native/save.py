@@ -34,9 +34,9 @@ from typing import Any, Callable, Collection
 import torch
 
 from ...state import ShardedState
-from ..digests import PartitionDigester, StateDigests, Terms, array_digest, digests_from_terms, held_pieces
+from ..digests import PartitionDigester, StateDigests, Terms, digests_from_terms, held_pieces, scalar_digest
 from ..io import jsonvalue
-from ..io.dtypes import as_array, itemsize_of
+from ..io.dtypes import itemsize_of
 from ..io.checksum import FileRecord
 from ..coordinator import Coordinator, default_coordinator
 from ..io.directory import fsync_dir, prepare_staging, publish, root_lock, write_file_durably
@@ -297,7 +297,7 @@ def _write_own_files(plan: SavePlan, state: ShardedState, buffer_names: Collecti
     try:
         terms = Terms()
         files = {name: _write_rank_file(plan.staging / name, state, plan.block_size, terms)}
-        scalars = [{n: array_digest(as_array(t)) for n, t in group.items()} for group in state.optimizer_scalars]
+        scalars = [{n: scalar_digest(t) for n, t in group.items()} for group in state.optimizer_scalars]
         if state.rank != 0:
             return WrittenFiles(files, terms, scalars)
         experts = expert_param_names(state.layout)  # the rank files hold them, by global expert id

@@ -4,9 +4,11 @@ A universal checkpoint holds every trained parameter's fp32 master and optimizer
 the parameter's own shape, with no padding and no ranks, so any world size, policy or bucket
 size loads it by range reads. Expert weights are one tensor per expert, named by global id in
 ``nn.Linear`` orientation (:mod:`..experts`); the manifest's ``experts`` lists, per stacked
-weight of the run, its per-expert names in expert order (version 2; a checkpoint without
-experts is written as version 1, as before). docs/FORMAT.md describes it; this module spells
-its names and parses its manifest.
+weight of the run, its per-expert names in expert order (version 2). From version 3 it
+carries the digests of the run's logical state (``digests``, :mod:`..digests`: in the run's
+names and orientation, stacked experts by global id), as the native manifest records them;
+versions 1 and 2, written without, still load. docs/FORMAT.md describes it; this module
+spells its names and parses its manifest.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ from ...layout import EXPERT_SHARD_GROUP, GroupSpec, ParamSpec, canonical_dtype,
 from ..io import jsonvalue
 from ..io.checksum import FileRecord
 from ..io.directory import read_json_file
+from ..digests import StateDigests
 from ..source import ModelEntry
 
 FORMAT_NAME = "zeroshard.universal"
-FORMAT_VERSION = 2  # the newest read and written; without experts, version 1 is written
-_WITHOUT_EXPERTS_VERSION = 1
+FORMAT_VERSION = 3  # the newest read and written: with digests
+_WITHOUT_EXPERTS_VERSION = 1  # written before experts and digests; still read
+_WITHOUT_DIGESTS_VERSION = 2  # experts, no digests; still read
 MANIFEST_FILE = "universal.json"
 DEFAULT_MAX_SHARD_SIZE = 2**31
 MODEL_ENTRY_KINDS = ("buffer", "frozen", "other")  # "other": written by a run that did not tell them apart
@@ -91,6 +95,8 @@ class UniversalManifest:
     weight_map: dict[str, str] = field(default_factory=dict)  # tensor key -> shard file
     # the run's stacked expert weight -> the names of its experts' tensors, by global expert id
     experts: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # digests of the run's logical state: params by the run's names (scalars per param group)
+    digests: StateDigests | None = None
     version: int | None = None  # None: the lowest version that expresses the manifest
     created_by: str = f"zeroshard {__version__}"
 
@@ -98,7 +104,22 @@ class UniversalManifest:
     def format_version(self) -> int:
         if self.version is not None:
             return self.version
-        return FORMAT_VERSION if self.experts else _WITHOUT_EXPERTS_VERSION
+        if self.digests is not None:
+            return FORMAT_VERSION
+        return _WITHOUT_DIGESTS_VERSION if self.experts else _WITHOUT_EXPERTS_VERSION
+
+    def run_params(self) -> dict[str, tuple[tuple[str, ...], int | None]]:
+        """The run's trained parameters (stacked expert weights once): name -> (states, the
+        number of experts for a stack, else None), in the manifest's order."""
+        stack_of = {name: stack for stack, names in self.experts.items() for name in names}
+        found: dict[str, tuple[tuple[str, ...], int | None]] = {}
+        for name, param in self.params.items():
+            stack = stack_of.get(name)
+            if stack is None:
+                found[name] = (param.states, None)
+            elif stack not in found:
+                found[stack] = (param.states, len(self.experts[stack]))
+        return found
 
     def stacked(self, name: str) -> UniversalParam:
         """A trained parameter of the run: a stored one, or a stacked expert weight (shape
@@ -155,6 +176,7 @@ class UniversalManifest:
 
     def to_dict(self) -> dict[str, Any]:
         stacks = {"experts": {stack: list(names) for stack, names in self.experts.items()}} if self.experts else {}
+        digests = {} if self.digests is None else {"digests": self.digests.to_dict()}
         return {
             "format": FORMAT_NAME,
             "version": self.format_version,
@@ -186,6 +208,7 @@ class UniversalManifest:
             "shards": {name: record.to_dict() for name, record in self.shards.items()},
             "weight_map": dict(self.weight_map),
             **stacks,
+            **digests,
         }
 
     def to_json(self) -> str:
@@ -240,7 +263,26 @@ class UniversalManifest:
         unlisted = sorted(set(self.weight_map.values()) - set(self.shards))
         if unlisted:
             return f"weight_map names shards not in the shard list: {unlisted[:3]}"
-        return self._experts_inconsistency()
+        return self._experts_inconsistency() or self._digests_inconsistency()
+
+    def _digests_inconsistency(self) -> str | None:
+        """The digests name exactly the run's parameters (every expert of a stack), each with
+        its master and states, every param group's scalars and the module tensors."""
+        if self.digests is None:
+            return None
+        expected = {
+            (name, expert, kind)
+            for name, (states, experts) in self.run_params().items()
+            for kind in ("fp32", *states)
+            for expert in ([None] if experts is None else range(experts))
+        }
+        if set(self.digests.keys()) != expected:
+            return "digests do not name exactly the parameters, their experts and states"
+        if [set(s) for s in self.digests.scalars] != [set(group.scalars) for group in self.param_groups]:
+            return "digests of the scalars do not match the param groups' scalars"
+        if set(self.digests.model) != set(self.model_entries):
+            return "digests of the module tensors do not name exactly the module tensors"
+        return None
 
     def _experts_inconsistency(self) -> str | None:
         """Each stacked weight lists >= 1 stored [out, in] tensors, alike in shape, dtype,
@@ -295,6 +337,7 @@ def _fields_from_dict(data: dict[str, Any]) -> UniversalManifest:
             str(stack): tuple(str(name) for name in names)
             for stack, names in (data.get("experts", {}) if data["version"] > _WITHOUT_EXPERTS_VERSION else {}).items()
         },
+        digests=StateDigests.from_dict(data["digests"]) if data["version"] > _WITHOUT_DIGESTS_VERSION else None,
         version=int(data["version"]),
         created_by=str(data.get("created_by", "")),
     )

@@ -28,6 +28,7 @@ from ...state import ParamGroupState
 from ..io.dtypes import cast
 from ..io.safetensors_io import ReadStats
 from ..formats import SourceFormat
+from ..digests import StateDigests
 from ..source import SourceInfo
 from ..experts import stacked_from_exported
 from .format import FORMAT_NAME, UniversalManifest, is_universal_checkpoint
@@ -60,6 +61,7 @@ class UniversalSource:
             aliases=dict(manifest.aliases),
             extra=dict(manifest.extra),
             weights_from_masters=True,
+            digests=_digests_by_layout_group(manifest.digests, self._owner),
         )
         self._param_ends = [[slot.end for slot in group.params] for group in layout.groups]
         self._expert_cache: dict[tuple[str, str, int], np.ndarray] = {}
@@ -163,6 +165,13 @@ class UniversalSource:
         if not 0 <= group < len(groups):
             raise ValueError(f"{self.path}: group {group} does not exist (the checkpoint has {len(groups)})")
         return groups[group]
+
+
+def _digests_by_layout_group(digests: StateDigests | None, owner: list[int]) -> StateDigests | None:
+    """The manifest's digests with scalars per layout group of the source (its param group's)."""
+    if digests is None:
+        return None
+    return StateDigests(digests.params, [digests.scalars[group] for group in owner], digests.model)
 
 
 def _state_keys(layout: Layout, group: int, manifest: UniversalManifest) -> list[str]:
