@@ -94,7 +94,7 @@ class Attestation:
             more = f" (and {len(self.problems) - _SHOWN_PROBLEMS} more)" if len(self.problems) > _SHOWN_PROBLEMS else ""
             return f"attestation failed: {'; '.join(self.problems[:_SHOWN_PROBLEMS])}{more}"
         experts = f" ({self.experts} experts)" if self.experts else ""
-        return f"attested: {self.digests} digests of {self.params} parameters{experts} match {self.basis} of {self.path}"
+        return f"attested: {self.digests} digests of {self.params} parameters{experts} match {self.basis} {self.path}"
 
 
 class Evidence:
@@ -252,7 +252,7 @@ def _scalars_disagree(evidences: list[RankEvidence]) -> list[str]:
 
 def _basis(kind: str, expected: StateDigests | None) -> str:
     if expected is not None:
-        return "the digests saved with"
+        return "the digests saved in"
     if kind == "zeroshard.checkpoint":
         return "the values read (no saved digests: format version 1) from"
     return "the values read (no saved digests of ours) from"
@@ -273,7 +273,7 @@ def attested_load(
     try:
         result, problem = read(evidence), None
     except Exception as err:  # noqa: BLE001 - any error on one rank fails the load on every rank
-        result, problem = None, (f"{type(err).__name__}: {err}", isinstance(err, CheckpointDamagedError))
+        result, problem = None, (f"{type(err).__name__}: {err}", is_damage(err))
     reports = coordinator.all_gather_object((problem, agree_on, None if problem else evidence.partial()))
     prefix = f"checkpoint {path} not loaded (nothing changed)"
     for rank, (their_problem, _, _) in enumerate(reports):
@@ -288,6 +288,12 @@ def attested_load(
         raise AttestationError(f"{prefix}: {verdict.line()}")
     warn_if_unattested(verdict, evidence.kind, coordinator.rank)
     return result, verdict
+
+
+def is_damage(error: BaseException) -> bool:
+    """Whether ``error`` says a checkpoint's files or values are not what was saved (a file
+    missing, truncated or corrupted, an attestation failed), not that the run differs."""
+    return isinstance(error, (CheckpointDamagedError, FileNotFoundError))
 
 
 def attest_alone(evidence: Evidence, world_size: int) -> Attestation:

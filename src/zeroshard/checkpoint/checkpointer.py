@@ -33,9 +33,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .coordinator import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
-from .io.directory import read_latest
-from .engine_io import LR_SCHEDULER_KEY, load_checkpoint
-from .retention import apply_retention, step_tag
+from .attest import Attestation
+from .io.damage import CheckpointDamagedError
+from .io.directory import list_tags, read_latest
+from .engine_io import LR_SCHEDULER_KEY, load_checkpoint_attested
+from .retention import apply_retention, step_tag, tag_step
 from .native.save import FaultHook, commit_save, plan_save, write_rank_files
 from .snapshot import HostSnapshot
 
@@ -83,6 +85,11 @@ class Checkpointer:
         lr_scheduler: saved and restored with the run (its ``state_dict``).
         timeout_s: how long a save's collectives wait for the other ranks.
         fault: ``fault(point, rank)`` at the save's fault points (tests simulate crashes).
+        fallback: when the checkpoint ``latest`` names is damaged (a file missing, truncated
+            or corrupted, or its attestation fails), :meth:`load` resumes from the newest older
+            ``step-*`` checkpoint that loads and attests, and logs which and why. Off by
+            default: resuming from an older step silently costs the steps since, and can hide a
+            failing disk; a run that turns it on should watch for the warning.
 
     Construction and :meth:`close` are collective (they create and destroy the gloo group),
     as are :meth:`load` and :meth:`save`. Use it as a context manager, or call :meth:`close`.
@@ -99,6 +106,7 @@ class Checkpointer:
         lr_scheduler: Any = None,
         timeout_s: float = 1800.0,
         fault: FaultHook | None = None,
+        fallback: bool = False,
     ) -> None:
         for name, value in (("keep_last", keep_last), ("keep_every", keep_every)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -110,6 +118,9 @@ class Checkpointer:
         self.async_save = async_save
         self.lr_scheduler = lr_scheduler
         self.extra: dict[str, Any] = {}  # the user extra of the checkpoint load() resumed from
+        self.fallback = fallback
+        self.attestation: Attestation | None = None  # of the checkpoint load() resumed from
+        self.resumed_from: str | None = None  # its tag
         self.history: list[SaveStats] = []
         self._fault = fault
         self._buffer_names = [name for name, _ in engine.model.named_buffers()]
@@ -127,13 +138,29 @@ class Checkpointer:
     def load(self) -> int:
         """Collective. Resume from the checkpoint ``latest`` names, resharding to this run's
         world size and policy. Returns the step to start at: one after the saved step, or 0
-        when there is no checkpoint yet (nothing is changed then). Sets :attr:`extra`."""
+        when there is no checkpoint yet (nothing is changed then). Sets :attr:`extra`,
+        :attr:`attestation` (``.line()`` says what the load proved) and :attr:`resumed_from`.
+        A damaged checkpoint raises CheckpointDamagedError on every rank, or, with
+        ``fallback``, gives way to the newest older one that loads."""
         self._check_open()
         self.wait()
-        tag = self._agree_on_latest()
-        if tag is None:
+        candidates = self._agree_on_candidates()
+        if not candidates:
             return 0
-        saved = load_checkpoint(self.engine, self.root / tag, lr_scheduler=self.lr_scheduler)
+        for index, tag in enumerate(candidates):
+            try:
+                saved, self.attestation = load_checkpoint_attested(
+                    self.engine, self.root / tag, lr_scheduler=self.lr_scheduler
+                )
+                break
+            except CheckpointDamagedError as err:  # raised on every rank alike
+                if not self.fallback or index + 1 == len(candidates):
+                    raise
+                if self._coord.rank == 0:
+                    log.warning("%s does not verify, resuming from the older %s instead: %s", self.root / tag, candidates[index + 1], err)
+        self.resumed_from = tag
+        if self._coord.rank == 0:
+            log.info("%s: %s", self.root / tag, self.attestation.line())
         self.extra = dict(saved.get(USER_EXTRA_KEY) or {})
         if STEP_KEY in saved:
             return int(saved[STEP_KEY]) + 1
@@ -279,18 +306,28 @@ class Checkpointer:
             log.warning("%s: retention after %s failed, old tags kept: %s", self.root, committed, err)
             return ()
 
-    def _agree_on_latest(self) -> str | None:
-        """The tag ``latest`` names, read on rank 0 and broadcast, so every rank loads the same."""
-        outcome: tuple[str, str | None] | None = None
+    def _agree_on_candidates(self) -> list[str]:
+        """The tag ``latest`` names, then (with ``fallback``) the older ``step-*`` tags, newest
+        first: read on rank 0 and broadcast, so every rank loads the same."""
+        outcome: tuple[str, Any] | None = None
         if self._coord.rank == 0:
             try:
-                outcome = ("ok", read_latest(self.root) if self.root.is_dir() else None)
+                latest = read_latest(self.root) if self.root.is_dir() else None
+                outcome = ("ok", [] if latest is None else [latest, *self._older_than(latest)])
             except (OSError, ValueError) as err:
                 outcome = ("error", f"{type(err).__name__}: {err}")
         kind, value = self._coord.broadcast_object(outcome)
         if kind == "error":
             raise ValueError(f"checkpoint root {self.root}: {value}")
         return value
+
+    def _older_than(self, latest: str) -> list[str]:
+        if not self.fallback:
+            return []
+        newest = tag_step(latest)
+        steps = {tag: step for tag in list_tags(self.root) if (step := tag_step(tag)) is not None and tag != latest}
+        older = [tag for tag, step in steps.items() if newest is None or step < newest]
+        return sorted(older, key=steps.__getitem__, reverse=True)
 
 
 def _not_saved(path: Path, error: BaseException) -> str:

@@ -268,9 +268,9 @@ def read_json_file(path: Path, what: str) -> Any:
     try:
         return jsonvalue.loads(raw, path)
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: corrupted: not valid JSON ({err.msg} at line {err.lineno})") from None
+        raise CheckpointDamagedError(f"{path}: corrupted: not valid JSON ({err.msg} at line {err.lineno})") from None
     except UnicodeDecodeError:
-        raise ValueError(f"{path}: corrupted: not UTF-8 text") from None
+        raise CheckpointDamagedError(f"{path}: corrupted: not UTF-8 text") from None
 
 
 def check_files_present(directory: Path, records: Mapping[str, FileRecord]) -> None:
