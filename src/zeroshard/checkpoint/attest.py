@@ -142,12 +142,13 @@ class Evidence:
     def master(self, name: str, expert: int | None, values: np.ndarray) -> None:
         """A whole fp32 master read to be cast into a weight (of one expert, for a stack)."""
         if self.enabled and self._expected is not None and not self.full:
-            self._compare((name, expert, "fp32"), self._expected.get((name, expert, "fp32")), array_digest(values))
+            key = (name, expert, "fp32")
+            self._compare(describe_key(key), self._expected.get(key), array_digest(values))
 
     def model_tensor(self, name: str, values: np.ndarray) -> None:
         """A module tensor read from the checkpoint's model file, under its stored name."""
         if self.enabled and self._expected is not None:
-            self._compare((name, None, "module tensor"), self._expected.model.get(name), array_digest(values))
+            self._compare(f"module tensor {name!r}", self._expected.model.get(name), array_digest(values))
 
     def scalars(self, group: int, source_group: int, scalars: Mapping[str, Any]) -> None:
         """The optimizer scalars new group ``group`` took from old group ``source_group``."""
@@ -159,7 +160,7 @@ class Evidence:
             return
         saved = self._expected.scalars[source_group] if source_group < len(self._expected.scalars) else {}
         for name, value in found.items():
-            self._compare((f"group {group}", None, f"scalar {name!r}"), saved.get(name), value)
+            self._compare(f"group {group} scalar {name!r}", saved.get(name), value)
 
     def held(self, group: int, fp32: np.ndarray, states: Mapping[str, np.ndarray]) -> None:
         """Rank's finished partitions of new group ``group`` (full loads)."""
@@ -176,12 +177,12 @@ class Evidence:
 
     # ---- internals ----------------------------------------------------------------------------
 
-    def _compare(self, key: Key, saved: int | None, found: int) -> None:
+    def _compare(self, what: str, saved: int | None, found: int) -> None:
         self._evidence.checked += 1
         if saved is None:
-            self._evidence.problems.append(f"{describe_key(key)} has no saved digest")
+            self._evidence.problems.append(f"{what} has no saved digest")
         elif saved != found:
-            self._evidence.problems.append(_mismatch(key, found, saved, self._evidence.rank))
+            self._evidence.problems.append(_mismatch(what, found, saved, self._evidence.rank))
 
     def _pieces_of(self, rank: int, group: int) -> tuple[list[HeldPiece], list[int]]:
         found = self._old_pieces.get((rank, group))
@@ -191,9 +192,9 @@ class Evidence:
         return found
 
 
-def _mismatch(key: Key, found: int, saved: int, rank: int | None = None) -> str:
+def _mismatch(what: str, found: int, saved: int, rank: int | None = None) -> str:
     where = "" if rank is None else f" on rank {rank}"
-    return f"{describe_key(key)}{where} holds digest {found:08x}, the checkpoint saved {saved:08x}"
+    return f"{what}{where} holds digest {found:08x}, the checkpoint saved {saved:08x}"
 
 
 def judge(
@@ -224,7 +225,7 @@ def judge(
         if expected is not None:
             saved = expected.get(key)
             if saved != value:
-                problems.append(f"{describe_key(key)} has no saved digest" if saved is None else _mismatch(key, value, saved))
+                problems.append(f"{describe_key(key)} has no saved digest" if saved is None else _mismatch(describe_key(key), value, saved))
             continue
         as_read = finished(read, key, total)
         if as_read != value:

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .digests import Key, StateDigests, array_digest, describe_key, scalar_digest
+from .digests import StateDigests, array_digest, describe_key, scalar_digest
 from .io.damage import CheckpointDamagedError
 from .io.dtypes import cast
 from .source import ShardSource
@@ -41,12 +41,12 @@ class ReadChecker:
         found = array_digest(values)
         key = (name, expert, kind)
         as_stored = found if stored == "float32" else array_digest(cast(values, stored))
-        self._check(key, as_stored, self.expected.get(key) if self.expected else None)
+        self._check(describe_key(key), as_stored, self.expected.get(key) if self.expected else None)
         self._params.setdefault(name, {}).setdefault(kind, {})[expert] = found
 
     def model_tensor(self, name: str, values: np.ndarray) -> None:
         found = array_digest(values)
-        self._check((name, None, "module tensor"), found, self.expected.model.get(name) if self.expected else None)
+        self._check(f"module tensor {name!r}", found, self.expected.model.get(name) if self.expected else None)
         self._model[name] = found
 
     def scalars(self, param_group: int, layout_group: int, scalars: Mapping[str, Any]) -> None:
@@ -54,7 +54,7 @@ class ReadChecker:
         found = {name: scalar_digest(value) for name, value in scalars.items()}
         saved = self.expected.scalars[layout_group] if self.expected and layout_group < len(self.expected.scalars) else {}
         for name, value in found.items():
-            self._check((f"layout group {layout_group}", None, f"scalar {name!r}"), value, saved.get(name) if self.expected else None)
+            self._check(f"layout group {layout_group} scalar {name!r}", value, saved.get(name) if self.expected else None)
         self._scalars[param_group] = found
 
     def digests(self, param_groups: int, model: list[str]) -> StateDigests:
@@ -64,15 +64,15 @@ class ReadChecker:
         scalars = [self._scalars.get(index, {}) for index in range(param_groups)]
         return StateDigests(params, scalars, {name: self._model[name] for name in model})
 
-    def _check(self, key: Key, found: int, saved: int | None) -> None:
+    def _check(self, what: str, found: int, saved: int | None) -> None:
         if self.expected is None:
             return
         self.checked += 1
         if saved is None:
-            problem = f"{self.source.path}: {describe_key(key)} has no saved digest"
+            problem = f"{self.source.path}: {what} has no saved digest"
         elif found != saved:
             problem = (
-                f"{self.source.path}: {describe_key(key)} reads as digest {found:08x}, the checkpoint saved {saved:08x}: "
+                f"{self.source.path}: {what} reads as digest {found:08x}, the checkpoint saved {saved:08x}: "
                 "it does not hold what was saved"
             )
         else:
