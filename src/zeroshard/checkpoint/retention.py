@@ -5,9 +5,9 @@ tags of that form; others under the root (say "best") are never deleted. Deletio
 after a newer checkpoint is committed, never touches a tag newer than the one committed,
 and renames each tag hidden before removing it (:func:`~.directory.delete_tag`). Only
 checkpoints that verify count towards ``keep_last`` (their manifest reads and every file it
-lists is there at its recorded size): one that does not is neither counted nor deleted (it is
-logged, and kept for inspection), so retention never deletes the newest checkpoint that
-verifies for a damaged one.
+lists is there at its recorded size): a damaged one among the newest is not counted and not
+deleted (it is logged and kept for inspection), so it never pushes out the newest checkpoint
+that verifies; past the kept ones it goes with the rest.
 """
 
 from __future__ import annotations
@@ -91,5 +91,5 @@ def _verifies(root: Path, tag: str) -> bool:
         open_checkpoint(root / tag)
         return True
     except (OSError, ValueError) as err:
-        log.warning("retention: checkpoint %s does not verify, so it is not counted and not deleted: %s", root / tag, err)
+        log.warning("retention: checkpoint %s does not verify, so it is not counted (nor deleted): %s", root / tag, err)
         return False
