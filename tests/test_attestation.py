@@ -387,3 +387,13 @@ def test_a_rank_file_of_another_checkpoint_is_refused(saved, tmp_path):
     (copy / "manifest.json").write_text(json.dumps(manifest))
     message = refused_everywhere(load_everywhere(copy, moe_layout(4, 2, num_experts=EXPERTS)), CheckpointDamagedError)
     assert "it is rank 2 of 4, the manifest reads it as rank 0 of 4" in message
+
+
+def test_a_save_whose_ranks_hold_different_scalars_is_refused(tmp_path):
+    """Optimizer scalars are the same on every rank, so the manifest records them once: a
+    save in which one rank's step differs is refused on every rank, and nothing is published."""
+    layout = moe_layout(4, 2, num_experts=EXPERTS)
+    states = [synthesize_state(layout, rank, step=6 if rank == 2 else 7) for rank in range(4)]
+    with pytest.raises(OSError, match=r"rank 2's optimizer scalars \(groups \[0, 1\]\) differ from rank 0's"):
+        save_synthetic(tmp_path, layout, states=states)
+    assert not (tmp_path / "t").exists()
