@@ -103,6 +103,7 @@ class Evidence:
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
+        self.path, self.kind, self.layout, self.full = "", "", None, False  # set by begin()
         self._expected: StateDigests | None = None
         self._evidence: RankEvidence | None = None
         self._source_layout: Layout | None = None
@@ -251,11 +252,14 @@ def _scalars_disagree(evidences: list[RankEvidence]) -> list[str]:
     ]
 
 
+_UNDIGESTED = {"zeroshard.checkpoint": "format version 1", "zeroshard.universal": "universal format version 1 or 2"}
+
+
 def _basis(kind: str, expected: StateDigests | None) -> str:
     if expected is not None:
         return "the digests saved in"
-    if kind == "zeroshard.checkpoint":
-        return "the values read (no saved digests: format version 1) from"
+    if kind in _UNDIGESTED:
+        return f"the values read (no saved digests: {_UNDIGESTED[kind]}) from"
     return "the values read (no saved digests of ours) from"
 
 
@@ -308,10 +312,10 @@ def attest_alone(evidence: Evidence, world_size: int) -> Attestation:
 
 
 def warn_if_unattested(verdict: Attestation, kind: str, rank: int) -> None:
-    """A version 1 native checkpoint has no digests: say so, once (rank 0)."""
-    if rank == 0 and kind == "zeroshard.checkpoint" and "format version 1" in verdict.basis:
+    """A zeroshard checkpoint written before digests: say so, once (rank 0)."""
+    if rank == 0 and kind in _UNDIGESTED and verdict.basis.startswith("the values read"):
         warnings.warn(
-            f"{verdict.path}: saved without digests (format version 1): attested only against the values read",
+            f"{verdict.path}: saved without digests ({_UNDIGESTED[kind]}): attested only against the values read",
             UnattestedCheckpointWarning,
             stacklevel=3,
         )

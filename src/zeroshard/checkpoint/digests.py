@@ -19,6 +19,7 @@ Torch-free.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
@@ -26,7 +27,7 @@ import numpy as np
 
 from ..layout import GroupLayout, Layout
 from ..layout.coordinates import ep_rank, expert_numel, shard_rank
-from .io.digest import ALGORITHM, digest, finish, piece_term, raw_crc
+from .io.digest import ALGORITHM, combine, digest, finish, piece_term, raw_crc, zeros_crc
 
 Key = tuple[str, "int | None", str]  # (parameter, global expert or None, kind)
 _MAX_DIGEST = 1 << 32
@@ -197,9 +198,11 @@ def range_term(values: np.ndarray, position: int, tensor_numel: int) -> tuple[in
 
 
 class PartitionDigester:
-    """:func:`partition_terms` of one partition tensor fed as the writer streams it: call it
-    with consecutive chunks of the partition's bytes from the start; each piece's CRC runs
-    across chunks while they are in the CPU cache. No bytes are kept."""
+    """:func:`partition_terms` of one partition tensor fed as the writer streams it: with
+    consecutive chunks of the partition's bytes from the start (``__call__``: each piece's CRC
+    runs across chunks while they are in the CPU cache), or with the CRC of each segment the
+    writer cuts where :meth:`cuts` says (:meth:`segment`: the writer's one CRC pass serves the
+    block checksums and the digests). No bytes are kept."""
 
     def __init__(self, pieces: list[HeldPiece], kind: str, itemsize: int, terms: Terms) -> None:
         self._pieces = pieces
@@ -207,7 +210,33 @@ class PartitionDigester:
         self._itemsize = itemsize
         self._terms = terms
         self._next = 0  # the piece being digested
-        self._running: int | None = None  # its raw CRC so far
+        self._running: int | None = None  # its raw CRC so far (zlib's CRC, with segments)
+        self._bounds = sorted({b for p in pieces for b in (p.partition_start * itemsize, (p.partition_start + p.length) * itemsize)})
+
+    def cuts(self, begin: int, end: int) -> list[int]:
+        """Where pieces start or end strictly inside bytes (begin, end)."""
+        return self._bounds[bisect.bisect_right(self._bounds, begin) : bisect.bisect_left(self._bounds, end)]
+
+    def segment(self, offset: int, length: int, crc: int) -> None:
+        """Bytes [offset, offset + length) of the partition, which no piece boundary cuts, have
+        ``zlib.crc32`` value ``crc``."""
+        while self._next < len(self._pieces):
+            piece = self._pieces[self._next]
+            begin = piece.partition_start * self._itemsize
+            stop = begin + piece.length * self._itemsize
+            if offset < begin:
+                return  # padding before the piece
+            if offset < stop:
+                break
+            self._next += 1
+        else:
+            return  # padding after the last piece
+        self._running = crc if offset == begin else combine(self._running, crc, length)
+        if offset + length == stop:
+            raw = self._running ^ zeros_crc(stop - begin)
+            trailing = (piece.tensor_numel - piece.position - piece.length) * self._itemsize
+            self._terms.add((piece.name, piece.expert, self._kind), piece_term(raw, trailing), stop - begin)
+            self._next, self._running = self._next + 1, None
 
     def __call__(self, offset: int, chunk: memoryview) -> None:
         end = offset + len(chunk)

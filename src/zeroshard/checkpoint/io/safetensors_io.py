@@ -23,6 +23,7 @@ import numpy as np
 from . import jsonvalue
 from .checksum import BlockHasher, FileRecord, block_crc
 from .damage import CheckpointDamagedError
+from .digest import FUSED, combine, crc32
 from .dtypes import as_array, dtype_info, dtype_of, dtype_of_code
 from .members import open_member
 
@@ -37,7 +38,10 @@ if sys.byteorder != "little":  # safetensors is little-endian and tensors are wr
 Tensor = Any  # a numpy array or a torch tensor (torch is not imported here)
 Observer = Callable[[int, memoryview], None]
 """Called as ``observe(offset, chunk)`` with consecutive chunks of a tensor's bytes as they are
-written (``offset``: of the chunk in the tensor), while they are in the CPU cache."""
+written (``offset``: of the chunk in the tensor), while they are in the CPU cache. An observer
+that also has ``cuts(begin, end)`` (the offsets in ``(begin, end)`` where it needs a segment to
+end) and ``segment(offset, length, crc)`` is instead given the CRC-32 of each segment, computed
+once for it and the block checksums (where zlib-ng can combine CRCs)."""
 
 
 @dataclass(frozen=True)
@@ -112,16 +116,37 @@ class SafetensorsWriter:
                 f"got {key!r} ({dtype}, {array.size} elements)"
             )
         raw = _as_bytes(array)
+        fused = FUSED and observe is not None and hasattr(observe, "segment")
         try:
             for start in range(0, len(raw), _WRITE_CHUNK):
                 chunk = raw[start : start + _WRITE_CHUNK]
-                _write_all(self._file, chunk, self._hasher)
-                if observe is not None:
-                    observe(start, chunk)
+                if fused:
+                    _write_all(self._file, chunk, None)
+                    self._hash_segments(chunk, start, observe)
+                else:
+                    _write_all(self._file, chunk, self._hasher)
+                    if observe is not None:
+                        observe(start, chunk)
                 self._start_writeback()
         except OSError as err:
             raise named_os_error(err, self.path) from err
         self._next += 1
+
+    def _hash_segments(self, chunk: memoryview, offset: int, observe: Any) -> None:
+        """CRC ``chunk`` (bytes from ``offset`` of the tensor) once, cut where a checksum block
+        ends or ``observe`` wants a cut; each segment's CRC goes to both."""
+        end = offset + len(chunk)
+        cuts = iter(observe.cuts(offset, end))
+        cut = next(cuts, end)
+        position = offset
+        while position < end:
+            while cut <= position:
+                cut = next(cuts, end)
+            stop = min(cut, end, position + self._hasher.room)
+            crc = crc32(chunk[position - offset : stop - offset])
+            self._hasher.update_known(stop - position, crc, combine)
+            observe.segment(position, stop - position, crc)
+            position = stop
 
     def _start_writeback(self) -> None:
         """Have the kernel start writing what is written so far, without waiting, so that
@@ -211,8 +236,9 @@ def _as_bytes(array: np.ndarray) -> memoryview:
     return memoryview(flat.view(np.uint8))
 
 
-def _write_all(out, data: memoryview, hasher: BlockHasher) -> None:
-    hasher.update(data)
+def _write_all(out, data: memoryview, hasher: BlockHasher | None) -> None:
+    if hasher is not None:
+        hasher.update(data)
     written = 0
     while written < len(data):
         written += out.write(data[written:])
