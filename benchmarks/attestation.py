@@ -114,9 +114,11 @@ def digests_off():
 
 def digests_timed(clock: DigestClock):
     """Digests and attestation on, every digest call timed."""
-    original_call = digests.PartitionDigester.__call__
+    digester = digests.PartitionDigester
     return patched(
-        (digests.PartitionDigester, "__call__", clock.timed(original_call)),
+        (digester, "__call__", clock.timed(digester.__call__)),  # where a second CRC pass digests
+        (digester, "segment", clock.timed(digester.segment)),  # where the writer's one pass feeds it
+        (digester, "cuts", clock.timed(digester.cuts)),
         (attest, "partition_terms", clock.timed(attest.partition_terms)),
         (attest, "judge", clock.timed(attest.judge)),
         (attest.Evidence, "model_tensor", clock.timed(attest.Evidence.model_tensor)),

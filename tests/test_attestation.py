@@ -73,17 +73,11 @@ def holds_what_was_saved(state, layout, rank) -> bool:
     return True
 
 
-@pytest.fixture
-def without_attestation(monkeypatch):
-    """The verdict is always "fine": what a load did before attestation."""
-    monkeypatch.setattr(attest, "judge", lambda evidences, layout, *args, **kw: attest.Attestation("", "", 0, 0, 0))
-
-
 def caught(monkeypatch, path, layout, mutate, **options) -> str:
     """Apply ``mutate``; show that without attestation the load is silently wrong on some rank,
     and that with it every rank refuses the load with one line. That line."""
     mutate(monkeypatch)
-    with monkeypatch.context() as unattested:
+    with monkeypatch.context() as unattested:  # what a load did before attestation: no verdict
         unattested.setattr(attest, "judge", lambda evidences, layout, *args, **kw: attest.Attestation("", "", 0, 0, 0))
         states = load_everywhere(path, layout, **options)
         assert not any(isinstance(s, BaseException) for s in states), states

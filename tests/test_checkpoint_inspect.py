@@ -135,7 +135,7 @@ def test_universal_summary(universal, capsys):
 
 def test_universal_verify(universal, capsys):
     assert main(["inspect", "--verify", str(universal)]) == 0
-    assert _lines(capsys) == [f"{universal}: OK, universal checkpoint, 1 shards, {_shard_bytes(universal):,} bytes, every checksum matches"]
+    assert _lines(capsys) == [f"{universal}: OK, universal checkpoint, 1 shards, {_shard_bytes(universal):,} bytes, every checksum and digest matches"]
     shard = universal / "universal-00001-of-00001.safetensors"
     data = bytearray(shard.read_bytes())
     data[-3] ^= 0x10

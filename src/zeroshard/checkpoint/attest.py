@@ -28,7 +28,6 @@ import numpy as np
 from ..layout import Layout
 from .digests import (
     HeldPiece,
-    Key,
     StateDigests,
     Terms,
     array_digest,
@@ -99,7 +98,7 @@ class Attestation:
 
 class Evidence:
     """Filled by :func:`~.loader.load_state` as it loads one rank (see the module docstring).
-    An Evidence created with ``enabled=False`` ignores every call (the loader's default)."""
+    One created with ``enabled=False`` ignores every call (a benchmark's baseline)."""
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
@@ -132,7 +131,8 @@ class Evidence:
             return
         pieces, starts = self._pieces_of(source_rank, source_group)
         first = max(0, bisect.bisect_right(starts, source_start) - 1)
-        partition_terms(pieces[first:], kind, values, self._evidence.read, source_start)
+        last = bisect.bisect_left(starts, source_start + values.size)
+        partition_terms(pieces[first:last], kind, values, self._evidence.read, source_start)
 
     def read_range(self, name: str, expert: int | None, kind: str, position: int, values: np.ndarray, numel: int) -> None:
         """Values just read for elements [position, ...) of one logical tensor of ``numel``."""

@@ -106,6 +106,22 @@ def load_attested(
     return attested_load(coordinator, path, read, layout, agree_on)
 
 
+def load_from(
+    open_source: Callable[[], ShardSource],
+    path: str,
+    layout: Layout,
+    rank: int,
+    coordinator: Coordinator | None,
+    **options: Any,
+) -> ShardedState:
+    """:func:`load_state` from the source ``open_source()`` opens (closed after): with a
+    ``coordinator`` attested with every rank (:func:`load_attested`), else alone."""
+    if coordinator is not None:
+        return load_attested(open_source, path, layout, rank, coordinator, **options)[0]
+    with open_source() as source:
+        return load_state(source, layout, rank, **options)
+
+
 def _load(
     source: ShardSource,
     layout: Layout,

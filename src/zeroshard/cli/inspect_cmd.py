@@ -75,7 +75,8 @@ def _verify_native(path: Path) -> tuple[str, list[str]]:
     except (ValueError, FileNotFoundError) as err:
         return "", [str(err)]
     total = sum(record.size for record in ckpt.manifest.files.values())
-    summary = f"{directory}: OK, {len(ckpt.manifest.files)} files, {total:,} bytes, every checksum matches"
+    checked = "every checksum, binding and digest matches" if ckpt.manifest.digests else "every checksum matches (no digests)"
+    summary = f"{directory}: OK, {len(ckpt.manifest.files)} files, {total:,} bytes, {checked}"
     return summary, verify_checkpoint(ckpt)
 
 
@@ -86,7 +87,8 @@ def _verify_universal(path: Path) -> tuple[str, list[str]]:
         return "", [str(err)]
     total = sum(record.size for record in manifest.shards.values())
     shards = len(manifest.shards)
-    summary = f"{path}: OK, universal checkpoint, {shards} shards, {total:,} bytes, every checksum matches"
+    checked = "every checksum and digest matches" if manifest.digests else "every checksum matches (no digests)"
+    summary = f"{path}: OK, universal checkpoint, {shards} shards, {total:,} bytes, {checked}"
     return summary, verify_universal(path, manifest)
 
 

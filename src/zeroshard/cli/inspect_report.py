@@ -28,6 +28,18 @@ _SOURCE_KINDS = {"zeroshard.checkpoint": "zeroshard", "DeepSpeedSource": "DeepSp
 _SAME_STAGES = "not recorded (stage 1 and stage 2 save the same state, and either loads it)"
 
 
+def _digests_line(digests, bound: str) -> str:
+    """What a load attests against: the digests the checkpoint records, or none."""
+    if digests is None:
+        return "digests: none (written before digests): loads are attested against the values they read"
+    logical = len(digests.keys())
+    scalars = sum(len(group) for group in digests.scalars)
+    return (
+        f"digests ({digests.algorithm}): {logical} logical tensors, {scalars} scalars, {len(digests.model)} module "
+        f"tensors; {bound}"
+    )
+
+
 def describe_native(ckpt: Checkpoint, *, list_all_files: bool = False) -> list[str]:
     manifest = ckpt.manifest
     lines = [
@@ -49,6 +61,7 @@ def describe_native(ckpt: Checkpoint, *, list_all_files: bool = False) -> list[s
         f"{_trainable(manifest.layout)}; model state: {len(manifest.model_tensors)} tensors stored "
         f"({frozen} not trainable), {len(manifest.aliases)} tied alias(es)",
         _padding_line(manifest.layout),
+        _digests_line(manifest.digests, "every rank file bound to its place (layout digest, rank, experts)"),
     ]
     manifest_size = ckpt.path(MANIFEST_FILE).stat().st_size
     sizes = {name: record.size for name, record in manifest.files.items()}
@@ -91,6 +104,7 @@ def describe_universal(ckpt: UniversalCheckpoint, *, list_all_files: bool = Fals
         f"model state: {len(manifest.model_entries)} buffers or frozen tensors, {len(manifest.aliases)} tied alias(es)"
     )
     lines += universal_expert_lines(manifest.experts)
+    lines.append(_digests_line(manifest.digests, "carried from the run it was converted from"))
     if manifest.experts:  # the per-expert tensors do not give the source run's layout
         lines.append("padding overhead: none (the source run's expert parallelism is not recorded, nor its padding)")
     else:

@@ -26,7 +26,7 @@ from ...layout import Layout
 from ...state import ShardedState
 from ..coordinator import Coordinator
 from .handle import Checkpoint
-from ..loader import load_attested, load_state
+from ..loader import load_from
 from .source import NativeSource
 from ..io.safetensors_io import ReadStats
 
@@ -63,19 +63,15 @@ def load_sharded(
             with the others' and every rank raises the same error, or none does. Without one,
             the rank attests alone what it holds whole (all of it in a world of one).
     """
-    options = dict(
+    return load_from(
+        lambda: NativeSource(checkpoint, stats=stats),
+        str(getattr(checkpoint, "directory", checkpoint)),
+        layout,
+        rank,
+        coordinator,
         load_optimizer_states=load_optimizer_states,
         load_module_only=load_module_only,
         strict=strict,
         module_state=module_state,
         base=base,
     )
-    if coordinator is not None:
-
-        def opened() -> NativeSource:
-            return NativeSource(checkpoint, stats=stats)
-
-        where = str(getattr(checkpoint, "directory", checkpoint))
-        return load_attested(opened, where, layout, rank, coordinator, **options)[0]
-    with NativeSource(checkpoint, stats=stats) as source:
-        return load_state(source, layout, rank, **options)

@@ -14,7 +14,7 @@ import torch
 from ...layout import Layout
 from ...state import ShardedState
 from ..coordinator import Coordinator
-from ..loader import load_attested, load_state
+from ..loader import load_from, load_state
 from .read import UniversalCheckpoint
 from .source import UniversalSource
 
@@ -40,19 +40,18 @@ def load_universal(
     Options as for :func:`~zeroshard.checkpoint.loader.load_state`; with ``coordinator``
     the ranks load and attest together (collective), as :func:`~..native.load.load_sharded`.
     """
-    options = dict(
+    return load_from(
+        lambda: UniversalSource(path),
+        str(getattr(path, "directory", path)),
+        layout,
+        rank,
+        coordinator,
         load_optimizer_states=load_optimizer_states,
         load_module_only=load_module_only,
         strict=strict,
         module_state=module_state,
         base=base,
     )
-    if coordinator is not None:
-        where = str(getattr(path, "directory", path))
-        return load_attested(lambda: UniversalSource(path), where, layout, rank, coordinator, **options)[0]
-    with UniversalSource(path) as source:
-        return load_state(source, layout, rank, **options)
-
 
 load_from_source = load_state
 """This rank's state under a layout, read range by range from any opened ShardSource (a
