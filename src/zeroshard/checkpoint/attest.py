@@ -19,6 +19,7 @@ in the source itself (the files' own checksums catch those). Such a load says so
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
@@ -199,11 +200,20 @@ def _mismatch(what: str, found: int, saved: int, rank: int | None = None) -> str
 
 
 def judge(
-    evidences: list[RankEvidence], layout: Layout, expected: StateDigests | None, path: str, kind: str, *, complete: bool = True
+    evidences: list[RankEvidence],
+    layout: Layout,
+    expected: StateDigests | None,
+    path: str,
+    kind: str,
+    *,
+    complete: bool = True,
+    shape: RankEvidence | None = None,
 ) -> Attestation:
     """The verdict on the ranks' evidence. ``complete``: ``evidences`` holds every rank's,
     so every logical tensor the load filled must be covered; otherwise (one rank, alone) only
-    the tensors one rank holds whole are judged."""
+    the tensors one rank holds whole are judged. ``shape`` (default: the first evidence)
+    gives the parameters the load filled and the partitions' element sizes, the same on
+    every rank, so the ranks need not send them."""
     problems = [problem for evidence in evidences for problem in evidence.problems]
     checked = sum(evidence.checked for evidence in evidences)
     if len({evidence.fingerprint for evidence in evidences}) > 1:
@@ -212,7 +222,7 @@ def judge(
     for evidence in evidences:
         held.merge(evidence.held)
         read.merge(evidence.read)
-    first = evidences[0]
+    first = shape or evidences[0]
     kinds = {group.index: tuple(first.itemsizes.get(group.index, ())) for group in layout.groups}
     keys = logical_keys(layout, kinds, first.params)
     for key, numel in keys.items():
@@ -279,7 +289,9 @@ def attested_load(
         result, problem = read(evidence), None
     except Exception as err:  # noqa: BLE001 - any error on one rank fails the load on every rank
         result, problem = None, (f"{type(err).__name__}: {err}", is_damage(err))
-    reports = coordinator.all_gather_object((problem, agree_on, None if problem else evidence.partial()))
+    mine = evidence.partial()
+    sent = None if problem or mine is None else dataclasses.replace(mine, params=(), itemsizes={})  # the same everywhere
+    reports = coordinator.all_gather_object((problem, agree_on, sent))
     prefix = f"checkpoint {path} not loaded (nothing changed)"
     for rank, (their_problem, _, _) in enumerate(reports):
         if their_problem:
@@ -288,7 +300,7 @@ def attested_load(
     if any(their_agree != agree_on for _, their_agree, _ in reports):
         per_rank = {rank: their_agree for rank, (_, their_agree, _) in enumerate(reports)}
         raise ValueError(f"{prefix}: the ranks' options differ: {per_rank}")
-    verdict = judge([r[2] for r in reports], layout, evidence._expected, evidence.path, evidence.kind)
+    verdict = judge([r[2] for r in reports], layout, evidence._expected, evidence.path, evidence.kind, shape=mine)
     if not verdict.ok:
         raise AttestationError(f"{prefix}: {verdict.line()}")
     warn_if_unattested(verdict, evidence.kind, coordinator.rank)
