@@ -16,6 +16,7 @@ import json
 import shutil
 import threading
 import warnings
+import zlib
 
 import pytest
 import torch
@@ -299,7 +300,7 @@ def test_a_legacy_checkpoint_loads_says_so_once_and_is_attested_against_what_was
 
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
-def test_a_deepspeed_checkpoint_is_digested_as_read_and_compared_after_redistribution(deepspeed_runs, monkeypatch):
+def test_a_deepspeed_checkpoint_is_digested_as_read_and_compared_after_redistribution(deepspeed_runs, tmp_path, monkeypatch):
     from zeroshard.importers import open_deepspeed
 
     run = deepspeed_runs["w2_s2"]
@@ -311,6 +312,17 @@ def test_a_deepspeed_checkpoint_is_digested_as_read_and_compared_after_redistrib
 
     results = run_ranks(3, one_rank)
     assert all(a.ok and "the values read (no saved digests of ours)" in a.line() for _, a in results)
+    # Converted, it carries digests of what was read: zlib.crc32 of each tensor it stores.
+    from universal_helpers import universal_tensors
+
+    from zeroshard.checkpoint.universal import open_universal, to_universal
+
+    universal = to_universal(run.save_dir, tmp_path / "u", progress=False)
+    digests = open_universal(universal).manifest.digests
+    stored = universal_tensors(universal)
+    for name, kinds in digests.params.items():
+        for kind, value in kinds.items():
+            assert value == zlib.crc32(stored[f"param/{name}/{kind}"].numpy().tobytes()), (name, kind)
     off_by_one(monkeypatch)
     message = refused_everywhere(run_ranks(3, one_rank, return_exceptions=True))
     assert "fp32: the ranks hold digest" in message and "but it was read as" in message

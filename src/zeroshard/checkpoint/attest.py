@@ -135,7 +135,9 @@ class Evidence:
         last = bisect.bisect_left(starts, source_start + values.size)
         partition_terms(pieces[first:last], kind, values, self._evidence.read, source_start)
 
-    def read_range(self, name: str, expert: int | None, kind: str, position: int, values: np.ndarray, numel: int) -> None:
+    def read_range(
+        self, name: str, expert: int | None, kind: str, position: int, values: np.ndarray, numel: int
+    ) -> None:
         """Values just read for elements [position, ...) of one logical tensor of ``numel``."""
         if self.from_reads:
             term, nbytes = range_term(values, position, numel)
@@ -230,13 +232,15 @@ def judge(
         value = finished(held, key, total)
         if value is None:
             if complete:
-                problems.append(f"{describe_key(key)}: the ranks hold {held.values.get(key, (0, 0))[1]} of its {total} bytes")
+                covered = held.values.get(key, (0, 0))[1]
+                problems.append(f"{describe_key(key)}: the ranks hold {covered} of its {total} bytes")
             continue
         checked += 1
         if expected is not None:
             saved = expected.get(key)
             if saved != value:
-                problems.append(f"{describe_key(key)} has no saved digest" if saved is None else _mismatch(describe_key(key), value, saved))
+                what = describe_key(key)
+                problems.append(f"{what} has no saved digest" if saved is None else _mismatch(what, value, saved))
             continue
         as_read = finished(read, key, total)
         if as_read != value:
@@ -290,15 +294,17 @@ def attested_load(
     except Exception as err:  # noqa: BLE001 - any error on one rank fails the load on every rank
         result, problem = None, (f"{type(err).__name__}: {err}", is_damage(err))
     mine = evidence.partial()
-    sent = None if problem or mine is None else dataclasses.replace(mine, params=(), itemsizes={})  # the same everywhere
-    reports = coordinator.all_gather_object((problem, agree_on, sent))
-    prefix = f"checkpoint {path} not loaded (nothing changed)"
-    for rank, (their_problem, _, _) in enumerate(reports):
-        if their_problem:
+    # params and itemsizes are the same on every rank: each judges with its own
+    sent = None if problem or mine is None else dataclasses.replace(mine, params=(), itemsizes={})
+    reports = coordinator.all_gather_object((problem, agree_on, sent, path))
+    for rank, (their_problem, _, _, their_path) in enumerate(reports):
+        if their_problem:  # the same error on every rank, with the failing rank's path
             text, damaged = their_problem
-            raise (CheckpointDamagedError if damaged else ValueError)(f"{prefix}: rank {rank}: {text}")
-    if any(their_agree != agree_on for _, their_agree, _ in reports):
-        per_rank = {rank: their_agree for rank, (_, their_agree, _) in enumerate(reports)}
+            error = CheckpointDamagedError if damaged else ValueError
+            raise error(f"checkpoint {their_path} not loaded (nothing changed): rank {rank}: {text}")
+    prefix = f"checkpoint {reports[0][3]} not loaded (nothing changed)"
+    if any(their_agree != agree_on for _, their_agree, _, _ in reports):
+        per_rank = {rank: their_agree for rank, (_, their_agree, _, _) in enumerate(reports)}
         raise ValueError(f"{prefix}: the ranks' options differ: {per_rank}")
     verdict = judge([r[2] for r in reports], layout, evidence._expected, evidence.path, evidence.kind, shape=mine)
     if not verdict.ok:
@@ -310,13 +316,14 @@ def attested_load(
 def is_damage(error: BaseException) -> bool:
     """Whether ``error`` says a checkpoint's files or values are not what was saved (a file
     missing, truncated or corrupted, an attestation failed), not that the run differs."""
-    return isinstance(error, (CheckpointDamagedError, FileNotFoundError))
+    return isinstance(error, CheckpointDamagedError)
 
 
 def attest_alone(evidence: Evidence, world_size: int) -> Attestation:
     """One rank's verdict without the others (a load without a coordinator): all of it in a
     world of one; at larger world sizes, only what this rank holds whole. Raises AttestationError."""
-    verdict = judge([evidence.partial()], evidence.layout, evidence._expected, evidence.path, evidence.kind, complete=world_size == 1)
+    evidences = [evidence.partial()]
+    verdict = judge(evidences, evidence.layout, evidence._expected, evidence.path, evidence.kind, complete=world_size == 1)
     if not verdict.ok:
         raise AttestationError(f"checkpoint {evidence.path} not loaded: {verdict.line()}")
     warn_if_unattested(verdict, evidence.kind, evidence.partial().rank)

@@ -157,7 +157,8 @@ class Checkpointer:
                 if not self.fallback or index + 1 == len(candidates):
                     raise
                 if self._coord.rank == 0:
-                    log.warning("%s does not verify, resuming from the older %s instead: %s", self.root / tag, candidates[index + 1], err)
+                    older = candidates[index + 1]
+                    log.warning("%s does not verify, resuming from the older %s: %s", self.root / tag, older, err)
         self.resumed_from = tag
         if self._coord.rank == 0:
             log.info("%s: %s", self.root / tag, self.attestation.line())

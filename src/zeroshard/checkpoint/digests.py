@@ -85,7 +85,7 @@ class StateDigests:
         """Parse; ValueError (or KeyError, TypeError) on a malformed value."""
         if not isinstance(data, dict) or data.get("algorithm") != ALGORITHM:
             found = data.get("algorithm") if isinstance(data, dict) else type(data).__name__
-            raise ValueError(f"digests use algorithm {found!r}, this zeroshard computes {ALGORITHM!r}")
+            raise ValueError(f"digests use algorithm {repr(found)[:40]}, this zeroshard computes {ALGORITHM!r}")
         params = {
             str(name): {str(kind): _digest_value(value, f"{name} {kind}") for kind, value in _mapping(kinds).items()}
             for name, kinds in _mapping(data["params"]).items()
@@ -103,7 +103,7 @@ def _mapping(value: Any) -> Mapping[str, Any]:
 
 def _one_digest(value: Any, what: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _MAX_DIGEST:
-        raise ValueError(f"digest of {what} is {value!r}, not a 32-bit unsigned integer")
+        raise ValueError(f"digest of {str(what)[:80]} is {repr(value)[:40]}, not a 32-bit unsigned integer")
     return value
 
 
@@ -155,7 +155,8 @@ def held_pieces(group: GroupLayout, rank: int, params: Iterable[str] | None = No
             continue
         slot = group.params[fragment.param_index]
         if not group.is_expert_group:
-            found.append(HeldPiece(slot.name, None, fragment.partition_start, fragment.param_start, fragment.length, slot.numel))
+            start, position = fragment.partition_start, fragment.param_start
+            found.append(HeldPiece(slot.name, None, start, position, fragment.length, slot.numel))
             continue
         per_expert = expert_numel(slot)
         position, end = fragment.param_start, fragment.param_start + fragment.length
@@ -211,7 +212,8 @@ class PartitionDigester:
         self._terms = terms
         self._next = 0  # the piece being digested
         self._running: int | None = None  # its raw CRC so far (zlib's CRC, with segments)
-        self._bounds = sorted({b for p in pieces for b in (p.partition_start * itemsize, (p.partition_start + p.length) * itemsize)})
+        ends = [(p.partition_start * itemsize, (p.partition_start + p.length) * itemsize) for p in pieces]
+        self._bounds = sorted({bound for pair in ends for bound in pair})
 
     def cuts(self, begin: int, end: int) -> list[int]:
         """Where pieces start or end strictly inside bytes (begin, end)."""
@@ -253,11 +255,14 @@ class PartitionDigester:
                 return  # the piece goes on in the next chunk
             crc = raw_crc(b"") if self._running is None else self._running
             trailing = (piece.tensor_numel - piece.position - piece.length) * self._itemsize
-            self._terms.add((piece.name, piece.expert, self._kind), piece_term(crc, trailing), piece.length * self._itemsize)
+            key = (piece.name, piece.expert, self._kind)
+            self._terms.add(key, piece_term(crc, trailing), piece.length * self._itemsize)
             self._next, self._running = self._next + 1, None
 
 
-def logical_keys(layout: Layout, kinds_of: Mapping[int, Iterable[str]], params: Iterable[str] | None = None) -> dict[Key, int]:
+def logical_keys(
+    layout: Layout, kinds_of: Mapping[int, Iterable[str]], params: Iterable[str] | None = None
+) -> dict[Key, int]:
     """Every digest key of ``layout`` (of ``params`` only, if given) with its element count:
     each parameter (each global expert) in each kind ``kinds_of[group index]`` lists."""
     wanted = None if params is None else set(params)

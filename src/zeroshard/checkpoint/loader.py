@@ -335,7 +335,8 @@ def _master_weight(
     for fragment in fragments:
         end = fragment.param_start + fragment.length
         partition[fragment.partition_start : fragment.partition_start + fragment.length] = master[fragment.param_start : end]
-        evidence.read_range(slot.name, None, "fp32", fragment.param_start, master[fragment.param_start : end], slot.numel)
+        read = master[fragment.param_start : end]
+        evidence.read_range(slot.name, None, "fp32", fragment.param_start, read, slot.numel)
     return cast(master, dtype)
 
 
@@ -346,7 +347,9 @@ def _fragments_by_param(fragments: Sequence[Fragment]) -> dict[str, list[Fragmen
     return found
 
 
-def _local_experts(source: ShardSource, group: GroupLayout, slot: ParamSlot, rank: int, evidence: Evidence) -> np.ndarray:
+def _local_experts(
+    source: ShardSource, group: GroupLayout, slot: ParamSlot, rank: int, evidence: Evidence
+) -> np.ndarray:
     """The stacked weight of the experts ``rank`` holds: their fp32 masters (read by global
     expert id) cast to the run's dtype, as the engine makes its parameters from its masters.
     No checkpoint stores expert weights in low precision (a native one keeps one module

@@ -52,15 +52,18 @@ class ReadChecker:
     def scalars(self, param_group: int, layout_group: int, scalars: Mapping[str, Any]) -> None:
         """Param group ``param_group``'s scalars, read from layout group ``layout_group``."""
         found = {name: scalar_digest(value) for name, value in scalars.items()}
-        saved = self.expected.scalars[layout_group] if self.expected and layout_group < len(self.expected.scalars) else {}
+        recorded = self.expected.scalars if self.expected else []
+        saved = recorded[layout_group] if layout_group < len(recorded) else {}
         for name, value in found.items():
-            self._check(f"layout group {layout_group} scalar {name!r}", value, saved.get(name) if self.expected else None)
+            self._check(f"layout group {layout_group} scalar {name!r}", value, saved.get(name))
         self._scalars[param_group] = found
 
     def digests(self, param_groups: int, model: list[str]) -> StateDigests:
         """What was read, as digests: every parameter read in every kind (a stack's experts in
         order), ``param_groups`` sets of scalars, the ``model`` tensors."""
-        params = {name: {kind: _one_or_per_expert(found) for kind, found in kinds.items()} for name, kinds in self._params.items()}
+        params = {
+            name: {kind: _one_or_per_expert(found) for kind, found in kinds.items()} for name, kinds in self._params.items()
+        }
         scalars = [self._scalars.get(index, {}) for index in range(param_groups)]
         return StateDigests(params, scalars, {name: self._model[name] for name in model})
 

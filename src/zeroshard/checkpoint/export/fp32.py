@@ -98,7 +98,8 @@ def to_fp32(
                 description="to-fp32",
                 digests=digests,
             )
-            record = {"format": DIGESTS_FORMAT, "version": 1, "algorithm": ALGORITHM, "dtype": dtype, "tensors": digests}
+            record = {"format": DIGESTS_FORMAT, "version": 1, "algorithm": ALGORITHM, "dtype": dtype}
+            record["tensors"] = digests
             write_file_durably(staging / DIGESTS_FILE, json.dumps(record, indent=1) + "\n")
             if len(shards) > 1:
                 weight_map = {tensors[i].planned.key: name for shard, name in zip(shards, names) for i in shard}

@@ -13,3 +13,7 @@ from __future__ import annotations
 class CheckpointDamagedError(ValueError):
     """A checkpoint's files or values are not those that were saved (one line, naming the file
     or parameter)."""
+
+
+class MissingFileError(CheckpointDamagedError, FileNotFoundError):
+    """A file the checkpoint's manifest lists is not there."""

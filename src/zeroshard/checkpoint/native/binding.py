@@ -75,24 +75,30 @@ def _difference(found: Any, expected: dict[str, Any]) -> str | None:
         return f"its binding is a {type(found).__name__}, not an object"
     if (found.get("rank"), found.get("world_size")) != (expected["rank"], expected["world_size"]):
         return (
-            f"it is rank {found.get('rank')!r} of {found.get('world_size')!r}, the manifest reads it as rank "
+            f"it is rank {_short(found.get('rank'))} of {_short(found.get('world_size'))}, the manifest reads it as rank "
             f"{expected['rank']} of {expected['world_size']}"
         )
     groups = found.get("groups")
     if not isinstance(groups, list) or len(groups) != len(expected["groups"]):
-        count = len(groups) if isinstance(groups, list) else groups
-        return f"it holds {count!r} layout groups, the manifest's layout has {len(expected['groups'])}"
+        count = len(groups) if isinstance(groups, list) else _short(groups)
+        return f"it holds {count} layout groups, the manifest's layout has {len(expected['groups'])}"
     for index, (theirs, ours) in enumerate(zip(groups, expected["groups"])):
         if theirs != ours:
             return f"layout group {index}: it holds {_group_text(theirs)}, the manifest puts {_group_text(ours)} there"
     if found.get("layout") != expected["layout"]:
-        return f"it was written for another layout (digest {str(found.get('layout'))[:16]}, the manifest's {expected['layout'][:16]})"
+        return f"it was written for another layout (digest {_short(found.get('layout'), 20)}, the manifest's {expected['layout'][:16]})"
     return None
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    """``repr(value)``, cut: a hostile file's values reach the error line only this long."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _group_text(entry: Any) -> str:
     if not isinstance(entry, dict):
-        return repr(entry)[:80]
-    text = f"rank {entry.get('shard_rank')!r} of {entry.get('shard_size')!r} of shard group {str(entry.get('shard_group'))[:40]!r}"
+        return _short(entry, 80)
+    text = f"rank {_short(entry.get('shard_rank'))} of {_short(entry.get('shard_size'))} of shard group {_short(entry.get('shard_group'))}"
     experts = entry.get("experts")
-    return text if experts is None else f"{text}, experts {str(experts)[:80]}"
+    return text if experts is None else f"{text}, experts {_short(experts, 80)}"
