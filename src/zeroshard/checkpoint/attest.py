@@ -29,6 +29,7 @@ import numpy as np
 from ..layout import Layout
 from .digests import (
     HeldPiece,
+    PartitionDigester,
     StateDigests,
     Terms,
     array_digest,
@@ -41,7 +42,7 @@ from .digests import (
     scalar_digest,
 )
 from .io.damage import CheckpointDamagedError
-from .io.digest import digest
+from .io.digest import FUSED, digest
 
 if TYPE_CHECKING:
     from .coordinator import Coordinator
@@ -108,6 +109,8 @@ class Evidence:
         self._evidence: RankEvidence | None = None
         self._source_layout: Layout | None = None
         self._old_pieces: dict[tuple[int, int], tuple[list[HeldPiece], list[int]]] = {}
+        # (new group, kind) -> the terms a source's reads handed over, whether every read did
+        self._observed: dict[tuple[int, str], list] = {}
 
     # ---- called by the loader ---------------------------------------------------------------
 
@@ -143,16 +146,42 @@ class Evidence:
             term, nbytes = range_term(values, position, numel)
             self._evidence.read.add((name, expert, kind), term, nbytes)
 
+    def observer(self, group: int, kind: str, dest_start: int, itemsize: int) -> PartitionDigester | None:
+        """A digester for a read into new group ``group``'s partition of ``kind`` from element
+        ``dest_start``: a source that digests its reads (native) hands it the CRCs its checksum
+        pass computes, so :meth:`held` need not read the partition again. None where CRCs
+        cannot be combined (no zlib-ng)."""
+        if not (self.enabled and FUSED):
+            return None
+        entry = self._observed.get((group, kind))
+        if entry is None:
+            terms = Terms()
+            pieces = held_pieces(self.layout.groups[group], self._evidence.rank, self._evidence.params)
+            entry = self._observed[(group, kind)] = [terms, True, PartitionDigester(pieces, kind, itemsize, terms)]
+        return entry[2].at(dest_start * itemsize)
+
+    def observed(self, group: int, kind: str, done: bool) -> None:
+        """Whether the source digested the read :meth:`observer` was asked for; one that did
+        not means :meth:`held` digests the whole partition of ``kind`` itself."""
+        entry = self._observed.get((group, kind))
+        if entry is not None and not done:
+            entry[1] = False
+
     def master(self, name: str, expert: int | None, values: np.ndarray) -> None:
         """A whole fp32 master read to be cast into a weight (of one expert, for a stack)."""
         if self.enabled and self._expected is not None and not self.full:
             key = (name, expert, "fp32")
             self._compare(describe_key(key), self._expected.get(key), array_digest(values))
 
-    def model_tensor(self, name: str, values: np.ndarray) -> None:
-        """A module tensor read from the checkpoint's model file, under its stored name."""
+    def model_tensor(self, name: str, values: np.ndarray, read: tuple[int, int, int | None] | None = None) -> None:
+        """A module tensor read from the checkpoint's model file, under its stored name.
+        ``read``: ``(address, nbytes, digest)`` of the bytes the read digested; used only when
+        ``values`` are exactly those bytes (else they are digested here)."""
         if self.enabled and self._expected is not None:
-            self._compare(f"module tensor {name!r}", self._expected.model.get(name), array_digest(values))
+            address, nbytes, found = read if read is not None else (0, 0, None)
+            if found is None or values.nbytes != nbytes or values.__array_interface__["data"][0] != address:
+                found = array_digest(values)
+            self._compare(f"module tensor {name!r}", self._expected.model.get(name), found)
 
     def scalars(self, group: int, source_group: int, scalars: Mapping[str, Any]) -> None:
         """The optimizer scalars new group ``group`` took from old group ``source_group``."""
@@ -174,7 +203,11 @@ class Evidence:
         kinds = {"fp32": fp32, **states}
         self._evidence.itemsizes[group] = {kind: values.dtype.itemsize for kind, values in kinds.items()}
         for kind, values in kinds.items():
-            partition_terms(pieces, kind, values, self._evidence.held)
+            observed = self._observed.get((group, kind))
+            if observed is not None and observed[1]:
+                self._evidence.held.merge(observed[0])  # digested as it was read
+            else:
+                partition_terms(pieces, kind, values, self._evidence.held)
 
     def partial(self) -> RankEvidence | None:
         return self._evidence

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..layout import GroupLayout, Layout
 from ..layout.coordinates import ep_rank, expert_numel, shard_rank
-from .io.digest import ALGORITHM, combine, digest, finish, piece_term, raw_crc, zeros_crc
+from .io.digest import ALGORITHM, digest, finish, piece_term, raw_crc, zeros_crc
 
 Key = tuple[str, "int | None", str]  # (parameter, global expert or None, kind)
 _MAX_DIGEST = 1 << 32
@@ -199,46 +199,51 @@ def range_term(values: np.ndarray, position: int, tensor_numel: int) -> tuple[in
 
 
 class PartitionDigester:
-    """:func:`partition_terms` of one partition tensor fed as the writer streams it: with
-    consecutive chunks of the partition's bytes from the start (``__call__``: each piece's CRC
-    runs across chunks while they are in the CPU cache), or with the CRC of each segment the
-    writer cuts where :meth:`cuts` says (:meth:`segment`: the writer's one CRC pass serves the
-    block checksums and the digests). No bytes are kept."""
+    """:func:`partition_terms` of one partition tensor as a writer streams it or a reader
+    fills it, without a pass of its own: given the CRC of each *segment* the writer or reader
+    computes anyway for its checksum blocks, cut where :meth:`cuts` asks (no segment crosses
+    a piece boundary), in any order (:meth:`segment`); or, where CRCs cannot be combined (no
+    zlib-ng), fed consecutive chunks of the bytes from the start (``__call__``), while they
+    are in the CPU cache. Offsets are bytes of the partition from ``base`` (the partition
+    byte at offset 0 of what is streamed). No bytes are kept."""
 
-    def __init__(self, pieces: list[HeldPiece], kind: str, itemsize: int, terms: Terms) -> None:
+    def __init__(self, pieces: list[HeldPiece], kind: str, itemsize: int, terms: Terms, base: int = 0) -> None:
         self._pieces = pieces
         self._kind = kind
         self._itemsize = itemsize
         self._terms = terms
-        self._next = 0  # the piece being digested
-        self._running: int | None = None  # its raw CRC so far (zlib's CRC, with segments)
+        self._base = base
+        self._starts = [p.partition_start * itemsize for p in pieces]
         ends = [(p.partition_start * itemsize, (p.partition_start + p.length) * itemsize) for p in pieces]
         self._bounds = sorted({bound for pair in ends for bound in pair})
+        self._next = 0  # __call__: the piece being digested
+        self._running: int | None = None  # __call__: its raw CRC so far
+
+    def at(self, base: int) -> PartitionDigester:
+        """The same digester, for a stream that starts at partition byte ``base``."""
+        shifted = PartitionDigester.__new__(PartitionDigester)
+        shifted.__dict__.update(self.__dict__)
+        shifted._base = base
+        return shifted
 
     def cuts(self, begin: int, end: int) -> list[int]:
-        """Where pieces start or end strictly inside bytes (begin, end)."""
-        return self._bounds[bisect.bisect_right(self._bounds, begin) : bisect.bisect_left(self._bounds, end)]
+        """Where pieces start or end strictly inside the streamed bytes (begin, end)."""
+        found = self._bounds[bisect.bisect_right(self._bounds, begin + self._base) : bisect.bisect_left(self._bounds, end + self._base)]
+        return [bound - self._base for bound in found]
 
     def segment(self, offset: int, length: int, crc: int) -> None:
-        """Bytes [offset, offset + length) of the partition, which no piece boundary cuts, have
-        ``zlib.crc32`` value ``crc``."""
-        while self._next < len(self._pieces):
-            piece = self._pieces[self._next]
-            begin = piece.partition_start * self._itemsize
-            stop = begin + piece.length * self._itemsize
-            if offset < begin:
-                return  # padding before the piece
-            if offset < stop:
-                break
-            self._next += 1
-        else:
-            return  # padding after the last piece
-        self._running = crc if offset == begin else combine(self._running, crc, length)
-        if offset + length == stop:
-            raw = self._running ^ zeros_crc(stop - begin)
-            trailing = (piece.tensor_numel - piece.position - piece.length) * self._itemsize
-            self._terms.add((piece.name, piece.expert, self._kind), piece_term(raw, trailing), stop - begin)
-            self._next, self._running = self._next + 1, None
+        """Streamed bytes [offset, offset + length), which no piece boundary cuts, have
+        ``zlib.crc32`` value ``crc``: the term of that run of its piece (none for padding)."""
+        offset += self._base
+        index = bisect.bisect_right(self._starts, offset) - 1
+        if index < 0 or length == 0:
+            return
+        piece, begin = self._pieces[index], self._starts[index]
+        if offset >= begin + piece.length * self._itemsize:
+            return  # padding after the piece
+        position = piece.position * self._itemsize + offset - begin
+        trailing = piece.tensor_numel * self._itemsize - position - length
+        self._terms.add((piece.name, piece.expert, self._kind), piece_term(crc ^ zeros_crc(length), trailing), length)
 
     def __call__(self, offset: int, chunk: memoryview) -> None:
         end = offset + len(chunk)
@@ -258,6 +263,14 @@ class PartitionDigester:
             key = (piece.name, piece.expert, self._kind)
             self._terms.add(key, piece_term(crc, trailing), piece.length * self._itemsize)
             self._next, self._running = self._next + 1, None
+
+
+def tensors_digester(tensors: Mapping[str, tuple[int, int]], terms: Terms) -> PartitionDigester:
+    """A digester of whole tensors lying in one buffer (``name -> (begin, end)`` bytes), as
+    pieces of kind "module": :func:`finished` of ``(name, None, "module")`` over ``end -
+    begin`` bytes is each one's digest."""
+    pieces = [HeldPiece(name, None, begin, 0, end - begin, end - begin) for name, (begin, end) in sorted(tensors.items(), key=lambda t: t[1])]
+    return PartitionDigester(pieces, "module", 1, terms)
 
 
 def logical_keys(

@@ -232,7 +232,9 @@ def _fill(source: ShardSource, plan: GroupPlan, key: str, dest: np.ndarray, evid
     """Copy the plan's ranges of ``key`` into ``dest``, in place."""
     for copy in plan.copies:
         out = dest[copy.dest_start : copy.dest_start + copy.length]
-        read_into(source, copy.source_rank, copy.source_group, key, copy.source_start, out)
+        observer = evidence.observer(plan.group, key, copy.dest_start, dest.dtype.itemsize)
+        done = read_into(source, copy.source_rank, copy.source_group, key, copy.source_start, out, observer)
+        evidence.observed(plan.group, key, done)
         evidence.read(copy.source_rank, copy.source_group, key, copy.source_start, out)
     return dest
 
@@ -315,9 +317,10 @@ def _module_weights(
         if entry.name not in planned and (keep_only is None or entry.name in keep_only):
             planned[entry.name] = entry.shape
     # All at once: the native source reads neighbouring tensors in one read.
-    found = read_model_tensors(source, [name for name, value in planned.items() if isinstance(value, tuple)])
+    digests: dict[str, tuple] = {}  # name -> (address, nbytes, digest) of what a read digested
+    found = read_model_tensors(source, [name for name, value in planned.items() if isinstance(value, tuple)], digests)
     for name, values in found.items():
-        evidence.model_tensor(name, values)
+        evidence.model_tensor(name, values, digests.get(name))
     return {name: found[name].reshape(value) if isinstance(value, tuple) else value for name, value in planned.items()}
 
 

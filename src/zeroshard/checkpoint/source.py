@@ -88,23 +88,36 @@ class ShardSource(Protocol):
     def close(self) -> None: ...
 
 
-def read_into(source: ShardSource, rank: int, group: int, key: str, start: int, out: np.ndarray) -> None:
+def read_into(
+    source: ShardSource, rank: int, group: int, key: str, start: int, out: np.ndarray, observe: Any = None
+) -> bool:
     """Elements [start, start + out.size) of ``rank``'s partition of ``key`` in ``group``
     into the 1-D array ``out``, cast (exactly, if the checkpoint stores them narrower) to its
     dtype. A source with a ``read_into`` method of this signature fills ``out`` itself (the
-    native one reads the file's bytes straight into it); others go through ``read``."""
+    native one reads the file's bytes straight into it); others go through ``read``. A
+    source that ``observes_reads`` also hands ``observe`` (a digester) the CRC of each
+    segment of ``out``; returns whether it did."""
     fill = getattr(source, "read_into", None)
+    if observe is not None and getattr(source, "observes_reads", False):
+        fill(rank, group, key, start, out, observe)
+        return True
     if fill is not None:
         fill(rank, group, key, start, out)
     else:
         out[...] = source.read(rank, group, key, start, start + out.size)
+    return False
 
 
-def read_model_tensors(source: ShardSource, names: list[str]) -> dict[str, np.ndarray]:
+def read_model_tensors(
+    source: ShardSource, names: list[str], digests: dict[str, tuple] | None = None
+) -> dict[str, np.ndarray]:
     """``source.model_tensor`` of each name, the arrays the caller's. A source with a
     ``model_tensors`` method of this signature reads them together (the native one in a few
-    large reads); others one by one."""
+    large reads); others one by one. A source that ``observes_reads`` also puts in
+    ``digests`` each one's ``(address, nbytes, digest)``, from the CRCs its read computes."""
     read_all = getattr(source, "model_tensors", None)
+    if digests is not None and getattr(source, "observes_reads", False):
+        return read_all(names, digests)
     if read_all is not None:
         return read_all(names)
     return {name: source.model_tensor(name) for name in names}
