@@ -9,9 +9,10 @@ process with synthesised states (the testing pattern), as benchmarks/checkpoint_
   4096 rank files of ~80 KB): the save that writes it, and to-universal of it, whose reads
   are checked against the digests.
 
-Each is timed ``--repeats`` times with digests and attestation on and with them switched off
-(monkeypatched to no-ops: the save writes a version 1 manifest then), alternating, and the
-medians compared. The machine is shared, so the spread (min-max) of each is printed too;
+Each is run once untimed (the page cache warm), then timed ``--repeats`` times with digests
+and attestation on and with them switched off (monkeypatched to no-ops: the save writes a
+version 1 manifest then), alternating which goes first, and the medians compared, of wall
+time and of this process's CPU time (all threads), which other processes disturb less. The machine is shared, so the spread (min-max) of each is printed too;
 and the time spent inside the digest code itself is measured in the same runs (a timer
 around every digest call, summed per rank; the ratio uses the slowest rank's), which
 contention disturbs less than a difference of two wall times.
@@ -149,22 +150,32 @@ def timed_convert(path: Path, out: Path) -> float:
 
 
 def compare(label: str, run, repeats: int) -> None:
-    """Median wall time with digests on and off (alternating), and the digest code's share."""
-    on, off, slowest, total = [], [], [], []
-    for _ in range(repeats):
-        clock = DigestClock()
-        with digests_timed(clock):
-            on.append(run())
-        slowest.append(clock.slowest())
-        total.append(clock.total())
-        with digests_off():
-            off.append(run())
-    with_, without = statistics.median(on), statistics.median(off)
+    """Median wall and CPU time with digests on and off (alternating which goes first), and
+    the digest code's own time. CPU time (all threads of this process) is what contention
+    from other processes disturbs least."""
+    wall = {True: [], False: []}
+    cpu = {True: [], False: []}
+    slowest, total = [], []
+    with digests_off():
+        run()  # untimed: a save drops what it wrote from the page cache, so the first load reads the disk
+    for repeat in range(repeats):
+        for digested in (True, False) if repeat % 2 == 0 else (False, True):
+            clock = DigestClock()
+            with digests_timed(clock) if digested else digests_off():
+                started = time.process_time()
+                wall[digested].append(run())
+                cpu[digested].append(time.process_time() - started)
+            if digested:
+                slowest.append(clock.slowest())
+                total.append(clock.total())
+    with_, without = statistics.median(wall[True]), statistics.median(wall[False])
+    cpu_with, cpu_without = statistics.median(cpu[True]), statistics.median(cpu[False])
     own, everyone = statistics.median(slowest), statistics.median(total)
+    spread = lambda values: f"[{min(values):.2f}-{max(values):.2f}]"  # noqa: E731
     print(
-        f"  {label:<36} {with_:>7.2f} s [{min(on):.2f}-{max(on):.2f}] {without:>7.2f} s [{min(off):.2f}-{max(off):.2f}]"
-        f" {100 * (with_ - without) / without:>+6.1f}%  {own:>6.3f} s = {100 * own / with_:>4.1f}%"
-        f"  {everyone:>6.3f} s = {100 * everyone / (_CORES * with_):>4.1f}%",
+        f"  {label:<36} {with_:>6.2f} s {spread(wall[True]):<13} {without:>6.2f} s {spread(wall[False]):<13}"
+        f" {cpu_with:>6.2f} s {cpu_without:>6.2f} s {100 * (cpu_with - cpu_without) / cpu_without:>+6.1f}%"
+        f"  {own:>6.3f} s = {100 * own / with_:>4.1f}%  {everyone:>6.3f} s = {100 * everyone / (_CORES * with_):>4.1f}%",
         flush=True,
     )
 
@@ -175,8 +186,8 @@ _CORES = 2  # this machine's; the all-ranks column is the share of their time
 def header(title: str) -> None:
     print(f"\n{title}")
     print(
-        f"  {'':<36} {'with digests [range]':>22} {'without [range]':>20} {'diff':>7}  {'digest code: slowest rank':>25}"
-        f"  {f'all ranks (of {_CORES} cores)':>22}"
+        f"  {'':<36} {'wall: with [range]':<22} {'without [range]':<22} {'CPU: with  without  diff':<26}"
+        f" {'digest code: slowest rank':<26} {f'all ranks (of {_CORES} cores)':<22}"
     )
 
 

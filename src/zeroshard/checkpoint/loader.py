@@ -317,10 +317,10 @@ def _module_weights(
         if entry.name not in planned and (keep_only is None or entry.name in keep_only):
             planned[entry.name] = entry.shape
     # All at once: the native source reads neighbouring tensors in one read.
-    digests: dict[str, tuple] = {}  # name -> (address, nbytes, digest) of what a read digested
+    digests: dict[str, tuple] | None = {} if evidence.enabled else None  # name -> (address, nbytes, digest) read
     found = read_model_tensors(source, [name for name, value in planned.items() if isinstance(value, tuple)], digests)
     for name, values in found.items():
-        evidence.model_tensor(name, values, digests.get(name))
+        evidence.model_tensor(name, values, digests.get(name) if digests else None)
     return {name: found[name].reshape(value) if isinstance(value, tuple) else value for name, value in planned.items()}
 
 
