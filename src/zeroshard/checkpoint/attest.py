@@ -6,7 +6,7 @@ optimizer-state partitions, the optimizer scalars, the module tensors it read, a
 masters it read whole to cast into weights. What it can check alone (whole tensors) it
 checks against the checkpoint's digests at once; the partitions' partial digests go to
 :func:`judge`, which combines every rank's (one all-gather, the load's own agreement) and
-compares each parameter's, each expert's, with the saved digest. Every rank judges the same
+compares each parameter's, each expert's, with the saved digest (:mod:`.attested`). Every rank judges the same
 gathered data, so every rank reaches the same verdict; a mismatch refuses the load on every
 rank before the engine changes, naming the parameter (and expert) and the checkpoint.
 
@@ -19,10 +19,9 @@ in the source itself (the files' own checksums catch those). Such a load says so
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import numpy as np
 
@@ -45,7 +44,6 @@ from .io.damage import CheckpointDamagedError
 from .io.digest import FUSED, digest
 
 if TYPE_CHECKING:
-    from .coordinator import Coordinator
     from .source import ShardSource
 
 _SHOWN_PROBLEMS = 3  # of a failed attestation, named in its one line
@@ -308,48 +306,6 @@ def _basis(kind: str, expected: StateDigests | None) -> str:
     if kind in _UNDIGESTED:
         return f"the values read (no saved digests: {_UNDIGESTED[kind]}) from"
     return "the values read (no saved digests of ours) from"
-
-
-def attested_load(
-    coordinator: Coordinator,
-    path: str,
-    read: Callable[[Evidence], Any],
-    layout: Layout,
-    agree_on: Any = None,
-) -> tuple[Any, Attestation]:
-    """Collective: run ``read(evidence)`` (a load, filling ``evidence``) on every rank, then
-    agree: if any rank failed, or the ranks' ``agree_on`` differ, or the attestation fails,
-    every rank raises the same one-line error (a CheckpointDamagedError for damage, else a
-    ValueError). Returns ``read``'s result and the attestation, the same on every rank."""
-    evidence = Evidence()
-    try:
-        result, problem = read(evidence), None
-    except Exception as err:  # noqa: BLE001 - any error on one rank fails the load on every rank
-        result, problem = None, (f"{type(err).__name__}: {err}", is_damage(err))
-    mine = evidence.partial()
-    # params and itemsizes are the same on every rank: each judges with its own
-    sent = None if problem or mine is None else dataclasses.replace(mine, params=(), itemsizes={})
-    reports = coordinator.all_gather_object((problem, agree_on, sent, path))
-    for rank, (their_problem, _, _, their_path) in enumerate(reports):
-        if their_problem:  # the same error on every rank, with the failing rank's path
-            text, damaged = their_problem
-            error = CheckpointDamagedError if damaged else ValueError
-            raise error(f"checkpoint {their_path} not loaded (nothing changed): rank {rank}: {text}")
-    prefix = f"checkpoint {reports[0][3]} not loaded (nothing changed)"
-    if any(their_agree != agree_on for _, their_agree, _, _ in reports):
-        per_rank = {rank: their_agree for rank, (_, their_agree, _, _) in enumerate(reports)}
-        raise ValueError(f"{prefix}: the ranks' options differ: {per_rank}")
-    verdict = judge([r[2] for r in reports], layout, evidence._expected, evidence.path, evidence.kind, shape=mine)
-    if not verdict.ok:
-        raise AttestationError(f"{prefix}: {verdict.line()}")
-    warn_if_unattested(verdict, evidence.kind, coordinator.rank)
-    return result, verdict
-
-
-def is_damage(error: BaseException) -> bool:
-    """Whether ``error`` says a checkpoint's files or values are not what was saved (a file
-    missing, truncated or corrupted, an attestation failed), not that the run differs."""
-    return isinstance(error, CheckpointDamagedError)
 
 
 def attest_alone(evidence: Evidence, world_size: int) -> Attestation:

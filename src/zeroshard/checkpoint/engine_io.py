@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from .coordinator import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
 from .attest import Attestation
 from .formats import checkpoint_kind, open_source  # noqa: F401  (checkpoint_kind: re-exported)
-from .loader import load_attested
+from .attested import load_attested
 from .native.save import FaultHook, save_sharded
 
 if TYPE_CHECKING:

@@ -21,15 +21,15 @@ without optimizer state, strict or not, resharded) behaves the same for each:
 The result is built in new tensors and returned only when everything passed, so a failed
 load leaves the caller's state as it was. Every load attests (:mod:`.attest`): the loader
 digests what the rank now holds, and a load that does not hold what was saved is refused.
-Alone, a rank checks what it holds whole; :func:`load_attested` with a coordinator checks
-everything, every rank agreeing.
+Alone, a rank checks what it holds whole; :func:`~.attested.load_attested` with a
+coordinator checks everything, every rank agreeing.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -37,14 +37,11 @@ import torch
 from ..layout import Fragment, GroupLayout, Layout, ParamSlot
 from ..layout.coordinates import ep_rank, expert_numel, shard_rank
 from ..state import ParamGroupState, ShardedState
-from .attest import Attestation, Evidence, attest_alone, attested_load
+from .attest import Evidence, attest_alone
 from .compat import Mismatch, compare_module, compare_params
 from .io.dtypes import arrays_to_torch, cast, dtype_info, dtype_of, to_numpy, to_torch
 from .reshard import GroupPlan, plan_reads
 from .source import ShardSource, read_into, read_model_tensors, read_param, read_whole_param
-
-if TYPE_CHECKING:
-    from .coordinator import Coordinator
 
 
 def load_state(
@@ -72,7 +69,7 @@ def load_state(
         base: the run's current state on this rank: what the checkpoint lacks keeps its
             values from here (with ``strict=False``) instead of zeros.
         evidence: filled with what the load digests, for the caller to judge with the
-            other ranks' (:func:`load_attested`). Without it the rank attests alone: all of
+            other ranks' (:func:`~.attested.load_attested`). Without it the rank attests alone: all of
             the state in a world of one, else what it holds whole (AttestationError).
     """
     alone = evidence is None
@@ -81,45 +78,6 @@ def load_state(
     if alone:
         attest_alone(evidence, layout.world_size)
     return state
-
-
-def load_attested(
-    open_source: Callable[[], ShardSource],
-    path: str,
-    layout: Layout,
-    rank: int,
-    coordinator: Coordinator,
-    *,
-    agree_on: Any = None,
-    **options: Any,
-) -> tuple[ShardedState, Attestation]:
-    """Collective: :func:`load_state` from the source ``open_source()`` opens (and this closes)
-    on every rank of ``coordinator``, then the attestation of every rank's state together.
-    Any rank's failure, differing ``agree_on`` values, or a failed attestation raises the same
-    one-line error naming ``path`` on every rank (CheckpointDamagedError for damage, else
-    ValueError), and nothing is returned."""
-
-    def read(evidence: Evidence) -> ShardedState:
-        with open_source() as source:
-            return load_state(source, layout, rank, evidence=evidence, **options)
-
-    return attested_load(coordinator, path, read, layout, agree_on)
-
-
-def load_from(
-    open_source: Callable[[], ShardSource],
-    path: str,
-    layout: Layout,
-    rank: int,
-    coordinator: Coordinator | None,
-    **options: Any,
-) -> ShardedState:
-    """:func:`load_state` from the source ``open_source()`` opens (closed after): with a
-    ``coordinator`` attested with every rank (:func:`load_attested`), else alone."""
-    if coordinator is not None:
-        return load_attested(open_source, path, layout, rank, coordinator, **options)[0]
-    with open_source() as source:
-        return load_state(source, layout, rank, **options)
 
 
 def _load(

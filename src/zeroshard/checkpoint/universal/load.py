@@ -14,7 +14,8 @@ import torch
 from ...layout import Layout
 from ...state import ShardedState
 from ..coordinator import Coordinator
-from ..loader import load_from, load_state
+from ..attested import load_from
+from ..loader import load_state
 from .read import UniversalCheckpoint
 from .source import UniversalSource
 
