@@ -119,7 +119,7 @@ def test_universal_summary(universal, capsys):
     padding = LAYOUT.padding()
     for expected in (
         f"checkpoint {universal}",
-        "kind: zeroshard universal checkpoint (format version 1,",
+        "kind: zeroshard universal checkpoint (format version 3,",
         "converted from a zeroshard run",
         "step: 7 optimizer steps taken (extra['global_step'])",
         "world size: any (converted from world size 12)",
@@ -136,7 +136,7 @@ def test_universal_summary(universal, capsys):
 
 def test_universal_verify(universal, capsys):
     assert main(["inspect", "--verify", str(universal)]) == 0
-    assert _lines(capsys) == [f"{universal}: OK, universal checkpoint, 1 shards, {_shard_bytes(universal):,} bytes, every checksum matches"]
+    assert _lines(capsys) == [f"{universal}: OK, universal checkpoint, 1 shards, {_shard_bytes(universal):,} bytes, every checksum and digest matches"]
     shard = universal / "universal-00001-of-00001.safetensors"
     data = bytearray(shard.read_bytes())
     data[-3] ^= 0x10

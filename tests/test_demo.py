@@ -21,6 +21,8 @@ def test_demo_trains_resumes_at_another_world_size_and_exports_exactly(tmp_path)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "load it at D=3 (resharded)" in out
+    # the resume's attestation: every parameter's master and Adam states, as saved at D=2
+    assert re.search(r"zeroshard demo: resumed at D=3: attested: \d+ digests of 28 parameters match the digests saved in ", out)
     saves = re.findall(r"saved (step-\d+): training stalled [\d.]+ ms, written in the background in [\d.]+ ms", out)
     assert saves == ["step-00000003", "step-00000007"]  # the last step of each phase
     assert re.search(r"28 of 28 parameters bit-for-bit equal to the live fp32 masters", out)
@@ -38,6 +40,7 @@ def test_demo_phase_under_torchrun_saves_then_resumes(tmp_path):
     assert second.returncode == 0, second.stderr[-2000:]
     assert "resumed from" not in first.stdout
     assert f"resumed from {tmp_path / 'checkpoints' / 'step-00000001'} at step 2" in second.stdout, "and says so"
+    assert "zeroshard demo: resumed at D=2: attested: " in second.stdout
     # An exit that aborted (the process group torn down at interpreter shutdown) said so here.
     assert "terminate called" not in first.stderr + second.stderr
     tags = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-"))

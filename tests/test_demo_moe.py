@@ -72,6 +72,8 @@ def test_moe_demo_trains_resumes_at_another_ep_and_every_expert_view_is_aligned_
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "train W=4 EP=2, steps 0-5" in out and "load it at W=2 EP=1 (resharded)" in out
+    # 8 experts of 3 stacked weights, each attested on its own at the resume
+    assert re.search(r"zeroshard demo --moe: resumed at W=2 EP=1: attested: \d+ digests of \d+ parameters \(\d+ experts\) match the digests saved in ", out)
     assert "shard groups: dp (4 ranks), expert_dp (2 ranks); expert parallelism EP=2" in out
     assert "EP rank 1: experts 4-7 on ranks 1, 3" in out and "EP rank 0: experts 0-7 on ranks 0, 1" in out
     phases = _calls(out)
@@ -170,6 +172,7 @@ def test_moe_demo_phase_under_torchrun_saves_then_resumes_at_another_ep(tmp_path
     second = _run([*command, "--ep", "1"])  # finds the checkpoint and resumes from it, experts regrouped
     assert second.returncode == 0, second.stderr[-2000:]
     assert "W=2 EP=1 (gloo): resumed from step 1's checkpoint, steps 2-3" in second.stdout
+    assert "zeroshard demo --moe: resumed at W=2 EP=1: attested: " in second.stdout
     assert "terminate called" not in first.stderr + second.stderr
     assert first.stdout.count(" bfloat16 data_ptr % 16 = 0;") == 12  # the default: bf16, as CUDA's kernel needs
     _check_calls(_calls(first.stdout)[0], ep_size=2, world_size=2)

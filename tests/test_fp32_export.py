@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import zlib
 
 import pytest
 import torch
@@ -52,10 +53,14 @@ def trained(tmp_path_factory):
 def test_export_loads_strictly_and_equals_the_live_masters(trained, tmp_path):
     engine, checkpoint = trained
     out = to_fp32(checkpoint, tmp_path / "fp32", progress=False)
-    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "zeroshard.digests.json"]
     with safe_open(out / "model.safetensors", "pt") as handle:
         assert handle.metadata() == {"format": "pt", "zeroshard": "fp32 export"}
     exported = load_file(out / "model.safetensors")
+    # The digests record what was written: zlib.crc32 of each tensor's bytes, every name.
+    recorded = json.loads((out / "zeroshard.digests.json").read_text())
+    assert (recorded["format"], recorded["algorithm"], recorded["dtype"]) == ("zeroshard.fp32-digests", "crc32", "float32")
+    assert recorded["tensors"] == {name: zlib.crc32(t.view(torch.uint8).numpy().tobytes()) for name, t in exported.items()}
     model = TinyGPT(CONFIG)
     model.load_state_dict(exported, strict=True)
     assert exported.keys() == model.state_dict().keys()

@@ -56,6 +56,7 @@ class PhaseResult:
     losses: list[float] = field(default_factory=list)
     train_seconds: float = 0.0
     load_seconds: float = 0.0
+    attestation: str = ""  # what the resume's load proved (its one line)
     save_seconds: float = 0.0  # the last save, from save() until it was committed
     checkpoint: str = ""
     saves: list[SaveStats] = field(default_factory=list)
@@ -114,9 +115,9 @@ def train_steps(
     return losses
 
 
-def resume_at(ckpt: Checkpointer, first_step: int, report: bool = True) -> float:
+def resume_at(ckpt: Checkpointer, first_step: int, report: bool = True) -> tuple[float, str]:
     """Collective. Load the latest checkpoint, which must resume at ``first_step``, and say
-    (rank 0, if ``report``) which it was; the seconds it took.
+    (rank 0, if ``report``) which it was; the seconds it took and its attestation's line.
 
     Raises:
         ValueError: there is none, or it resumes at another step.
@@ -129,7 +130,8 @@ def resume_at(ckpt: Checkpointer, first_step: int, report: bool = True) -> float
         raise ValueError(f"the latest checkpoint resumes at step {resumed_at}, not at {first_step}")
     if report and ckpt.engine.rank == 0:
         print(f"  resumed from {ckpt.resumed_from} at step {resumed_at}", flush=True)
-    return time.perf_counter() - start
+    assert ckpt.attestation is not None  # every load attests
+    return time.perf_counter() - start, ckpt.attestation.line()
 
 def train_phase(
     rank: int, world_size: int, config: DemoConfig, out_dir: str, first_step: int, steps: int, resume: bool
@@ -142,7 +144,7 @@ def train_phase(
     last_step = first_step + steps - 1
     with Checkpointer(engine, Path(out_dir) / "checkpoints", keep_last=3, async_save=True) as ckpt:
         if resume:
-            result.load_seconds = resume_at(ckpt, first_step, config.progress)
+            result.load_seconds, result.attestation = resume_at(ckpt, first_step, config.progress)
 
         def save_now(step: int) -> None:
             if (step + 1) % config.save_every == 0 or step == last_step:

@@ -69,6 +69,7 @@ class MoEPhaseResult:
     losses: list[float] = field(default_factory=list)
     train_seconds: float = 0.0
     load_seconds: float = 0.0
+    attestation: str = ""  # what the resume's load proved (its one line)
     save: SaveStats | None = None  # the phase's save: its training stall and background write
     checkpoint: str = ""
     calls: list[GroupedMMCall] = field(default_factory=list)  # every rank's, at the phase's first step
@@ -152,7 +153,7 @@ def checkpointing(
         return
     with Checkpointer(engine, Path(plan.out_dir) / "checkpoints", keep_last=2, async_save=True) as ckpt:
         if plan.resume:
-            result.load_seconds = resume_at(ckpt, first_step)
+            result.load_seconds, result.attestation = resume_at(ckpt, first_step)
 
         def save(step: int) -> None:
             if step == plan.save_after:

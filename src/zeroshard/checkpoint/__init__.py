@@ -8,6 +8,8 @@
   ShardSource, its kind recognised by :func:`recognise` from the registered formats;
   :func:`load_state` loads one rank's state from any of them;
 * :func:`open_checkpoint`, :func:`verify_checkpoint`: inspection and full verification;
+* every load attests (:mod:`.attest`): :class:`AttestationError` when the ranks would not
+  hold what was saved; :class:`CheckpointDamagedError` for damage of any kind;
 * :class:`WriterLockedError`: another process is saving into the same root.
 
 docs/FORMAT.md describes the format.
@@ -23,6 +25,11 @@ _EXPORTS = {
     "ParamGroupState": "..state",
     "ShardedState": "..state",
     "FileRecord": ".io.checksum",
+    "Attestation": ".attest",
+    "AttestationError": ".attest",
+    "UnattestedCheckpointWarning": ".attest",
+    "CheckpointDamagedError": ".io.damage",
+    "StateDigests": ".digests",
     "Checkpointer": ".checkpointer",
     "CheckpointSaveError": ".checkpointer",
     "SaveStats": ".checkpointer",
@@ -75,6 +82,11 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "FAULT_POINTS",
+    "Attestation",
+    "AttestationError",
+    "CheckpointDamagedError",
+    "StateDigests",
+    "UnattestedCheckpointWarning",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "Checkpoint",

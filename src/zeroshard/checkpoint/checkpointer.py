@@ -37,9 +37,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .coordinator import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
-from .io.directory import read_latest
-from .engine_io import LR_SCHEDULER_KEY, load_checkpoint
-from .retention import apply_retention, step_tag
+from .attest import Attestation
+from .engine_io import LR_SCHEDULER_KEY, load_checkpoint_attested
+from .io.damage import CheckpointDamagedError
+from .io.directory import list_tags, read_latest
+from .retention import apply_retention, step_tag, tag_step
 from .root_check import foreign_root_problem, warm_start_problem
 from .native.save import FaultHook, commit_save, plan_save, write_rank_files
 from .snapshot import HostSnapshot
@@ -88,6 +90,11 @@ class Checkpointer:
         lr_scheduler: saved and restored with the run (its ``state_dict``).
         timeout_s: how long a save's collectives wait for the other ranks.
         fault: ``fault(point, rank)`` at the save's fault points (tests simulate crashes).
+        fallback: when the checkpoint ``latest`` names is damaged (a file missing, truncated
+            or corrupted, or its attestation fails), :meth:`load` resumes from the newest older
+            ``step-*`` checkpoint that loads and attests, and logs which and why. Off by
+            default: resuming from an older step silently costs the steps since, and can hide a
+            failing disk; a run that turns it on should watch for the warning.
 
     Construction and :meth:`close` are collective (they create and destroy the gloo group),
     as are :meth:`load` and :meth:`save`. Use it as a context manager, or call :meth:`close`.
@@ -109,6 +116,7 @@ class Checkpointer:
         lr_scheduler: Any = None,
         timeout_s: float = 1800.0,
         fault: FaultHook | None = None,
+        fallback: bool = False,
     ) -> None:
         for name, value in (("keep_last", keep_last), ("keep_every", keep_every)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -120,6 +128,8 @@ class Checkpointer:
         self.async_save = async_save
         self.lr_scheduler = lr_scheduler
         self.extra: dict[str, Any] = {}  # the user extra of the checkpoint load() resumed from
+        self.fallback = fallback
+        self.attestation: Attestation | None = None  # of the checkpoint load() loaded
         self.resumed_from: Path | None = None  # the checkpoint load() loaded, if any
         self.history: list[SaveStats] = []
         self._fault = fault
@@ -146,29 +156,36 @@ class Checkpointer:
         or DeepSpeed ZeRO-1/2 checkpoint elsewhere: a DeepSpeed run carried on), else nothing
         is changed. Returns the step to start at: one after the saved step (for a checkpoint
         not saved by a Checkpointer, the optimizer steps it had taken), or 0. Sets
-        :attr:`extra` and :attr:`resumed_from`, and logs (rank 0, INFO) what it loaded.
+        :attr:`extra`, :attr:`resumed_from` and :attr:`attestation` (``.line()`` says what
+        the load proved), and logs (rank 0, INFO) what it loaded and proved.
 
         Raises:
+            CheckpointDamagedError: on every rank, when the checkpoint is damaged (a file
+                missing, truncated or corrupted, or its attestation fails) and ``fallback`` is
+                off or no older checkpoint loads; with ``fallback``, the newest older
+                ``step-*`` checkpoint that loads is taken instead (logged as a warning).
             ValueError: on every rank, when the checkpoint cannot be loaded (nothing changed),
                 or ``warm_start`` is an fp32 export (weights only: load it into the model).
         """
         self._check_open()
         self.wait()
-        tag = self._agree_on_latest()
-        if tag is None and warm_start is None:
+        candidates = self._agree_on_candidates()
+        if not candidates and warm_start is None:
             return 0
-        path = self.root / tag if tag is not None else Path(warm_start)
-        if tag is None:
+        if candidates:
+            saved, path = self._load_newest(candidates)
+        else:
+            path = Path(warm_start)
             problem = self._coord.broadcast_object(warm_start_problem(path) if self._coord.rank == 0 else None)
             if problem is not None:
                 raise ValueError(problem)
-        saved = load_checkpoint(self.engine, path, lr_scheduler=self.lr_scheduler)
+            saved, self.attestation = load_checkpoint_attested(self.engine, path, lr_scheduler=self.lr_scheduler)
         self.extra = dict(saved.get(USER_EXTRA_KEY) or {})
         self.resumed_from = path
         start = int(saved[STEP_KEY]) + 1 if STEP_KEY in saved else int(saved.get("global_steps", 0))
         if self._coord.rank == 0:
-            how = "resumed" if tag is not None else f"warm start (no checkpoint in {self.root} yet)"
-            log.info("%s from %s: training goes on at step %d", how, path, start)
+            how = "resumed" if candidates else f"warm start (no checkpoint in {self.root} yet)"
+            log.info("%s from %s: training goes on at step %d; %s", how, path, start, self.attestation.line())
         return start
 
     def save(self, step: int, extra: dict[str, Any] | None = None) -> SaveStats:
@@ -329,18 +346,43 @@ class Checkpointer:
             self.close()
             raise ValueError(problem)
 
-    def _agree_on_latest(self) -> str | None:
-        """The tag ``latest`` names, read on rank 0 and broadcast, so every rank loads the same."""
-        outcome: tuple[str, str | None] | None = None
+    def _load_newest(self, candidates: list[str]) -> tuple[dict[str, Any], Path]:
+        """Load the first of ``candidates`` that loads and attests (only the first, unless
+        ``fallback``); what it saved and its path."""
+        for index, tag in enumerate(candidates):
+            path = self.root / tag
+            try:
+                saved, self.attestation = load_checkpoint_attested(self.engine, path, lr_scheduler=self.lr_scheduler)
+                return saved, path
+            except CheckpointDamagedError as err:  # raised on every rank alike
+                if not self.fallback or index + 1 == len(candidates):
+                    raise
+                if self._coord.rank == 0:
+                    log.warning("%s does not verify, resuming from the older %s: %s", path, candidates[index + 1], err)
+        raise AssertionError("unreachable: the last candidate returns or raises")
+
+    def _agree_on_candidates(self) -> list[str]:
+        """The tag ``latest`` names, then (with ``fallback``) the older ``step-*`` tags, newest
+        first: read on rank 0 and broadcast, so every rank loads the same."""
+        outcome: tuple[str, Any] | None = None
         if self._coord.rank == 0:
             try:
-                outcome = ("ok", read_latest(self.root) if self.root.is_dir() else None)
+                latest = read_latest(self.root) if self.root.is_dir() else None
+                outcome = ("ok", [] if latest is None else [latest, *self._older_than(latest)])
             except (OSError, ValueError) as err:
                 outcome = ("error", f"{type(err).__name__}: {err}")
         kind, value = self._coord.broadcast_object(outcome)
         if kind == "error":
             raise ValueError(f"checkpoint root {self.root}: {value}")
         return value
+
+    def _older_than(self, latest: str) -> list[str]:
+        if not self.fallback:
+            return []
+        newest = tag_step(latest)
+        steps = {tag: step for tag in list_tags(self.root) if (step := tag_step(tag)) is not None and tag != latest}
+        older = [tag for tag, step in steps.items() if newest is None or step < newest]
+        return sorted(older, key=steps.__getitem__, reverse=True)
 
 
 def _finish_at_exit(ref: weakref.ref[Checkpointer]) -> None:

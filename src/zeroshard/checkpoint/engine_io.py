@@ -3,7 +3,9 @@
 These functions use only the engine's public surface (``export_state``, ``import_state``,
 ``layout``, ``rank``, ``model``, ``comm``), so the on-disk format knows nothing of engine
 internals. Both are collective: every rank calls them, and every rank succeeds or raises
-together. A load validates everything on every rank before any rank changes anything.
+together. A load validates everything on every rank before any rank changes anything, and
+attests (:mod:`.attest`): the ranks' loaded state, digested, must be what the checkpoint
+saved, or no rank loads it.
 """
 
 from __future__ import annotations
@@ -12,10 +14,10 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..state import ShardedState
 from .coordinator import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
+from .attest import Attestation
 from .formats import checkpoint_kind, open_source  # noqa: F401  (checkpoint_kind: re-exported)
-from .loader import load_state
+from .attested import load_attested
 from .native.save import FaultHook, save_sharded
 
 if TYPE_CHECKING:
@@ -60,42 +62,45 @@ def load_checkpoint(
     ``strict=False`` loads the parameters both have; the run's parameters the checkpoint
     lacks keep their values (weights, fp32 masters, optimizer state), and the checkpoint's
     extra ones are ignored. Returns the checkpoint's ``extra`` (step counters and the like).
+    Raises ValueError on every rank when any rank cannot load it, and AttestationError (a
+    CheckpointDamagedError) when the ranks would not hold what it saved; nothing changes then.
     """
-    coordinator = _coordinator(engine)
+    return load_checkpoint_attested(
+        engine,
+        path,
+        load_optimizer_states=load_optimizer_states,
+        load_module_only=load_module_only,
+        strict=strict,
+        lr_scheduler=lr_scheduler,
+    )[0]
+
+
+def load_checkpoint_attested(
+    engine: ZeroOptimizer,
+    path: str | os.PathLike[str],
+    *,
+    load_optimizer_states: bool = True,
+    load_module_only: bool = False,
+    strict: bool = True,
+    lr_scheduler: Any = None,
+) -> tuple[dict[str, Any], Attestation]:
+    """:func:`load_checkpoint`, also returning its attestation (``.line()`` says what was checked)."""
     options = dict(load_optimizer_states=load_optimizer_states, load_module_only=load_module_only, strict=strict)
-    try:
-        state = _read_state(engine, Path(path), load_optimizer_states, load_module_only, strict)
-        problem = None
-    except Exception as err:  # noqa: BLE001 - any error on one rank fails the load on every rank
-        state, problem = None, f"{type(err).__name__}: {err}"
-    reports = coordinator.all_gather_object((problem, options, str(path)))
-    failed = [(rank, text, their_path) for rank, (text, _, their_path) in enumerate(reports) if text]
-    if failed:  # the same error on every rank, with the failing rank's path
-        rank, text, their_path = failed[0]
-        raise ValueError(f"checkpoint {their_path} not loaded (nothing changed): rank {rank}: {text}")
-    if any(their_options != options for _, their_options, _ in reports):
-        per_rank = {rank: their_options for rank, (_, their_options, _) in enumerate(reports)}
-        raise ValueError(f"checkpoint {path} not loaded (nothing changed): the ranks' options differ: {per_rank}")
+    state, attestation = load_attested(
+        lambda: open_source(Path(path)),
+        str(path),
+        engine.layout,
+        engine.rank,
+        _coordinator(engine),
+        agree_on=options,
+        module_state=engine.model.state_dict(),
+        base=None if strict else engine.export_state(),  # what the checkpoint lacks keeps the run's values
+        **options,
+    )
     engine.import_state(state, **options, take=True)  # the state was read for this call: no copies
     if lr_scheduler is not None and LR_SCHEDULER_KEY in state.extra and not load_module_only:
         lr_scheduler.load_state_dict(state.extra[LR_SCHEDULER_KEY])
-    return dict(state.extra)
-
-
-def _read_state(
-    engine: ZeroOptimizer, path: Path, load_optimizer_states: bool, load_module_only: bool, strict: bool
-) -> ShardedState:
-    with open_source(path) as source:
-        return load_state(
-            source,
-            engine.layout,
-            engine.rank,
-            load_optimizer_states=load_optimizer_states,
-            load_module_only=load_module_only,
-            strict=strict,
-            module_state=engine.model.state_dict(),
-            base=None if strict else engine.export_state(),  # what the checkpoint lacks keeps the run's values
-        )
+    return dict(state.extra), attestation
 
 
 def _coordinator(engine: ZeroOptimizer) -> Coordinator:

@@ -17,6 +17,7 @@ No exported name or shape depends on E's split over ranks, so exports of one sta
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -91,16 +92,29 @@ def _rows_shape(shape: tuple[int, ...], start: int, end: int) -> tuple[int, ...]
     return (end - start, *shape[1:]) if shape else shape
 
 
-def read_exported(source: ShardSource, param: ExportedParam, key: str) -> np.ndarray:
+def read_exported(
+    source: ShardSource, param: ExportedParam, key: str, check: Callable[..., None] | None = None
+) -> np.ndarray:
     """The ``key`` tensor ("fp32" or an optimizer state) of ``param`` as fp32, flattened in
     the exported shape: a whole parameter or stack (experts by global id), or an expert's
     slice of a stack (read by global expert id), transposed to [out, in] where the stack
-    holds it [in, out], its rows cut to the part."""
-    if param.expert is None:
-        return read_whole_param(source, param.param, key)
+    holds it [in, out], its rows cut to the part. ``check(param, expert, key, values)``, if
+    given, sees the values in logical order first, each expert of a stack on its own (a
+    :class:`~.read_digests.ReadChecker` digests them there), once per expert."""
     group, slot = source.info.layout.param(param.param)
+    if param.expert is None:
+        values = read_whole_param(source, param.param, key)
+        if check is not None and group.is_expert_group:
+            numel = expert_numel(slot)
+            for expert in range(values.size // numel if numel else 0):
+                check(param.param, expert, key, values[expert * numel : (expert + 1) * numel])
+        elif check is not None:
+            check(param.param, None, key, values)
+        return values
     numel = expert_numel(slot)
     expert = read_param(source, param.param, key, param.expert * numel, (param.expert + 1) * numel)
+    if check is not None and param.rows[0] == 0:  # the first part of the expert checks it whole
+        check(param.param, param.expert, key, expert)
     expert = expert.reshape(slot.spec.shape[1:])
     if param.transpose:
         expert = expert.T

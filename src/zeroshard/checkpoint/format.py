@@ -6,7 +6,8 @@ docs/FORMAT.md describes the format; this module is the one place that spells it
 from __future__ import annotations
 
 FORMAT_NAME = "zeroshard.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: digests of the logical state and rank-file bindings
+UNDIGESTED_VERSION = 1  # written before digests; still read
 
 MANIFEST_FILE = "manifest.json"
 MODEL_FILE = "model.safetensors"

@@ -19,7 +19,10 @@ without optimizer state, strict or not, resharded) behaves the same for each:
   rebuilds them, and no master is read.
 
 The result is built in new tensors and returned only when everything passed, so a failed
-load leaves the caller's state as it was.
+load leaves the caller's state as it was. Every load attests (:mod:`.attest`): the loader
+digests what the rank now holds, and a load that does not hold what was saved is refused.
+Alone, a rank checks what it holds whole; :func:`~.attested.load_attested` with a
+coordinator checks everything, every rank agreeing.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch
 from ..layout import Fragment, GroupLayout, Layout, ParamSlot
 from ..layout.coordinates import ep_rank, expert_numel, shard_rank
 from ..state import ParamGroupState, ShardedState
+from .attest import Evidence, attest_alone
 from .compat import Mismatch, compare_module, compare_params
 from .io.dtypes import arrays_to_torch, cast, dtype_info, dtype_of, to_numpy, to_torch
 from .reshard import GroupPlan, plan_reads
@@ -50,6 +54,7 @@ def load_state(
     strict: bool = True,
     module_state: Mapping[str, torch.Tensor] | None = None,
     base: ShardedState | None = None,
+    evidence: Evidence | None = None,
 ) -> ShardedState:
     """This rank's state under ``layout`` (the new run's), read from ``source``.
 
@@ -63,7 +68,29 @@ def load_state(
             buffers and tied names before anything is read.
         base: the run's current state on this rank: what the checkpoint lacks keeps its
             values from here (with ``strict=False``) instead of zeros.
+        evidence: filled with what the load digests, for the caller to judge with the
+            other ranks' (:func:`~.attested.load_attested`). Without it the rank attests alone: all of
+            the state in a world of one, else what it holds whole (AttestationError).
     """
+    alone = evidence is None
+    evidence = Evidence() if alone else evidence
+    state = _load(source, layout, rank, load_optimizer_states, load_module_only, strict, module_state, base, evidence)
+    if alone:
+        attest_alone(evidence, layout.world_size)
+    return state
+
+
+def _load(
+    source: ShardSource,
+    layout: Layout,
+    rank: int,
+    load_optimizer_states: bool,
+    load_module_only: bool,
+    strict: bool,
+    module_state: Mapping[str, torch.Tensor] | None,
+    base: ShardedState | None,
+    evidence: Evidence,
+) -> ShardedState:
     info = source.info
     if not 0 <= rank < layout.world_size:
         raise ValueError(f"rank {rank} is outside world size {layout.world_size}")
@@ -73,14 +100,18 @@ def load_state(
     param_groups = _map_param_groups(source, layout, loadable)
     plans = plan_reads(info.layout, layout, rank, loadable)
     full = load_optimizer_states and not load_module_only
+    evidence.begin(source, layout, rank, loadable, full)
     # Weights cast from whole fp32 masters: their fragments also fill the rank's fp32
     # partitions, so no master byte is read twice.
     from_masters = _partitions_from_masters(source, layout, plans, base) if full and info.weights_from_masters else {}
-    weights = _module_weights(source, layout, rank, loadable, None if strict else module_state, from_masters)
+    weights = _module_weights(source, layout, rank, loadable, None if strict else module_state, from_masters, evidence)
     fp32, states, scalars = [], [], []
     for plan in plans:
         if full:
-            group_fp32, group_states, group_scalars = _read_group(source, layout, plan, base, from_masters.get(plan.group))
+            group_fp32, group_states, group_scalars = _read_group(
+                source, layout, plan, base, from_masters.get(plan.group), evidence
+            )
+            evidence.held(plan.group, group_fp32, group_states)
         else:
             group_fp32 = _fp32_from_weights(layout, rank, plan.group, weights, loadable, base)
             group_states, group_scalars = {}, {}
@@ -125,7 +156,12 @@ def _check_match(
 
 
 def _read_group(
-    source: ShardSource, layout: Layout, plan: GroupPlan, base: ShardedState | None, fp32: np.ndarray | None
+    source: ShardSource,
+    layout: Layout,
+    plan: GroupPlan,
+    base: ShardedState | None,
+    fp32: np.ndarray | None,
+    evidence: Evidence,
 ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, torch.Tensor]]:
     """fp32 master (unless given: filled already), optimizer states and scalars of one new group."""
     group = plan.group
@@ -138,21 +174,26 @@ def _read_group(
         )
 
     def read(key: str, name: str | None) -> np.ndarray:
-        return _fill(source, plan, key, _start(base, layout, group, name, _stored_dtype(source, plan, key)))
+        return _fill(source, plan, key, _start(base, layout, group, name, _stored_dtype(source, plan, key)), evidence)
 
     names = _state_names(group, [tuple(source.info.state_keys[g]) for g in plan.source_groups])
     fp32 = read("fp32", None) if fp32 is None else fp32
     states = {name: read(name, name) for name in names}
     # Last: a source may take them from a file it has opened for the partitions.
     scalars = _torch_scalars(source.scalars(plan.source_groups[0])) if plan.source_groups else {}
+    if plan.source_groups:
+        evidence.scalars(group, plan.source_groups[0], scalars)
     return fp32, states, scalars
 
 
-def _fill(source: ShardSource, plan: GroupPlan, key: str, dest: np.ndarray) -> np.ndarray:
+def _fill(source: ShardSource, plan: GroupPlan, key: str, dest: np.ndarray, evidence: Evidence) -> np.ndarray:
     """Copy the plan's ranges of ``key`` into ``dest``, in place."""
     for copy in plan.copies:
         out = dest[copy.dest_start : copy.dest_start + copy.length]
-        read_into(source, copy.source_rank, copy.source_group, key, copy.source_start, out)
+        observer = evidence.observer(plan.group, key, copy.dest_start, dest.dtype.itemsize)
+        done = read_into(source, copy.source_rank, copy.source_group, key, copy.source_start, out, observer)
+        evidence.observed(plan.group, key, done)
+        evidence.read(copy.source_rank, copy.source_group, key, copy.source_start, out)
     return dest
 
 
@@ -207,6 +248,7 @@ def _module_weights(
     loadable: set[str],
     keep_only: Mapping[str, Any] | None,
     fp32: Mapping[int, np.ndarray],
+    evidence: Evidence,
 ) -> dict[str, np.ndarray]:
     """The module state_dict entries to load, tied names left out: the trained parameters'
     weights in the run's dtype (of expert weights, the experts ``rank`` holds), buffers and
@@ -223,9 +265,9 @@ def _module_weights(
                 if slot.numel == 0:
                     planned[slot.name] = np.empty(slot.spec.shape, dtype=dtype_info(group.dtype).numpy)
             elif group.is_expert_group:
-                planned[slot.name] = _local_experts(source, group, slot, rank)
+                planned[slot.name] = _local_experts(source, group, slot, rank, evidence)
             elif info.weights_from_masters:
-                weight = _master_weight(source, slot.name, group.dtype, fragments.get(slot.name, ()), partition)
+                weight = _master_weight(source, slot, group.dtype, fragments.get(slot.name, ()), partition, evidence)
                 planned[slot.name] = weight.reshape(slot.spec.shape)
             else:
                 planned[slot.name] = slot.spec.shape  # its dtype is the run's: a change is refused before
@@ -233,18 +275,29 @@ def _module_weights(
         if entry.name not in planned and (keep_only is None or entry.name in keep_only):
             planned[entry.name] = entry.shape
     # All at once: the native source reads neighbouring tensors in one read.
-    found = read_model_tensors(source, [name for name, value in planned.items() if isinstance(value, tuple)])
+    digests: dict[str, tuple] | None = {} if evidence.enabled else None  # name -> (address, nbytes, digest) read
+    found = read_model_tensors(source, [name for name, value in planned.items() if isinstance(value, tuple)], digests)
+    for name, values in found.items():
+        evidence.model_tensor(name, values, digests.get(name) if digests else None)
     return {name: found[name].reshape(value) if isinstance(value, tuple) else value for name, value in planned.items()}
 
 
 def _master_weight(
-    source: ShardSource, name: str, dtype: str, fragments: Sequence[Fragment], partition: np.ndarray | None
+    source: ShardSource,
+    slot: ParamSlot,
+    dtype: str,
+    fragments: Sequence[Fragment],
+    partition: np.ndarray | None,
+    evidence: Evidence,
 ) -> np.ndarray:
-    """Parameter ``name``'s fp32 master cast to ``dtype``; its ``fragments`` copied into ``partition``."""
-    master = read_whole_param(source, name, "fp32")
+    """Parameter ``slot``'s fp32 master cast to ``dtype``; its ``fragments`` copied into ``partition``."""
+    master = read_whole_param(source, slot.name, "fp32")
+    evidence.master(slot.name, None, master)
     for fragment in fragments:
         end = fragment.param_start + fragment.length
         partition[fragment.partition_start : fragment.partition_start + fragment.length] = master[fragment.param_start : end]
+        read = master[fragment.param_start : end]
+        evidence.read_range(slot.name, None, "fp32", fragment.param_start, read, slot.numel)
     return cast(master, dtype)
 
 
@@ -255,7 +308,9 @@ def _fragments_by_param(fragments: Sequence[Fragment]) -> dict[str, list[Fragmen
     return found
 
 
-def _local_experts(source: ShardSource, group: GroupLayout, slot: ParamSlot, rank: int) -> np.ndarray:
+def _local_experts(
+    source: ShardSource, group: GroupLayout, slot: ParamSlot, rank: int, evidence: Evidence
+) -> np.ndarray:
     """The stacked weight of the experts ``rank`` holds: their fp32 masters (read by global
     expert id) cast to the run's dtype, as the engine makes its parameters from its masters.
     No checkpoint stores expert weights in low precision (a native one keeps one module
@@ -263,7 +318,10 @@ def _local_experts(source: ShardSource, group: GroupLayout, slot: ParamSlot, ran
     per_expert = expert_numel(slot)
     experts = group.expert_map[ep_rank(group, rank)]
     masters = [read_param(source, slot.name, "fp32", g * per_expert, (g + 1) * per_expert) for g in experts]
-    return cast(np.concatenate(masters), group.dtype).reshape(slot.spec.shape)
+    stacked = np.concatenate(masters) if masters else np.empty(0, dtype=np.float32)
+    for local, expert in enumerate(experts):  # as placed: the cast keeps each element where it is
+        evidence.master(slot.name, expert, stacked[local * per_expert : (local + 1) * per_expert])
+    return cast(stacked, group.dtype).reshape(slot.spec.shape)
 
 
 def _to_torch_keeping_ties(weights: Mapping[str, np.ndarray], aliases: Mapping[str, str]) -> dict[str, torch.Tensor]:

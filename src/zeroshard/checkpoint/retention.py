@@ -5,7 +5,11 @@ tags of that form; others under the root (say "best") are never deleted. Deletio
 after a newer checkpoint is committed, under the root's writer lock, never touches a tag
 newer than the one committed nor the one ``latest`` names, and renames each tag hidden
 before removing it (:func:`~.directory.delete_tag`). A tag that is a symbolic link is no
-checkpoint of the root's (nothing loads it) and is never touched.
+checkpoint of the root's (nothing loads it) and is never touched. Only checkpoints that
+verify count towards ``keep_last`` (their manifest reads and every file it lists is there
+at its recorded size): a damaged one among the newest is not counted and not deleted (it is
+logged and kept for inspection), so it never pushes out the newest checkpoint that
+verifies; past the kept ones it goes with the rest.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
-from typing import Collection, Mapping
+from typing import Callable, Collection, Mapping
 
 from .io.directory import delete_tag, list_tags, read_latest
 
@@ -41,19 +45,26 @@ def tags_to_delete(
     keep_last: int | None,
     keep_every: int | None,
     protected: Collection[str] = (),
+    verifies: Callable[[str], bool] = lambda tag: True,
 ) -> list[str]:
     """The tags to delete once ``committed`` is: of the tags older than it (``steps`` maps
-    tag -> step), all but the ``keep_last - 1`` newest, except steps divisible by
-    ``keep_every`` and ``protected`` tags. Pure."""
+    tag -> step), all but the newest that, with ``committed``, make ``keep_last`` tags that
+    ``verifies``, except steps divisible by ``keep_every``, ``protected`` tags and tags that
+    do not verify. ``verifies`` is asked newest first, only until the kept ones are found."""
     if keep_last is None:
         return []
-    older = sorted((step, tag) for tag, step in steps.items() if step < steps[committed])
-    kept = {tag for _, tag in older[max(0, len(older) - (keep_last - 1)) :]}
-    return [
-        tag
-        for step, tag in older
-        if tag not in kept and tag not in protected and not (keep_every and step % keep_every == 0)
-    ]
+    older = sorted(((step, tag) for tag, step in steps.items() if step < steps[committed]), reverse=True)
+    wanted = keep_last - (1 if verifies(committed) else 0)
+    kept: set[str] = set()
+    doomed = []
+    for step, tag in older:
+        if len(kept) < wanted:
+            if verifies(tag):
+                kept.add(tag)
+            continue  # kept, or damaged: neither counted nor deleted
+        if tag not in protected and not (keep_every and step % keep_every == 0):
+            doomed.append(tag)
+    return sorted(doomed, key=steps.__getitem__)
 
 
 def apply_retention(root: Path, committed: str, keep_last: int | None, keep_every: int | None) -> list[str]:
@@ -65,10 +76,23 @@ def apply_retention(root: Path, committed: str, keep_last: int | None, keep_ever
         return []
     latest = read_latest(root)
     deleted = []
-    for tag in tags_to_delete(steps, committed, keep_last, keep_every, protected={latest} if latest else ()):
+    protected = {latest} if latest else ()
+    for tag in tags_to_delete(steps, committed, keep_last, keep_every, protected, lambda tag: _verifies(root, tag)):
         try:
             delete_tag(root, tag)
             deleted.append(tag)
         except OSError as err:
             log.warning("retention: could not delete checkpoint %s: %s", root / tag, err)
     return deleted
+
+
+def _verifies(root: Path, tag: str) -> bool:
+    """The checkpoint opens: its manifest reads, and every file it lists is there at its size."""
+    from .native.handle import open_checkpoint
+
+    try:
+        open_checkpoint(root / tag)
+        return True
+    except (OSError, ValueError) as err:
+        log.warning("retention: checkpoint %s does not verify, so it is not counted (nor deleted): %s", root / tag, err)
+        return False

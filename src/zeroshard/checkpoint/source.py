@@ -11,13 +11,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from ..layout import Layout, global_shape, locate_global
 from ..state import ParamGroupState
 from .format import state_name_problem
+
+if TYPE_CHECKING:
+    from .digests import StateDigests
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,9 @@ class SourceInfo:
     # the trained parameters' weights are their fp32 masters cast (no low-precision copy
     # is stored), so a run may load them in another dtype
     weights_from_masters: bool = False
+    # the saved run's digests (native, universal); None for a source without them (DeepSpeed,
+    # a version 1 native checkpoint): a load then digests what it reads instead
+    digests: StateDigests | None = None
 
     def __post_init__(self) -> None:
         # Every source's backstop: read(..., "fp32", ...) must mean the master weights.
@@ -103,23 +109,36 @@ def param_group_owners(source: ShardSource) -> dict[int, int]:
     return owner
 
 
-def read_into(source: ShardSource, rank: int, group: int, key: str, start: int, out: np.ndarray) -> None:
+def read_into(
+    source: ShardSource, rank: int, group: int, key: str, start: int, out: np.ndarray, observe: Any = None
+) -> bool:
     """Elements [start, start + out.size) of ``rank``'s partition of ``key`` in ``group``
     into the 1-D array ``out``, cast (exactly, if the checkpoint stores them narrower) to its
     dtype. A source with a ``read_into`` method of this signature fills ``out`` itself (the
-    native one reads the file's bytes straight into it); others go through ``read``."""
+    native one reads the file's bytes straight into it); others go through ``read``. A
+    source that ``observes_reads`` also hands ``observe`` (a digester) the CRC of each
+    segment of ``out``; returns whether it did."""
     fill = getattr(source, "read_into", None)
+    if observe is not None and getattr(source, "observes_reads", False):
+        fill(rank, group, key, start, out, observe)
+        return True
     if fill is not None:
         fill(rank, group, key, start, out)
     else:
         out[...] = source.read(rank, group, key, start, start + out.size)
+    return False
 
 
-def read_model_tensors(source: ShardSource, names: list[str]) -> dict[str, np.ndarray]:
+def read_model_tensors(
+    source: ShardSource, names: list[str], digests: dict[str, tuple] | None = None
+) -> dict[str, np.ndarray]:
     """``source.model_tensor`` of each name, the arrays the caller's. A source with a
     ``model_tensors`` method of this signature reads them together (the native one in a few
-    large reads); others one by one."""
+    large reads); others one by one. A source that ``observes_reads`` also puts in
+    ``digests`` each one's ``(address, nbytes, digest)``, from the CRCs its read computes."""
     read_all = getattr(source, "model_tensors", None)
+    if digests is not None and getattr(source, "observes_reads", False):
+        return read_all(names, digests)
     if read_all is not None:
         return read_all(names)
     return {name: source.model_tensor(name) for name in names}

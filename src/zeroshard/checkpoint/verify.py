@@ -1,8 +1,12 @@
 """Check a whole checkpoint against its manifest: every file, every checksum block, every header.
 
-Native and universal checkpoints are checked against their manifests' checksums. A saved run
-without checksums of ours (a DeepSpeed checkpoint) is checked by reading every tensor through
-its :class:`~.source.ShardSource`, so whatever that reader checks is checked for every byte.
+Native and universal checkpoints are checked against their manifests' checksums, then (format
+versions with digests) every rank file's binding and every parameter's, expert's, scalar's
+and module tensor's digest: each is read whole through the checkpoint's
+:class:`~.source.ShardSource` and digested in logical order, so a manifest edited to describe
+the files as something else fails here too. A saved run without checksums of ours (a
+DeepSpeed checkpoint) is checked by reading every tensor through its source, so whatever
+that reader checks is checked for every byte.
 """
 
 from __future__ import annotations
@@ -15,7 +19,10 @@ from .io.checksum import FileRecord
 from .format import MODEL_FILE
 from .native.handle import Checkpoint
 from .io.members import member_path
+from .experts import exported_params, read_exported
 from .io.safetensors_io import check_entries, read_header, verify_file
+from .native.binding import check_binding
+from .read_digests import ReadChecker
 from .source import ShardSource
 from .universal.format import UniversalManifest
 
@@ -28,7 +35,16 @@ def verify_checkpoint(ckpt: Checkpoint) -> list[str]:
     manifest = ckpt.manifest
     rank_tensors = manifest.rank_file_tensors()
     expected = {name: manifest.model_file_tensors() if name == MODEL_FILE else rank_tensors for name in manifest.files}
-    return _verify_files(ckpt.directory, manifest.files, expected)
+    problems = _verify_files(ckpt.directory, manifest.files, expected)
+    if problems or manifest.digests is None:
+        return problems
+    problems = _binding_problems(ckpt)
+    if problems:
+        return problems
+    from .native.source import NativeSource
+
+    with NativeSource(ckpt) as source:
+        return verify_digests(source)
 
 
 def verify_universal(directory: Path, manifest: UniversalManifest) -> list[str]:
@@ -36,7 +52,48 @@ def verify_universal(directory: Path, manifest: UniversalManifest) -> list[str]:
     expected: dict[str, dict[str, Spec]] = {name: {} for name in manifest.shards}
     for key, spec in manifest.tensor_specs().items():
         expected[manifest.weight_map[key]][key] = spec
-    return _verify_files(directory, manifest.shards, expected)
+    problems = _verify_files(directory, manifest.shards, expected)
+    if problems or manifest.digests is None:
+        return problems
+    from .universal.read import UniversalCheckpoint
+    from .universal.source import UniversalSource
+
+    with UniversalSource(UniversalCheckpoint(directory, manifest)) as source:
+        return verify_digests(source)
+
+
+def verify_digests(source: ShardSource) -> list[str]:
+    """Read every parameter (each expert), every optimizer state, every scalar and module
+    tensor of ``source`` whole and compare its digest with the saved one: one line per
+    mismatch. A source without digests has nothing to compare (an empty list)."""
+    if source.info.digests is None:
+        return []
+    checker = ReadChecker(source, collect=True)
+    layout = source.info.layout
+    for param in exported_params(layout):
+        for key in ("fp32", *source.info.state_keys[layout.param(param.param)[0].index]):
+            read_exported(source, param, key, checker.param)
+    for group in layout.groups:
+        checker.scalars(group.index, group.index, source.scalars(group.index))
+    # The module tensors with digests: buffers and frozen parameters, and of a native
+    # checkpoint also the trained weights its model file holds.
+    for name in sorted(source.info.digests.model):
+        checker.model_tensor(name, source.model_tensor(name))
+    return checker.problems
+
+
+def _binding_problems(ckpt: Checkpoint) -> list[str]:
+    manifest = ckpt.manifest
+    problems = []
+    for rank, name in enumerate(manifest.rank_files()):
+        metadata: dict = {}
+        path = ckpt.path(name)
+        try:
+            read_header(path, manifest.files[name].size, metadata=metadata)
+            check_binding(path, metadata, manifest.layout, manifest.layout_digest, rank)
+        except ValueError as err:
+            problems.append(str(err))
+    return problems
 
 
 def read_every_tensor(source: ShardSource) -> list[str]:

@@ -127,6 +127,7 @@ def _run_arc(config: DemoConfig, args: argparse.Namespace, out: Path) -> None:
         backend=args.backend,
         timeout_s=args.timeout,
     )[0]
+    print(f"zeroshard demo: resumed at D={second.world_size}: {second.attestation}", flush=True)
     rows.append((f"load it at D={second.world_size} (resharded)", second.load_seconds, ""))
     rows.append((f"train D={second.world_size}, steps {first_steps}-{config.steps - 1}", second.train_seconds, _losses(second)))
     rows.append((f"save checkpoint at D={second.world_size}", second.save_seconds, size_of(Path(second.checkpoint))))
@@ -241,6 +242,8 @@ def _run_under_torchrun(config: DemoConfig, args: argparse.Namespace) -> int:
         first_step = config.steps // 2 if resume else 0
         result = train_phase(dist.get_rank(), dist.get_world_size(), config, str(args.out), first_step, config.steps // 2, resume)
         if result is not None:
+            if resume:
+                print(f"zeroshard demo: resumed at D={result.world_size}: {result.attestation}")
             print(f"\nD={result.world_size} ({result.backend}): {_losses(result)}; checkpoint {result.checkpoint}")
             print(memory_lines(config, result))
             print(_padding_line(result))

@@ -97,6 +97,7 @@ def _run_arc(config: MoEDemoConfig, args: argparse.Namespace, phases: tuple[Phas
     first = run(first_phase, 0, CheckpointPlan(str(out), resume=False, save_after=half - 1))
     print(f"{demo}: phase 2 resumes that checkpoint on {second_phase}, steps {half}-{last}", flush=True)
     second = run(second_phase, half, CheckpointPlan(str(out), resume=True, save_after=last, live_state=True))
+    print(f"zeroshard demo --moe: resumed at {second_phase}: {second.attestation}", flush=True)
     rows = [
         (f"train {first_phase}, steps 0-{last}", first.train_seconds, _losses(first)),
         _save_row(f"save after step {half - 1} at {first_phase}", first),
@@ -163,6 +164,8 @@ def _run_under_torchrun(config: MoEDemoConfig, args: argparse.Namespace, phase: 
         result = moe_train_phase(dist.get_rank(), dist.get_world_size(), config, phase.ep_size, first_step, steps, plan)
         if result is not None:
             resumed = f"resumed from step {first_step - 1}'s checkpoint, " if resume else ""
+            if resume:
+                print(f"zeroshard demo --moe: resumed at {phase}: {result.attestation}")
             print(
                 f"\n{phase} ({result.backend}): {resumed}steps {first_step}-{first_step + steps - 1}, {_losses(result)}"
             )

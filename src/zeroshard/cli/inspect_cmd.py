@@ -98,7 +98,8 @@ def _verify_native(path: Path) -> Verified:
     except (ValueError, FileNotFoundError) as err:
         return "", [str(err)], {}
     total = sum(record.size for record in ckpt.manifest.files.values())
-    summary = f"{directory}: OK, {len(ckpt.manifest.files)} files, {total:,} bytes, every checksum matches"
+    how = "every checksum, binding and digest matches" if ckpt.manifest.digests else "every checksum matches (no digests)"
+    summary = f"{directory}: OK, {len(ckpt.manifest.files)} files, {total:,} bytes, {how}"
     checked = {MANIFEST_FILE: (directory / MANIFEST_FILE).stat().st_size}
     checked.update((name, record.size) for name, record in ckpt.manifest.files.items())
     return summary, verify_checkpoint(ckpt), checked
@@ -111,7 +112,8 @@ def _verify_universal(path: Path) -> Verified:
         return "", [str(err)], {}
     total = sum(record.size for record in manifest.shards.values())
     shards = len(manifest.shards)
-    summary = f"{path}: OK, universal checkpoint, {shards} shards, {total:,} bytes, every checksum matches"
+    how = "every checksum and digest matches" if manifest.digests else "every checksum matches (no digests)"
+    summary = f"{path}: OK, universal checkpoint, {shards} shards, {total:,} bytes, {how}"
     checked = {UNIVERSAL_MANIFEST_FILE: (path / UNIVERSAL_MANIFEST_FILE).stat().st_size}
     checked.update((name, record.size) for name, record in manifest.shards.items())
     return summary, verify_universal(path, manifest), checked

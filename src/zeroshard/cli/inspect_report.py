@@ -33,11 +33,23 @@ _SOURCE_KINDS = {
 _SAME_STAGES = "not recorded (stage 1 and stage 2 save the same state, and either loads it)"
 
 
+def _digests_line(digests, bound: str) -> str:
+    """What a load attests against: the digests the checkpoint records, or none."""
+    if digests is None:
+        return "digests: none (written before digests): loads are attested against the values they read"
+    logical = len(digests.keys())
+    scalars = sum(len(group) for group in digests.scalars)
+    return (
+        f"digests ({digests.algorithm}): {logical} logical tensors, {scalars} scalars, {len(digests.model)} module "
+        f"tensors; {bound}"
+    )
+
+
 def describe_native(ckpt: Checkpoint, *, list_all_files: bool = False) -> list[str]:
     manifest = ckpt.manifest
     lines = [
         f"checkpoint {ckpt.directory}",
-        f"kind: zeroshard checkpoint (tag {manifest.tag!r}, format version {manifest.version}, {manifest.created_by})",
+        f"kind: zeroshard checkpoint (tag {manifest.tag!r}, format version {manifest.format_version}, {manifest.created_by})",
         f"step: {_step(manifest.extra) or _native_optimizer_step(ckpt)}",
         f"world size: {manifest.world_size}",
         f"ZeRO stage: {manifest.extra.get('zero_stage', _SAME_STAGES)}",
@@ -54,6 +66,7 @@ def describe_native(ckpt: Checkpoint, *, list_all_files: bool = False) -> list[s
         f"{_trainable(manifest.layout)}; model state: {len(manifest.model_tensors)} tensors stored "
         f"({frozen} not trainable), {len(manifest.aliases)} tied alias(es)",
         _padding_line(manifest.layout),
+        _digests_line(manifest.digests, "every rank file bound to its place (layout digest, rank, experts)"),
     ]
     manifest_size = ckpt.path(MANIFEST_FILE).stat().st_size
     sizes = {name: record.size for name, record in manifest.files.items()}
@@ -73,7 +86,7 @@ def describe_universal(ckpt: UniversalCheckpoint, *, list_all_files: bool = Fals
     stage = manifest.extra.get("zero_stage")
     lines = [
         f"checkpoint {ckpt.directory}",
-        f"kind: zeroshard universal checkpoint (format version {manifest.version}, {manifest.created_by}), "
+        f"kind: zeroshard universal checkpoint (format version {manifest.format_version}, {manifest.created_by}), "
         f"converted from a {_SOURCE_KINDS.get(source.get('kind'), source.get('kind', 'unknown'))} run",
         f"step: {_step(manifest.extra) or _scalar_step(scalars.get('step'), 'the optimizer step count of param group 0')}",
         f"world size: any (converted from world size {source.get('world_size', 'unknown')})",
@@ -96,6 +109,7 @@ def describe_universal(ckpt: UniversalCheckpoint, *, list_all_files: bool = Fals
         f"model state: {len(manifest.model_entries)} buffers or frozen tensors, {len(manifest.aliases)} tied alias(es)"
     )
     lines += universal_expert_lines(manifest.experts, manifest.expert_stacks)
+    lines.append(_digests_line(manifest.digests, "carried from the run it was converted from"))
     if manifest.experts:  # the per-expert tensors do not give the source run's layout
         lines.append("padding overhead: none (the source run's expert parallelism is not recorded, nor its padding)")
     else:

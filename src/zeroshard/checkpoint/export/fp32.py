@@ -11,7 +11,9 @@ orientation (``model.layers.0.mlp.experts.gate_up_proj``, what transformers'
 ``experts="stacked"`` or ``"per_expert"`` forces one form. One ``model.safetensors``, or, when
 ``max_shard_size`` is given and exceeded, ``model-00001-of-0000N.safetensors`` shards and a
 ``model.safetensors.index.json``. Streaming and atomic like :func:`to_universal`, and like
-it torch-free: :func:`load_fp32_state_dict` alone hands out torch tensors.
+it torch-free: :func:`load_fp32_state_dict` alone hands out torch tensors. Every master read
+is checked against the checkpoint's digests (:mod:`..read_digests`), and ``DIGESTS_FILE``
+records the digest (``zlib.crc32``) of every tensor written.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -33,6 +36,8 @@ from ..formats import open_source
 from ..io.output_dir import OutputKind, output_path, staged_output
 from ..io.safetensors_io import PlannedTensor
 from ..experts import EXPERT_FORMS, exported_params, read_exported
+from ..io.digest import ALGORITHM
+from ..read_digests import ReadChecker
 from ..source import ModelEntry, ShardSource
 from ..io.streaming import OutputTensor, plan_shards, write_shards
 from ..universal.read import UniversalCheckpoint
@@ -40,12 +45,14 @@ from ..universal.source import UniversalSource
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+DIGESTS_FILE = "zeroshard.digests.json"  # the digest of every tensor written, by name
+DIGESTS_FORMAT = "zeroshard.fp32-digests"
 # "format": "pt" is what transformers checks before loading a file; "zeroshard" marks the
 # files as an export of ours, the only kind of directory an --overwrite replaces.
 METADATA = {"format": "pt", "zeroshard": "fp32 export"}
 OUTPUT_KIND = OutputKind(
     "model export",
-    r"model\.safetensors(\.index\.json)?|model-\d{5,}-of-\d{5,}\.safetensors",
+    r"model\.safetensors(\.index\.json)?|model-\d{5,}-of-\d{5,}\.safetensors|" + re.escape(DIGESTS_FILE),
     (SINGLE_FILE, INDEX_FILE),
     METADATA,
 )
@@ -107,6 +114,7 @@ def to_fp32(
         shards = plan_shards(sizes, max_shard_size)
         names = [SINGLE_FILE] if len(shards) == 1 else [shard_file_name(i, len(shards)) for i in range(len(shards))]
         with staged_output(out_dir, kind=OUTPUT_KIND, overwrite=overwrite, inputs=inputs) as staging:
+            digests: dict[str, int] = {}
             write_shards(
                 staging,
                 tensors,
@@ -116,7 +124,11 @@ def to_fp32(
                 metadata=dict(METADATA),
                 progress=progress,
                 description="to-fp32",
+                digests=digests,
             )
+            record = {"format": DIGESTS_FORMAT, "version": 1, "algorithm": ALGORITHM, "dtype": dtype}
+            record["tensors"] = digests
+            write_file_durably(staging / DIGESTS_FILE, json.dumps(record, indent=1) + "\n")
             if len(shards) > 1:
                 weight_map = {tensors[i].planned.key: name for shard, name in zip(shards, names) for i in shard}
                 index = {"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(weight_map.items()))}
@@ -190,12 +202,19 @@ def _open(path: Input, experts: str | None) -> _ModelView:
 
 def _source_view(source: ShardSource, experts: str | None, *, close: bool) -> _ModelView:
     exported = {param.name: param for param in exported_params(source.info.layout, experts)}
+    checker = ReadChecker(source)  # every master and module tensor read, against the saved digests
+
+    def model_tensor(name: str) -> np.ndarray:
+        values = source.model_tensor(name)
+        checker.model_tensor(name, values)
+        return values
+
     return _ModelView(
         trained=[(name, param.shape) for name, param in exported.items()],
         entries=list(source.info.model_entries),
         aliases=dict(source.info.aliases),
-        master=lambda name: read_exported(source, exported[name], "fp32"),
-        model_tensor=source.model_tensor,
+        master=lambda name: read_exported(source, exported[name], "fp32", checker.param),
+        model_tensor=model_tensor,
         close=source.close if close else _nothing,
         origin=source.path,
     )

@@ -15,7 +15,9 @@ A loader, which keeps what it reads, uses :meth:`RangeReader.read_into` instead:
 wholly inside the range are read straight into the caller's array, a few at a time, and each
 is checked there right after its read, while it is still in the CPU cache. That is one copy
 (the kernel's, from the page cache) and a checksum pass on hot memory: about the cost of
-reading the bytes once.
+reading the bytes once. Given an observer (a digester: ``cuts`` and ``segment``, see
+:mod:`..digests`), it also hands over the CRC of every segment it checks, cut at the
+observer's boundaries too, so a load digests what it read with no pass of its own.
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
+from typing import Any
+
 from .checksum import FileRecord
+from .damage import CheckpointDamagedError
+from .digest import FUSED, combine, crc32
 from .dtypes import from_bytes
 from .members import open_member
 from .safetensors_io import ReadStats, check_blocks, map_range, pread_into
@@ -74,7 +80,7 @@ class RangeReader:
             self._keep(key, last, record, view, span_start)
         return view[begin - span_start : end - span_start]
 
-    def read_into(self, path: Path, record: FileRecord, begin: int, out: memoryview) -> None:
+    def read_into(self, path: Path, record: FileRecord, begin: int, out: memoryview, observe: Any = None) -> None:
         """Fill ``out`` (writable bytes) with bytes [begin, begin + len(out)) of ``path``, every
         block under them checked against ``record`` before this returns.
 
@@ -82,7 +88,8 @@ class RangeReader:
         they arrive; a block the range holds only part of comes from the edge cache, or is
         read whole into a buffer of its own, checked and kept there for the neighbouring
         range, and its part copied. On a mismatch or a short file, ValueError naming
-        ``path``; ``out`` is then partly written and the caller must drop it."""
+        ``path``; ``out`` is then partly written and the caller must drop it. ``observe``
+        (offsets from ``out``'s start) gets the CRC of every segment of ``out``."""
         end = begin + len(out)
         if not 0 <= begin <= end <= record.size:
             raise ValueError(f"{path}: byte range [{begin}, {end}) is outside its {record.size} bytes")
@@ -91,24 +98,28 @@ class RangeReader:
             return
         first, last = blocks[0], blocks[-1]
         if not _inside(record, first, begin, end):
-            self._copy_edge(path, record, first, begin, out)
+            self._copy_edge(path, record, first, begin, out, observe)
             first += 1
         if first <= last and not _inside(record, last, begin, end):
-            self._copy_edge(path, record, last, begin, out)
+            self._copy_edge(path, record, last, begin, out, observe)
             last -= 1
         if first <= last:
             start = record.block_range(first)[0]
-            self._read_checked(path, record, first, last, out[start - begin :])
+            self._read_checked(path, record, first, last, out[start - begin :], observe, start - begin)
 
-    def _copy_edge(self, path: Path, record: FileRecord, index: int, begin: int, out: memoryview) -> None:
+    def _copy_edge(self, path: Path, record: FileRecord, index: int, begin: int, out: memoryview, observe: Any = None) -> None:
         """Copy the part of block ``index`` that ``out`` (bytes from ``begin``) holds."""
         block_start, block_end = record.block_range(index)
         lo, hi = max(begin, block_start), min(begin + len(out), block_end)
         out[lo - begin : hi - begin] = self._edge_block(path, record, index)[lo - block_start : hi - block_start]
+        if observe is not None:
+            observe_bytes(out, lo - begin, hi - begin, observe)
 
-    def _read_checked(self, path: Path, record: FileRecord, first: int, last: int, out: memoryview) -> None:
-        """Read blocks first..last into ``out`` (which starts at block ``first``), checking
-        each chunk of them right after its pread."""
+    def _read_checked(
+        self, path: Path, record: FileRecord, first: int, last: int, out: memoryview, observe: Any = None, at: int = 0
+    ) -> None:
+        """Read blocks first..last into ``out`` (which starts at block ``first``, and at
+        ``observe``'s offset ``at``), checking each chunk of them right after its pread."""
         per_chunk = max(1, READ_CHUNK // record.block_size)
         origin = record.block_range(first)[0]
         fd = open_member(path)
@@ -118,7 +129,12 @@ class RangeReader:
                 begin, end = record.block_range(chunk_first)[0], record.block_range(chunk_last)[1]
                 target = out[begin - origin : end - origin]
                 pread_into(fd, target, begin, path)
-                check_blocks(path, record, chunk_first, chunk_last, begin, target)
+                if observe is None or not FUSED:
+                    check_blocks(path, record, chunk_first, chunk_last, begin, target)
+                    if observe is not None:
+                        observe_bytes(target, 0, len(target), observe, at + begin - origin)
+                else:
+                    _check_observed(path, record, chunk_first, chunk_last, begin, target, observe, at + begin - origin)
                 if self.stats is not None:
                     self.stats.add(path.name, end - begin)
         finally:
@@ -173,7 +189,7 @@ class RangeReader:
             view = map_range(file.fileno(), span_start, span_end)
             if view is None:
                 size = os.fstat(file.fileno()).st_size
-                raise ValueError(f"{path}: truncated: expected {span_end} bytes, the file ends at {size}")
+                raise CheckpointDamagedError(f"{path}: truncated: expected {span_end} bytes, the file ends at {size}")
         key = str(path)
         for index in range(first, last + 1):
             if (key, index) in self._cache:
@@ -209,6 +225,39 @@ class RangeReader:
     def clear(self) -> None:
         self._cache.clear()
         self._cached = 0
+
+
+def observe_bytes(view: memoryview, lo: int, hi: int, observe: Any, at: int = 0) -> None:
+    """Hand ``observe`` the CRC of each segment of ``view[lo:hi]`` (its offsets: ``at`` + the
+    offset in ``view``), cut where it asks."""
+    position = lo
+    for cut in [*observe.cuts(lo + at, hi + at), hi + at]:
+        stop = min(cut - at, hi)
+        if stop > position:
+            observe.segment(position + at, stop - position, crc32(view[position:stop]))
+            position = stop
+
+
+def _check_observed(
+    path: Path, record: FileRecord, first: int, last: int, run_start: int, data: memoryview, observe: Any, at: int
+) -> None:
+    """check_blocks, with each block cut where ``observe`` asks: one CRC per segment, joined
+    for the block's check and handed to ``observe`` (offsets from ``at``)."""
+    for index in range(first, last + 1):
+        begin, end = (offset - run_start for offset in record.block_range(index))
+        block_crc = None
+        position = begin
+        for cut in [*observe.cuts(begin + at, end + at), end + at]:
+            stop = cut - at
+            crc = crc32(data[position:stop])
+            block_crc = crc if block_crc is None else combine(block_crc, crc, stop - position)
+            observe.segment(position + at, stop - position, crc)
+            position = stop
+        if (block_crc if block_crc is not None else crc32(b"")) != record.crc32[index]:
+            start = begin + run_start
+            raise CheckpointDamagedError(
+                f"{path}: checksum mismatch in block {index} (bytes {start}-{end + run_start}): the file is corrupted"
+            )
 
 
 def _inside(record: FileRecord, index: int, begin: int, end: int) -> bool:

@@ -76,6 +76,24 @@ class BlockHasher:
                 self._current = self._filled = 0
         self.size += len(view)
 
+    @property
+    def room(self) -> int:
+        """Bytes until the current block is full."""
+        return self.block_size - self._filled
+
+    def update_known(self, length: int, crc: int, combine) -> None:
+        """Add ``length`` bytes (at most :attr:`room`) whose CRC-32 is known already, joined to
+        the block's with ``combine(crc1, crc2, len2)``: a writer that CRCs each segment once
+        for several users (see :mod:`.digest`)."""
+        if length > self.room:
+            raise ValueError(f"a segment of {length} bytes crosses a checksum block ({self.room} bytes left)")
+        self._current = crc if self._filled == 0 else combine(self._current, crc, length)
+        self._filled += length
+        self.size += length
+        if self._filled == self.block_size:
+            self._crcs.append(self._current)
+            self._current = self._filled = 0
+
     def record(self) -> FileRecord:
         crcs = self._crcs + ([self._current] if self._filled else [])
         return FileRecord(self.size, self.block_size, tuple(crcs))

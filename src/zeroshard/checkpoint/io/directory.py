@@ -33,6 +33,7 @@ from typing import Any, Callable, Mapping
 
 from . import jsonvalue
 from .checksum import FileRecord
+from .damage import CheckpointDamagedError
 from ..format import (
     DELETE_MARKER,
     LATEST_FILE,
@@ -304,9 +305,9 @@ def read_json_file(path: Path, what: str) -> Any:
     try:
         return jsonvalue.loads(raw, path)
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: corrupted: not valid JSON ({err.msg} at line {err.lineno})") from None
+        raise CheckpointDamagedError(f"{path}: corrupted: not valid JSON ({err.msg} at line {err.lineno})") from None
     except UnicodeDecodeError:
-        raise ValueError(f"{path}: corrupted: not UTF-8 text") from None
+        raise CheckpointDamagedError(f"{path}: corrupted: not UTF-8 text") from None
 
 
 def check_files_present(directory: Path, records: Mapping[str, FileRecord]) -> None:
@@ -315,4 +316,4 @@ def check_files_present(directory: Path, records: Mapping[str, FileRecord]) -> N
     for name, record in records.items():
         size = member_path(directory, name).lstat().st_size
         if size != record.size:
-            raise ValueError(f"{directory / name}: truncated or altered: {size} bytes, the manifest says {record.size}")
+            raise CheckpointDamagedError(f"{directory / name}: truncated or altered: {size} bytes, the manifest says {record.size}")

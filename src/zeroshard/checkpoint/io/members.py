@@ -15,6 +15,8 @@ import os
 import stat
 from pathlib import Path
 
+from .damage import MissingFileError
+
 _NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)  # POSIX; elsewhere the lstat check stands alone
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # opening a FIFO must not wait for a writer
@@ -49,7 +51,7 @@ def member_path(directory: Path, name: str) -> Path:
     try:
         info = os.lstat(path)
     except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: missing; the manifest lists it") from None
+        raise MissingFileError(f"{path}: missing; the manifest lists it") from None
     if stat.S_ISLNK(info.st_mode):
         raise ValueError(_LINK.format(path=path))
     if not stat.S_ISREG(info.st_mode):

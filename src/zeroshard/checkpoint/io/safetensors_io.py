@@ -16,13 +16,15 @@ import struct
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from ...layout.specs import shape_problem, tensor_name_problem
 from . import jsonvalue
 from .checksum import BlockHasher, FileRecord, block_crc
+from .damage import CheckpointDamagedError
+from .digest import FUSED, combine, crc32
 from .dtypes import as_array, dtype_info, dtype_of, dtype_of_code
 from .members import open_member
 
@@ -35,6 +37,12 @@ if sys.byteorder != "little":  # safetensors is little-endian and tensors are wr
     raise ImportError("zeroshard checkpoints need a little-endian machine")
 
 Tensor = Any  # a numpy array or a torch tensor (torch is not imported here)
+Observer = Callable[[int, memoryview], None]
+"""Called as ``observe(offset, chunk)`` with consecutive chunks of a tensor's bytes as they are
+written (``offset``: of the chunk in the tensor), while they are in the CPU cache. An observer
+that also has ``cuts(begin, end)`` (the offsets in ``(begin, end)`` where it needs a segment to
+end) and ``segment(offset, length, crc)`` is instead given the CRC-32 of each segment, computed
+once for it and the block checksums (where zlib-ng can combine CRCs)."""
 
 
 @dataclass(frozen=True)
@@ -106,10 +114,10 @@ class SafetensorsWriter:
             self._file.close()
             raise named_os_error(err, path) if isinstance(err, OSError) else err
 
-    def write(self, key: str, tensor: Tensor) -> None:
+    def write(self, key: str, tensor: Tensor, observe: Observer | None = None) -> None:
         """Write the next planned tensor (a numpy array or a CPU torch tensor): ``key`` and
         dtype as planned, the planned number of elements (any shape: the header holds the
-        planned one)."""
+        planned one). ``observe``, if given, sees each chunk as it goes out (digests)."""
         if self._next >= len(self._plan):
             raise ValueError(f"{self.path}: {key!r} was not planned; all {len(self._plan)} tensors are written")
         planned = self._plan[self._next]
@@ -121,13 +129,37 @@ class SafetensorsWriter:
                 f"got {key!r} ({dtype}, {array.size} elements)"
             )
         raw = _as_bytes(array)
+        fused = FUSED and observe is not None and hasattr(observe, "segment")
         try:
             for start in range(0, len(raw), _WRITE_CHUNK):
-                _write_all(self._file, raw[start : start + _WRITE_CHUNK], self._hasher)
+                chunk = raw[start : start + _WRITE_CHUNK]
+                if fused:
+                    _write_all(self._file, chunk, None)
+                    self._hash_segments(chunk, start, observe)
+                else:
+                    _write_all(self._file, chunk, self._hasher)
+                    if observe is not None:
+                        observe(start, chunk)
                 self._start_writeback()
         except OSError as err:
             raise named_os_error(err, self.path) from err
         self._next += 1
+
+    def _hash_segments(self, chunk: memoryview, offset: int, observe: Any) -> None:
+        """CRC ``chunk`` (bytes from ``offset`` of the tensor) once, cut where a checksum block
+        ends or ``observe`` wants a cut; each segment's CRC goes to both."""
+        end = offset + len(chunk)
+        cuts = iter(observe.cuts(offset, end))
+        cut = next(cuts, end)
+        position = offset
+        while position < end:
+            while cut <= position:
+                cut = next(cuts, end)
+            stop = min(cut, end, position + self._hasher.room)
+            crc = crc32(chunk[position - offset : stop - offset])
+            self._hasher.update_known(stop - position, crc, combine)
+            observe.segment(position, stop - position, crc)
+            position = stop
 
     def _start_writeback(self) -> None:
         """Have the kernel start writing what is written so far, without waiting, so that
@@ -170,13 +202,19 @@ class SafetensorsWriter:
 
 
 def write_safetensors(
-    path: Path, tensors: Sequence[tuple[str, Tensor]], block_size: int, metadata: dict[str, str] | None = None
+    path: Path,
+    tensors: Sequence[tuple[str, Tensor]],
+    block_size: int,
+    metadata: dict[str, str] | None = None,
+    observers: Mapping[str, Observer] | None = None,
 ) -> FileRecord:
-    """Write ``tensors`` in the given order to ``path``, fsync it, return its block checksums."""
+    """Write ``tensors`` in the given order to ``path``, fsync it, return its block checksums.
+    ``observers[key]`` sees tensor ``key``'s bytes as they are written."""
     plan = [PlannedTensor(name, dtype_of(tensor).name, tuple(tensor.shape)) for name, tensor in tensors]
+    observers = observers or {}
     with SafetensorsWriter(path, plan, block_size, metadata) as writer:
         for name, tensor in tensors:
-            writer.write(name, tensor)
+            writer.write(name, tensor, observers.get(name))
         return writer.close()
 
 
@@ -211,20 +249,26 @@ def _as_bytes(array: np.ndarray) -> memoryview:
     return memoryview(flat.view(np.uint8))
 
 
-def _write_all(out, data: memoryview, hasher: BlockHasher) -> None:
-    hasher.update(data)
+def _write_all(out, data: memoryview, hasher: BlockHasher | None) -> None:
+    if hasher is not None:
+        hasher.update(data)
     written = 0
     while written < len(data):
         written += out.write(data[written:])
 
 
-def read_header(path: Path, file_size: int, stats: ReadStats | None = None) -> dict[str, TensorEntry]:
-    """Parse and check a safetensors header; offsets become absolute and must fit the file."""
+def read_header(
+    path: Path, file_size: int, stats: ReadStats | None = None, metadata: dict[str, Any] | None = None
+) -> dict[str, TensorEntry]:
+    """Parse and check a safetensors header; offsets become absolute and must fit the file.
+    ``metadata``, if given, receives the header's ``__metadata__`` entries."""
     header, length = _header_object(path, file_size, stats)
     data_start = 8 + length
     entries = {}
     for name, info in header.items():
         if name == "__metadata__":
+            if metadata is not None and isinstance(info, dict):
+                metadata.update(info)
             continue
         try:
             begin, end = (data_start + int(v) for v in info["data_offsets"])
@@ -375,7 +419,7 @@ def pread_into(fd: int, view: memoryview, offset: int, path: Path) -> None:
     while done < len(view):
         got = os.preadv(fd, [view[done:]], offset + done)
         if got == 0:  # the file ends before offset + done (a read that starts past the end gets 0 too)
-            raise ValueError(
+            raise CheckpointDamagedError(
                 f"{path}: truncated: expected {offset + len(view)} bytes, the file ends at {os.fstat(fd).st_size}"
             )
         done += got
@@ -389,4 +433,4 @@ def check_blocks(
     for index in range(first, last + 1):
         begin, end = record.block_range(index)
         if block_crc(view[begin - run_start : end - run_start]) != record.crc32[index]:
-            raise ValueError(f"{path}: checksum mismatch in block {index} (bytes {begin}-{end}): the file is corrupted")
+            raise CheckpointDamagedError(f"{path}: checksum mismatch in block {index} (bytes {begin}-{end}): the file is corrupted")

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .checksum import FileRecord
+from .digest import RunningDigest
 from .safetensors_io import PlannedTensor, SafetensorsWriter
 
 
@@ -57,8 +58,11 @@ def write_shards(
     metadata: dict[str, str] | None = None,
     progress: bool | None = None,
     description: str = "writing",
+    digests: dict[str, int] | None = None,
 ) -> dict[str, FileRecord]:
     """Write each shard's tensors to ``directory / file_names[i]``; their records by file name.
+    ``digests``, if given, receives the digest (``zlib.crc32``) of each tensor's bytes as
+    written, by key, computed while they are in the CPU cache.
 
     Tensors are produced on this thread and written (hashed, written, fsynced) on another,
     so reading the next tensor overlaps writing the last; at most two are alive at a time.
@@ -83,7 +87,8 @@ def write_shards(
                         values = None  # drop our reference before making the next one
                         values = entry.produce()
                         last_producer = entry.produce
-                    background.submit(functools.partial(_write, opened[-1], entry.planned, values, bar), reserved=True)
+                    write = functools.partial(_write, opened[-1], entry.planned, values, bar, digests)
+                    background.submit(write, reserved=True)
                 background.submit(functools.partial(_close, opened[-1], records, file_name))
     finally:
         for state in opened:
@@ -96,8 +101,11 @@ def _open(state: dict, path: Path, plan: list[PlannedTensor], block_size: int, m
     state["writer"] = SafetensorsWriter(path, plan, block_size, metadata)
 
 
-def _write(state: dict, planned: PlannedTensor, values: np.ndarray, bar: Any) -> None:
-    state["writer"].write(planned.key, values)
+def _write(state: dict, planned: PlannedTensor, values: np.ndarray, bar: Any, digests: dict[str, int] | None) -> None:
+    running = RunningDigest() if digests is not None else None
+    state["writer"].write(planned.key, values, running)
+    if running is not None:
+        digests[planned.key] = running.value
     bar.update(planned.nbytes)
 
 

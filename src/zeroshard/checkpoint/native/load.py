@@ -24,8 +24,9 @@ import torch
 
 from ...layout import Layout
 from ...state import ShardedState
+from ..coordinator import Coordinator
 from .handle import Checkpoint
-from ..loader import load_state
+from ..attested import load_from
 from .source import NativeSource
 from ..io.safetensors_io import ReadStats
 
@@ -41,6 +42,7 @@ def load_sharded(
     module_state: Mapping[str, torch.Tensor] | None = None,
     base: ShardedState | None = None,
     stats: ReadStats | None = None,
+    coordinator: Coordinator | None = None,
 ) -> ShardedState:
     """This rank's ShardedState for ``layout`` (the new run's), read from the native
     ``checkpoint`` (a tag directory, a root with ``latest``, or an opened Checkpoint).
@@ -57,15 +59,19 @@ def load_sharded(
         base: the run's current state on this rank; what the checkpoint does not provide
             (with strict=False) keeps its values from here instead of zeros.
         stats: counts the bytes read per file.
+        coordinator: the ranks loading together (collective): every rank's state is attested
+            with the others' and every rank raises the same error, or none does. Without one,
+            the rank attests alone what it holds whole (all of it in a world of one).
     """
-    with NativeSource(checkpoint, stats=stats) as source:
-        return load_state(
-            source,
-            layout,
-            rank,
-            load_optimizer_states=load_optimizer_states,
-            load_module_only=load_module_only,
-            strict=strict,
-            module_state=module_state,
-            base=base,
-        )
+    return load_from(
+        lambda: NativeSource(checkpoint, stats=stats),
+        str(getattr(checkpoint, "directory", checkpoint)),
+        layout,
+        rank,
+        coordinator,
+        load_optimizer_states=load_optimizer_states,
+        load_module_only=load_module_only,
+        strict=strict,
+        module_state=module_state,
+        base=base,
+    )

@@ -2,22 +2,27 @@
 
 It is written last, so a directory without one is an unfinished save. Reading it checks
 the format name and version, rebuilds the Layout (which re-derives every offset) and
-checks that the file list matches the world size.
+checks that the file list matches the world size. From format version 2 it also holds the
+digests of the logical state (:mod:`..digests`), one per parameter (per global expert),
+tensor kind, optimizer scalar and module tensor; version 1 manifests, written before, have
+none and still load.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ... import __version__
 from ...layout import Layout
 from ...state import ParamGroupState
+from ..digests import StateDigests, logical_keys
 from ..format import (
     FORMAT_NAME,
     FORMAT_VERSION,
+    UNDIGESTED_VERSION,
     MANIFEST_FILE,
     MODEL_FILE,
     fp32_key,
@@ -30,6 +35,7 @@ from ..io import jsonvalue
 from ..io.budget import quoted
 from ..io.checksum import FileRecord
 from ..io.directory import read_json_file
+from .binding import layout_digest
 
 TENSOR_KINDS = ("trainable", "frozen", "buffer", "other")
 
@@ -85,8 +91,21 @@ class Manifest:
     aliases: dict[str, str]  # state_dict name -> the name whose tensor it shares (stored once)
     extra: dict[str, Any]
     files: dict[str, FileRecord]
-    version: int = FORMAT_VERSION
+    digests: StateDigests | None = None  # None: a version 1 checkpoint, saved without them
+    version: int | None = None  # None: the version the fields need (2 with digests)
     created_by: str = f"zeroshard {__version__}"
+    stored_layout: dict[str, Any] | None = field(default=None, compare=False, repr=False)  # as read
+
+    @property
+    def format_version(self) -> int:
+        if self.version is not None:
+            return self.version
+        return FORMAT_VERSION if self.digests is not None else UNDIGESTED_VERSION
+
+    @property
+    def layout_digest(self) -> str:
+        """The digest every rank file's binding records (see :mod:`.binding`)."""
+        return layout_digest(self.layout.to_dict() if self.stored_layout is None else self.stored_layout)
 
     @property
     def world_size(self) -> int:
@@ -109,9 +128,10 @@ class Manifest:
         return {name: (t.dtype, t.shape) for name, t in self.model_tensors.items()}
 
     def to_dict(self) -> dict[str, Any]:
+        digests = {} if self.digests is None else {"digests": self.digests.to_dict()}
         return {
             "format": FORMAT_NAME,
-            "version": self.version,
+            "version": self.format_version,
             "created_by": self.created_by,
             "tag": self.tag,
             "world_size": self.world_size,
@@ -137,6 +157,7 @@ class Manifest:
             },
             "extra": jsonvalue.encode(self.extra, "extra"),
             "files": {name: record.to_dict() for name, record in sorted(self.files.items())},
+            **digests,
         }
 
     def to_json(self) -> str:
@@ -190,8 +211,10 @@ class Manifest:
             aliases={str(k): str(v) for k, v in model["aliases"].items()},
             extra=jsonvalue.decode(data["extra"]),
             files={str(name): FileRecord.from_dict(record) for name, record in data["files"].items()},
+            digests=StateDigests.from_dict(data["digests"]) if data["version"] > UNDIGESTED_VERSION else None,
             version=int(data["version"]),
             created_by=str(data.get("created_by", "")),
+            stored_layout=data["layout"],
         )
 
     def _check_consistent(self, data: dict[str, Any], source: str) -> None:
@@ -226,6 +249,26 @@ class Manifest:
         )
         if problem:
             raise ValueError(f"{source}: {problem}")
+        problem = self._digests_problem()
+        if problem:
+            raise ValueError(f"{source}: digests: {problem}")
+
+    def _digests_problem(self) -> str | None:
+        """The digests must name exactly the layout's parameters, kinds and experts, each
+        group's scalars and the stored module tensors."""
+        if self.digests is None:
+            return None
+        kinds = {group.index: ("fp32", *record.states) for group, record in zip(self.layout.groups, self.groups)}
+        expected = set(logical_keys(self.layout, kinds))
+        found = set(self.digests.keys())
+        if found != expected:
+            missing, unknown = sorted(expected - found, key=str)[:3], sorted(found - expected, key=str)[:3]
+            return f"they do not name exactly the layout's tensors (missing {missing}, unknown {unknown})"
+        if [set(group) for group in self.digests.scalars] != [set(record.scalars) for record in self.groups]:
+            return "the scalars do not match the groups' optimizer scalars"
+        if set(self.digests.model) != set(self.model_tensors):
+            return "the module digests do not name exactly the module tensors"
+        return None
 
 
 def expert_param_names(layout: Layout) -> set[str]:

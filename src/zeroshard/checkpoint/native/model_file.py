@@ -14,6 +14,7 @@ from typing import Collection, Mapping
 
 import torch
 
+from ..io.digest import RunningDigest
 from ..io.checksum import FileRecord
 from ..io.dtypes import dtype_of_code, torch_dtype
 from .manifest import ModelTensorRecord, dtype_name
@@ -25,6 +26,7 @@ class SavedModel:
     record: FileRecord
     tensors: dict[str, ModelTensorRecord]
     aliases: dict[str, str]
+    digests: dict[str, int]  # stored name -> digest of its bytes (computed while writing)
 
 
 def save_model_state(
@@ -52,8 +54,9 @@ def save_model_state(
             first_name_of[identity] = name
         stored.append((name, tensor))
         tensors[name] = ModelTensorRecord(tuple(tensor.shape), dtype_name(tensor.dtype), kind)
-    record = write_safetensors(path, stored, block_size)
-    return SavedModel(record, tensors, aliases)
+    digesters = {name: RunningDigest() for name, _ in stored}
+    record = write_safetensors(path, stored, block_size, observers=digesters)
+    return SavedModel(record, tensors, aliases, {name: digester.value for name, digester in digesters.items()})
 
 
 def _view_identity(tensor: torch.Tensor) -> tuple | None:

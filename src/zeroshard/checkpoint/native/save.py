@@ -6,9 +6,13 @@
   staging directory ``<root>/.<tag>.tmp-<id>``; the result is a :class:`SavePlan`;
 * write (local, the bulk of the time): every rank writes ``rank-RRRRR-of-DDDDD.safetensors``
   (rank 0 also ``model.safetensors``, without expert weights: those differ per EP rank and
-  are the rank files' fp32 masters), hashing while writing, then fsyncs it;
-* commit (collective): the block checksums are gathered on rank 0 (also the barrier that
-  says every rank's files are durable); rank 0 writes manifest.json and fsyncs, renames the
+  are the rank files' fp32 masters), hashing while writing, then fsyncs it. The same pass
+  digests each fragment of the logical state while its bytes are in the CPU cache
+  (:mod:`..digests`), and each rank file records its binding (:mod:`.binding`);
+* commit (collective): the block checksums and partial digests are gathered on rank 0 (also
+  the barrier that says every rank's files are durable); rank 0 combines the digests (every
+  logical tensor must be covered exactly once, and every rank's optimizer scalars must be
+  rank 0's), writes manifest.json and fsyncs, renames the
   directory to ``<root>/<tag>`` and replaces ``latest``; then it broadcasts the outcome, so
   every rank returns, or raises, together, and releases the lock.
 
@@ -31,7 +35,9 @@ import torch
 
 from ...layout.specs import tensor_name_problem
 from ...state import ShardedState
+from ..digests import PartitionDigester, StateDigests, Terms, digests_from_terms, held_pieces, scalar_digest
 from ..io import jsonvalue
+from ..io.dtypes import itemsize_of
 from ..io.checksum import FileRecord
 from ..coordinator import Coordinator, default_coordinator
 from ..io.directory import fsync_dir, prepare_staging, publish, root_lock, write_file_durably
@@ -47,6 +53,7 @@ from ..format import (
     state_key,
     state_name_problem,
 )
+from .binding import binding_metadata, layout_digest
 from .manifest import GroupRecord, Manifest, ModelTensorRecord, dtype_name, expert_param_names
 from .model_file import save_model_state
 from ..io.safetensors_io import write_safetensors
@@ -84,10 +91,14 @@ class SavePlan:
 
 @dataclass(frozen=True)
 class WrittenFiles:
-    """What one rank wrote: its files' records, and rank 0's description of the model file."""
+    """What one rank wrote: its files' records, the partial digests of its partitions and the
+    digests of its optimizer scalars (per group), and rank 0's description of the model file
+    (tensor records, aliases, digests)."""
 
     files: dict[str, FileRecord]
-    model: tuple[dict[str, ModelTensorRecord], dict[str, str]] | None = None
+    terms: Terms = field(default_factory=Terms)
+    scalars: list[dict[str, int]] = field(default_factory=list)
+    model: tuple[dict[str, ModelTensorRecord], dict[str, str], dict[str, int]] | None = None
 
 
 def save_sharded(
@@ -330,29 +341,39 @@ def _write_own_files(plan: SavePlan, state: ShardedState, buffer_names: Collecti
     """This rank's file records (and rank 0's model description), or a one-line error."""
     name = rank_file_name(state.rank, state.layout.world_size)
     try:
-        files = {name: _write_rank_file(plan.staging / name, state, plan.block_size)}
+        terms = Terms()
+        files = {name: _write_rank_file(plan.staging / name, state, plan.block_size, terms)}
+        scalars = [{n: scalar_digest(t) for n, t in group.items()} for group in state.optimizer_scalars]
         if state.rank != 0:
-            return WrittenFiles(files)
+            return WrittenFiles(files, terms, scalars)
         experts = expert_param_names(state.layout)  # the rank files hold them, by global expert id
         module_state = {name: t for name, t in state.model_state.items() if name not in experts}
         trainable = set(state.layout.param_names) - experts
         model = save_model_state(plan.staging / MODEL_FILE, module_state, trainable, buffer_names, plan.block_size)
         files[MODEL_FILE] = model.record
-        return WrittenFiles(files, (model.tensors, model.aliases))
+        return WrittenFiles(files, terms, scalars, (model.tensors, model.aliases, model.digests))
     except Exception as err:  # any error: this rank must still reach the commit's collective
         return f"rank {state.rank}: writing {name}: {type(err).__name__}: {err}"
 
 
-def _write_rank_file(path: Path, state: ShardedState, block_size: int) -> FileRecord:
+def _write_rank_file(path: Path, state: ShardedState, block_size: int, terms: Terms) -> FileRecord:
+    """Write the rank file, adding the terms of its partitions' logical tensors to ``terms``."""
     # Scalars first: they sit in the first checksum block with the header, cheap to read alone.
     scalars, partitions = [], []
-    for g in range(len(state.layout.groups)):
+    observers = {}
+    for group in state.layout.groups:
+        g = group.index
+        pieces = held_pieces(group, state.rank)
         scalars += [(scalar_key(g, n), t) for n, t in sorted(state.optimizer_scalars[g].items())]
-        partitions.append((fp32_key(g), state.fp32_partitions[g]))
-        partitions += [(state_key(g, n), t) for n, t in sorted(state.optimizer_states[g].items())]
+        kinds = [("fp32", fp32_key(g), state.fp32_partitions[g])]
+        kinds += [(n, state_key(g, n), t) for n, t in sorted(state.optimizer_states[g].items())]
+        for kind, key, tensor in kinds:
+            partitions.append((key, tensor))
+            observers[key] = PartitionDigester(pieces, kind, tensor.element_size(), terms)
     metadata = {"format": FORMAT_NAME, "rank": str(state.rank), "world_size": str(state.layout.world_size)}
+    metadata.update(binding_metadata(state.layout, layout_digest(state.layout.to_dict()), state.rank))
     data_bytes = sum(t.numel() * t.element_size() for _, t in scalars + partitions)
-    return write_safetensors(path, scalars + partitions, _block_size_for(data_bytes, block_size), metadata)
+    return write_safetensors(path, scalars + partitions, _block_size_for(data_bytes, block_size), metadata, observers)
 
 
 def _block_size_for(data_bytes: int, block_size: int) -> int:
@@ -369,7 +390,7 @@ def _manifest(plan: SavePlan, state: ShardedState, outcomes: list[WrittenFiles])
     for outcome in outcomes:
         files.update(outcome.files)
     assert outcomes[0].model is not None
-    tensors, aliases = outcomes[0].model
+    tensors, aliases, model_digests = outcomes[0].model
     return Manifest(
         tag=plan.tag,
         layout=state.layout,
@@ -380,4 +401,26 @@ def _manifest(plan: SavePlan, state: ShardedState, outcomes: list[WrittenFiles])
         aliases=dict(aliases),
         extra=state.extra,
         files=files,
+        digests=_combined_digests(plan, state, outcomes, model_digests),
     )
+
+
+def _combined_digests(
+    plan: SavePlan, state: ShardedState, outcomes: list[WrittenFiles], model: dict[str, int]
+) -> StateDigests:
+    """Every rank's partial digests combined; ValueError when a logical tensor is not covered
+    exactly once or a rank's optimizer scalars differ from rank 0's (a bug: nothing is saved)."""
+    for rank, outcome in enumerate(outcomes):
+        if outcome.scalars != outcomes[0].scalars:
+            differ = [g for g, (a, b) in enumerate(zip(outcome.scalars, outcomes[0].scalars)) if a != b]
+            raise ValueError(f"rank {rank}'s optimizer scalars (groups {differ}) differ from rank 0's; they must be equal")
+    terms = Terms()
+    for outcome in outcomes:
+        terms.merge(outcome.terms)
+    kinds = {g: ("fp32", *record.states) for g, record in enumerate(plan.groups)}
+    sizes = {(g, "fp32"): itemsize_of(record.fp32_dtype) for g, record in enumerate(plan.groups)}
+    sizes.update({(g, n): itemsize_of(dtype) for g, record in enumerate(plan.groups) for n, dtype in record.states.items()})
+    params, problems = digests_from_terms(state.layout, terms, kinds, sizes)
+    if problems:
+        raise ValueError(f"the ranks' partitions do not tile the logical state: {problems[0]}")
+    return StateDigests(params, list(outcomes[0].scalars), model)

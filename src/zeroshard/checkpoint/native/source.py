@@ -2,24 +2,27 @@
 
 Reads are range reads of the rank files, every checksum block under them verified (see
 :mod:`.block_reader`); each file's safetensors header is checked against the manifest the
-first time the file is read.
+first time the file is read, and so is a rank file's binding (:mod:`.binding`: the layout,
+rank, shard groups and experts it was written for).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
 from ..format import LATEST_FILE, MANIFEST_FILE, MODEL_FILE, fp32_key, rank_file_name, scalar_key, state_key
 from ..formats import SourceFormat
-from ..io.block_reader import RangeReader, array_view
+from ..digests import Terms, finished, tensors_digester
+from ..io.block_reader import RangeReader, array_view, observe_bytes
 from ..io.checksum import FileRecord
 from ..io.dtypes import dtype_info, itemsize_of, to_float32
 from ..io.safetensors_io import ReadStats, TensorEntry, check_entries, read_header
 from ..source import ModelEntry, SourceInfo
+from .binding import check_binding
 from .handle import Checkpoint, open_checkpoint
 from .manifest import ModelTensorRecord
 
@@ -30,6 +33,7 @@ class NativeSource:
     """An opened native checkpoint, read range by range (the ShardSource protocol)."""
 
     kind = NATIVE_KIND
+    observes_reads = True  # read_into and model_tensors digest what they read (``observe``, ``digests``)
 
     def __init__(self, checkpoint: str | os.PathLike[str] | Checkpoint, *, stats: ReadStats | None = None) -> None:
         self.checkpoint = open_checkpoint(checkpoint)
@@ -39,6 +43,7 @@ class NativeSource:
         self._stats = stats
         self._headers: dict[str, dict[str, TensorEntry]] = {}
         self._rank_tensors = manifest.rank_file_tensors()
+        self._layout_digest = manifest.layout_digest if manifest.digests is not None else None
         self.info = SourceInfo(
             layout=manifest.layout,
             optimizer_class=manifest.optimizer_class,
@@ -55,6 +60,7 @@ class NativeSource:
                 {key: dtype for key, dtype in {"fp32": record.fp32_dtype, **record.states}.items() if dtype != "float32"}
                 for record in manifest.groups
             ],
+            digests=manifest.digests,
         )
 
     def read(self, rank: int, group: int, key: str, start: int, end: int) -> np.ndarray:
@@ -64,17 +70,21 @@ class NativeSource:
         data = self._read(file_name, entry.begin + start * itemsize, entry.begin + end * itemsize)
         return to_float32(array_view(data, dtype))
 
-    def read_into(self, rank: int, group: int, key: str, start: int, out: np.ndarray) -> None:
+    def read_into(self, rank: int, group: int, key: str, start: int, out: np.ndarray, observe: Any = None) -> None:
         """Elements [start, start + out.size) of ``rank``'s partition of ``key`` in ``group``
         into ``out``, a 1-D array. In the stored dtype and contiguous, the bytes are read
-        straight into it (no copy); otherwise read as fp32 and cast."""
+        straight into it (no copy); otherwise read as fp32 and cast. ``observe`` (a digester,
+        offsets in ``out``'s bytes) gets the CRC of every segment of ``out`` as it is checked."""
         end = start + out.size
         file_name, entry, dtype = self._locate(rank, group, key, start, end)
         if out.dtype != dtype_info(dtype).numpy or not out.flags.c_contiguous or not out.flags.writeable:
             out[...] = self.read(rank, group, key, start, end)
+            if observe is not None:
+                observe_bytes(memoryview(np.ascontiguousarray(out).reshape(-1).view(np.uint8)), 0, out.nbytes, observe)
             return
         begin = entry.begin + start * itemsize_of(dtype)
-        self._reader.read_into(self.checkpoint.path(file_name), self._record(file_name), begin, _bytes_of(out))
+        path, record = self.checkpoint.path(file_name), self._record(file_name)
+        self._reader.read_into(path, record, begin, _bytes_of(out), observe)
 
     def scalars(self, group: int) -> dict[str, np.ndarray]:
         """The group's non-partitioned optimizer state: the same in every rank file, so
@@ -93,10 +103,12 @@ class NativeSource:
         """A module state_dict entry from model.safetensors, aliases followed (an array of its own)."""
         return self.model_tensors([name])[name]
 
-    def model_tensors(self, names: list[str]) -> dict[str, np.ndarray]:
+    def model_tensors(self, names: list[str], digests: dict[str, tuple] | None = None) -> dict[str, np.ndarray]:
         """:meth:`model_tensor` of each name. Tensors that lie next to each other in the
         file are read with one read into one buffer and come back as views of it: one
-        buffer per run instead of one per tensor (each its own allocation, page by page)."""
+        buffer per run instead of one per tensor (each its own allocation, page by page).
+        ``digests``, if given, receives for each name ``(address, nbytes, digest)``: the digest,
+        from the CRCs the read computes, of the bytes at that address (see :mod:`..attest`)."""
         header = self._header(MODEL_FILE)
         records = {name: self._model_record(name) for name in names}
 
@@ -107,7 +119,14 @@ class NativeSource:
         for run in _adjacent_runs(sorted(records, key=lambda name: entry_of(name).begin), entry_of):
             begin, end = entry_of(run[0]).begin, entry_of(run[-1]).end
             data = memoryview(np.empty(end - begin, dtype=np.uint8))
-            self._reader.read_into(self.checkpoint.path(MODEL_FILE), self._record(MODEL_FILE), begin, data)
+            terms = Terms()
+            spans = {name: (entry_of(name).begin - begin, entry_of(name).end - begin) for name in run}
+            observe = tensors_digester(spans, terms) if digests is not None else None
+            self._reader.read_into(self.checkpoint.path(MODEL_FILE), self._record(MODEL_FILE), begin, data, observe)
+            if digests is not None:
+                address = np.frombuffer(data, dtype=np.uint8).ctypes.data
+                for name, (lo, hi) in spans.items():
+                    digests[name] = (address + lo, hi - lo, finished(terms, (name, None, "module"), hi - lo))
             for name in run:
                 entry, record = entry_of(name), records[name][1]
                 piece = array_view(data[entry.begin - begin : entry.end - begin], record.dtype)  # copied if misaligned
@@ -161,9 +180,12 @@ class NativeSource:
         if header is None:
             manifest = self.checkpoint.manifest
             path = self.checkpoint.path(file_name)
-            header = read_header(path, manifest.files[file_name].size, self._stats)
+            metadata: dict = {}
+            header = read_header(path, manifest.files[file_name].size, self._stats, metadata)
             expected = manifest.model_file_tensors() if file_name == MODEL_FILE else self._rank_tensors
             check_entries(path, header, expected)
+            if file_name != MODEL_FILE and self._layout_digest is not None:
+                check_binding(path, metadata, manifest.layout, self._layout_digest, _rank_of(file_name))
             self._headers[file_name] = header
         return header
 
@@ -172,6 +194,11 @@ class NativeSource:
 
     def _record(self, file_name: str) -> FileRecord:
         return self.checkpoint.manifest.files[file_name]
+
+
+def _rank_of(file_name: str) -> int:
+    """The rank of ``rank-RRRRR-of-DDDDD.safetensors`` (a name the manifest's file list holds)."""
+    return int(file_name.split("-")[1])
 
 
 def _adjacent_runs(names: list[str], entry_of: Callable[[str], TensorEntry]) -> list[list[str]]:

@@ -6,9 +6,13 @@ size loads it by range reads. An expert stack is one tensor ``[E, ...]`` under i
 its description (:class:`~zeroshard.layout.ExpertStack`) in the manifest's ``expert_stacks``
 (version 3); a legacy stack (MoEGPT's ``[E, in, out]``, exported per expert) is one tensor
 per expert, named by global id in ``nn.Linear`` orientation (:mod:`..experts`), which the
-manifest's ``experts`` lists in expert order (version 2). A checkpoint is written in the
-lowest version that expresses it: 1 without experts, 2 with legacy stacks only, else 3.
-docs/FORMAT.md describes it; this module spells its names and parses its manifest.
+manifest's ``experts`` lists in expert order (version 2). From version 4 it carries the
+digests of the run's logical state (``digests``, :mod:`..digests`: in the run's names and
+orientation, stacked experts by global id), as the native manifest records them. A
+checkpoint is written in the lowest version that expresses it: 1 without experts, 2 with
+legacy stacks only, 3 with stored stacks, 4 with digests (what zeroshard writes now);
+every older version still loads. docs/FORMAT.md describes it; this module spells its names
+and parses its manifest.
 """
 
 from __future__ import annotations
@@ -34,12 +38,14 @@ from ..io import jsonvalue
 from ..io.budget import quoted
 from ..io.checksum import FileRecord
 from ..io.directory import read_json_file
+from ..digests import StateDigests
 from ..source import ModelEntry
 
 FORMAT_NAME = "zeroshard.universal"
-FORMAT_VERSION = 3  # the newest read and written; see the module docstring for the older ones
+FORMAT_VERSION = 4  # the newest read and written: with digests; see the module docstring for the older ones
 _WITHOUT_EXPERTS_VERSION = 1
 _LEGACY_EXPERTS_VERSION = 2
+_STACKS_VERSION = 3  # stored expert stacks, no digests
 MANIFEST_FILE = "universal.json"
 DEFAULT_MAX_SHARD_SIZE = 2**31
 MODEL_ENTRY_KINDS = ("buffer", "frozen", "other")  # "other": written by a run that did not tell them apart
@@ -107,6 +113,8 @@ class UniversalManifest:
     experts: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # stored stacks (in ``params`` under their own name, global shape) -> their description
     expert_stacks: dict[str, ExpertStack] = field(default_factory=dict)
+    # digests of the run's logical state: params by the run's names (scalars per param group)
+    digests: StateDigests | None = None
     version: int | None = None  # None: the lowest version that expresses the manifest
     created_by: str = f"zeroshard {__version__}"
 
@@ -114,9 +122,26 @@ class UniversalManifest:
     def format_version(self) -> int:
         if self.version is not None:
             return self.version
-        if self.expert_stacks:
+        if self.digests is not None:
             return FORMAT_VERSION
+        if self.expert_stacks:
+            return _STACKS_VERSION
         return _LEGACY_EXPERTS_VERSION if self.experts else _WITHOUT_EXPERTS_VERSION
+
+    def run_params(self) -> dict[str, tuple[tuple[str, ...], int | None]]:
+        """The run's trained parameters (each stack once): name -> (states, the number of
+        experts for a stack, else None), in the manifest's order."""
+        stack_of = {name: stack for stack, names in self.experts.items() for name in names}
+        found: dict[str, tuple[tuple[str, ...], int | None]] = {}
+        for name, param in self.params.items():
+            stack = stack_of.get(name)
+            if name in self.expert_stacks:
+                found[name] = (param.states, param.shape[0])
+            elif stack is None:
+                found[name] = (param.states, None)
+            elif stack not in found:
+                found[stack] = (param.states, len(self.experts[stack]))
+        return found
 
     def stacked(self, name: str) -> UniversalParam:
         """A trained parameter of the run: a stored one (a stored stack too, ``[E, ...]``), or
@@ -180,6 +205,7 @@ class UniversalManifest:
         stacks = {"experts": {stack: list(names) for stack, names in self.experts.items()}} if self.experts else {}
         if self.expert_stacks:
             stacks["expert_stacks"] = {name: stack.to_dict() for name, stack in self.expert_stacks.items()}
+        digests = {} if self.digests is None else {"digests": self.digests.to_dict()}
         return {
             "format": FORMAT_NAME,
             "version": self.format_version,
@@ -211,6 +237,7 @@ class UniversalManifest:
             "shards": {name: record.to_dict() for name, record in self.shards.items()},
             "weight_map": dict(self.weight_map),
             **stacks,
+            **digests,
         }
 
     def to_json(self) -> str:
@@ -265,11 +292,32 @@ class UniversalManifest:
         if set(self.weight_map) != set(specs):
             missing = sorted(set(specs) - set(self.weight_map))[:3]
             unknown = sorted(set(self.weight_map) - set(specs))[:3]
-            return f"weight_map does not list exactly the tensors (missing {missing}, unknown {unknown})"
+            return (
+                f"weight_map does not list exactly the tensors (missing {quoted(missing)}, unknown {quoted(unknown)})"
+            )
         unlisted = sorted(set(self.weight_map.values()) - set(self.shards))
         if unlisted:
-            return f"weight_map names shards not in the shard list: {unlisted[:3]}"
-        return self._experts_inconsistency()
+            return f"weight_map names shards not in the shard list: {quoted(unlisted[:3])}"
+        return self._experts_inconsistency() or self._digests_inconsistency()
+
+    def _digests_inconsistency(self) -> str | None:
+        """The digests name exactly the run's parameters (every expert of a stack), each with
+        its master and states, every param group's scalars and the module tensors."""
+        if self.digests is None:
+            return None
+        expected = {
+            (name, expert, kind)
+            for name, (states, experts) in self.run_params().items()
+            for kind in ("fp32", *states)
+            for expert in ([None] if experts is None else range(experts))
+        }
+        if set(self.digests.keys()) != expected:
+            return "digests do not name exactly the parameters, their experts and states"
+        if [set(s) for s in self.digests.scalars] != [set(group.scalars) for group in self.param_groups]:
+            return "digests of the scalars do not match the param groups' scalars"
+        if set(self.digests.model) != set(self.model_entries):
+            return "digests of the module tensors do not name exactly the module tensors"
+        return None
 
     def _experts_inconsistency(self) -> str | None:
         """Each stacked weight lists >= 1 stored [out, in] tensors, alike in shape, dtype,
@@ -338,8 +386,9 @@ def _fields_from_dict(data: dict[str, Any]) -> UniversalManifest:
         },
         expert_stacks={
             str(name): ExpertStack.from_dict(stack)
-            for name, stack in (data.get("expert_stacks", {}) if data["version"] >= FORMAT_VERSION else {}).items()
+            for name, stack in (data.get("expert_stacks", {}) if data["version"] >= _STACKS_VERSION else {}).items()
         },
+        digests=StateDigests.from_dict(data["digests"]) if data["version"] >= FORMAT_VERSION else None,
         version=int(data["version"]),
         created_by=str(data.get("created_by", "")),
     )

@@ -13,6 +13,8 @@ import torch
 
 from ...layout import Layout
 from ...state import ShardedState
+from ..coordinator import Coordinator
+from ..attested import load_from
 from ..loader import load_state
 from .read import UniversalCheckpoint
 from .source import UniversalSource
@@ -28,6 +30,7 @@ def load_universal(
     strict: bool = True,
     module_state: Mapping[str, torch.Tensor] | None = None,
     base: ShardedState | None = None,
+    coordinator: Coordinator | None = None,
 ) -> ShardedState:
     """This rank's state under ``layout`` (the new run's), read from a universal checkpoint.
 
@@ -35,20 +38,21 @@ def load_universal(
     state_dict: each trained parameter's fp32 master cast to its dtype in ``layout`` (a run
     may change precision), plus buffers, frozen parameters and tied names. So every rank
     reads all fp32 masters once, and of the optimizer states only its own fragments.
-    Options as for :func:`~zeroshard.checkpoint.loader.load_state`.
+    Options as for :func:`~zeroshard.checkpoint.loader.load_state`; with ``coordinator``
+    the ranks load and attest together (collective), as :func:`~..native.load.load_sharded`.
     """
-    with UniversalSource(path) as source:
-        return load_state(
-            source,
-            layout,
-            rank,
-            load_optimizer_states=load_optimizer_states,
-            load_module_only=load_module_only,
-            strict=strict,
-            module_state=module_state,
-            base=base,
-        )
-
+    return load_from(
+        lambda: UniversalSource(path),
+        str(getattr(path, "directory", path)),
+        layout,
+        rank,
+        coordinator,
+        load_optimizer_states=load_optimizer_states,
+        load_module_only=load_module_only,
+        strict=strict,
+        module_state=module_state,
+        base=base,
+    )
 
 load_from_source = load_state
 """This rank's state under a layout, read range by range from any opened ShardSource (a

@@ -28,6 +28,7 @@ from ..io.dtypes import cast
 from ..io.safetensors_io import ReadStats
 from ..formats import SourceFormat
 from ..packed import PACKED_POLICY, PackedPartitions, PackedSource
+from ..digests import StateDigests
 from ..source import SourceInfo
 from ..experts import stacked_from_exported
 from .format import FORMAT_NAME, UniversalManifest, is_universal_checkpoint
@@ -57,6 +58,7 @@ class UniversalSource(PackedSource):
             aliases=dict(manifest.aliases),
             extra=dict(manifest.extra),
             weights_from_masters=True,
+            digests=_digests_by_layout_group(manifest.digests, self._owner),
         )
         self._packed = PackedPartitions(layout, self.path, "a universal checkpoint has no ranks")
         self._expert_cache: dict[tuple[str, str, int], np.ndarray] = {}
@@ -113,6 +115,13 @@ class UniversalSource(PackedSource):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _digests_by_layout_group(digests: StateDigests | None, owner: list[int]) -> StateDigests | None:
+    """The manifest's digests with scalars per layout group of the source (its param group's)."""
+    if digests is None:
+        return None
+    return StateDigests(digests.params, [digests.scalars[group] for group in owner], digests.model)
 
 
 def _state_keys(layout: Layout, group: int, manifest: UniversalManifest) -> list[str]:

@@ -8,7 +8,9 @@ pieces (or, in a rank file smaller than one block, by all of a parameter's tenso
 still in the reader's small cache when it is needed again. An expert stack is written as one
 global tensor ``[E, ...]`` under its own name (its description in the manifest's
 ``expert_stacks``), a legacy one (MoEGPT's) as one tensor per global expert in ``nn.Linear``
-orientation, as before (:mod:`..experts`).
+orientation, as before (:mod:`..experts`). Everything read is digested in logical order
+(each expert of a stack on its own) and checked against the source's digests
+(:mod:`..read_digests`); the output carries them.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from ..formats import open_source
 from ..io.output_dir import OutputKind, output_path, staged_output
 from ..io.safetensors_io import PlannedTensor
 from ..experts import UNIVERSAL_FORM, exported_params, read_exported
+from ..read_digests import ReadChecker
 from ..source import ShardSource, param_group_owners
 from ..io.streaming import OutputTensor, plan_shards, write_shards
 from .format import (
@@ -88,8 +91,9 @@ def _convert(
     if source.info.weights_from_masters:
         raise ValueError(f"{source.path}: already a universal checkpoint")
     out_dir = output_path(out_dir)  # once: publishing may replace the current directory
-    manifest = describe(source)
-    tensors = output_tensors(source, manifest)
+    checker = ReadChecker(source)
+    manifest = describe(source, checker)
+    tensors = output_tensors(source, manifest, checker)
     shards = plan_shards([t.planned.nbytes for t in tensors], max_shard_size)
     names = [shard_file_name(i, len(shards)) for i in range(len(shards))]
     with staged_output(out_dir, kind=OUTPUT_KIND, overwrite=overwrite, inputs=inputs) as staging:
@@ -104,13 +108,15 @@ def _convert(
             description="to-universal",
         )
         weight_map = {tensors[i].planned.key: name for shard, name in zip(shards, names) for i in shard}
-        complete = dataclasses.replace(manifest, shards=records, weight_map=weight_map)
+        digests = checker.digests(len(manifest.param_groups), list(manifest.model_entries))
+        complete = dataclasses.replace(manifest, shards=records, weight_map=weight_map, digests=digests)
         write_file_durably(staging / MANIFEST_FILE, complete.to_json())
     return out_dir
 
 
-def describe(source: ShardSource) -> UniversalManifest:
-    """The manifest of ``source``'s universal checkpoint, without shards and weight map."""
+def describe(source: ShardSource, checker: ReadChecker | None = None) -> UniversalManifest:
+    """The manifest of ``source``'s universal checkpoint, without shards, weight map and
+    digests (``checker`` checks and keeps the scalars' as they are read)."""
     info = source.info
     layout = info.layout
     owner = _param_group_of_layout_groups(source)
@@ -128,7 +134,7 @@ def describe(source: ShardSource) -> UniversalManifest:
         UniversalParamGroup(
             hyperparameters=dict(state.hyperparameters),
             params=tuple(name for g in state.layout_groups for slot in layout.groups[g].params for name in exported[slot.name]),
-            scalars=_scalars_of(source, index, state.layout_groups),
+            scalars=_scalars_of(source, index, state.layout_groups, checker),
         )
         for index, state in enumerate(info.param_groups)
     ]
@@ -150,22 +156,28 @@ def describe(source: ShardSource) -> UniversalManifest:
     )
 
 
-def output_tensors(source: ShardSource, manifest: UniversalManifest) -> list[OutputTensor]:
-    """Every tensor of the universal shards, in write order, each with its producer."""
+def output_tensors(
+    source: ShardSource, manifest: UniversalManifest, checker: ReadChecker | None = None
+) -> list[OutputTensor]:
+    """Every tensor of the universal shards, in write order, each with its producer (which
+    ``checker``, if given, checks and digests)."""
     layout = source.info.layout
+    check = checker.param if checker is not None else None
     tensors: list[OutputTensor] = []
     for param in exported_params(layout, UNIVERSAL_FORM):
         for key in ("fp32", *source.info.state_keys[layout.param(param.param)[0].index]):
             planned = PlannedTensor(param_key(param.name, key), "float32", param.shape)
-            tensors.append(OutputTensor(planned, functools.partial(read_exported, source, param, key)))
+            tensors.append(OutputTensor(planned, functools.partial(read_exported, source, param, key, check)))
     for name, entry in manifest.model_entries.items():
         planned = PlannedTensor(model_key(name), entry.dtype, entry.shape)
-        tensors.append(OutputTensor(planned, functools.partial(_model_tensor, source, name, planned)))
+        tensors.append(OutputTensor(planned, functools.partial(_model_tensor, source, name, planned, checker)))
     return tensors
 
 
-def _model_tensor(source: ShardSource, name: str, planned: PlannedTensor) -> np.ndarray:
+def _model_tensor(source: ShardSource, name: str, planned: PlannedTensor, checker: ReadChecker | None) -> np.ndarray:
     tensor = source.model_tensor(name)
+    if checker is not None:
+        checker.model_tensor(name, tensor)
     dtype = dtype_of(tensor).name
     if dtype != planned.dtype or tuple(tensor.shape) != planned.shape:
         raise ValueError(
@@ -183,9 +195,12 @@ def _param_group_of_layout_groups(source: ShardSource) -> list[int]:
     return [owner[g.index] for g in source.info.layout.groups]
 
 
-def _scalars_of(source: ShardSource, index: int, layout_groups: list[int]) -> dict[str, Any]:
+def _scalars_of(source: ShardSource, index: int, layout_groups: list[int], checker: ReadChecker | None) -> dict[str, Any]:
     """The param group's scalars; every layout group of it must hold the same ones."""
     found = [source.scalars(g) for g in layout_groups]
+    if checker is not None:
+        for group, scalars in zip(layout_groups, found):
+            checker.scalars(index, group, scalars)
     for group, other in zip(layout_groups[1:], found[1:]):
         if not _same_scalars(found[0], other):
             raise ValueError(
