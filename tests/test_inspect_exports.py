@@ -99,7 +99,7 @@ def test_verify_checks_an_fp32_export_and_lists_the_files(exports, capsys):
     sizes = {p.name: p.stat().st_size for p in path.iterdir()}
     assert lines[0] == (
         f"{path}: OK, fp32 export, {len(sizes)} files, {sum(sizes.values()):,} bytes, 5 tensors: every header, tensor "
-        "size and index entry agrees (an export carries no checksums)"
+        "size, index entry and tensor digest agrees"
     )
     assert lines[1] == f"files checked: {len(sizes)}, {sum(sizes.values()):,} bytes"
     assert sorted(lines[2:]) == sorted(f"  {name}: {size:,} bytes" for name, size in sizes.items())
@@ -133,3 +133,53 @@ def test_verify_files_lists_every_file_checked(saved, exports, kind, capsys):
     assert sorted(lines[2:]) == sorted(f"  {name}: {size:,} bytes" for name, size in sizes.items())
     assert main(["inspect", "--verify", str(path)]) == 0
     assert len(_lines(capsys)) == 1, "without --files: the summary only"
+
+
+def _one_tensor_flipped(path: Path) -> str:
+    """Flip one byte of the first tensor of the first shard; that tensor's name."""
+    from safetensors import safe_open
+
+    shard = sorted(path.glob("model-*.safetensors"))[0]
+    with safe_open(str(shard), "np") as handle:
+        name = sorted(handle.keys())[0]
+    data = bytearray(shard.read_bytes())
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    offsets = json.loads(data[8:header_end])[name]["data_offsets"]
+    data[header_end + offsets[0]] ^= 0x40
+    shard.write_bytes(bytes(data))
+    return name
+
+
+def test_verify_checks_each_tensor_against_the_digests_it_was_written_with(exports, tmp_path, capsys):
+    import shutil
+
+    path = Path(shutil.copytree(exports["sharded"], tmp_path / "flipped"))
+    name = _one_tensor_flipped(path)  # headers, sizes and index all still agree
+    assert main(["inspect", "--verify", str(path)]) == 1
+    (line,) = _lines(capsys)
+    assert f": tensor {name!r} reads as CRC-32 " in line and "it is not what was written" in line
+
+
+def test_verify_refuses_a_digest_record_that_does_not_name_the_tensors(exports, tmp_path, capsys):
+    import shutil
+
+    path = Path(shutil.copytree(exports["single"], tmp_path / "edited"))
+    record_file = path / "zeroshard.digests.json"
+    record = json.loads(record_file.read_text())
+    dropped = sorted(record["tensors"])[0]
+    del record["tensors"][dropped]
+    record_file.write_text(json.dumps(record))
+    assert main(["inspect", "--verify", str(path)]) == 1
+    assert _lines(capsys) == [
+        f"{record_file}: does not record exactly the export's tensors (extra [], absent [{dropped!r}])"
+    ]
+
+
+def test_verify_of_an_export_without_digests_says_so(exports, tmp_path, capsys):
+    import shutil
+
+    path = Path(shutil.copytree(exports["single"], tmp_path / "older"))
+    (path / "zeroshard.digests.json").unlink()
+    assert main(["inspect", "--verify", str(path)]) == 0
+    (line,) = _lines(capsys)
+    assert line.endswith("(no zeroshard.digests.json: written before digests)")

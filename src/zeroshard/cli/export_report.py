@@ -3,26 +3,32 @@
 
 An export is a model state dict in safetensors files (``model.safetensors``, or shards and
 ``model.safetensors.index.json``); it holds weights only, no optimizer state, step, layout or
-checksums, so ``--verify`` checks what can be checked without them: every header parses, every
-tensor's bytes match its dtype and shape, and the index names every tensor and file exactly.
-Only headers are read; no tensor is. Torch is not imported.
+block checksums. ``--verify`` checks every header parses, every tensor's bytes match its
+dtype and shape, the index names every tensor and file exactly, and, where the export has
+``zeroshard.digests.json`` (every export zeroshard writes now), that each tensor's bytes read
+as the CRC-32 recorded there when it was written, and that it records exactly the tensors.
+Torch is not imported.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import zlib
 from collections import Counter
 from pathlib import Path
 from typing import Mapping
 
-from ..checkpoint.export.fp32 import INDEX_FILE, SINGLE_FILE
+from ..checkpoint.export.fp32 import DIGESTS_FILE, DIGESTS_FORMAT, INDEX_FILE, SINGLE_FILE
+from ..checkpoint.io.budget import quoted
 from ..checkpoint.io.directory import read_json_file
 from ..checkpoint.io.dtypes import dtype_of_code
-from ..checkpoint.io.members import member_path
+from ..checkpoint.io.members import member_path, open_member
 from ..checkpoint.io.safetensors_io import TensorEntry, read_header
 from .inspect_report import file_lines
 
 LISTED_TENSORS = 8
+_CHUNK = 1 << 20  # bytes read at a time to digest a tensor
 KIND_LINE = (
     "kind: fp32 export (to-fp32 output): a Hugging Face style model state dict, weights only: no optimizer "
     "state, step count or layout; it loads with model.load_state_dict(strict=True), not with load_checkpoint"
@@ -52,9 +58,11 @@ def describe_fp32_export(path: Path, *, list_all_files: bool = False) -> list[st
     if len(shown) < len(names):
         lines.append(f"  ... {len(names) - len(shown)} more (--files lists them all)")
     sizes = {file: (path / file).stat().st_size for file in files}
+    records = {DIGESTS_FILE: (path / DIGESTS_FILE).lstat().st_size} if (path / DIGESTS_FILE).is_file() else {}
     if weight_map is None:
-        return lines + file_lines(sizes, {}, "shards", list_all_files)
-    return lines + file_lines({INDEX_FILE: (path / INDEX_FILE).stat().st_size}, sizes, "shards", list_all_files)
+        return lines + file_lines({**sizes, **records}, {}, "shards", list_all_files)
+    index = {INDEX_FILE: (path / INDEX_FILE).stat().st_size, **records}
+    return lines + file_lines(index, sizes, "shards", list_all_files)
 
 
 def verify_fp32_export(path: Path) -> tuple[str, list[str], dict[str, int]]:
@@ -65,6 +73,7 @@ def verify_fp32_export(path: Path) -> tuple[str, list[str], dict[str, int]]:
     except (ValueError, FileNotFoundError) as err:
         return "", [str(err)], {}
     held: dict[str, str] = {}  # tensor -> the file holding it
+    headers: dict[str, dict[str, TensorEntry]] = {}
     for file in files:
         try:
             entries = _header(path / file)
@@ -73,18 +82,71 @@ def verify_fp32_export(path: Path) -> tuple[str, list[str], dict[str, int]]:
             continue
         problems += _entry_problems(path / file, entries)
         held.update({name: file for name in entries})
+        headers[file] = entries
     if weight_map is not None:
         problems += _index_problems(path, weight_map, held)
         unlisted = sorted(p.name for p in path.glob("*.safetensors") if p.name not in files)
         problems += [f"{path / name}: not listed in {INDEX_FILE}" for name in unlisted]
+    digested = (path / DIGESTS_FILE).exists() or (path / DIGESTS_FILE).is_symlink()
+    if digested and not problems:
+        problems += _digest_problems(path, headers)
     checked = {file: (path / file).stat().st_size for file in files if (path / file).is_file()}
     if weight_map is not None:
         checked = {INDEX_FILE: (path / INDEX_FILE).stat().st_size, **checked}
-    summary = (
-        f"{path}: OK, fp32 export, {len(checked)} files, {sum(checked.values()):,} bytes, {len(held)} tensors: "
-        "every header, tensor size and index entry agrees (an export carries no checksums)"
+    if digested:
+        checked[DIGESTS_FILE] = (path / DIGESTS_FILE).lstat().st_size
+    how = (
+        "every header, tensor size, index entry and tensor digest agrees"
+        if digested
+        else f"every header, tensor size and index entry agrees (no {DIGESTS_FILE}: written before digests)"
     )
+    total = sum(checked.values())
+    summary = f"{path}: OK, fp32 export, {len(checked)} files, {total:,} bytes, {len(held)} tensors: {how}"
     return summary, problems, checked
+
+
+def _digest_problems(path: Path, headers: Mapping[str, Mapping[str, TensorEntry]]) -> list[str]:
+    """Each tensor's bytes against the CRC-32 ``zeroshard.digests.json`` recorded for it."""
+    where = path / DIGESTS_FILE
+    try:
+        record = read_json_file(where, "fp32 export")
+    except (ValueError, FileNotFoundError) as err:
+        return [str(err)]
+    if not isinstance(record, dict) or record.get("format") != DIGESTS_FORMAT:
+        return [f"{where}: corrupted: not a {DIGESTS_FORMAT} record"]
+    recorded = record.get("tensors")
+    if not isinstance(recorded, dict) or not all(type(v) is int for v in recorded.values()):
+        return [f"{where}: corrupted: no 'tensors' object of tensor names to CRC-32 values"]
+    names = {name for entries in headers.values() for name in entries}
+    extra, absent = sorted(set(recorded) - names)[:3], sorted(names - set(recorded))[:3]
+    if extra or absent:
+        return [
+            f"{where}: does not record exactly the export's tensors (extra {quoted(extra)}, absent {quoted(absent)})"
+        ]
+    problems = []
+    for file, entries in headers.items():
+        fd = open_member(path / file)
+        try:
+            for name, entry in entries.items():
+                found = _crc_of_range(fd, entry.begin, entry.end)
+                if found != recorded[name]:
+                    problems.append(
+                        f"{path / file}: tensor {quoted(name)} reads as CRC-32 {found:08x}, "
+                        f"{DIGESTS_FILE} recorded {recorded[name] & 0xFFFFFFFF:08x}: it is not what was written"
+                    )
+        finally:
+            os.close(fd)
+    return problems
+
+
+def _crc_of_range(fd: int, begin: int, end: int) -> int:
+    crc = 0
+    for position in range(begin, end, _CHUNK):
+        chunk = os.pread(fd, min(_CHUNK, end - position), position)
+        if not chunk:
+            break
+        crc = zlib.crc32(chunk, crc)
+    return crc
 
 
 def _files(path: Path) -> tuple[list[str], dict[str, str] | None]:
