@@ -116,7 +116,8 @@ class Evidence:
     def begin(self, source: ShardSource, layout: Layout, rank: int, params: Iterable[str], full: bool) -> None:
         """Start this rank's evidence for a load from ``source`` into ``layout``: the saved
         digests to compare with (None: digest the reads), the run's parameters the load fills,
-        and whether it fills whole partitions (``full``) or only weights."""
+        and whether it reads the partitions with optimizer states (``full``) or rebuilds the masters
+        from weights."""
         if not self.enabled:
             return
         self._expected = source.info.digests
