@@ -25,6 +25,11 @@ LIVE_MASTERS_FILE = "live_fp32_masters.safetensors"
 
 @dataclass(frozen=True)
 class DemoConfig:
+    """The dense demo's training settings: steps in all (half per phase), ZeRO stage, the
+    parameters' dtype ("bf16", "fp16", "fp32"), the global batch and its micro-batches per
+    rank, AdamW's learning rate and weight decay, the gradient-norm clip, the seed, whether to
+    show a progress bar, and how often to save."""
+
     steps: int = 60
     stage: int = 2
     dtype: str = "bf16"
@@ -40,6 +45,9 @@ class DemoConfig:
 
 @dataclass
 class ParamAlignment:
+    """Where one parameter's view lies in its flat buffer: its name and shape, its address
+    modulo 16 bytes, and the byte offset a compact layout (no alignment padding) would give it."""
+
     name: str
     shape: tuple[int, ...]
     address_mod_16: int
@@ -66,6 +74,9 @@ class PhaseResult:
 
 
 def build_engine(config: DemoConfig) -> tuple[TinyGPT, ZeroOptimizer]:
+    """TinyGPT, seeded with ``config.seed`` (the same on every rank), and its ZeroOptimizer
+    (AdamW, decayed and undecayed param groups) as ``config`` says. Collective: the engine's
+    construction communicates over the default process group."""
     torch.manual_seed(config.seed)
     model = TinyGPT(GPTConfig())
     decay, no_decay = gpt_param_groups(model)
@@ -91,7 +102,7 @@ def build_engine(config: DemoConfig) -> tuple[TinyGPT, ZeroOptimizer]:
 def train_steps(
     model: TinyGPT, engine: ZeroOptimizer, config: DemoConfig, first_step: int, steps: int, progress, after_step=None
 ) -> list[float]:
-    """Train ``steps`` steps; the loss of each, averaged over the global batch.
+    """Collective. Train ``steps`` steps; the loss of each, averaged over the global batch.
     ``after_step(step)`` is called after each (the demo saves there)."""
     chain = markov_chain(model.config.vocab_size)
     per_micro = config.global_batch // (engine.world_size * config.micro_batches)
@@ -136,7 +147,9 @@ def resume_at(ckpt: Checkpointer, first_step: int, report: bool = True) -> tuple
 def train_phase(
     rank: int, world_size: int, config: DemoConfig, out_dir: str, first_step: int, steps: int, resume: bool
 ) -> PhaseResult | None:
-    """Build the engine, load the latest checkpoint if ``resume``, train, save."""
+    """Collective (every rank of the phase runs it): build the engine, load the latest
+    checkpoint if ``resume``, train, save. The PhaseResult on rank 0, None on the others.
+    ValueError when the global batch does not split into the ranks and micro-batches."""
     if config.global_batch % (world_size * config.micro_batches):
         raise ValueError(f"global batch {config.global_batch} does not split into {world_size} ranks x {config.micro_batches} micro-batches")
     model, engine = build_engine(config)

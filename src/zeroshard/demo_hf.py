@@ -29,6 +29,8 @@ NUM_EXPERTS = HF_MODEL["num_experts"]
 
 
 def qwen3_moe_config():
+    """The demo's transformers ``Qwen3MoeConfig`` (``HF_MODEL``: a tiny model, 8 experts,
+    top-2); ImportError without transformers."""
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(**HF_MODEL)

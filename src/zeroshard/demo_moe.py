@@ -51,6 +51,7 @@ class MoEDemoConfig(DemoConfig):
 
     @property
     def num_experts(self) -> int:
+        """Experts per MoE layer of the model trained (Qwen3-MoE's with ``hf``, else MoEGPT's)."""
         if self.hf:
             from .demo_hf import NUM_EXPERTS
 
@@ -88,6 +89,7 @@ def build_moe_engine(config: MoEDemoConfig, groups: ExpertGroups) -> tuple:
     Every rank draws the same full model and keeps its own experts by global id, so the run
     starts from the same weights at any (W, EP): MoEGPT loads them from the full model's
     per-expert state dict; the transformers model is made expert-parallel in one call.
+    Collective over every rank of ``groups``.
     """
     if config.hf:
         from .demo_hf import NextTokenLoss, qwen3_moe
@@ -145,9 +147,9 @@ class CheckpointPlan:
 def checkpointing(
     engine: ZeroOptimizer, plan: CheckpointPlan | None, first_step: int, result: MoEPhaseResult
 ) -> Iterator[Callable[[int], None]]:
-    """Load the latest checkpoint if the plan resumes; yield the after-step hook that saves
-    after ``plan.save_after``; on exit wait for the save and record it in ``result``.
-    Without a plan, nothing is loaded or saved."""
+    """Collective with a plan: load the latest checkpoint if the plan resumes; yield the
+    after-step hook that saves after ``plan.save_after``; on exit wait for the save and record
+    it in ``result``. Without a plan, nothing is loaded or saved."""
     if plan is None:
         yield lambda step: None
         return
@@ -208,8 +210,9 @@ def moe_train_phase(
     steps: int,
     plan: CheckpointPlan | None = None,
 ) -> MoEPhaseResult | None:
-    """Train ``steps`` steps from ``first_step`` at (W, EP), recording the grouped GEMMs;
-    resume and save as ``plan`` says."""
+    """Collective (every rank of the phase runs it): train ``steps`` steps from ``first_step``
+    at (W, EP), recording the grouped GEMMs; resume and save as ``plan`` says. The result on
+    rank 0, None on the others. ValueError when the global batch does not split into the ranks."""
     if config.global_batch % world_size:
         raise ValueError(f"global batch {config.global_batch} does not split into {world_size} ranks")
     groups = new_expert_groups(ep_size)

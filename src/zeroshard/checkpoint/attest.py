@@ -85,6 +85,7 @@ class Attestation:
 
     @property
     def ok(self) -> bool:
+        """No mismatch: the ranks hold what was saved."""
         return not self.problems
 
     def line(self) -> str:
@@ -113,6 +114,10 @@ class Evidence:
     # ---- called by the loader ---------------------------------------------------------------
 
     def begin(self, source: ShardSource, layout: Layout, rank: int, params: Iterable[str], full: bool) -> None:
+        """Start this rank's evidence for a load from ``source`` into ``layout``: the saved
+        digests to compare with (None: digest the reads), the run's parameters the load fills,
+        and whether it reads the partitions with optimizer states (``full``) or rebuilds the masters
+        from weights."""
         if not self.enabled:
             return
         self._expected = source.info.digests
@@ -208,6 +213,7 @@ class Evidence:
                 partition_terms(pieces, kind, values, self._evidence.held)
 
     def partial(self) -> RankEvidence | None:
+        """This rank's evidence so far, for :func:`judge` (None when disabled or not begun)."""
         return self._evidence
 
     # ---- internals ----------------------------------------------------------------------------

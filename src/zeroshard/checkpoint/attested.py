@@ -54,8 +54,9 @@ def load_from(
     coordinator: Coordinator | None,
     **options: Any,
 ) -> ShardedState:
-    """:func:`load_state` from the source ``open_source()`` opens (closed after): with a
-    ``coordinator`` attested with every rank (:func:`load_attested`), else alone."""
+    """:func:`load_state` from the source ``open_source()`` opens (closed after). Collective
+    when given a ``coordinator``: attested with every rank (:func:`load_attested`); else the
+    rank loads and attests alone. Raises as those do."""
     if coordinator is not None:
         return load_attested(open_source, path, layout, rank, coordinator, **options)[0]
     with open_source() as source:

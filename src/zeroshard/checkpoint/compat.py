@@ -29,6 +29,7 @@ class Mismatch:
         return bool(self.missing or self.unexpected or self.reshaped or self.retyped or self.regrouped or self.reoriented)
 
     def describe(self, what: str) -> str:
+        """One line: ``what``, then each kind of difference with its count and names."""
         parts = []
         for label, names in (
             ("missing from the checkpoint", self.missing),

@@ -20,19 +20,25 @@ class Coordinator(Protocol):
     """Collectives among the ranks that save or load one checkpoint together."""
 
     @property
-    def rank(self) -> int: ...
+    def rank(self) -> int:
+        """This rank's index in the group, 0 to ``world_size - 1``."""
+        ...
 
     @property
-    def world_size(self) -> int: ...
+    def world_size(self) -> int:
+        """How many ranks the group holds."""
+        ...
 
-    def barrier(self) -> None: ...
+    def barrier(self) -> None:
+        """Return once every rank of the group has called it. Collective."""
+        ...
 
     def broadcast_object(self, value: Any, src: int = 0) -> Any:
-        """``value`` as given on rank ``src``, returned on every rank."""
+        """``value`` as given on rank ``src``, returned on every rank. Collective."""
         ...
 
     def all_gather_object(self, value: Any) -> list[Any]:
-        """Every rank's ``value``, in rank order, returned on every rank."""
+        """Every rank's ``value``, in rank order, returned on every rank. Collective."""
         ...
 
 
@@ -43,12 +49,14 @@ class SingleProcessCoordinator:
     world_size = 1
 
     def barrier(self) -> None:
-        pass
+        """Return at once: the world-of-one version of a collective barrier."""
 
     def broadcast_object(self, value: Any, src: int = 0) -> Any:
+        """``value`` itself: the world-of-one version of a collective broadcast."""
         return value
 
     def all_gather_object(self, value: Any) -> list[Any]:
+        """``[value]``: the world-of-one version of a collective all-gather."""
         return [value]
 
 
@@ -69,22 +77,28 @@ class TorchDistributedCoordinator:
 
     @property
     def rank(self) -> int:
+        """This process's rank in the group."""
         return self._rank
 
     @property
     def world_size(self) -> int:
+        """How many processes the group holds."""
         return self._world_size
 
     def barrier(self) -> None:
+        """``torch.distributed.barrier`` over the group. Collective."""
         self._dist.barrier(group=self._group)
 
     def broadcast_object(self, value: Any, src: int = 0) -> Any:
+        """``value`` as given on group rank ``src``, returned on every rank (pickled by
+        ``torch.distributed.broadcast_object_list``). Collective."""
         holder = [value if self._rank == src else None]
         global_src = src if self._group is None else self._dist.get_global_rank(self._group, src)
         self._dist.broadcast_object_list(holder, src=global_src, group=self._group)
         return holder[0]
 
     def all_gather_object(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, in group rank order, returned on every rank. Collective."""
         gathered: list[Any] = [None] * self._world_size
         self._dist.all_gather_object(gathered, value, group=self._group)
         return gathered
@@ -162,19 +176,36 @@ class ThreadCoordinator:
 
     @property
     def rank(self) -> int:
+        """This thread's rank, 0 to ``world_size - 1``."""
         return self._rank
 
     @property
     def world_size(self) -> int:
+        """How many threads :func:`run_ranks` started."""
         return self._shared.world_size
 
     def barrier(self) -> None:
+        """Return once every thread-rank has called it. Collective (among the threads).
+
+        Raises:
+            RankFailedError: another thread-rank raised, or the wait timed out.
+        """
         self._exchange(None)
 
     def broadcast_object(self, value: Any, src: int = 0) -> Any:
+        """``value`` as given on rank ``src``, returned on every thread-rank. Collective (among the threads).
+
+        Raises:
+            RankFailedError: another thread-rank raised, or the wait timed out.
+        """
         return self._exchange(value if self._rank == src else None)[src]
 
     def all_gather_object(self, value: Any) -> list[Any]:
+        """Every thread-rank's ``value``, in rank order. Collective (among the threads).
+
+        Raises:
+            RankFailedError: another thread-rank raised, or the wait timed out.
+        """
         return self._exchange(value)
 
     def _exchange(self, value: Any) -> list[Any]:

@@ -60,6 +60,7 @@ class StateDigests:
         return value if expert is None else None
 
     def keys(self) -> list[Key]:
+        """Every recorded parameter key, one per global expert for a stacked expert weight."""
         found: list[Key] = []
         for name, kinds in self.params.items():
             for kind, value in kinds.items():
@@ -70,6 +71,7 @@ class StateDigests:
         return found
 
     def to_dict(self) -> dict[str, Any]:
+        """The JSON object a manifest records (per-expert tuples as lists); :meth:`from_dict` reads it."""
         return {
             "algorithm": self.algorithm,
             "params": {
@@ -121,10 +123,12 @@ class Terms:
     values: dict[Key, tuple[int, int]] = field(default_factory=dict)
 
     def add(self, key: Key, term: int, nbytes: int) -> None:
+        """XOR ``term`` into ``key``'s partial digest and count the ``nbytes`` it covers."""
         xor, covered = self.values.get(key, (0, 0))
         self.values[key] = (xor ^ term, covered + nbytes)
 
     def merge(self, other: Terms) -> Terms:
+        """Add every term of ``other`` into this one; returns this one."""
         for key, (term, nbytes) in other.values.items():
             self.add(key, term, nbytes)
         return self

@@ -34,8 +34,16 @@ def save_checkpoint(
     lr_scheduler: Any = None,
     fault: FaultHook | None = None,
 ) -> Path:
-    """Save the run as ``<root>/<tag>`` (default tag ``step-<global step>``) and point
-    ``<root>/latest`` at it. Returns the checkpoint directory on every rank."""
+    """Collective over the engine's ranks: save the run as ``<root>/<tag>`` (default tag
+    ``step-<global step>``) and point ``<root>/latest`` at it. Returns the checkpoint
+    directory on every rank.
+
+    Raises:
+        ValueError: on every rank, when the ranks save different tags, the tag is not valid,
+            or any rank's state cannot be saved; nothing is published then.
+        OSError: on every rank, when a write fails; WriterLockedError (an OSError naming
+            the holder) when another process is saving into ``root``.
+    """
     tag = tag or f"step-{engine.global_steps:08d}"
     engine.comm.agree(f"save_checkpoint(tag={tag!r})")  # every rank saves the same tag
     state = engine.export_state()
@@ -54,7 +62,8 @@ def load_checkpoint(
     strict: bool = True,
     lr_scheduler: Any = None,
 ) -> dict[str, Any]:
-    """Load a checkpoint into the running engine, resharding as needed.
+    """Collective over the engine's ranks: load a checkpoint into the running engine,
+    resharding as needed.
 
     ``path`` is a native checkpoint (a tag directory or a root with ``latest``), a
     universal checkpoint or a DeepSpeed ZeRO-1/2 checkpoint, saved at any world size and
@@ -84,7 +93,8 @@ def load_checkpoint_attested(
     strict: bool = True,
     lr_scheduler: Any = None,
 ) -> tuple[dict[str, Any], Attestation]:
-    """:func:`load_checkpoint`, also returning its attestation (``.line()`` says what was checked)."""
+    """:func:`load_checkpoint`, also returning its attestation (``.line()`` says what was
+    checked). Collective, and raises as :func:`load_checkpoint` does."""
     options = dict(load_optimizer_states=load_optimizer_states, load_module_only=load_module_only, strict=strict)
     state, attestation = load_attested(
         lambda: open_source(Path(path)),

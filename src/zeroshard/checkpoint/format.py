@@ -48,22 +48,27 @@ def rank_file_name(rank: int, world_size: int) -> str:
 
 
 def fp32_key(group: int) -> str:
+    """``group0.fp32``: a rank file's key for layout group ``group``'s fp32 master partition."""
     return f"group{group}.fp32"
 
 
 def state_key(group: int, name: str) -> str:
+    """``group0.state.exp_avg``: a rank file's key for a group's partition of optimizer state ``name``."""
     return f"group{group}.state.{name}"
 
 
 def scalar_key(group: int, name: str) -> str:
+    """``group0.scalar.step``: a rank file's key for a group's optimizer scalar ``name``."""
     return f"group{group}.scalar.{name}"
 
 
 def temp_dir_name(tag: str, unique: str) -> str:
+    """``.<tag>.tmp-<unique>``: the staging directory a save of ``tag`` writes before renaming it."""
     return f".{tag}{TEMP_MARKER}{unique}"
 
 
 def old_dir_name(tag: str, unique: str) -> str:
+    """``.<tag>.old-<unique>``: where a replaced ``tag`` waits to be deleted."""
     return f".{tag}{OLD_MARKER}{unique}"
 
 

@@ -51,6 +51,7 @@ class PackedPartitions:
         self._fill(self._slots(rank, group, start, start + out.size), start, out, read_param)
 
     def group(self, group: int) -> GroupLayout:
+        """Layout group ``group``; ValueError naming the checkpoint when there is no such group."""
         groups = self.layout.groups
         if not 0 <= group < len(groups):
             raise ValueError(f"{self.path}: group {group} does not exist (the checkpoint has {len(groups)})")
@@ -91,6 +92,7 @@ class PackedSource:
 
     @property
     def layout(self) -> Layout:
+        """The layout of the world of one the source presents (``info.layout``)."""
         return self.info.layout
 
     def read(self, rank: int, group: int, key: str, start: int, end: int) -> np.ndarray:

@@ -45,6 +45,8 @@ class ReadChecker:
         self._params.setdefault(name, {}).setdefault(kind, {})[expert] = found
 
     def model_tensor(self, name: str, values: np.ndarray) -> None:
+        """``values``: module tensor ``name`` (a buffer or frozen parameter) as read; checked
+        against its saved digest (CheckpointDamagedError on a mismatch, unless ``collect``)."""
         found = array_digest(values)
         self._check(f"module tensor {name!r}", found, self.expected.model.get(name) if self.expected else None)
         self._model[name] = found

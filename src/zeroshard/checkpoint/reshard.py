@@ -41,10 +41,12 @@ class GroupPlan:
 
     @property
     def source_ranks(self) -> tuple[int, ...]:
+        """The old ranks whose files the copies read, sorted."""
         return tuple(sorted({copy.source_rank for copy in self.copies}))
 
     @property
     def numel(self) -> int:
+        """Elements the copies fill (the partition's padding aside)."""
         return sum(copy.length for copy in self.copies)
 
 

@@ -34,6 +34,7 @@ class HostSnapshot:
         return sum(t.numel() * t.element_size() for t in self._buffers.values())
 
     def release(self) -> None:
+        """Let go of the host buffers (the next ``take`` allocates again)."""
         self._buffers = {}
 
     def take(self, views: ShardedState, with_model: bool) -> ShardedState:

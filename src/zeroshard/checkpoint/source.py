@@ -93,7 +93,9 @@ class ShardSource(Protocol):
         its own dtype and shape."""
         ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release what the source holds open or cached."""
+        ...
 
 
 def param_group_owners(source: ShardSource) -> dict[int, int]:

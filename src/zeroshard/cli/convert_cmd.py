@@ -44,6 +44,7 @@ def parse_size(text: str) -> int:
 
 
 def register(commands: argparse._SubParsersAction) -> None:
+    """Add the ``to-universal`` and ``to-fp32`` subcommands and their arguments to ``commands``."""
     universal = commands.add_parser(
         "to-universal", help="convert a checkpoint (native or DeepSpeed) to a universal, world-size-free checkpoint"
     )
@@ -74,6 +75,16 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def run_to_universal(args: argparse.Namespace) -> int:
+    """``zeroshard to-universal``: convert ``args.checkpoint`` into ``args.out``, print what it
+    wrote; returns 0. Not collective (one process).
+
+    Raises:
+        ValueError: the checkpoint cannot be converted (damaged, of an unsupported kind, or
+            naming a tensor it lacks; CheckpointDamagedError and DeepSpeedFormatError are
+            ValueErrors); one line.
+        OSError: OUT cannot be written, or holds something else (named); WriterLockedError
+            when another conversion writes it.
+    """
     return _run(
         args,
         lambda: to_universal(
@@ -87,6 +98,9 @@ def run_to_universal(args: argparse.Namespace) -> int:
 
 
 def run_to_fp32(args: argparse.Namespace) -> int:
+    """``zeroshard to-fp32``: export ``args.checkpoint``'s consolidated state_dict into
+    ``args.out`` as safetensors, print what it wrote; returns 0. Not collective (one process).
+    Raises as :func:`run_to_universal`."""
     return _run(
         args,
         lambda: to_fp32(

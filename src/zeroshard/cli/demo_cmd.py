@@ -21,6 +21,7 @@ from .arguments import at_least, positive_float, positive_int
 
 
 def register(commands: argparse._SubParsersAction) -> None:
+    """Add the ``demo`` subcommand and its arguments to ``commands``."""
     parser = commands.add_parser("demo", help="train a small GPT with ZeRO, resume at another D, convert")
     parser.add_argument(
         "--world-size",
@@ -58,6 +59,15 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``zeroshard demo``: the dense arc (or, with ``--moe``, :func:`~.demo_moe_cmd.run_moe`);
+    returns 0. It spawns its own ranks; under torchrun it runs one training phase instead and
+    is collective over the torchrun ranks (each calls it).
+
+    Raises:
+        ValueError: the options do not fit (``--out`` not a directory, ``--hf`` without
+            ``--moe``, a batch that does not split into the ranks and micro-batches, no
+            ``--out`` under torchrun), or the fp32 export differs from the live masters.
+    """
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
     check_out_dir(args.out)
     if args.hf and not args.moe:
@@ -174,6 +184,7 @@ def _losses(result: PhaseResult) -> str:
 
 
 def size_of(path: Path) -> str:
+    """``"1.23 MB in 4 files"``: the bytes and number of the files under ``path``."""
     files = [f for f in path.rglob("*") if f.is_file()]
     return f"{sum(f.stat().st_size for f in files) / 1e6:.2f} MB in {len(files)} files"
 
@@ -192,6 +203,8 @@ def _format(config: DemoConfig, first: PhaseResult, second: PhaseResult, rows: l
 
 
 def memory_lines(config: DemoConfig, result: PhaseResult) -> str:
+    """The report's lines of training-state memory per rank (parameter buffers, fp32 master,
+    optimizer state and gradient partitions), their total against the unsharded bytes."""
     memory = result.memory
     per_rank = sum(memory[k] for k in ("param_buffer_bytes", "master_bytes", "optimizer_state_bytes", "gradient_bytes"))
     return "\n".join(

@@ -24,6 +24,15 @@ from .expert_report import format_ids, shard_group_lines
 
 
 def run_moe(args: argparse.Namespace, under_torchrun: bool = False) -> int:
+    """``zeroshard demo --moe``: train at (W, EP), resume at the other (W, EP), convert and
+    check the export; returns 0. It spawns its own ranks; ``under_torchrun``, it runs one
+    phase instead and is collective over the torchrun ranks (each calls it).
+
+    Raises:
+        ValueError: EP does not divide the world size or the experts, the batch does not split
+            into the ranks, ``--micro-batches`` is not 1, ``--hf`` without transformers, no
+            ``--out`` under torchrun, or the fp32 export differs from the live state.
+    """
     config = MoEDemoConfig(
         steps=args.steps or MoEDemoConfig.steps,
         stage=args.stage,
@@ -54,6 +63,8 @@ def run_moe(args: argparse.Namespace, under_torchrun: bool = False) -> int:
 
 @dataclass(frozen=True)
 class Phase:
+    """One phase's world size (W) and expert parallelism (EP); prints as ``W=4 EP=2``."""
+
     world_size: int
     ep_size: int
 

@@ -30,6 +30,7 @@ FP32_EXPORT = "fp32 export"  # not a SourceFormat: weights only, no checkpoint
 
 
 def register(commands: argparse._SubParsersAction) -> None:
+    """Add the ``inspect`` subcommand and its arguments to ``commands``."""
     parser = commands.add_parser(
         "inspect",
         help="describe a checkpoint (native, universal or DeepSpeed) or an fp32 export; --verify checks every byte of it",

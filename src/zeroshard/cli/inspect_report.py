@@ -46,6 +46,10 @@ def _digests_line(digests, bound: str) -> str:
 
 
 def describe_native(ckpt: Checkpoint, *, list_all_files: bool = False) -> list[str]:
+    """The report's lines for an opened native checkpoint: kind, step, world size, layout,
+    model state, padding, digests and files (each of them with ``list_all_files``). Reads the
+    manifest and, for the step, rank 0's ``step`` scalar (CheckpointDamagedError if its
+    blocks do not match their checksums)."""
     manifest = ckpt.manifest
     lines = [
         f"checkpoint {ckpt.directory}",
@@ -80,6 +84,9 @@ def describe_native(ckpt: Checkpoint, *, list_all_files: bool = False) -> list[s
 
 
 def describe_universal(ckpt: UniversalCheckpoint, *, list_all_files: bool = False) -> list[str]:
+    """The report's lines for an opened universal checkpoint: kind, step, the run it was
+    converted from, param groups, parameters, experts, digests and files (each of them with
+    ``list_all_files``), from its manifest alone."""
     manifest = ckpt.manifest
     source = manifest.source
     scalars = manifest.param_groups[0].scalars if manifest.param_groups else {}

@@ -58,6 +58,8 @@ class AutoEPSource(PackedSource):
         )
 
     def scalars(self, group: int) -> dict[str, Any]:
+        """Non-partitioned optimizer state of layout group ``group`` (``step``), as DeepSpeed's
+        rank 0 saved it; ValueError when there is no such group."""
         self._packed.group(group)
         return self.raw.scalars(group)
 
@@ -73,6 +75,7 @@ class AutoEPSource(PackedSource):
         return np.stack(experts)
 
     def close(self) -> None:
+        """Close ``raw``, the checkpoint in DeepSpeed's own names."""
         self.raw.close()
 
     def __enter__(self) -> AutoEPSource:

@@ -57,9 +57,11 @@ class AutoEPLayer:
         return f"{self.expert_key_prefix}.{weight}"
 
     def expert_file(self, expert: int) -> str:
+        """``layer_0_expert_5_mp_rank_00_model_states.pt``: the file of global expert ``expert``."""
         return f"layer_{self.moe_layer_id}_expert_{expert}_mp_rank_00_model_states.pt"
 
     def expert_key(self, weight: str, expert: int) -> str:
+        """``model.layers.0.mlp.experts.w1.5``: the key of one expert's ``weight`` in its file."""
         return f"{self.expert_key_prefix}.{weight}.{expert}"
 
 
@@ -346,6 +348,7 @@ class ExpertWeights:
 
 
 def expert_file_names(tag_dir: Path) -> list[str]:
+    """The names of the AutoEP per-expert files in ``tag_dir``, sorted (empty without AutoEP)."""
     return sorted(name for name in os.listdir(tag_dir) if EXPERT_FILE.match(name))
 
 

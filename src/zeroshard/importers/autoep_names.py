@@ -82,9 +82,11 @@ class ModelStack:
 
     @property
     def rows(self) -> int:
+        """Rows of each expert's matrix: the sum of its parts' rows."""
         return sum(part.rows for part in self.parts)
 
     def shape(self, experts: int | None = None) -> tuple[int, int, int]:
+        """``(experts, rows, columns)``, with all ``num_experts`` experts when ``experts`` is None."""
         return (self.num_experts if experts is None else experts, self.rows, self.columns)
 
     def source_ranges(self, start: int, end: int) -> list[tuple[str, int, int]]:
@@ -118,6 +120,7 @@ class TransformersNames:
     stacks: tuple[ModelStack, ...]  # in layer order; each layer's gate_up then down
 
     def name(self, autoep_name: str) -> str:
+        """The model's name for AutoEP's ``autoep_name`` (the same name when not renamed)."""
         return self.renamed.get(autoep_name, autoep_name)
 
 

@@ -122,6 +122,7 @@ class DeepSpeedSource:
 
     @property
     def layout(self) -> Layout:
+        """The layout of the run that saved it, rebuilt from its files (``info.layout``)."""
         return self.info.layout
 
     def read(self, rank: int, group: int, key: str, start: int, end: int) -> np.ndarray:
@@ -179,6 +180,7 @@ class DeepSpeedSource:
             return self._model.module[name].numpy()
 
     def close(self) -> None:
+        """Drop the rank files' tensors; the source cannot be read after."""
         self._ranks = []
 
     def __enter__(self) -> DeepSpeedSource:
@@ -267,6 +269,9 @@ class RankChecks:
         self._paddings = [[slot.padding for slot in group.params] for group in layout.groups]
 
     def check(self, shard: RankShard) -> None:
+        """Compare everything ``shard``'s file says about the layout (partition counts and sizes,
+        paddings, slice mappings, state sizes) with the layout; DeepSpeedFormatError naming
+        the file, group and rank at the first difference."""
         group_count = len(self.layout.groups)
         per_group = {
             "fp32 partitions": shard.fp32,

@@ -30,6 +30,7 @@ _SCALAR_BYTES = 24  # what a float, a bool or null costs in a JSON manifest, at 
 
 
 def field_error(path: Path, field: str, problem: str) -> DeepSpeedFormatError:
+    """The one-line error ``<path>: <field> <problem>``, for the caller to raise."""
     return DeepSpeedFormatError(f"{path}: {field} {problem}")
 
 
@@ -47,12 +48,14 @@ def integer(value: Any, field: str, path: Path, *, minimum: int | None = 0) -> i
 
 
 def text(value: Any, field: str, path: Path) -> str:
+    """A string."""
     if not isinstance(value, str):
         raise field_error(path, field, f"is {_kind(value)}, expected a string")
     return value
 
 
 def optional_text(value: Any, field: str, path: Path) -> str | None:
+    """A string, or None."""
     return None if value is None else text(value, field, path)
 
 
@@ -106,6 +109,7 @@ def integers(value: Any, field: str, path: Path) -> list[int]:
 
 
 def texts(value: Any, field: str, path: Path) -> list[str]:
+    """A list or tuple of strings, as a list."""
     return [text(item, f"{field}[{index}]", path) for index, item in enumerate(sequence(value, field, path))]
 
 
@@ -115,6 +119,7 @@ def shape(value: Any, field: str, path: Path) -> tuple[int, ...]:
 
 
 def tensor(value: Any, field: str, path: Path) -> StoredTensor:
+    """A tensor of the file (any shape and dtype)."""
     if not isinstance(value, StoredTensor):
         raise field_error(path, field, f"is {_kind(value)}, expected a tensor")
     return value

@@ -197,6 +197,14 @@ def _within_budget(read: _Read) -> _Read:
 
 @_within_budget
 def read_model_states(path: Path) -> ModelStates:
+    """The model-states file ``path`` (``mp_rank_00_model_states.pt``), every field the
+    importer uses checked, and what it keeps charged to the file's budget.
+
+    Raises:
+        DeepSpeedFormatError: the file does not unpickle under the allowed globals, a field
+            is missing or of the wrong type, the AutoEP metadata is inconsistent, or it costs
+            more than its budget; one line naming the file (and the field).
+    """
     raw, _, budget = load_checkpoint_file(path)
     module = fields.optional_mapping(raw.get("module"), "module", path)
     strays = [name for name, value in module.items() if not isinstance(value, StoredTensor)]
@@ -458,6 +466,9 @@ def _require(container: dict[str, Any], key: str, path: Path) -> Any:
 
 
 def refuse_unsupported(tag_dir: Path) -> None:
+    """DeepSpeedFormatError naming the kind and a file when ``tag_dir`` holds files of a
+    checkpoint this importer does not read (ZeRO-3, pipeline or tensor parallel, DeepSpeed
+    MoE other than AutoEP)."""
     names = os.listdir(tag_dir)
     if not any(map(_ANY_UNSUPPORTED.match, names)):  # one pass over thousands of names, not four
         return
@@ -468,6 +479,7 @@ def refuse_unsupported(tag_dir: Path) -> None:
 
 
 def model_states_path(tag_dir: Path) -> Path:
+    """``tag_dir``'s model-states file; DeepSpeedFormatError when it is missing."""
     path = tag_dir / MODEL_STATES_FILE
     if not path.is_file():
         raise DeepSpeedFormatError(f"{tag_dir}: {MODEL_STATES_FILE} is missing")

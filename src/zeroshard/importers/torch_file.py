@@ -69,14 +69,14 @@ _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra 
 _loads = itertools.count(1)  # numbers the loads of this process (StorageRecord.load)
 
 
-class TorchFile(NamedTuple):
-    """What :func:`read_torch_file` read: the object, the bytes of the pickle it was unpickled
-    from (checked: a caller can tell files holding the same pickle apart), and the file's
-    budget, for the caller to go on charging. (A tuple: one is made per file.)"""
-
-    value: Any
-    pickle: bytes
-    budget: Budget
+# The functional form, so that the field types are objects: in a class body this module's
+# ``from __future__ import annotations`` makes them strings, which nothing can resolve for the
+# generated ``__new__`` (it belongs to no module), and pdoc warns of each.
+TorchFile = NamedTuple("TorchFile", [("value", Any), ("pickle", bytes), ("budget", Budget)])
+TorchFile.__doc__ = """What :func:`read_torch_file` read: ``value``, the object; ``pickle``, the bytes
+of the pickle it was unpickled from (checked: a caller can tell files holding the same pickle
+apart); and ``budget``, the file's budget, for the caller to go on charging. (A tuple: one is
+made per file.)"""
 
 
 def load_torch_file(path: Path, allowed: Mapping[str, type] | None = None) -> Any:

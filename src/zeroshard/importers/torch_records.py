@@ -78,6 +78,7 @@ def refuses_state(cls: type) -> type:
 
 
 def refuses_state_of(cls: type) -> bool:
+    """Whether :func:`refuses_state` decorated ``cls``."""
     return getattr(getattr(cls, "__setstate__", None), "refuses_state", False)
 
 
@@ -162,6 +163,7 @@ class StoredTensor:
 
     @property
     def path(self) -> Path:
+        """The torch.save file holding the storage."""
         return self.storage.path
 
     @property
@@ -175,6 +177,7 @@ class StoredTensor:
         return self.storage.nbytes
 
     def numel(self) -> int:
+        """Number of elements of the view: the product of its shape."""
         return math.prod(self.shape)
 
     def is_contiguous(self) -> bool:
@@ -406,5 +409,7 @@ def _pread_into(fd: int, buffer: memoryview, offset: int) -> int:
 
 
 def one_line(value: Any) -> str:
+    """``str(value)`` on one line (whitespace runs made one space), cut to 200 characters; the
+    type's name when it is empty. For error messages quoting a file's values or errors."""
     text = " ".join(str(value).split()) or type(value).__name__
     return text if len(text) <= 200 else text[:197] + "..."

@@ -223,6 +223,7 @@ class RangeReader:
             self._cached -= len(dropped)
 
     def clear(self) -> None:
+        """Drop every cached edge block."""
         self._cache.clear()
         self._cached = 0
 

@@ -34,14 +34,23 @@ class FileRecord:
         return range(start // self.block_size, (end - 1) // self.block_size + 1)
 
     def block_range(self, index: int) -> tuple[int, int]:
+        """Byte range ``[begin, end)`` of block ``index`` (the last block may be short)."""
         begin = index * self.block_size
         return begin, min(begin + self.block_size, self.size)
 
     def to_dict(self) -> dict[str, Any]:
+        """The JSON object a manifest records for the file; :meth:`from_dict` reads it."""
         return {"size": self.size, "block_size": self.block_size, "crc32": list(self.crc32)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> FileRecord:
+        """Parse a manifest's record of one file.
+
+        Raises:
+            ValueError: a negative size, a block size that is not positive, or a count of
+                checksums that does not match the size (or a value that is not an integer).
+            KeyError: a field is missing.
+        """
         record = cls(int(data["size"]), int(data["block_size"]), tuple(int(c) for c in data["crc32"]))
         expected_blocks = -(-record.size // record.block_size) if record.block_size > 0 else -1
         if record.size < 0 or record.block_size <= 0 or len(record.crc32) != expected_blocks:
@@ -64,6 +73,7 @@ class BlockHasher:
         self._filled = 0
 
     def update(self, data: memoryview | bytes) -> None:
+        """Add ``data`` to the stream, finishing each block it fills."""
         view = memoryview(data).cast("B")
         position = 0
         while position < len(view):
@@ -95,9 +105,11 @@ class BlockHasher:
             self._current = self._filled = 0
 
     def record(self) -> FileRecord:
+        """The record of the bytes fed so far (an unfinished last block counts as a short block)."""
         crcs = self._crcs + ([self._current] if self._filled else [])
         return FileRecord(self.size, self.block_size, tuple(crcs))
 
 
 def block_crc(data: memoryview | bytes) -> int:
+    """CRC-32 of ``data`` (zlib-ng's where installed, the same value as zlib's)."""
     return crc32(data)

@@ -30,10 +30,12 @@ class DtypeInfo:
 
     @property
     def itemsize(self) -> int:
+        """Bytes per element."""
         return self.numpy.itemsize
 
     @property
     def is_floating_point(self) -> bool:
+        """A float type (float8 to float64, bfloat16), as torch's ``is_floating_point``."""
         return self.name.startswith(("float", "bfloat"))
 
 
@@ -92,6 +94,7 @@ def dtype_of(array: np.ndarray | torch.Tensor) -> DtypeInfo:
 
 
 def itemsize_of(name: str) -> int:
+    """Bytes per element of the dtype called ``name``; ValueError if unknown."""
     return dtype_info(name).itemsize
 
 

@@ -77,10 +77,12 @@ class PlannedTensor:
 
     @property
     def numel(self) -> int:
+        """Number of elements: the product of the shape (1 for a scalar)."""
         return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of its data in the file."""
         return self.numel * dtype_info(self.dtype).itemsize
 
 
@@ -336,10 +338,12 @@ class ReadStats:
     bytes_by_file: dict[str, int] = field(default_factory=dict)
 
     def add(self, file_name: str, count: int) -> None:
+        """Count ``count`` more bytes read from ``file_name``."""
         self.bytes_by_file[file_name] = self.bytes_by_file.get(file_name, 0) + count
 
     @property
     def total(self) -> int:
+        """Bytes read from all files together."""
         return sum(self.bytes_by_file.values())
 
 
@@ -362,6 +366,11 @@ class VerifiedRanges:
                 self._runs.append((begin, data))
 
     def view(self, begin: int, end: int) -> memoryview:
+        """Bytes [begin, end) of the file, from the verified runs read at construction (no copy).
+
+        Raises:
+            AssertionError: the range was not among those read (a bug of the caller).
+        """
         for run_start, data in self._runs:
             if run_start <= begin and end <= run_start + len(data):
                 return memoryview(data)[begin - run_start : end - run_start]
@@ -396,6 +405,11 @@ def _consecutive_runs(indices: list[int]) -> list[tuple[int, int]]:
 
 
 def pread_exact(fd: int, offset: int, count: int, path: Path) -> memoryview:
+    """``count`` bytes of the open file ``fd`` from ``offset``, in a new buffer.
+
+    Raises:
+        CheckpointDamagedError: the file (``path``, for the message) ends first.
+    """
     data = memoryview(np.empty(count, dtype=np.uint8))  # not a bytearray: no zero-filling first
     pread_into(fd, data, offset, path)
     return data
@@ -414,7 +428,8 @@ def map_range(fd: int, begin: int, end: int) -> memoryview | None:
 
 
 def pread_into(fd: int, view: memoryview, offset: int, path: Path) -> None:
-    """Fill ``view`` with the file's bytes from ``offset``; ValueError if the file ends first."""
+    """Fill ``view`` with the file's bytes from ``offset``; CheckpointDamagedError (a ValueError)
+    naming ``path`` if the file ends first."""
     done = 0
     while done < len(view):
         got = os.preadv(fd, [view[done:]], offset + done)

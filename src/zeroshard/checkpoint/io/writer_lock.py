@@ -54,6 +54,13 @@ class WriterLock:
         self._fd: int | None = None
 
     def acquire(self) -> WriterLock:
+        """Take the lock (trying for up to ``wait`` seconds) and record this holder; returns self.
+
+        Raises:
+            WriterLockedError: another live process holds it still after ``wait``; the message
+                names that holder.
+            OSError: the path is not a regular file (a link, a FIFO), or cannot be opened.
+        """
         deadline = time.monotonic() + self.wait
         while True:
             fd = self._open()
@@ -93,6 +100,7 @@ class WriterLock:
         return fd
 
     def release(self) -> None:
+        """Remove the lock file and unlock it; nothing if not held."""
         if self._fd is None:
             return
         fd, self._fd, self.held = self._fd, None, False

@@ -18,6 +18,7 @@ class Checkpoint:
     manifest: Manifest
 
     def path(self, file_name: str) -> Path:
+        """``file_name`` inside the checkpoint's directory."""
         return self.directory / file_name
 
 

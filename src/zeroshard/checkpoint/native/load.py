@@ -46,6 +46,7 @@ def load_sharded(
 ) -> ShardedState:
     """This rank's ShardedState for ``layout`` (the new run's), read from the native
     ``checkpoint`` (a tag directory, a root with ``latest``, or an opened Checkpoint).
+    Collective when given a ``coordinator``; without one the rank loads alone.
 
     Args:
         load_optimizer_states: False leaves optimizer state empty and rebuilds the fp32
@@ -62,6 +63,14 @@ def load_sharded(
         coordinator: the ranks loading together (collective): every rank's state is attested
             with the others' and every rank raises the same error, or none does. Without one,
             the rank attests alone what it holds whole (all of it in a world of one).
+
+    Raises:
+        CheckpointDamagedError: a file is missing, truncated or corrupted, or the attestation
+            fails (AttestationError); with a coordinator, on every rank.
+        FileNotFoundError: alone, when the checkpoint or its manifest is missing (with a
+            coordinator, a ValueError on every rank).
+        ValueError: the checkpoint does not fit the run (parameters, shapes, dtypes, a rank
+            outside ``layout``), or the ranks' loads differ; with a coordinator, on every rank.
     """
     return load_from(
         lambda: NativeSource(checkpoint, stats=stats),

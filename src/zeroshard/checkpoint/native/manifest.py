@@ -54,6 +54,7 @@ class GroupRecord:
     scalars: dict[str, tuple[str, tuple[int, ...]]]  # other optimizer state: name -> (dtype, shape)
 
     def to_dict(self) -> dict[str, Any]:
+        """The JSON object the manifest records for the group; :meth:`from_dict` reads it."""
         return {
             "fp32_dtype": self.fp32_dtype,
             "states": dict(self.states),
@@ -62,6 +63,8 @@ class GroupRecord:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GroupRecord:
+        """Parse one group's record; ValueError for a malformed shape, KeyError for a missing
+        field (:meth:`Manifest.from_dict` turns both into one line naming the manifest)."""
         scalars = {
             name: (str(s["dtype"]), jsonvalue.read_shape(s["shape"], "the shape of scalar {}", name))
             for name, s in data["scalars"].items()
@@ -98,6 +101,7 @@ class Manifest:
 
     @property
     def format_version(self) -> int:
+        """The version read, or for a new manifest the one its fields need (2 with digests, 1 without)."""
         if self.version is not None:
             return self.version
         return FORMAT_VERSION if self.digests is not None else UNDIGESTED_VERSION
@@ -109,9 +113,11 @@ class Manifest:
 
     @property
     def world_size(self) -> int:
+        """The number of ranks that saved it (one rank file each)."""
         return self.layout.world_size
 
     def rank_files(self) -> list[str]:
+        """The rank files' names, in rank order."""
         return [rank_file_name(rank, self.world_size) for rank in range(self.world_size)]
 
     def rank_file_tensors(self) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -125,9 +131,11 @@ class Manifest:
         return tensors
 
     def model_file_tensors(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """The (dtype, shape) of every tensor the model file holds, by stored name."""
         return {name: (t.dtype, t.shape) for name, t in self.model_tensors.items()}
 
     def to_dict(self) -> dict[str, Any]:
+        """The JSON object manifest.json holds; :meth:`from_dict` reads it."""
         digests = {} if self.digests is None else {"digests": self.digests.to_dict()}
         return {
             "format": FORMAT_NAME,
@@ -161,6 +169,7 @@ class Manifest:
         }
 
     def to_json(self) -> str:
+        """:meth:`to_dict` as JSON text (NaN and infinity refused: ValueError)."""
         return json.dumps(self.to_dict(), indent=1, allow_nan=False)
 
     @classmethod
@@ -294,5 +303,13 @@ def _model_tensor_kind_problem(tensors: dict[str, ModelTensorRecord], trained: s
 
 
 def read_manifest(directory: Path) -> Manifest:
+    """Read and check ``directory``'s manifest.json.
+
+    Raises:
+        FileNotFoundError: it is missing.
+        CheckpointDamagedError: it is not valid JSON or UTF-8.
+        ValueError: it is not a manifest this zeroshard reads (format, version), or its
+            fields are malformed or inconsistent; the message names the file.
+    """
     path = directory / MANIFEST_FILE
     return Manifest.from_dict(read_json_file(path, "checkpoint"), str(path))

@@ -23,6 +23,9 @@ from ..io.safetensors_io import ReadStats, VerifiedRanges, check_entries, read_h
 
 @dataclass(frozen=True)
 class SavedModel:
+    """What writing model.safetensors produced, for the manifest: the file's block checksums,
+    the stored tensors' records, the aliases of tied names and each stored tensor's digest."""
+
     record: FileRecord
     tensors: dict[str, ModelTensorRecord]
     aliases: dict[str, str]
@@ -36,6 +39,14 @@ def save_model_state(
     buffer_names: Collection[str] | None,
     block_size: int,
 ) -> SavedModel:
+    """Write ``model_state`` (a module's full state_dict) to ``path``, tied tensors stored once,
+    and fsync it. Each tensor's kind: "trainable" if its name is in ``trainable``, else
+    "buffer" or "frozen" by ``buffer_names`` ("other" when that is None). Not collective:
+    rank 0 calls it.
+
+    Raises:
+        ValueError: a name safetensors cannot hold, or a dtype no checkpoint stores.
+    """
     stored: list[tuple[str, torch.Tensor]] = []
     aliases: dict[str, str] = {}
     first_name_of: dict[tuple, str] = {}

@@ -111,14 +111,20 @@ def save_sharded(
     block_size: int = DEFAULT_BLOCK_SIZE,
     buffer_names: Collection[str] | None = None,
 ) -> Path:
-    """Save this rank's share of a run as checkpoint ``<root>/<tag>``; collective over all ranks.
+    """Save this rank's share of a run as checkpoint ``<root>/<tag>``. Collective over the
+    ``coordinator``'s ranks (default: torch.distributed's default group when it is
+    initialised with several ranks, else a world of one).
 
     ``model_state`` and ``extra`` are taken from rank 0. ``buffer_names`` marks which
     non-trainable state_dict entries are buffers (the rest are frozen parameters). Returns
-    the published directory on every rank. ValueError (or OSError) on every rank when any
-    rank's state is unusable or a write fails; nothing is published then. WriterLockedError
-    (an OSError naming the holder) on every rank when another process is saving into
-    ``root``: one writer per root at a time.
+    the published directory on every rank.
+
+    Raises:
+        ValueError: on every rank, when the tag is not valid or any rank's state is unusable
+            (or differs from rank 0's in layout or state names); nothing is published then.
+        OSError: on every rank, when a write fails; nothing is published then.
+            WriterLockedError (an OSError naming the holder) when another process is saving
+            into ``root``: one writer per root at a time.
     """
     coord = coordinator or default_coordinator()
     plan = plan_save(root, tag, state, coord, block_size=block_size)
@@ -169,8 +175,9 @@ def write_rank_files(
     coord: Coordinator,
     fault: FaultHook | None = None,
 ) -> WrittenFiles | str:
-    """Local: write and fsync this rank's files. Returns their records, or a one-line error
-    (never raises for a failed write, so that every rank reaches the commit's collective)."""
+    """Not collective (local): write and fsync this rank's files. Returns their records, or a
+    one-line error (never raises for a failed write, so that every rank reaches the commit's
+    collective)."""
     _fire(fault, "before_rank_file", coord.rank)
     written = _write_own_files(plan, state, buffer_names)
     _fire(fault, "after_rank_file", coord.rank)

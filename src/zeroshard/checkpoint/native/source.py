@@ -142,6 +142,7 @@ class NativeSource:
         return stored, record
 
     def close(self) -> None:
+        """Drop the cached edge blocks and file headers (no file is held open between reads)."""
         self._reader.clear()
         self._headers.clear()
 

@@ -67,6 +67,7 @@ def model_key(name: str) -> str:
 
 
 def is_universal_checkpoint(path: Path) -> bool:
+    """Whether directory ``path`` holds a ``universal.json`` (checks nothing else)."""
     return (Path(path) / MANIFEST_FILE).is_file()
 
 
@@ -81,6 +82,7 @@ class UniversalParam:
 
     @property
     def numel(self) -> int:
+        """Number of elements: the product of the shape."""
         count = 1
         for dim in self.shape:
             count *= dim
@@ -120,6 +122,7 @@ class UniversalManifest:
 
     @property
     def format_version(self) -> int:
+        """The version read, or for a new manifest the lowest that expresses it (see the module docstring)."""
         if self.version is not None:
             return self.version
         if self.digests is not None:
@@ -202,6 +205,8 @@ class UniversalManifest:
         ]
 
     def to_dict(self) -> dict[str, Any]:
+        """The JSON object ``universal.json`` holds; :meth:`from_dict` reads it. ValueError
+        names a hyperparameter or scalar that JSON cannot hold."""
         stacks = {"experts": {stack: list(names) for stack, names in self.experts.items()}} if self.experts else {}
         if self.expert_stacks:
             stacks["expert_stacks"] = {name: stack.to_dict() for name, stack in self.expert_stacks.items()}
@@ -241,6 +246,7 @@ class UniversalManifest:
         }
 
     def to_json(self) -> str:
+        """:meth:`to_dict` as JSON text (NaN and infinity refused: ValueError)."""
         return json.dumps(self.to_dict(), indent=1, allow_nan=False)
 
     @classmethod
@@ -395,5 +401,13 @@ def _fields_from_dict(data: dict[str, Any]) -> UniversalManifest:
 
 
 def read_universal_manifest(directory: Path) -> UniversalManifest:
+    """Read and check ``directory``'s ``universal.json``.
+
+    Raises:
+        FileNotFoundError: it is missing.
+        CheckpointDamagedError: it is not valid JSON or UTF-8.
+        ValueError: it is not a universal manifest this zeroshard reads (format, version),
+            or its fields are malformed or inconsistent; the message names the file.
+    """
     path = directory / MANIFEST_FILE
     return UniversalManifest.from_dict(read_json_file(path, "universal checkpoint"), str(path))

@@ -38,8 +38,17 @@ def load_universal(
     state_dict: each trained parameter's fp32 master cast to its dtype in ``layout`` (a run
     may change precision), plus buffers, frozen parameters and tied names. So every rank
     reads all fp32 masters once, and of the optimizer states only its own fragments.
-    Options as for :func:`~zeroshard.checkpoint.loader.load_state`; with ``coordinator``
-    the ranks load and attest together (collective), as :func:`~..native.load.load_sharded`.
+    Options as for :func:`~zeroshard.checkpoint.loader.load_state`. Collective when given a
+    ``coordinator``: the ranks load and attest together, as
+    :func:`~zeroshard.checkpoint.native.load.load_sharded`; without one the rank loads alone.
+
+    Raises:
+        CheckpointDamagedError: a file is missing, truncated or corrupted, or the attestation
+            fails (AttestationError); with a coordinator, on every rank.
+        FileNotFoundError: alone, when the checkpoint or its manifest is missing (with a
+            coordinator, a ValueError on every rank).
+        ValueError: the checkpoint does not fit the run, or its manifest is not one this
+            zeroshard reads; with a coordinator, on every rank.
     """
     return load_from(
         lambda: UniversalSource(path),

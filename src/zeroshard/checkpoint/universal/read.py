@@ -72,6 +72,7 @@ class UniversalCheckpoint:
         return build_layout(self.manifest.layout_groups(ep_size), world_size, policy)
 
     def close(self) -> None:
+        """Drop the cached edge blocks and shard headers (no file is held open between reads)."""
         self._reader.clear()
         self._headers.clear()
 

@@ -107,6 +107,7 @@ class UniversalSource(PackedSource):
         return cast(self.checkpoint.read_param(name, "fp32"), param.dtype).reshape(param.shape)
 
     def close(self) -> None:
+        """Drop the cached expert tensors and close the checkpoint's reader caches."""
         self._expert_cache = {}
         self.checkpoint.close()
 
