@@ -119,7 +119,7 @@ def test_universal_summary(universal, capsys):
     padding = LAYOUT.padding()
     for expected in (
         f"checkpoint {universal}",
-        "kind: zeroshard universal checkpoint (format version 3,",
+        "kind: zeroshard universal checkpoint (format version 4,",
         "converted from a zeroshard run",
         "step: 7 optimizer steps taken (extra['global_step'])",
         "world size: any (converted from world size 12)",

@@ -120,7 +120,7 @@ def test_an_output_of_dot_is_the_current_directory(root, tmp_path, capsys, monke
     _refused(capsys, "to-universal", root, "..", expected=f"{tmp_path}: the output directory holds the input")
     (work / "notes.txt").unlink()
     assert _cli(capsys, "to-fp32", root, ".") == (0, "")
-    assert sorted(p.name for p in work.iterdir()) == ["model.safetensors"]
+    assert sorted(p.name for p in work.iterdir()) == ["model.safetensors", "zeroshard.digests.json"]
     _refused(capsys, "to-fp32", root, "/", expected="the root directory cannot be an output directory")
 
 

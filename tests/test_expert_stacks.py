@@ -238,7 +238,7 @@ def test_universal_checkpoints_keep_stacks_whole_and_load_back(user_run, tmp_pat
     model, engine, checkpoint = user_run
     universal = to_universal(checkpoint, tmp_path / "u", progress=False)
     manifest = json.loads((universal / "universal.json").read_text())
-    assert manifest["version"] == 3 and "experts" not in manifest
+    assert manifest["version"] == 4 and "experts" not in manifest and "digests" in manifest
     assert manifest["expert_stacks"] == {"moe.weight": ExpertStack("out_in").to_dict()}
     assert manifest["params"]["moe.weight"]["shape"] == [EXPERTS, D_OUT, D_IN]
     state = load_universal(universal, engine.layout, 0)

@@ -215,7 +215,7 @@ def test_universal_manifest_lists_the_experts_of_each_stacked_weight(exports):
     import json
 
     manifest = json.loads((exports["universal_4_2"] / "universal.json").read_text())
-    assert manifest["version"] == 3  # experts (2) and digests (3)
+    assert manifest["version"] == 4  # legacy experts (2), stored stacks (3), digests (4)
     assert manifest["experts"]["moe.experts.w3"] == [f"moe.experts.{g}.w3.weight" for g in range(EXPERTS)]
     assert manifest["params"]["moe.experts.1.w2.weight"]["shape"] == [8, 6]
 
