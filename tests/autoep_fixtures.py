@@ -145,7 +145,7 @@ def generate(root: Path, configs: tuple[AutoEPConfig, ...] = CONFIGS) -> dict[st
 # ---- torchrun worker side ------------------------------------------------------------------
 
 
-def _ds_config(config: AutoEPConfig) -> dict:
+def ds_config(config: AutoEPConfig) -> dict:
     return {
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // config.world_size,
         "gradient_accumulation_steps": 1,
@@ -175,7 +175,7 @@ def _run_config(config: AutoEPConfig, root: Path) -> None:
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**MODEL_CONFIG))
     engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=list(model.parameters()), config=_ds_config(config)
+        model=model, model_parameters=list(model.parameters()), config=ds_config(config)
     )
     rows = GLOBAL_BATCH // world_size
     for step in range(STEPS):
