@@ -23,7 +23,8 @@ import re
 import sys
 import threading
 
-from ..checkpoint.io.budget import CONSTANT
+from ..checkpoint.io.budget import CONSTANT, FACTOR
+from .pickle_hashing import MAX_TUPLE_DEPTH, hash_steps
 from .torch_records import FileProblem
 
 # The opcodes a torch.save pickle (protocol 2 to 4) uses for data; no buffers, INST/OBJ, EXT.
@@ -58,6 +59,11 @@ _CREATING = tuple(
 )
 _MOST_CREATED = max(size for _, size in _CREATING)  # bytes one byte of pickle may create
 _FAST_MEMO_LIMIT = 1 << 16  # LONG_BINPUT indices below this pass the fast scan of pickles this big
+# Opcodes after which the cheap bound on hashing does not hold (pickle_hashing counts it):
+# DUP shares the top, MEMOIZE memoises at an index it does not say, a FRAME may come between
+# an object and its put. torch.save (protocol 2) writes none of them.
+_UNCOUNTED = ("DUP", "MEMOIZE", "FRAME")
+_UNCOUNTED_CODES = frozenset(_OPCODES[name].code.encode("latin-1")[0] for name in _UNCOUNTED)
 
 
 def _code(name: str) -> bytes:
@@ -73,7 +79,7 @@ def _fast_scanner(long_binput: bool) -> re.Pattern[bytes]:
     with a 1-byte argument (BINPUT, BINGET, BININT1: half of a torch.save pickle), then those
     without one, then BINUNICODE (1.5x faster than the other way round)."""
     by_width: dict[int, list[bytes]] = {}
-    for name in sorted(ALLOWED_OPCODES - {"STOP", "GLOBAL", "LONG_BINPUT", "FRAME"}):
+    for name in sorted(ALLOWED_OPCODES - {"STOP", "GLOBAL", "LONG_BINPUT", *_UNCOUNTED}):
         op = _OPCODES[name]
         if op.code.encode("latin-1")[0] not in _COUNTED:
             by_width.setdefault(op.arg.n if op.arg else 0, []).append(_code(name))
@@ -89,6 +95,46 @@ def _fast_scanner(long_binput: bool) -> re.Pattern[bytes]:
     return re.compile(b"(?:" + b"|".join(runs) + b")*+", re.DOTALL)
 
 
+def _memo_tokens() -> re.Pattern[bytes]:
+    """A pattern matching a run of opcodes, then one that reads the memo or memoises what may
+    cost more than a step to hash (or the end of the run). Over a run of opcodes the fast scan
+    passed, findall gives per such opcode: a put after MARK, POP, POP_MARK, PROTO, a get or a
+    put (what it memoises is not what the opcode before made); the index a put after
+    _HEAVY memoises at (1 byte, 4 bytes); the index a get reads (1 byte, 4 bytes)."""
+    fence = b"(?:[" + b"".join(map(_code, _FENCES)) + b"]|" + _code("PROTO") + b".)"
+    put = b"(?:" + _code("BINPUT") + b".|" + _code("LONG_BINPUT") + b"....)"
+    get = b"(?:" + _code("BINGET") + b".|" + _code("LONG_BINGET") + b"....)"
+    a_put = b"[" + _code("BINPUT") + _code("LONG_BINPUT") + b"]"
+    heavy = b"[" + b"".join(map(_code, _HEAVY)) + b"]"
+    by_width: dict[int, list[bytes]] = {}
+    special = {"STOP", "GLOBAL", "PROTO", "BINPUT", "LONG_BINPUT", "BINGET", "LONG_BINGET", *_FENCES, *_HEAVY}
+    for name in sorted(ALLOWED_OPCODES - special - set(_UNCOUNTED)):
+        op = _OPCODES[name]
+        if op.code.encode("latin-1")[0] not in _COUNTED:
+            by_width.setdefault(op.arg.n if op.arg else 0, []).append(_code(name))
+    fixed = [b"[" + b"".join(codes) + b"]" + (b".{%d}" % width if width else b"") for width, codes in by_width.items()]
+    short = b"[" + _code("SHORT_BINUNICODE") + _code("SHORT_BINBYTES") + _code("LONG1") + b"]"
+    not_a_put = b"(?!" + a_put + b")"
+    other = [
+        *fixed, put + not_a_put, heavy + not_a_put, fence + not_a_put,
+        _code("BINUNICODE") + _lengths_below_256(high_zero_bytes=3), short + _lengths_below_256(high_zero_bytes=0),
+        _code("GLOBAL") + rb"[^\n]*\n[^\n]*\n",
+    ]  # fmt: skip
+    marked = (
+        b"((?:" + fence + b"|" + put + b"|" + get + b")(?=" + a_put + b"))"
+        + b"|" + heavy + b"(?:" + _code("BINPUT") + b"(.)|" + _code("LONG_BINPUT") + b"(....))"
+        + b"|" + _code("BINGET") + b"(.)|" + _code("LONG_BINGET") + b"(....)"
+    )
+    return re.compile(b"(?:" + b"|".join(other) + b")*+(?:" + marked + b"|\\Z)", re.DOTALL)
+
+
+# What may cost more than one step to hash: a tuple, a call's result (torch.Size: a tuple; a
+# tensor: its fields), a persistent id's storage, and what a BUILD leaves (BUILD with None
+# on a tuple leaves the tuple). A put after a fence memoises what lies below.
+_HEAVY = ("TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "REDUCE", "NEWOBJ", "BINPERSID", "BUILD")
+_FENCES = ("MARK", "POP", "POP_MARK")
+
+
 def _lengths_below_256(high_zero_bytes: int) -> bytes:
     """A little-endian length n < 256 (its low byte, then zero bytes), then n bytes."""
     zeros = b"\\x00" * high_zero_bytes
@@ -97,6 +143,7 @@ def _lengths_below_256(high_zero_bytes: int) -> bytes:
 
 _FAST = _fast_scanner(long_binput=False)
 _FAST_BIG = _fast_scanner(long_binput=True)
+_MEMO_TOKENS = _memo_tokens()
 
 
 def check_opcodes(data: bytes) -> int:
@@ -112,7 +159,8 @@ def check_opcodes(data: bytes) -> int:
     created = _PASSED.get(data)
     if created is not None:
         return created
-    _scan(data)
+    segments, uncounted = _scan(data)
+    _check_hashing(data, segments, uncounted)
     # A pickle too small to create more than the budget's constant is not counted (a rank
     # file's at large D: a few KB, each a new one); a bigger one is, by its byte values.
     created = 0
@@ -126,22 +174,79 @@ def check_opcodes(data: bytes) -> int:
     return created
 
 
+def _check_hashing(data: bytes, segments: list[tuple[int, int]], uncounted: bool) -> None:
+    """FileProblem where hashing what the pickle builds would take more than FACTOR steps per
+    byte plus CONSTANT, or recurse too deep (:func:`~.pickle_hashing.hash_steps` counts it).
+
+    A cheap bound clears most pickles first. A hashed object weighs its bytes at most while no
+    get pushes what may weigh more than 1 (the gets of _HEAVY objects: torch.save memoises
+    tuples, but gets one again only where the saved object shares it, a ``betas`` tuple in
+    every param group of an optimizer), and each such get at most doubles what all the
+    objects built so far weigh: hashing takes at most (bytes + 1) * 2^gets steps. (Copies out
+    of a list, ``torch.Size(L)`` and ``set(L)``, are checked by the unpickler's wrappers.)
+    A tuple is nested at most as deep as the pickle has tuple opcodes."""
+    limit = FACTOR * len(data) + CONSTANT
+    gets = None if uncounted else _heavy_gets(data, segments)
+    if gets is not None and (len(data) + 1) << min(gets, 64) <= limit and _shallow(data):
+        return
+    hash_steps(data, limit)
+
+
+def _heavy_gets(data: bytes, segments: list[tuple[int, int]]) -> int | None:
+    """How many gets read a memo index a _HEAVY object was put at; None where a put follows
+    something that did not make what it memoises."""
+    found = []
+    for start, end in segments:
+        found += _MEMO_TOKENS.findall(data, start, end)
+    if not found:
+        return 0
+    fenced, short_puts, long_puts, short_gets, long_gets = zip(*found)
+    if any(fenced):
+        return None
+    heavy = set(map(ord, filter(None, short_puts)))
+    heavy.update(map(_little_endian, filter(None, long_puts)))
+    gets = sum(map(heavy.__contains__, map(ord, filter(None, short_gets))))
+    return gets + sum(map(heavy.__contains__, map(_little_endian, filter(None, long_gets))))
+
+
+def _little_endian(index: bytes) -> int:
+    return int.from_bytes(index, "little")
+
+
+def _shallow(data: bytes) -> bool:
+    """Whether the pickle has too few tuple opcodes (counted by byte value) to nest a tuple
+    deeper than MAX_TUPLE_DEPTH."""
+    return len(data) <= MAX_TUPLE_DEPTH or sum(map(data.count, _TUPLE_CODES)) <= MAX_TUPLE_DEPTH
+
+
+_TUPLE_CODES = tuple(_OPCODES[name].code.encode("latin-1") for name in ("TUPLE", "TUPLE1", "TUPLE2", "TUPLE3"))
 _PASSED: dict[bytes, int] = {}
 _PASSED_LOCK = threading.Lock()
 _PASSED_COUNT = 16
 _PASSED_BYTES = 64 << 10
 
 
-def _scan(data: bytes) -> None:
+def _scan(data: bytes) -> tuple[list[tuple[int, int]], bool]:
+    """Check every opcode; the runs of opcodes between counted ones too long for the fast scan
+    (start, end), and whether an opcode of _UNCOUNTED_CODES was seen."""
     fast = _FAST_BIG if len(data) >= _FAST_MEMO_LIMIT else _FAST
-    position, end = 0, len(data)
+    position, end, start, uncounted = 0, len(data), 0, False
+    segments = []
     while True:
         position = fast.match(data, position).end()
         if position >= end:
             raise FileProblem("corrupt pickle data.pkl: it ends without a STOP opcode")
-        if data[position] == _STOP:
-            return
-        position = _slow_opcode(data, position)
+        code = data[position]
+        if code == _STOP:
+            segments.append((start, position))
+            return segments, uncounted
+        after = _slow_opcode(data, position)
+        if code in _COUNTED:
+            segments.append((start, position))
+            start = after
+        elif code in _UNCOUNTED_CODES:
+            uncounted = True
+        position = after
 
 
 def _slow_opcode(data: bytes, position: int) -> int:
@@ -173,6 +278,8 @@ def _slow_opcode(data: bytes, position: int) -> int:
                 f"corrupt pickle data.pkl: the FRAME of {length:,} bytes at byte {position} runs past the end"
             )
         after = position + 9
+    elif op.arg is None:  # DUP, MEMOIZE: left to the slow path to be seen
+        after = position + 1
     else:  # an opcode the fast scan takes when its argument is complete
         after = len(data) + 1
     if after > len(data):
