@@ -63,7 +63,17 @@ _FAST_MEMO_LIMIT = 1 << 16  # LONG_BINPUT indices below this pass the fast scan 
 # DUP shares the top, MEMOIZE memoises at an index it does not say, a FRAME may come between
 # an object and its put. torch.save (protocol 2) writes none of them.
 _UNCOUNTED = ("DUP", "MEMOIZE", "FRAME")
+# What may cost more than one step to hash: a tuple, a call's result (torch.Size: a tuple; a
+# tensor: its fields), a persistent id's storage, and what a BUILD leaves (BUILD with None
+# on a tuple leaves the tuple). A put after a fence memoises what lies below.
+_HEAVY = ("TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "REDUCE", "NEWOBJ", "BINPERSID", "BUILD")
+_FENCES = ("MARK", "POP", "POP_MARK")
 _UNCOUNTED_CODES = frozenset(_OPCODES[name].code.encode("latin-1")[0] for name in _UNCOUNTED)
+_BEFORE_A_PUT = frozenset(
+    _OPCODES[name].code.encode("latin-1")[0]
+    for name in ("PROTO", "BINPUT", "LONG_BINPUT", "BINGET", "LONG_BINGET", *_FENCES)
+)
+_PUT_CODES = frozenset(_OPCODES[name].code.encode("latin-1")[0] for name in ("BINPUT", "LONG_BINPUT"))
 
 
 def _code(name: str) -> bytes:
@@ -77,19 +87,25 @@ def _fast_scanner(long_binput: bool) -> re.Pattern[bytes]:
 
     The branches are tried in order for every opcode, so the commonest come first: opcodes
     with a 1-byte argument (BINPUT, BINGET, BININT1: half of a torch.save pickle), then those
-    without one, then BINUNICODE (1.5x faster than the other way round)."""
+    without one, then BINUNICODE (1.5x faster than the other way round). A put right after an
+    opcode that did not make what it memoises (_FENCES, PROTO, a get or a put) stops it: the
+    bound on hashing (_check_hashing) does not hold there."""
     by_width: dict[int, list[bytes]] = {}
-    for name in sorted(ALLOWED_OPCODES - {"STOP", "GLOBAL", "LONG_BINPUT", *_UNCOUNTED}):
+    fenced = {"PROTO", "BINPUT", "BINGET", "LONG_BINGET", *_FENCES}
+    for name in sorted(ALLOWED_OPCODES - {"STOP", "GLOBAL", "LONG_BINPUT", *_UNCOUNTED, *fenced}):
         op = _OPCODES[name]
         if op.code.encode("latin-1")[0] not in _COUNTED:
             by_width.setdefault(op.arg.n if op.arg else 0, []).append(_code(name))
     fixed = {
         width: b"[" + b"".join(codes) + b"]" + (b".{%d}" % width if width else b"") for width, codes in by_width.items()
     }
-    runs = [fixed.pop(1), fixed.pop(0), _code("BINUNICODE") + _lengths_below_256(high_zero_bytes=3), *fixed.values()]
-    runs.append(_code("GLOBAL") + rb"[^\n]*\n[^\n]*\n")
+    no_put = b"(?![" + _code("BINPUT") + _code("LONG_BINPUT") + b"])"
+    one_byte = b"[" + _code("BINPUT") + _code("BINGET") + _code("PROTO") + b"]." + no_put
+    fences = b"[" + b"".join(map(_code, _FENCES)) + b"]" + no_put
+    runs = [fixed.pop(1), one_byte, fixed.pop(0), fences, _code("BINUNICODE") + _lengths_below_256(high_zero_bytes=3)]
+    runs += [*fixed.values(), _code("LONG_BINGET") + b"...." + no_put, _code("GLOBAL") + rb"[^\n]*\n[^\n]*\n"]
     if long_binput:  # an index below 2**16, in little-endian order
-        runs.append(_code("LONG_BINPUT") + b"..\\x00\\x00")
+        runs.append(_code("LONG_BINPUT") + b"..\\x00\\x00" + no_put)
     short = b"[" + _code("SHORT_BINUNICODE") + _code("SHORT_BINBYTES") + _code("LONG1") + b"]"
     runs.append(short + _lengths_below_256(high_zero_bytes=0))
     return re.compile(b"(?:" + b"|".join(runs) + b")*+", re.DOTALL)
@@ -128,11 +144,6 @@ def _memo_tokens() -> re.Pattern[bytes]:
     return re.compile(b"(?:" + b"|".join(other) + b")*+(?:" + marked + b"|\\Z)", re.DOTALL)
 
 
-# What may cost more than one step to hash: a tuple, a call's result (torch.Size: a tuple; a
-# tensor: its fields), a persistent id's storage, and what a BUILD leaves (BUILD with None
-# on a tuple leaves the tuple). A put after a fence memoises what lies below.
-_HEAVY = ("TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "REDUCE", "NEWOBJ", "BINPERSID", "BUILD")
-_FENCES = ("MARK", "POP", "POP_MARK")
 
 
 def _lengths_below_256(high_zero_bytes: int) -> bytes:
@@ -144,6 +155,16 @@ def _lengths_below_256(high_zero_bytes: int) -> bytes:
 _FAST = _fast_scanner(long_binput=False)
 _FAST_BIG = _fast_scanner(long_binput=True)
 _MEMO_TOKENS = _memo_tokens()
+_HEAVY_CLASS = b"[" + b"".join(map(_code, _HEAVY)) + b"]"
+_HEAVY_PUTS = re.compile(  # a put's 1-byte or 4-byte index, where the byte before is _HEAVY
+    b"%s(?<=%s%s)(.)|%s(?<=%s%s)(....)"
+    % (_code("BINPUT"), _HEAVY_CLASS, _code("BINPUT"), _code("LONG_BINPUT"), _HEAVY_CLASS, _code("LONG_BINPUT")),
+    re.DOTALL,
+)
+# A get's index, where an opcode follows it (in names, "weight_", "torch." look like gets).
+_OPCODE_CLASS = b"[" + b"".join(map(_code, sorted(ALLOWED_OPCODES))) + b"]"
+_SHORT_GETS = re.compile(_code("BINGET") + b"(?=(.)" + _OPCODE_CLASS + b")", re.DOTALL)
+_LONG_GETS = re.compile(_code("LONG_BINGET") + b"(?=(....)" + _OPCODE_CLASS + b")", re.DOTALL)
 
 
 def check_opcodes(data: bytes) -> int:
@@ -186,10 +207,29 @@ def _check_hashing(data: bytes, segments: list[tuple[int, int]], uncounted: bool
     of a list, ``torch.Size(L)`` and ``set(L)``, are checked by the unpickler's wrappers.)
     A tuple is nested at most as deep as the pickle has tuple opcodes."""
     limit = FACTOR * len(data) + CONSTANT
-    gets = None if uncounted else _heavy_gets(data, segments)
-    if gets is not None and (len(data) + 1) << min(gets, 64) <= limit and _shallow(data):
-        return
+    if not uncounted and _shallow(data):
+        bound = limit // (len(data) + 1)  # 2^gets may be this much
+        for count in (_heavy_gets_at_most, _heavy_gets):  # by byte values, then by opcodes
+            gets = count(data, segments)
+            if gets is not None and 1 << min(gets, 64) <= bound:
+                return
     hash_steps(data, limit)
+
+
+def _heavy_gets_at_most(data: bytes, segments: list[tuple[int, int]]) -> int:
+    """At least as many as :func:`_heavy_gets`, from byte values alone: every put after a
+    _HEAVY opcode and every get is among the bytes that look like one (a put is searched for
+    by its code, then the byte before it: a search without a fixed first byte costs 3x)."""
+    puts = _HEAVY_PUTS.findall(data)
+    if not puts:
+        return 0
+    short, long = zip(*puts)
+    heavy, heavy_long = set(short), set(long)
+    heavy.update(index[:1] for index in heavy_long if index.endswith(b"\x00\x00\x00"))  # one memo
+    gets = sum(map(heavy.__contains__, _SHORT_GETS.findall(data)))
+    for index in _LONG_GETS.findall(data):  # rare but in pickles of 256 objects or more
+        gets += index in heavy_long or (index.endswith(b"\x00\x00\x00") and index[:1] in heavy)
+    return gets
 
 
 def _heavy_gets(data: bytes, segments: list[tuple[int, int]]) -> int | None:
@@ -244,7 +284,7 @@ def _scan(data: bytes) -> tuple[list[tuple[int, int]], bool]:
         if code in _COUNTED:
             segments.append((start, position))
             start = after
-        elif code in _UNCOUNTED_CODES:
+        elif code in _UNCOUNTED_CODES or (code in _BEFORE_A_PUT and after < end and data[after] in _PUT_CODES):
             uncounted = True
         position = after
 
@@ -278,10 +318,8 @@ def _slow_opcode(data: bytes, position: int) -> int:
                 f"corrupt pickle data.pkl: the FRAME of {length:,} bytes at byte {position} runs past the end"
             )
         after = position + 9
-    elif op.arg is None:  # DUP, MEMOIZE: left to the slow path to be seen
-        after = position + 1
-    else:  # an opcode the fast scan takes when its argument is complete
-        after = len(data) + 1
+    else:  # DUP, MEMOIZE, a put after a fence; any other, the fast scan takes when it is complete
+        after = position + 1 + (op.arg.n if op.arg else 0)
     if after > len(data):
         raise FileProblem(f"corrupt pickle data.pkl: the argument of {op.name} at byte {position} runs past the end")
     return after
