@@ -8,7 +8,9 @@ before unpickling, every opcode is checked against the set a torch.save pickle (
 frame must fit in the bytes that follow, and an integer may not be longer than 1 KiB (its hash,
 computed again each time it is a dict key, costs its length; its decimal text, in a JSON
 manifest or an error, would be more than Python prints). The scan also says what the opcodes that create
-an empty container (one byte for a set of 216) may allocate, for the load's budget.
+an empty container (one byte for a set of 216) may allocate, for the load's budget, and bounds
+what hashing the dict keys and set elements the pickle builds may cost (:func:`_check_hashing`;
+:mod:`.pickle_hashing` counts it exactly where the bound is not enough).
 
 :func:`check_opcodes` does that without decoding opcodes one by one in Python (which costs
 more than unpickling): one regular expression consumes runs of allowed opcodes whose
