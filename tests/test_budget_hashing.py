@@ -111,3 +111,21 @@ def test_a_torch_size_of_anything_but_ints_is_refused(tmp_path):
     data = PROTO + glob("torch.Size") + integer(1) + b"N\x86\x85R."
     with pytest.raises(TorchFileError, match="torch.Size"):
         load_torch_file(archive(tmp_path / "size.pt", data))
+
+
+def test_a_put_after_what_did_not_make_it_takes_the_exact_count(monkeypatch):
+    """PROTO, MARK, POP, a get or a put before a put: what is memoised was made earlier, so the
+    cheap bound does not hold and the exact count runs; a GLOBAL cut short is still refused."""
+    from zeroshard.importers.torch_records import FileProblem
+
+    counted = []
+    monkeypatch.setattr(pickle_scan, "hash_steps", lambda data, limit: counted.append(data))
+    monkeypatch.setattr(pickle_scan, "_PASSED", {})
+    pickle_scan.check_opcodes(PROTO + b"K\x01\x85q\x00N0h\x00.")  # one heavy get: cleared
+    assert counted == []
+    for before in (b"(", b"N0", b"h\x00", b"q\x05"):
+        data = PROTO + b"K\x01\x85q\x00" + before + b"q\x01."
+        pickle_scan.check_opcodes(data)
+        assert counted[-1:] == [data], before
+    with pytest.raises(FileProblem, match="GLOBAL"):
+        pickle_scan.check_opcodes(PROTO + b"cfoo.")

@@ -320,8 +320,10 @@ def _slow_opcode(data: bytes, position: int) -> int:
                 f"corrupt pickle data.pkl: the FRAME of {length:,} bytes at byte {position} runs past the end"
             )
         after = position + 9
-    else:  # DUP, MEMOIZE, a put after a fence; any other, the fast scan takes when it is complete
+    elif op.arg is None or op.arg.n >= 0:  # DUP, MEMOIZE, a put after a fence, or one cut short
         after = position + 1 + (op.arg.n if op.arg else 0)
+    else:  # GLOBAL, which the fast scan takes when it has its two lines
+        after = len(data) + 1
     if after > len(data):
         raise FileProblem(f"corrupt pickle data.pkl: the argument of {op.name} at byte {position} runs past the end")
     return after
