@@ -117,6 +117,34 @@ def test_the_loss_scaler_is_charged_as_any_value_copied_out(tag_dir, tmp_path, c
 
 
 @needs_deepspeed
+def test_a_tuple_key_that_doubles_at_each_link_is_refused_by_every_command(tag_dir, tmp_path, capsys):
+    """Each tuple holds the one before twice: 24 links, 2^25 steps to hash (0.3 s here, once,
+    to build the dict; each link more doubles it), past the budget of the rank file."""
+    chain = None
+    for _ in range(24):
+        chain = (chain, chain)
+    edit(tag_dir / RANK0, lambda raw: raw.update(extra={chain: 1}))
+    every_command(capsys, tag_dir, tmp_path, tag_dir / RANK0, "hashing its dict keys")
+
+
+@needs_deepspeed
+def test_real_deepspeed_files_pass_the_cheap_bound_on_hashing(deepspeed_runs, monkeypatch):
+    """No file of any fixture run needs the exact count of hashing (Python, slower than
+    unpickling): the bound from byte values or the opcode pass clears each."""
+    from zeroshard.importers import pickle_scan
+    from zeroshard.importers.deepspeed_pickle import ALLOWED_GLOBALS
+    from zeroshard.importers.torch_file import load_torch_file
+
+    counted = []
+    monkeypatch.setattr(pickle_scan, "hash_steps", lambda data, limit: counted.append(len(data)))
+    monkeypatch.setattr(pickle_scan, "_PASSED", {})
+    files = [path for run in deepspeed_runs.values() for path in sorted(run.tag_dir.glob("*.pt"))]
+    for path in files:
+        load_torch_file(path, ALLOWED_GLOBALS)
+    assert len(files) > 10 and counted == []
+
+
+@needs_deepspeed
 def test_a_chain_of_fragment_addresses_is_not_printed(tag_dir, capsys):
     """Each fragment_address holds the one before twice: repr() doubles at each link (377
     bytes took 50 s, 20 links 3 s); the error names the value by its type and length."""

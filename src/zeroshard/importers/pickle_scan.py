@@ -8,7 +8,9 @@ before unpickling, every opcode is checked against the set a torch.save pickle (
 frame must fit in the bytes that follow, and an integer may not be longer than 1 KiB (its hash,
 computed again each time it is a dict key, costs its length; its decimal text, in a JSON
 manifest or an error, would be more than Python prints). The scan also says what the opcodes that create
-an empty container (one byte for a set of 216) may allocate, for the load's budget.
+an empty container (one byte for a set of 216) may allocate, for the load's budget, and bounds
+what hashing the dict keys and set elements the pickle builds may cost (:func:`_check_hashing`;
+:mod:`.pickle_hashing` counts it exactly where the bound is not enough).
 
 :func:`check_opcodes` does that without decoding opcodes one by one in Python (which costs
 more than unpickling): one regular expression consumes runs of allowed opcodes whose
@@ -23,7 +25,8 @@ import re
 import sys
 import threading
 
-from ..checkpoint.io.budget import CONSTANT
+from ..checkpoint.io.budget import CONSTANT, FACTOR
+from .pickle_hashing import MAX_TUPLE_DEPTH, hash_steps
 from .torch_records import FileProblem
 
 # The opcodes a torch.save pickle (protocol 2 to 4) uses for data; no buffers, INST/OBJ, EXT.
@@ -58,6 +61,21 @@ _CREATING = tuple(
 )
 _MOST_CREATED = max(size for _, size in _CREATING)  # bytes one byte of pickle may create
 _FAST_MEMO_LIMIT = 1 << 16  # LONG_BINPUT indices below this pass the fast scan of pickles this big
+# Opcodes after which the cheap bound on hashing does not hold (pickle_hashing counts it):
+# DUP shares the top, MEMOIZE memoises at an index it does not say, a FRAME may come between
+# an object and its put. torch.save (protocol 2) writes none of them.
+_UNCOUNTED = ("DUP", "MEMOIZE", "FRAME")
+# What may cost more than one step to hash: a tuple, a call's result (torch.Size: a tuple; a
+# tensor: its fields), a persistent id's storage, and what a BUILD leaves (BUILD with None
+# on a tuple leaves the tuple). A put after a fence memoises what lies below.
+_HEAVY = ("TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "REDUCE", "NEWOBJ", "BINPERSID", "BUILD")
+_FENCES = ("MARK", "POP", "POP_MARK")
+_UNCOUNTED_CODES = frozenset(_OPCODES[name].code.encode("latin-1")[0] for name in _UNCOUNTED)
+_BEFORE_A_PUT = frozenset(
+    _OPCODES[name].code.encode("latin-1")[0]
+    for name in ("PROTO", "BINPUT", "LONG_BINPUT", "BINGET", "LONG_BINGET", *_FENCES)
+)
+_PUT_CODES = frozenset(_OPCODES[name].code.encode("latin-1")[0] for name in ("BINPUT", "LONG_BINPUT"))
 
 
 def _code(name: str) -> bytes:
@@ -71,22 +89,63 @@ def _fast_scanner(long_binput: bool) -> re.Pattern[bytes]:
 
     The branches are tried in order for every opcode, so the commonest come first: opcodes
     with a 1-byte argument (BINPUT, BINGET, BININT1: half of a torch.save pickle), then those
-    without one, then BINUNICODE (1.5x faster than the other way round)."""
+    without one, then BINUNICODE (1.5x faster than the other way round). A put right after an
+    opcode that did not make what it memoises (_FENCES, PROTO, a get or a put) stops it: the
+    bound on hashing (_check_hashing) does not hold there."""
     by_width: dict[int, list[bytes]] = {}
-    for name in sorted(ALLOWED_OPCODES - {"STOP", "GLOBAL", "LONG_BINPUT", "FRAME"}):
+    fenced = {"PROTO", "BINPUT", "BINGET", "LONG_BINGET", *_FENCES}
+    for name in sorted(ALLOWED_OPCODES - {"STOP", "GLOBAL", "LONG_BINPUT", *_UNCOUNTED, *fenced}):
         op = _OPCODES[name]
         if op.code.encode("latin-1")[0] not in _COUNTED:
             by_width.setdefault(op.arg.n if op.arg else 0, []).append(_code(name))
     fixed = {
         width: b"[" + b"".join(codes) + b"]" + (b".{%d}" % width if width else b"") for width, codes in by_width.items()
     }
-    runs = [fixed.pop(1), fixed.pop(0), _code("BINUNICODE") + _lengths_below_256(high_zero_bytes=3), *fixed.values()]
-    runs.append(_code("GLOBAL") + rb"[^\n]*\n[^\n]*\n")
+    no_put = b"(?![" + _code("BINPUT") + _code("LONG_BINPUT") + b"])"
+    one_byte = b"[" + _code("BINPUT") + _code("BINGET") + _code("PROTO") + b"]." + no_put
+    fences = b"[" + b"".join(map(_code, _FENCES)) + b"]" + no_put
+    runs = [fixed.pop(1), one_byte, fixed.pop(0), fences, _code("BINUNICODE") + _lengths_below_256(high_zero_bytes=3)]
+    runs += [*fixed.values(), _code("LONG_BINGET") + b"...." + no_put, _code("GLOBAL") + rb"[^\n]*\n[^\n]*\n"]
     if long_binput:  # an index below 2**16, in little-endian order
-        runs.append(_code("LONG_BINPUT") + b"..\\x00\\x00")
+        runs.append(_code("LONG_BINPUT") + b"..\\x00\\x00" + no_put)
     short = b"[" + _code("SHORT_BINUNICODE") + _code("SHORT_BINBYTES") + _code("LONG1") + b"]"
     runs.append(short + _lengths_below_256(high_zero_bytes=0))
     return re.compile(b"(?:" + b"|".join(runs) + b")*+", re.DOTALL)
+
+
+def _memo_tokens() -> re.Pattern[bytes]:
+    """A pattern matching a run of opcodes, then one that reads the memo or memoises what may
+    cost more than a step to hash (or the end of the run). Over a run of opcodes the fast scan
+    passed, findall gives per such opcode: a put after MARK, POP, POP_MARK, PROTO, a get or a
+    put (what it memoises is not what the opcode before made); the index a put after
+    _HEAVY memoises at (1 byte, 4 bytes); the index a get reads (1 byte, 4 bytes)."""
+    fence = b"(?:[" + b"".join(map(_code, _FENCES)) + b"]|" + _code("PROTO") + b".)"
+    put = b"(?:" + _code("BINPUT") + b".|" + _code("LONG_BINPUT") + b"....)"
+    get = b"(?:" + _code("BINGET") + b".|" + _code("LONG_BINGET") + b"....)"
+    a_put = b"[" + _code("BINPUT") + _code("LONG_BINPUT") + b"]"
+    heavy = b"[" + b"".join(map(_code, _HEAVY)) + b"]"
+    by_width: dict[int, list[bytes]] = {}
+    special = {"STOP", "GLOBAL", "PROTO", "BINPUT", "LONG_BINPUT", "BINGET", "LONG_BINGET", *_FENCES, *_HEAVY}
+    for name in sorted(ALLOWED_OPCODES - special - set(_UNCOUNTED)):
+        op = _OPCODES[name]
+        if op.code.encode("latin-1")[0] not in _COUNTED:
+            by_width.setdefault(op.arg.n if op.arg else 0, []).append(_code(name))
+    fixed = [b"[" + b"".join(codes) + b"]" + (b".{%d}" % width if width else b"") for width, codes in by_width.items()]
+    short = b"[" + _code("SHORT_BINUNICODE") + _code("SHORT_BINBYTES") + _code("LONG1") + b"]"
+    not_a_put = b"(?!" + a_put + b")"
+    other = [
+        *fixed, put + not_a_put, heavy + not_a_put, fence + not_a_put,
+        _code("BINUNICODE") + _lengths_below_256(high_zero_bytes=3), short + _lengths_below_256(high_zero_bytes=0),
+        _code("GLOBAL") + rb"[^\n]*\n[^\n]*\n",
+    ]  # fmt: skip
+    marked = (
+        b"((?:" + fence + b"|" + put + b"|" + get + b")(?=" + a_put + b"))"
+        + b"|" + heavy + b"(?:" + _code("BINPUT") + b"(.)|" + _code("LONG_BINPUT") + b"(....))"
+        + b"|" + _code("BINGET") + b"(.)|" + _code("LONG_BINGET") + b"(....)"
+    )
+    return re.compile(b"(?:" + b"|".join(other) + b")*+(?:" + marked + b"|\\Z)", re.DOTALL)
+
+
 
 
 def _lengths_below_256(high_zero_bytes: int) -> bytes:
@@ -97,6 +156,17 @@ def _lengths_below_256(high_zero_bytes: int) -> bytes:
 
 _FAST = _fast_scanner(long_binput=False)
 _FAST_BIG = _fast_scanner(long_binput=True)
+_MEMO_TOKENS = _memo_tokens()
+_HEAVY_CLASS = b"[" + b"".join(map(_code, _HEAVY)) + b"]"
+_HEAVY_PUTS = re.compile(  # a put's 1-byte or 4-byte index, where the byte before is _HEAVY
+    b"%s(?<=%s%s)(.)|%s(?<=%s%s)(....)"
+    % (_code("BINPUT"), _HEAVY_CLASS, _code("BINPUT"), _code("LONG_BINPUT"), _HEAVY_CLASS, _code("LONG_BINPUT")),
+    re.DOTALL,
+)
+# A get's index, where an opcode follows it (in names, "weight_", "torch." look like gets).
+_OPCODE_CLASS = b"[" + b"".join(map(_code, sorted(ALLOWED_OPCODES))) + b"]"
+_SHORT_GETS = re.compile(_code("BINGET") + b"(?=(.)" + _OPCODE_CLASS + b")", re.DOTALL)
+_LONG_GETS = re.compile(_code("LONG_BINGET") + b"(?=(....)" + _OPCODE_CLASS + b")", re.DOTALL)
 
 
 def check_opcodes(data: bytes) -> int:
@@ -112,7 +182,8 @@ def check_opcodes(data: bytes) -> int:
     created = _PASSED.get(data)
     if created is not None:
         return created
-    _scan(data)
+    segments, uncounted = _scan(data)
+    _check_hashing(data, segments, uncounted)
     # A pickle too small to create more than the budget's constant is not counted (a rank
     # file's at large D: a few KB, each a new one); a bigger one is, by its byte values.
     created = 0
@@ -126,22 +197,98 @@ def check_opcodes(data: bytes) -> int:
     return created
 
 
+def _check_hashing(data: bytes, segments: list[tuple[int, int]], uncounted: bool) -> None:
+    """FileProblem where hashing what the pickle builds would take more than FACTOR steps per
+    byte plus CONSTANT, or recurse too deep (:func:`~.pickle_hashing.hash_steps` counts it).
+
+    A cheap bound clears most pickles first. A hashed object weighs its bytes at most while no
+    get pushes what may weigh more than 1 (the gets of _HEAVY objects: torch.save memoises
+    tuples, but gets one again only where the saved object shares it, a ``betas`` tuple in
+    every param group of an optimizer), and each such get at most doubles what all the
+    objects built so far weigh: hashing takes at most (bytes + 1) * 2^gets steps. (Copies out
+    of a list, ``torch.Size(L)`` and ``set(L)``, are checked by the unpickler's wrappers.)
+    A tuple is nested at most as deep as the pickle has tuple opcodes."""
+    limit = FACTOR * len(data) + CONSTANT
+    if not uncounted and _shallow(data):
+        bound = limit // (len(data) + 1)  # 2^gets may be this much
+        for count in (_heavy_gets_at_most, _heavy_gets):  # by byte values, then by opcodes
+            gets = count(data, segments)
+            if gets is not None and 1 << min(gets, 64) <= bound:
+                return
+    hash_steps(data, limit)
+
+
+def _heavy_gets_at_most(data: bytes, segments: list[tuple[int, int]]) -> int:
+    """At least as many as :func:`_heavy_gets`, from byte values alone: every put after a
+    _HEAVY opcode and every get is among the bytes that look like one (a put is searched for
+    by its code, then the byte before it: a search without a fixed first byte costs 3x)."""
+    puts = _HEAVY_PUTS.findall(data)
+    if not puts:
+        return 0
+    short, long = zip(*puts)
+    heavy, heavy_long = set(short), set(long)
+    heavy.update(index[:1] for index in heavy_long if index.endswith(b"\x00\x00\x00"))  # one memo
+    gets = sum(map(heavy.__contains__, _SHORT_GETS.findall(data)))
+    for index in _LONG_GETS.findall(data):  # rare but in pickles of 256 objects or more
+        gets += index in heavy_long or (index.endswith(b"\x00\x00\x00") and index[:1] in heavy)
+    return gets
+
+
+def _heavy_gets(data: bytes, segments: list[tuple[int, int]]) -> int | None:
+    """How many gets read a memo index a _HEAVY object was put at; None where a put follows
+    something that did not make what it memoises."""
+    found = []
+    for start, end in segments:
+        found += _MEMO_TOKENS.findall(data, start, end)
+    if not found:
+        return 0
+    fenced, short_puts, long_puts, short_gets, long_gets = zip(*found)
+    if any(fenced):
+        return None
+    heavy = set(map(ord, filter(None, short_puts)))
+    heavy.update(map(_little_endian, filter(None, long_puts)))
+    gets = sum(map(heavy.__contains__, map(ord, filter(None, short_gets))))
+    return gets + sum(map(heavy.__contains__, map(_little_endian, filter(None, long_gets))))
+
+
+def _little_endian(index: bytes) -> int:
+    return int.from_bytes(index, "little")
+
+
+def _shallow(data: bytes) -> bool:
+    """Whether the pickle has too few tuple opcodes (counted by byte value) to nest a tuple
+    deeper than MAX_TUPLE_DEPTH."""
+    return len(data) <= MAX_TUPLE_DEPTH or sum(map(data.count, _TUPLE_CODES)) <= MAX_TUPLE_DEPTH
+
+
+_TUPLE_CODES = tuple(_OPCODES[name].code.encode("latin-1") for name in ("TUPLE", "TUPLE1", "TUPLE2", "TUPLE3"))
 _PASSED: dict[bytes, int] = {}
 _PASSED_LOCK = threading.Lock()
 _PASSED_COUNT = 16
 _PASSED_BYTES = 64 << 10
 
 
-def _scan(data: bytes) -> None:
+def _scan(data: bytes) -> tuple[list[tuple[int, int]], bool]:
+    """Check every opcode; the runs of opcodes between counted ones too long for the fast scan
+    (start, end), and whether an opcode of _UNCOUNTED_CODES was seen."""
     fast = _FAST_BIG if len(data) >= _FAST_MEMO_LIMIT else _FAST
-    position, end = 0, len(data)
+    position, end, start, uncounted = 0, len(data), 0, False
+    segments = []
     while True:
         position = fast.match(data, position).end()
         if position >= end:
             raise FileProblem("corrupt pickle data.pkl: it ends without a STOP opcode")
-        if data[position] == _STOP:
-            return
-        position = _slow_opcode(data, position)
+        code = data[position]
+        if code == _STOP:
+            segments.append((start, position))
+            return segments, uncounted
+        after = _slow_opcode(data, position)
+        if code in _COUNTED:
+            segments.append((start, position))
+            start = after
+        elif code in _UNCOUNTED_CODES or (code in _BEFORE_A_PUT and after < end and data[after] in _PUT_CODES):
+            uncounted = True
+        position = after
 
 
 def _slow_opcode(data: bytes, position: int) -> int:
@@ -173,7 +320,9 @@ def _slow_opcode(data: bytes, position: int) -> int:
                 f"corrupt pickle data.pkl: the FRAME of {length:,} bytes at byte {position} runs past the end"
             )
         after = position + 9
-    else:  # an opcode the fast scan takes when its argument is complete
+    elif op.arg is None or op.arg.n >= 0:  # DUP, MEMOIZE, a put after a fence, or one cut short
+        after = position + 1 + (op.arg.n if op.arg else 0)
+    else:  # GLOBAL, which the fast scan takes when it has its two lines
         after = len(data) + 1
     if after > len(data):
         raise FileProblem(f"corrupt pickle data.pkl: the argument of {op.name} at byte {position} runs past the end")

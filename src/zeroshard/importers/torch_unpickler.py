@@ -37,6 +37,7 @@ from ..checkpoint.io.budget import (
     quoted,
 )
 from ..checkpoint.io.dtypes import dtype_info
+from .pickle_hashing import charge_hashing
 from .pickle_scan import check_opcodes
 from .torch_records import (
     LOADING,
@@ -293,15 +294,25 @@ def _sizes(value: Any) -> tuple[int, ...] | None:
 # copy (a function, not a type, so NEWOBJ on one is refused as for the rebuild functions).
 @_refuses_state
 def _size(*args: Any) -> tuple[Any, ...]:
-    """``torch.Size``, read as a tuple."""
+    """``torch.Size``, read as a tuple of ints (so that no tuple a list hides is copied out
+    into one, to be hashed as a key again and again)."""
     _charge_copy(args, REFERENCE_BYTES, "a torch.Size")
-    return tuple(*args)
+    size = tuple(*args)
+    for item in size:
+        if type(item) is not int:
+            raise FileProblem(f"corrupt pickle data.pkl: a torch.Size holds {quoted(item)}, not an int")
+    return size
 
 
 @_refuses_state
 def _set(*args: Any) -> set[Any]:
     _charge_copy(args, SET_ITEM_BYTES, "a set")
+    if len(args) == 1 and type(args[0]) in _SETS_OF:  # hashing a tuple hashes its items
+        charge_hashing(args[0], "a set")
     return set(*args)
+
+
+_SETS_OF = (list, tuple, dict, set, frozenset)
 
 
 def _charge_copy(args: tuple[Any, ...], item_bytes: int, what: str) -> None:
