@@ -125,6 +125,9 @@ def test_hf_moe_demo_trains_the_transformers_model_resumes_and_from_pretrained_l
     assert "transformers Qwen3MoeForCausalLM (unmodified, experts_implementation='grouped_mm'" in out
     assert "train W=4 EP=2, steps 0-3" in out and "load it at W=2 EP=1 (resharded)" in out
     assert "training stalled" in out  # the asynchronous Checkpointer's save
+    # the resume at (2, 1) attests every stack expert by expert, as saved at (4, 2)
+    attested = r"zeroshard demo --moe --hf: resumed at W=2 EP=1: attested: \d+ digests of \d+ parameters \(\d+ experts"
+    assert re.search(attested, out), out
     assert "Qwen3MoeForCausalLM.from_pretrained: no missing or unexpected keys, 25 of 25 parameters equal" in out
     assert "25 of 25 tensors (4 expert stacks [E, ...] under their own names) bit-for-bit equal" in out
     for calls in (4 * 4 * 4, 2 * 2 * 4):  # ranks x steps x (gate_up_proj, down_proj) x 2 layers

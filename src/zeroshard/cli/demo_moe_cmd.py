@@ -108,7 +108,7 @@ def _run_arc(config: MoEDemoConfig, args: argparse.Namespace, phases: tuple[Phas
     first = run(first_phase, 0, CheckpointPlan(str(out), resume=False, save_after=half - 1))
     print(f"{demo}: phase 2 resumes that checkpoint on {second_phase}, steps {half}-{last}", flush=True)
     second = run(second_phase, half, CheckpointPlan(str(out), resume=True, save_after=last, live_state=True))
-    print(f"zeroshard demo --moe: resumed at {second_phase}: {second.attestation}", flush=True)
+    print(f"{demo}: resumed at {second_phase}: {second.attestation}", flush=True)
     rows = [
         (f"train {first_phase}, steps 0-{last}", first.train_seconds, _losses(first)),
         _save_row(f"save after step {half - 1} at {first_phase}", first),
