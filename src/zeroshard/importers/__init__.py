@@ -12,7 +12,7 @@ lists, so :func:`~zeroshard.checkpoint.formats.open_source` recognises it.
 from ..checkpoint.formats import SourceFormat
 from .autoep import AutoEPSource
 from .deepspeed import DeepSpeedSource, open_deepspeed
-from .deepspeed_files import find_tag_dir, is_deepspeed_checkpoint, is_deepspeed_universal, recognise_deepspeed
+from .deepspeed_paths import find_tag_dir, is_deepspeed_checkpoint, is_deepspeed_universal, recognise_deepspeed
 from .deepspeed_pickle import ALLOWED_GLOBALS, DeepSpeedFormatError
 
 # Recognises DeepSpeed's own universal format too, so that opening it refuses it by name.

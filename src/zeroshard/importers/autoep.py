@@ -25,7 +25,7 @@ from ..checkpoint.source import read_param
 from ..layout import EXPERT_SHARD_GROUP, GroupSpec, ParamSpec, build_layout
 from .autoep_names import ModelStack, TransformersNames, transformers_names
 from .deepspeed import DeepSpeedSource
-from .deepspeed_files import MODEL_STATES_FILE
+from .deepspeed_paths import MODEL_STATES_FILE
 
 
 class AutoEPSource(PackedSource):

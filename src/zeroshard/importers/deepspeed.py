@@ -35,16 +35,12 @@ from ..layout.coordinates import shard_rank
 from ..state import ParamGroupState
 from .autoep_files import ExpertWeights, expert_file_names, read_expert_files
 from .autoep_layout import expert_group_spec, group_kind
-from .deepspeed_files import (
+from .deepspeed_files import ModelStates, RankShard, read_model_states, read_rank_shard, read_scalars
+from .deepspeed_paths import (
     MODEL_STATES_FILE,
-    ModelStates,
-    RankShard,
     find_tag_dir,
     model_states_path,
     rank_file_paths,
-    read_model_states,
-    read_rank_shard,
-    read_scalars,
     refuse_deepspeed_universal,
     refuse_unsupported,
 )
