@@ -5,6 +5,7 @@ values (the silent transpose and the doubled ``.weight`` of earlier exports are 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -270,3 +271,25 @@ def test_reports_name_described_stacks_and_leave_legacy_ones_alone():
     assert "  stacks none, exported stacked: l0.bias" in lines
     legacy = build_layout([mesh.expert_group([ParamSpec.of("w1", (1, 8, 4), "fp32")], 2)], 2)
     assert not [line for line in shard_group_lines(legacy) if "stacks" in line]
+
+
+@pytest.mark.parametrize("convert", ["to-fp32 stacked", "to-fp32 per-expert", "to-universal"])
+def test_converters_check_each_expert_of_a_stack_read_whole_against_its_digest(user_run, tmp_path, convert):
+    """A stack read whole (stacked exports, universal checkpoints) is checked expert by
+    expert; an edited digest of one expert is refused naming it, and nothing is written."""
+    import shutil
+
+    from zeroshard.checkpoint.io.damage import CheckpointDamagedError
+
+    _, _, checkpoint = user_run
+    edited = Path(shutil.copytree(checkpoint, tmp_path / "edited"))
+    manifest = json.loads((edited / "manifest.json").read_text())
+    manifest["digests"]["params"]["moe.weight"]["fp32"][2] ^= 1
+    (edited / "manifest.json").write_text(json.dumps(manifest))
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointDamagedError, match=r"'moe\.weight' expert 2 fp32 reads as digest"):
+        if convert == "to-universal":
+            to_universal(edited, out, progress=False)
+        else:
+            to_fp32(edited, out, experts=convert.split()[1].replace("-", "_"), progress=False)
+    assert not out.exists()
