@@ -95,3 +95,37 @@ def edit_torch_file(path: Path, change: Callable[[Any], None]) -> None:
     raw = torch.load(path, map_location="cpu", weights_only=False)
     change(raw)
     torch.save(raw, path)
+
+
+# ---- keys of one hash ----------------------------------------------------------------------------
+MERSENNE_61 = (1 << 61) - 1  # an int's hash is itself modulo this
+_LANE = (11400714785074694791, 14029467366897019727, 2870177450012600261)  # CPython's tuple-hash primes
+_MASK = (1 << 64) - 1
+
+
+def long1(value: int) -> bytes:
+    """LONG1 (a signed int of up to 255 bytes)."""
+    encoded = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8a" + bytes([len(encoded)]) + encoded
+
+
+def colliding_ints(count: int) -> list[int]:
+    """``count`` distinct ints of one hash: multiples of 2^61 - 1."""
+    return [k * MERSENNE_61 for k in range(1, count + 1)]
+
+
+def colliding_pairs(count: int, target: int = 12345) -> list[tuple[int, int]]:
+    """``count`` distinct pairs ``(i, b)`` whose hash is ``target``: CPython mixes a tuple's
+    item hashes by invertible steps, so for each small ``i`` the hash ``b`` must have is
+    solved for (kept where an int below 2^61 - 1 hashes to it: itself)."""
+    prime1, prime2, prime5 = _LANE
+    rotate = lambda x, r: ((x << r) | (x >> (64 - r))) & _MASK  # noqa: E731
+    mix = lambda acc, lane: (rotate((acc + lane * prime2) & _MASK, 31) * prime1) & _MASK  # noqa: E731
+    after_two = rotate(((target - (2 ^ prime5 ^ 3527539)) * pow(prime1, -1, 1 << 64)) & _MASK, 64 - 31)
+    pairs, first = [], 0
+    while len(pairs) < count:
+        second = ((after_two - mix(prime5, first)) * pow(prime2, -1, 1 << 64)) & _MASK
+        if second < MERSENNE_61 - 1:
+            pairs.append((first, second))
+        first += 1
+    return pairs

@@ -3,13 +3,29 @@ tuple's hash is not cached, so a tuple of memoised tuples, each holding the one 
 takes 2^depth steps to hash. Each bomb here is deep enough to take seconds on the old reader
 (26 links: about 4 s; each link doubles it) and must be refused in well under a second with a
 one-line error naming the file; real torch.save files sharing tuples load as before.
+
+A dict also compares a new key with every stored key of an equal hash, and a file can choose
+ints' and tuples' hashes: 20,000 keys of one hash took the old reader 4 to 12 s (quadratic),
+and are refused the same way; keys of distinct hashes (tuples of ints, big ints, floats) load.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hostile_files import PROTO, archive, distinct_ints, get, glob, integer, put
+from hostile_files import (
+    PROTO,
+    archive,
+    colliding_ints,
+    colliding_pairs,
+    distinct_ints,
+    get,
+    glob,
+    integer,
+    long1,
+    put,
+    text,
+)
 from test_budget import expect_refused_within_budget
 
 from zeroshard.importers import pickle_scan
@@ -50,7 +66,9 @@ def test_one_memoised_tuple_used_as_a_key_again_and_again_is_refused(tmp_path):
 @pytest.mark.parametrize("qualname", ["torch.Size", "builtins.set"])
 def test_a_memoised_list_holding_a_big_tuple_copied_into_keys_is_refused(tmp_path, qualname):
     """torch.Size(L) and set(L) of a list L holding one tuple of 4,000 ints, 5,000 times:
-    no tuple is memoised, the list hides it (the old reader hashed 20 M items)."""
+    no tuple is memoised, the list hides it (the old reader hashed 20 M items). The 5,000
+    torch.Size keys are calls' results, which may collide: the count of comparisons refuses
+    them before the wrapper would (test_a_torch_size_of_anything_but_ints_is_refused)."""
     hidden = b"](" + b"(" + distinct_ints(4000) + b"t" + b"e" + put(0) + b"0"
     call = glob(qualname) + put(1) + b"0"
     if qualname == "torch.Size":  # the copy as a key
@@ -58,8 +76,7 @@ def test_a_memoised_list_holding_a_big_tuple_copied_into_keys_is_refused(tmp_pat
         data = PROTO + hidden + call + b"}(" + repeated * 5000 + b"u."
     else:
         data = PROTO + hidden + call + b"](" + (get(1) + get(0) + b"\x85R") * 5000 + b"e."
-    words = "torch.Size" if qualname == "torch.Size" else "hashing"
-    expect_refused_within_budget(archive(tmp_path / "hidden.pt", data), words)
+    expect_refused_within_budget(archive(tmp_path / "hidden.pt", data), "hashing")
 
 
 def test_a_tuple_nested_deeper_than_the_c_stack_is_refused(tmp_path):
@@ -129,3 +146,104 @@ def test_a_put_after_what_did_not_make_it_takes_the_exact_count(monkeypatch):
         assert counted[-1:] == [data], before
     with pytest.raises(FileProblem, match="GLOBAL"):
         pickle_scan.check_opcodes(PROTO + b"cfoo.")
+
+
+# ---- keys of one hash ---------------------------------------------------------------------------
+KEYS = 20_000
+_INTS = b"".join(map(long1, colliding_ints(KEYS)))
+_PAIRS = b"".join(integer(first) + long1(second) + b"\x86" for first, second in colliding_pairs(KEYS))
+ALIKE = {  # each puts 20,000 distinct keys of one hash into one container
+    "int keys (SETITEMS)": b"}(" + b"".join(long1(k) + b"N" for k in colliding_ints(KEYS)) + b"u",
+    "int keys (SETITEM)": b"}" + b"".join(long1(k) + b"Ns" for k in colliding_ints(KEYS)),
+    "OrderedDict keys": glob("collections.OrderedDict") + b")R(" + b"".join(long1(k) + b"N" for k in colliding_ints(KEYS)) + b"u",
+    "tuple keys": b"}(" + b"".join(integer(a) + long1(b) + b"\x86N" for a, b in colliding_pairs(KEYS)) + b"u",
+    "set elements": b"\x8f(" + _INTS + b"\x90",
+    "frozenset elements": b"(" + _PAIRS + b"\x91",
+    "set() of a list": glob("builtins.set") + b"](" + _INTS + b"e\x85R",
+}
+
+
+def test_the_keys_of_the_bombs_share_one_hash():
+    for values in (colliding_ints(KEYS), colliding_pairs(KEYS)):
+        assert len(set(map(hash, values))) == 1 and len(values) == KEYS
+
+
+@pytest.mark.parametrize("case", list(ALIKE))
+def test_distinct_keys_of_one_hash_are_refused_before_they_are_compared(tmp_path, case):
+    path = archive(tmp_path / "alike.pt", PROTO + ALIKE[case] + b".")
+    message = expect_refused_within_budget(path, "of one hash")
+    assert "16" in message, message
+
+
+def test_keys_made_by_calls_count_as_colliding_with_every_key(tmp_path):
+    """8,000 torch.Size keys of one hash (the old reader compared them for seconds): a call
+    made them, so their values are not in the bytes, and each is counted as compared with
+    every key before it: past the budget."""
+    size = glob("torch.Size") + put(0) + b"0"
+    keys = b"".join(get(0) + b"](" + integer(a) + long1(b) + b"e\x85RN" for a, b in colliding_pairs(8000))
+    path = archive(tmp_path / "sizes.pt", PROTO + size + b"}(" + keys + b"u.")
+    expect_refused_within_budget(path, "hashing", "comparing")
+
+
+def _padded(keys: bytes) -> bytes:
+    """A dict of ``keys`` beside 3,000 tuples: too many tuple opcodes for the cheap bound,
+    so the exact count rebuilds the keys and groups them by hash."""
+    tuples = b"](" + b"".join(integer(i) + b"\x85" for i in range(3000)) + b"e"
+    return PROTO + b"(" + tuples + b"}(" + keys + b"ut."
+
+
+@pytest.mark.parametrize("alike", [16, 17])
+def test_at_most_16_distinct_keys_of_one_hash_load(tmp_path, alike, monkeypatch):
+    counted = []
+    original = pickle_scan.hash_steps
+    monkeypatch.setattr(pickle_scan, "hash_steps", lambda *a: counted.append(1) or original(*a))
+    values = colliding_ints(alike)
+    path = archive(tmp_path / "alike.pt", _padded(b"".join(long1(v) + text(str(v)) for v in values)))
+    if alike == 16:
+        loaded = load_torch_file(path)
+        assert loaded[1] == {v: str(v) for v in values}
+    else:
+        with pytest.raises(TorchFileError, match="more than 16 distinct keys of one hash"):
+            load_torch_file(path)
+    assert counted == [1]
+
+
+REAL_KEYS = {  # what a user may key a dict by: distinct hashes, rebuilt from the bytes
+    "(layer, expert) pairs": {(layer, expert): float(layer * expert) for layer in range(64) for expert in range(32)},
+    "big ints": {1000003**3 * i: i for i in range(2000)},
+    "floats": {i / 7: i for i in range(2000)},
+    "(name, index) pairs": {(f"layer{layer}", expert): expert for layer in range(64) for expert in range(32)},
+    "nested tuples": {((i, (i, -1)), None, True, "x", 1.5, 2**80 + i): i for i in range(2000)},
+    "a set of pairs": {"pairs": {(i, -i) for i in range(3000)}},
+}
+
+
+@pytest.mark.parametrize("case", list(REAL_KEYS))
+def test_thousands_of_keys_of_distinct_hashes_load(tmp_path, case):
+    path = tmp_path / "keys.pt"
+    torch.save(REAL_KEYS[case], path)
+    assert load_torch_file(path) == REAL_KEYS[case]
+
+
+@pytest.mark.parametrize("qualname", ["collections.OrderedDict", "deepspeed.utils.tensor_fragment.fragment_address"])
+def test_a_state_naming_attributes_by_anything_but_strings_is_refused(tmp_path, qualname):
+    """BUILD copies its state into the object's attributes, again for every object a memoised
+    state fills: attribute names are strings, whose hashes no file chooses."""
+    from zeroshard.importers.deepspeed_pickle import ALLOWED_GLOBALS
+
+    made = b")R" if qualname == "collections.OrderedDict" else b")\x81"
+    state = b"}(" + b"".join(long1(k) + b"N" for k in colliding_ints(5)) + b"u"
+    path = archive(tmp_path / "state.pt", PROTO + glob(qualname) + made + state + b"b.")
+    with pytest.raises(TorchFileError, match="names an attribute by a non-string"):
+        load_torch_file(path, ALLOWED_GLOBALS)
+
+
+def test_keys_of_no_known_value_are_compared_with_every_key_put_after_them(tmp_path):
+    """1,500 torch.Size keys sharing the hash of the int 7 (the count charges their comparisons
+    with each other, within the budget), then the key 7 put 20,000 times: each put compares it
+    with all 1,500 (the old count charged one step each)."""
+    size = glob("torch.Size") + put(0) + b"0"
+    sizes = b"".join(get(0) + b"](" + integer(a) + long1(b) + b"e\x85RN" for a, b in colliding_pairs(1500, target=7))
+    assert hash(tuple(colliding_pairs(1, target=7)[0])) == hash(7)
+    path = archive(tmp_path / "after.pt", PROTO + size + b"}(" + sizes + (integer(7) + b"N") * 20_000 + b"u.")
+    expect_refused_within_budget(path, "hashing", "comparing")

@@ -8,17 +8,32 @@ nested 150,000 deep overflows the C stack. Nothing of this can be charged while 
 unpickler runs, so :func:`hash_steps` counts it first, on the opcodes alone: the *weight*
 of each object on the stack and in the memo (a tuple's: 1 plus its items'; a call's result:
 its arguments', as ``torch.Size(t)`` copies ``t``; anything else: 1) and the weight of every
-key and element hashed. :mod:`.pickle_scan` runs it only where a cheap bound cannot clear the
-pickle (most torch.save pickles memoise no tuple that they get again).
+key and element hashed.
 
-Python code hashing what a pickle built (``set(...)``) is charged by :func:`hash_weight`.
+A dict also compares a new key with every stored key of an equal hash, and a file can choose
+hashes: an int's is itself modulo 2^61 - 1, a float's follows from its value, and a tuple's
+mixes its items' by steps that can be solved for an item (20,000 int keys that are multiples
+of 2^61 - 1, 259 KB, took seconds to unpickle: quadratic in the keys). A string's hash is
+keyed by the process's random seed, and distinct small ints hash apart, so only keys that are
+*collidable* (a big int, a float, a tuple, a frozenset, anything a call or a persistent id
+made) can collide. The count charges each such key, as if every one collided, a comparison
+with every collidable key its container already holds (each costs at most the new key's
+weight: a comparison stops at the first item that differs, and an item compared with
+itself costs one step). A file of keys torch.save writes (strings, small ints) costs what
+it costs to hash.
+
+:mod:`.pickle_scan` runs the count only where a cheap bound cannot clear the pickle.
+Python code hashing what a pickle built (``set(...)``) is charged by :func:`charge_hashing`.
 """
 
 from __future__ import annotations
 
+import operator
 import pickletools
 from typing import Any
 
+from ..checkpoint.io.hashes import MAX_ALIKE, crowded
+from .pickle_keys import REBUILT, UNKNOWN, Held, stand_in
 from .torch_records import FileProblem, charge_load
 
 MAX_TUPLE_DEPTH = 10_000  # tuples nested deeper are refused: hashing one recurses in C
@@ -34,19 +49,39 @@ _LENGTH_WIDTHS = {  # counted opcodes: the width of their length, then that many
         ("SHORT_BINBYTES", 1), ("BINBYTES", 4), ("BINBYTES8", 8),
     )
 }  # fmt: skip
-_PUSH_ONE = {  # a new object, weight 1, no argument or one that is skipped
+_PUSHED = {  # a new object of weight 1 whose value lies in its bytes; no argument or one skipped
     _CODES[name]
     for name in (
         "NONE", "NEWTRUE", "NEWFALSE", "BININT", "BININT1", "BININT2", "BINFLOAT", "EMPTY_TUPLE",
-        "EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8",
-        "SHORT_BINBYTES", "BINBYTES", "BINBYTES8", "LONG1", "LONG4",
+        "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "SHORT_BINBYTES", "BINBYTES", "BINBYTES8", "LONG1", "LONG4",
     )
 }  # fmt: skip
+# Of those, what a file may choose the hash of (BININT's 32 bits hash to themselves: distinct
+# ones hash apart, but for -1 and -2; a string's hash is keyed by the process's seed).
+_CHOSEN_HASHES = {_CODES[name] for name in ("BINFLOAT", "LONG1", "LONG4")}
+_CONTAINERS = {_CODES[name] for name in ("EMPTY_DICT", "EMPTY_SET")}
+# The entries of pushes whose value needs no position (a constant, a BININT1 by its byte):
+# shared, so that a pickle of pushes allocates nothing per push.
+_BININT1 = [(1, 0, None, (value,)) for value in range(256)]
+_SHARED: dict[int, Any] = {
+    **{_CODES[name]: (1, 0, None, (value,)) for name, value in (("NONE", None), ("NEWTRUE", True), ("NEWFALSE", False))},
+    _CODES["EMPTY_TUPLE"]: (1, 0, None, ((),)),
+    _CODES["BININT1"]: _BININT1,
+}
 _TUPLE_SIZES = {_CODES["TUPLE1"]: 1, _CODES["TUPLE2"]: 2, _CODES["TUPLE3"]: 3}
 _GETS = {_CODES["BINGET"]: 1, _CODES["LONG_BINGET"]: 4}
 _PUTS = {_CODES["BINPUT"]: 1, _CODES["LONG_BINPUT"]: 4}
 _CALLS = {_CODES["REDUCE"], _CODES["NEWOBJ"]}
 _GLOBAL, _STOP, _MARK = _CODES["GLOBAL"], _CODES["STOP"], _CODES["MARK"]
+assert _PUSHED <= REBUILT
+
+# A stack entry is (weight, depth, held, source): ``held`` the Held of a container (a dict,
+# a set, what a call made: an OrderedDict), else None; ``source`` what stand_in rebuilds the
+# value from (the position of the opcode that pushed it, the value in a 1-tuple, or a
+# tuple's item entries), None
+# for what no file chooses the hash of (a global, a list), UNKNOWN for what a call or a
+# persistent id made (its hash unknown here).
+_Entry = tuple[int, int, "Held | None", Any]
 
 
 class _Underflow(Exception):
@@ -54,18 +89,21 @@ class _Underflow(Exception):
 
 
 def hash_steps(data: bytes, limit: int) -> int:
-    """The steps hashing the keys and elements of the (scanned) pickle ``data`` takes, each
-    object's weight (of at most ``limit + 1``: the count stops there) once per time it is
-    hashed; FileProblem past ``limit`` or for a tuple nested deeper than MAX_TUPLE_DEPTH.
-    A pickle the C unpickler would refuse part way is counted up to there."""
+    """The steps hashing the keys and elements of the (scanned) pickle ``data`` takes (each
+    object's weight, of at most ``limit + 1``: the count stops there, once per time it is
+    hashed), and comparing each one whose hash the file may choose with the stored keys of
+    its hash (rebuilt from the bytes) or of any hash (where the bytes do not give its value);
+    FileProblem past ``limit``, for more than MAX_ALIKE distinct keys of one hash in a
+    container, or for a tuple nested deeper than MAX_TUPLE_DEPTH. A pickle the C unpickler
+    would refuse part way is counted up to there."""
     total = 0
     try:
-        for weight, _ in _hashed(data, limit + 1):
-            total += weight
+        for steps in _hashed(data, limit + 1):
+            total += steps
             if total > limit:
                 raise FileProblem(
-                    f"refused to unpickle data.pkl: hashing its dict keys and set elements takes more than "
-                    f"{limit:,} steps for a pickle of {len(data):,} bytes (tuples shared through the memo)"
+                    f"refused to unpickle data.pkl: hashing its dict keys and set elements (and comparing those "
+                    f"that may hash alike) takes more than {limit:,} steps for a pickle of {len(data):,} bytes"
                 )
     except _Underflow:
         pass
@@ -73,31 +111,50 @@ def hash_steps(data: bytes, limit: int) -> int:
 
 
 def _hashed(data: bytes, cap: int) -> Any:
-    """(weight, depth) of each object the pickle's opcodes hash, in order; a stack entry is
-    such a pair, weights capped at ``cap``."""
-    one = (1, 0)
-    stack: list[tuple[int, int]] = []
-    marks: list[list[tuple[int, int]]] = []
-    memo: dict[int, tuple[int, int]] = {}
+    """The steps of each put of a key or element into a container, in the order of the
+    pickle's opcodes (hashing it, then comparing it); weights capped at ``cap``."""
+    one: _Entry = (1, 0, None, None)
+    stack: list[_Entry] = []
+    marks: list[list[_Entry]] = []
+    memo: dict[int, _Entry] = {}
+    rebuilt: dict[int, Any] = {}
 
-    def pop_mark() -> list[tuple[int, int]]:
+    def into(container: _Entry, keys: list[_Entry]) -> Any:
+        held = container[2]
+        for key in keys:
+            weight, _, _, source = key
+            yield weight  # hashed first: the rebuilt key is hashed only once that is affordable
+            if held is None:
+                continue  # no container: the unpickler fails
+            if source is None or (type(source) is int and data[source] not in _CHOSEN_HASHES):
+                yield weight * held.unknown  # a hash no file chooses, but a key of no known value may have it
+            else:
+                yield weight * held.comparisons(stand_in(key, data, rebuilt))
+
+    def pop_mark() -> list[_Entry]:
         nonlocal stack
         if not marks:
             raise _Underflow
         items, stack = stack, marks.pop()
         return items
 
-    def pop() -> tuple[int, int]:
+    def pop() -> _Entry:
         if not stack:
             raise _Underflow
         return stack.pop()
+
+    def top() -> _Entry:
+        if not stack:
+            raise _Underflow
+        return stack[-1]
 
     position, end = 0, len(data)
     while position < end:
         code = data[position]
         position += 1
-        if code in _PUSH_ONE:
-            stack.append(one)
+        if code in _PUSHED:
+            shared = _SHARED.get(code)  # most pushes of a torch.save pickle: none allocates an entry
+            stack.append(shared[data[position]] if shared is _BININT1 else shared or (1, 0, None, position - 1))
             if code in _LENGTH_WIDTHS:
                 width = _LENGTH_WIDTHS[code]
                 position += width + int.from_bytes(data[position : position + width], "little")
@@ -109,9 +166,7 @@ def _hashed(data: bytes, cap: int) -> Any:
             position += width
         elif code in _PUTS:
             width = _PUTS[code]
-            if not stack:
-                raise _Underflow
-            memo[int.from_bytes(data[position : position + width], "little")] = stack[-1]
+            memo[int.from_bytes(data[position : position + width], "little")] = top()
             position += width
         elif code in _TUPLE_SIZES:
             count = _TUPLE_SIZES[code]
@@ -120,6 +175,8 @@ def _hashed(data: bytes, cap: int) -> Any:
             items = stack[-count:]
             del stack[-count:]
             stack.append(_tuple(items, cap))
+        elif code in _CONTAINERS:
+            stack.append((1, 0, Held(), None))
         elif code == _MARK:
             marks.append(stack)
             stack = []
@@ -128,20 +185,24 @@ def _hashed(data: bytes, cap: int) -> Any:
             stack.append(_tuple(items, cap))
         elif code == _CODES["SETITEM"]:
             pop()
-            yield pop()
+            key = pop()
+            yield from into(top(), [key])
         elif code == _CODES["SETITEMS"]:
-            yield from pop_mark()[::2]
+            items = pop_mark()
+            yield from into(top(), items[::2])
         elif code == _CODES["ADDITEMS"]:
-            yield from pop_mark()
+            items = pop_mark()
+            yield from into(top(), items)
         elif code == _CODES["FROZENSET"]:
-            yield from pop_mark()
-            stack.append(one)
-        elif code in _CALLS:  # torch.Size(t) copies t; any other result costs no more to hash
+            yield from into((1, 0, Held(), None), pop_mark())
+            stack.append((1, 0, None, UNKNOWN))
+        elif code in _CALLS:  # torch.Size(t) copies t; what a call makes may be a container
             arguments = pop()
             pop()
-            stack.append(arguments)
+            stack.append((arguments[0], arguments[1], Held(), UNKNOWN))
         elif code == _CODES["BINPERSID"]:
-            stack.append(pop())
+            weight, depth, _, _ = pop()
+            stack.append((weight, depth, None, UNKNOWN))
         elif code in (_CODES["APPEND"], _CODES["BUILD"], _CODES["POP"]):
             if code == _CODES["POP"] and not stack:
                 pop_mark()
@@ -150,13 +211,9 @@ def _hashed(data: bytes, cap: int) -> Any:
         elif code in (_CODES["APPENDS"], _CODES["POP_MARK"]):
             pop_mark()
         elif code == _CODES["DUP"]:
-            if not stack:
-                raise _Underflow
-            stack.append(stack[-1])
+            stack.append(top())
         elif code == _CODES["MEMOIZE"]:
-            if not stack:
-                raise _Underflow
-            memo[len(memo)] = stack[-1]
+            memo[len(memo)] = top()
         elif code == _GLOBAL:
             position = data.index(b"\n", data.index(b"\n", position) + 1) + 1
             stack.append(one)
@@ -166,20 +223,24 @@ def _hashed(data: bytes, cap: int) -> Any:
             stack.append(one)
         elif code == _STOP:
             return
+        elif code == _CODES["EMPTY_LIST"]:
+            stack.append(one)
         else:  # PROTO, FRAME: no object
             position += _WIDTHS.get(code, 0)
 
 
-def _tuple(items: list[tuple[int, int]], cap: int) -> tuple[int, int]:
-    """The (weight, depth) of a tuple of ``items``; FileProblem past MAX_TUPLE_DEPTH (whether
-    it is hashed by the unpickler or not: what reads the object may hash it)."""
+def _tuple(items: list[_Entry], cap: int) -> _Entry:
+    """The entry of a tuple of ``items``; FileProblem past MAX_TUPLE_DEPTH (whether it is
+    hashed by the unpickler or not: what reads the object may hash it)."""
     if not items:
-        return (1, 1)
-    weights, depths = zip(*items)
-    depth = 1 + max(depths)
+        return (1, 1, None, items)
+    depth = 1 + max(map(_DEPTH, items))
     if depth > MAX_TUPLE_DEPTH:
         raise FileProblem(f"refused to unpickle data.pkl: a tuple nested more than {MAX_TUPLE_DEPTH:,} deep")
-    return (min(1 + sum(weights), cap), depth)
+    return (min(1 + sum(map(_WEIGHT, items)), cap), depth, None, items)
+
+
+_WEIGHT, _DEPTH = operator.itemgetter(0), operator.itemgetter(1)
 
 
 def hash_weight(values: Any) -> int:
@@ -201,6 +262,13 @@ def hash_weight(values: Any) -> int:
 
 def charge_hashing(values: Any, what: str) -> None:
     """Charge the load's budget (one byte per step) for hashing ``values`` into ``what``,
-    where one holds a tuple (other values cost a step each, charged with their copy)."""
+    where one holds a tuple (other values cost a step each, charged with their copy); then
+    refuse more than MAX_ALIKE distinct values of one hash among them (FileProblem), which
+    the set would compare with each other: quadratic in the values."""
     if any(type(value) is tuple for value in values):
         charge_load(hash_weight(values), "hashing {:,} items into {}", len(values), what)
+    if not all(type(value) is str for value in values) and crowded(values):
+        raise FileProblem(
+            f"refused to unpickle data.pkl: {what} of {len(values):,} items holds more than {MAX_ALIKE} "
+            "distinct ones of one hash (a file choosing hashes)"
+        )

@@ -70,6 +70,7 @@ _UNCOUNTED = ("DUP", "MEMOIZE", "FRAME")
 # on a tuple leaves the tuple). A put after a fence memoises what lies below.
 _HEAVY = ("TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "REDUCE", "NEWOBJ", "BINPERSID", "BUILD")
 _FENCES = ("MARK", "POP", "POP_MARK")
+_CALLS_AND_IDS = ("REDUCE", "NEWOBJ", "BINPERSID")
 _UNCOUNTED_CODES = frozenset(_OPCODES[name].code.encode("latin-1")[0] for name in _UNCOUNTED)
 _BEFORE_A_PUT = frozenset(
     _OPCODES[name].code.encode("latin-1")[0]
@@ -198,20 +199,28 @@ def check_opcodes(data: bytes) -> int:
 
 
 def _check_hashing(data: bytes, segments: list[tuple[int, int]], uncounted: bool) -> None:
-    """FileProblem where hashing what the pickle builds would take more than FACTOR steps per
-    byte plus CONSTANT, or recurse too deep (:func:`~.pickle_hashing.hash_steps` counts it).
+    """FileProblem where hashing what the pickle builds, and comparing keys of equal hashes,
+    would take more than FACTOR steps per byte plus CONSTANT, or recurse too deep
+    (:func:`~.pickle_hashing.hash_steps` counts it).
 
     A cheap bound clears most pickles first. A hashed object weighs its bytes at most while no
     get pushes what may weigh more than 1 (the gets of _HEAVY objects: torch.save memoises
     tuples, but gets one again only where the saved object shares it, a ``betas`` tuple in
     every param group of an optimizer), and each such get at most doubles what all the
-    objects built so far weigh: hashing takes at most (bytes + 1) * 2^gets steps. (Copies out
-    of a list, ``torch.Size(L)`` and ``set(L)``, are checked by the unpickler's wrappers.)
-    A tuple is nested at most as deep as the pickle has tuple opcodes."""
+    objects built so far weigh: hashing takes at most (bytes + 1) * 2^gets steps. A key that
+    may collide is compared with at most every other collidable object, of which there are
+    no more than the bytes holding an opcode that makes one (_COLLIDING), each comparison
+    costing at most the key's weight: (1 + those bytes) times as much in all. (Copies out of
+    a list, ``torch.Size(L)`` and ``set(L)``, are checked by the unpickler's wrappers.) A
+    tuple is nested at most as deep as the pickle has tuple opcodes."""
     limit = FACTOR * len(data) + CONSTANT
     if not uncounted and _shallow(data):
-        bound = limit // (len(data) + 1)  # 2^gets may be this much
-        for count in (_heavy_gets_at_most, _heavy_gets):  # by byte values, then by opcodes
+        collidable = sum(map(data.count, _COLLIDING_CODES))
+        bound = limit // ((len(data) + 1) * (1 + collidable))  # 2^gets may be this much
+        # By byte values, then by opcodes; the bytes that look like gets of a pickle with names
+        # are rarely fewer than 3 (a rank file's: 5 to 7), so the first is tried where more may pass.
+        counts = (_heavy_gets_at_most, _heavy_gets) if bound >= 8 else (_heavy_gets,)
+        for count in counts if bound else ():
             gets = count(data, segments)
             if gets is not None and 1 << min(gets, 64) <= bound:
                 return
@@ -262,6 +271,9 @@ def _shallow(data: bytes) -> bool:
 
 
 _TUPLE_CODES = tuple(_OPCODES[name].code.encode("latin-1") for name in ("TUPLE", "TUPLE1", "TUPLE2", "TUPLE3"))
+# The opcodes making an object whose hash a file may choose (pickle_hashing's collidable ones).
+_COLLIDING = ("BINFLOAT", "LONG1", "LONG4", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "FROZENSET", *_CALLS_AND_IDS)
+_COLLIDING_CODES = tuple(_OPCODES[name].code.encode("latin-1") for name in _COLLIDING)
 _PASSED: dict[bytes, int] = {}
 _PASSED_LOCK = threading.Lock()
 # At D = 768 a synthesised checkpoint holds 67 distinct rank-file pickles: 16 entries missed

@@ -93,6 +93,7 @@ def fills_state(cls: type) -> type:
             raise FileProblem(f"corrupt pickle data.pkl: the state of a {cls.__name__} is not a dict")
         if len(state) > _SMALL_STATE:
             charge_load(len(state) * DICT_ITEM_BYTES, "setting {:,} attributes of a {}", len(state), cls.__name__)
+            check_attribute_names(state, cls.__name__)
         self.__dict__.update(state)
 
     cls.__setstate__ = __setstate__  # type: ignore[attr-defined]
@@ -100,6 +101,14 @@ def fills_state(cls: type) -> type:
 
 
 _SMALL_STATE = 4
+
+
+def check_attribute_names(state: dict[Any, Any], what: str) -> None:
+    """Refuse a BUILD state whose keys are not all strings: they are attribute names, and
+    keys a file chose the hashes of would be compared with each other again in every object
+    a memoised state fills."""
+    if not all(type(name) is str for name in state):
+        raise FileProblem(f"corrupt pickle data.pkl: the state of a {what} names an attribute by a non-string")
 LOADING = threading.local()  # .budget: the Budget of the load this thread runs (set by the unpickler)
 
 

@@ -46,6 +46,7 @@ from .torch_records import (
     StorageRecord,
     StoredTensor,
     charge_load,
+    check_attribute_names,
     one_line,
     span,
     unbuildable,
@@ -307,7 +308,7 @@ def _size(*args: Any) -> tuple[Any, ...]:
 @_refuses_state
 def _set(*args: Any) -> set[Any]:
     _charge_copy(args, SET_ITEM_BYTES, "a set")
-    if len(args) == 1 and type(args[0]) in _SETS_OF:  # hashing a tuple hashes its items
+    if len(args) == 1 and type(args[0]) in _SETS_OF:  # hashing a tuple hashes its items; keys may collide
         charge_hashing(args[0], "a set")
     return set(*args)
 
@@ -334,6 +335,7 @@ class LoadedOrderedDict(OrderedDict):  # type: ignore[type-arg]
         if type(state) is not dict:
             raise FileProblem("corrupt pickle data.pkl: the state of an OrderedDict is not a dict")
         charge_load(len(state) * DICT_ITEM_BYTES, "setting {:,} attributes of an OrderedDict", len(state))
+        check_attribute_names(state, "OrderedDict")
         self.__dict__.update(state)
 
 
