@@ -153,7 +153,7 @@ FIELD_CASES = {
     "a layer id twice": (
         MODEL,
         layer(lambda e: e.update(moe_layer_id=0), 1),
-        "ds_autoep_layers names a moe_layer_id twice",
+        "ds_autoep_layers names moe_layer_id 0 twice",
     ),
     "expert-DP size": (
         MODEL,

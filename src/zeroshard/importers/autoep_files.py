@@ -96,12 +96,14 @@ def parse_autoep(raw: dict[str, Any], ds_config: dict[str, Any], path: Path) -> 
         ("moe_layer_id", [layer.moe_layer_id for layer in layers]),
         ("module_path", [layer.module_path for layer in layers]),
     ):
-        if len(set(values)) != len(values):
-            raise fields.field_error(path, LAYERS_KEY, f"names a {what} twice ({values})")
-    sizes = {layer.ep_size for layer in layers}
-    if len(sizes) != 1:
-        raise fields.field_error(path, LAYERS_KEY, f"mixes expert-parallel sizes {sorted(sizes)}")
-    ep_size = sizes.pop()
+        ordered = sorted(values)  # not a set: ints a file chose may share a hash, and a set compares them all
+        if any(first == second for first, second in zip(ordered, ordered[1:])):
+            twice = next(first for first, second in zip(ordered, ordered[1:]) if first == second)
+            raise fields.field_error(path, LAYERS_KEY, f"names {what} {quoted(twice)} twice")
+    ep_size = layers[0].ep_size
+    other = next((layer.ep_size for layer in layers if layer.ep_size != ep_size), None)
+    if other is not None:
+        raise fields.field_error(path, LAYERS_KEY, f"mixes expert-parallel sizes {quoted(ep_size)} and {quoted(other)}")
     counts = raw.get("num_experts")
     if counts is not None and fields.integers(counts, "num_experts", path) != [layer.num_experts for layer in layers]:
         raise fields.field_error(
