@@ -325,3 +325,17 @@ def test_an_integer_of_more_than_4300_digits_is_refused_naming_the_manifest(nati
     with pytest.raises(ValueError) as caught:
         read(directory)
     assert str(caught.value) == f"{path}: corrupted: it holds an integer of more than 4,300 digits"
+
+
+def test_a_manifest_value_of_keys_of_one_hash_is_refused_in_one_line(native):
+    """The manifest's ``extra`` as a tagged dict of 20,000 int keys sharing one hash (the old
+    reader built it in seconds, quadratic in the keys)."""
+    path = native / "manifest.json"
+    keys = [k * ((1 << 61) - 1) for k in range(1, 20_001)]
+    edit_json(path, lambda data: data.update(extra={"__zeroshard__": "dict", "items": [[k, 0] for k in keys]}))
+    _, _, elapsed = measured(lambda: pytest.raises(ValueError, read_manifest, native))
+    assert elapsed < 1.0, elapsed
+    with pytest.raises(ValueError) as caught:
+        read_manifest(native)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: ") and "of one hash" in message and "\n" not in message, message

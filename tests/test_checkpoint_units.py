@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 import zlib
 
 import numpy as np
@@ -85,6 +86,26 @@ def test_json_values_round_trip_with_their_types():
     assert decode(encode({"array": back["tensor"]}))["array"].tobytes() == back["tensor"].tobytes()
     with pytest.raises(ValueError, match=r"value\['bad'\]: dtype complex64"):
         encode({"bad": np.zeros(2, dtype=np.complex64)})
+
+
+def _tagged_dict(keys: list) -> dict:
+    return {"__zeroshard__": "dict", "items": [[key, None] for key in keys]}
+
+
+@pytest.mark.parametrize("alike", [16, 17, 20_000])
+def test_a_manifest_dict_of_keys_of_one_hash_is_refused_before_it_is_built(alike):
+    """A dict compares a new key with every stored key of its hash, and a file can choose
+    ints' hashes (multiples of 2^61 - 1 share one): 20,000 such keys took seconds to build."""
+    keys = [k * ((1 << 61) - 1) for k in range(1, alike + 1)]
+    started = time.perf_counter()
+    if alike == 16:
+        assert decode(_tagged_dict(keys)) == dict.fromkeys(keys)
+    else:
+        with pytest.raises(ValueError, match="more than 16 distinct keys of one hash"):
+            decode(_tagged_dict(keys))
+    assert time.perf_counter() - started < 0.5
+    pairs = [[i, i + 1] for i in range(20_000)]  # tuples of distinct hashes: built
+    assert decode(_tagged_dict(pairs)) == {(i, i + 1): None for i in range(20_000)}
 
 
 def test_block_hasher_is_independent_of_how_the_stream_is_cut():

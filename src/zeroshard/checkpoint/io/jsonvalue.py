@@ -21,6 +21,7 @@ import numpy as np
 
 from .budget import quoted
 from .dtypes import as_array, dtype_of, dtype_of_code
+from .hashes import MAX_ALIKE, crowded
 
 _TAG = "__zeroshard__"
 _MAX_TENSOR_BYTES = 1 << 20  # bigger tensors belong in a safetensors file, not in JSON
@@ -138,7 +139,10 @@ def decode(value: Any) -> Any:
     if kind == "tuple":
         return tuple(decode(item) for item in value["items"])
     if kind == "dict":
-        return {_hashable(decode(k)): decode(v) for k, v in value["items"]}
+        items = [(_hashable(decode(k)), decode(v)) for k, v in value["items"]]
+        if crowded(key for key, _ in items):
+            raise ValueError(f"a dict in the manifest holds more than {MAX_ALIKE} distinct keys of one hash")
+        return dict(items)
     if kind == "tensor":
         return _decode_tensor(value)
     raise ValueError(f"unknown tagged value {quoted(kind)} in the manifest")
