@@ -11,6 +11,8 @@ and are refused the same way; keys of distinct hashes (tuples of ints, big ints,
 
 from __future__ import annotations
 
+import zipfile
+
 import pytest
 import torch
 from hostile_files import (
@@ -247,3 +249,38 @@ def test_keys_of_no_known_value_are_compared_with_every_key_put_after_them(tmp_p
     assert hash(tuple(colliding_pairs(1, target=7)[0])) == hash(7)
     path = archive(tmp_path / "after.pt", PROTO + size + b"}(" + sizes + (integer(7) + b"N") * 20_000 + b"u.")
     expect_refused_within_budget(path, "hashing", "comparing")
+
+
+def _saved_pickles(tmp_path) -> list[bytes]:
+    """torch.save pickles sharing tuples among names and floats whose bytes look like gets,
+    with more than 256 memo entries (LONG_BINPUT) and globals between the gets."""
+    betas = (0.8, 0.99)
+    shared = (1, (2, 3))
+    values = [
+        adam_state(3),
+        {"h" * 5 + "hq": [betas] * 4, "torch.h": torch.ones(2), "\x85h": shared, "k": [shared, shared]},
+        {f"w{i}h": (float(i) * 1.7e-5, shared, torch.Size([i, 2])) for i in range(300)},
+        [{"a": betas, "t": torch.zeros(3)}, {"b": betas}],
+    ]
+    pickles = []
+    for index, value in enumerate(values):
+        path = tmp_path / f"{index}.pt"
+        torch.save(value, path)
+        with zipfile.ZipFile(path) as archive:
+            pickles.append(archive.read(next(n for n in archive.namelist() if n.endswith("data.pkl"))))
+    return pickles
+
+
+def test_the_gets_that_start_an_opcode_are_between_the_exact_count_and_the_byte_values(tmp_path):
+    """The cheap bound's second count keeps the bytes that look like heavy gets only where an
+    opcode starts: never fewer than the opcode pass finds (it would then clear a bomb), never
+    more than the byte values."""
+    for data in _saved_pickles(tmp_path):
+        segments, uncounted = pickle_scan._scan(data)
+        puts = pickle_scan._heavy_put_indices(data)
+        exact = pickle_scan._heavy_gets(data, segments, puts)
+        starting = pickle_scan._heavy_gets_starting_opcodes(data, segments, puts)
+        at_most = pickle_scan._heavy_gets_at_most(data, segments, puts)
+        assert not uncounted and exact is not None and starting is not None
+        assert exact <= starting <= at_most, (exact, starting, at_most)
+        assert starting > 0, "the pickles share tuples: a get the count must see"

@@ -33,7 +33,7 @@ import pickletools
 from typing import Any
 
 from ..checkpoint.io.hashes import MAX_ALIKE, crowded
-from .pickle_keys import REBUILT, UNKNOWN, Held, stand_in
+from .pickle_keys import ITEMS, REBUILT, UNKNOWN, Held, stand_in
 from .torch_records import FileProblem, charge_load
 
 MAX_TUPLE_DEPTH = 10_000  # tuples nested deeper are refused: hashing one recurses in C
@@ -60,13 +60,16 @@ _PUSHED = {  # a new object of weight 1 whose value lies in its bytes; no argume
 # ones hash apart, but for -1 and -2; a string's hash is keyed by the process's seed).
 _CHOSEN_HASHES = {_CODES[name] for name in ("BINFLOAT", "LONG1", "LONG4")}
 _CONTAINERS = {_CODES[name] for name in ("EMPTY_DICT", "EMPTY_SET")}
-# The entries of pushes whose value needs no position (a constant, a BININT1 by its byte):
-# shared, so that a pickle of pushes allocates nothing per push.
-_BININT1 = [(1, 0, None, (value,)) for value in range(256)]
-_SHARED: dict[int, Any] = {
-    **{_CODES[name]: (1, 0, None, (value,)) for name, value in (("NONE", None), ("NEWTRUE", True), ("NEWFALSE", False))},
-    _CODES["EMPTY_TUPLE"]: (1, 0, None, ((),)),
-    _CODES["BININT1"]: _BININT1,
+# The entries of pushes whose value needs no position, shared (a constant; by the byte after
+# the opcode: a BININT1, an empty string, bytes or LONG1): the opcodes allocating an entry
+# are then 3 bytes at least, at most 40 bytes a byte of pickle.
+_SHARED = {
+    _CODES[name]: (1, 0, None, (value,))
+    for name, value in (("NONE", None), ("NEWTRUE", True), ("NEWFALSE", False), ("EMPTY_TUPLE", ()))
+}
+_SHARED_BY_BYTE = {
+    _CODES["BININT1"]: {value: (1, 0, None, (value,)) for value in range(256)},
+    **{_CODES[name]: {0: (1, 0, None, (empty,))} for name, empty in (("SHORT_BINUNICODE", ""), ("SHORT_BINBYTES", b""), ("LONG1", 0))},
 }
 _TUPLE_SIZES = {_CODES["TUPLE1"]: 1, _CODES["TUPLE2"]: 2, _CODES["TUPLE3"]: 3}
 _GETS = {_CODES["BINGET"]: 1, _CODES["LONG_BINGET"]: 4}
@@ -77,11 +80,11 @@ assert _PUSHED <= REBUILT
 
 # A stack entry is (weight, depth, held, source): ``held`` the Held of a container (a dict,
 # a set, what a call made: an OrderedDict), else None; ``source`` what stand_in rebuilds the
-# value from (the position of the opcode that pushed it, the value in a 1-tuple, or a
-# tuple's item entries), None
+# value from (the position of the opcode that pushed it, the value in a 1-tuple, or ITEMS:
+# a tuple's, whose item entries follow in the entry), None
 # for what no file chooses the hash of (a global, a list), UNKNOWN for what a call or a
 # persistent id made (its hash unknown here).
-_Entry = tuple[int, int, "Held | None", Any]
+_Entry = tuple[Any, ...]  # (int, int, Held | None, Any, *items)
 
 
 class _Underflow(Exception):
@@ -122,7 +125,7 @@ def _hashed(data: bytes, cap: int) -> Any:
     def into(container: _Entry, keys: list[_Entry]) -> Any:
         held = container[2]
         for key in keys:
-            weight, _, _, source = key
+            weight, source = key[0], key[3]
             yield weight  # hashed first: the rebuilt key is hashed only once that is affordable
             if held is None:
                 continue  # no container: the unpickler fails
@@ -153,8 +156,9 @@ def _hashed(data: bytes, cap: int) -> Any:
         code = data[position]
         position += 1
         if code in _PUSHED:
-            shared = _SHARED.get(code)  # most pushes of a torch.save pickle: none allocates an entry
-            stack.append(shared[data[position]] if shared is _BININT1 else shared or (1, 0, None, position - 1))
+            by_byte = _SHARED_BY_BYTE.get(code)  # most pushes of a torch.save pickle: none allocates an entry
+            shared = by_byte.get(data[position]) if by_byte else _SHARED.get(code)
+            stack.append(shared or (1, 0, None, position - 1))
             if code in _LENGTH_WIDTHS:
                 width = _LENGTH_WIDTHS[code]
                 position += width + int.from_bytes(data[position : position + width], "little")
@@ -201,8 +205,8 @@ def _hashed(data: bytes, cap: int) -> Any:
             pop()
             stack.append((arguments[0], arguments[1], Held(), UNKNOWN))
         elif code == _CODES["BINPERSID"]:
-            weight, depth, _, _ = pop()
-            stack.append((weight, depth, None, UNKNOWN))
+            made = pop()
+            stack.append((made[0], made[1], None, UNKNOWN))
         elif code in (_CODES["APPEND"], _CODES["BUILD"], _CODES["POP"]):
             if code == _CODES["POP"] and not stack:
                 pop_mark()
@@ -233,11 +237,11 @@ def _tuple(items: list[_Entry], cap: int) -> _Entry:
     """The entry of a tuple of ``items``; FileProblem past MAX_TUPLE_DEPTH (whether it is
     hashed by the unpickler or not: what reads the object may hash it)."""
     if not items:
-        return (1, 1, None, items)
+        return (1, 1, None, ITEMS)
     depth = 1 + max(map(_DEPTH, items))
     if depth > MAX_TUPLE_DEPTH:
         raise FileProblem(f"refused to unpickle data.pkl: a tuple nested more than {MAX_TUPLE_DEPTH:,} deep")
-    return (min(1 + sum(map(_WEIGHT, items)), cap), depth, None, items)
+    return (min(1 + sum(map(_WEIGHT, items)), cap), depth, None, ITEMS, *items)  # one object: 40 bytes a tuple opcode
 
 
 _WEIGHT, _DEPTH = operator.itemgetter(0), operator.itemgetter(1)

@@ -20,6 +20,7 @@ from ..checkpoint.io.hashes import MAX_ALIKE
 from .torch_records import FileProblem
 
 UNKNOWN = object()  # what a key whose value the bytes do not give rebuilds to
+ITEMS = object()  # the source of a tuple's entry: its item entries follow
 _DEEPEST = 64  # tuples nested deeper are not rebuilt (the rebuild recurses in Python)
 
 _CODES = {op.name: op.code.encode("latin-1")[0] for op in pickletools.opcodes}
@@ -40,12 +41,12 @@ REBUILT = frozenset((*_CONSTANTS, *_FIXED_INTS, *_COUNTED, _BINFLOAT))  # opcode
 
 
 def stand_in(entry: tuple[Any, ...], data: bytes, rebuilt: dict[int, Any]) -> Any:
-    """The value of the key an entry of the hashing count describes (its last field: the
-    position of the opcode that pushed it, the value in a 1-tuple, the entries of a tuple's
-    items, or None or UNKNOWN
-    where the bytes do not give it), or UNKNOWN. ``rebuilt`` keeps the tuples rebuilt so far by entry (a memoised tuple is one
-    object, as in the unpickler), holding each entry so that its id is not reused."""
-    source = entry[-1]
+    """The value of the key an entry of the hashing count describes, or UNKNOWN. The entry's
+    fourth field says where it lies: the position of the opcode that pushed it, the value in
+    a 1-tuple, ITEMS for a tuple (whose item entries follow), or None or UNKNOWN where the
+    bytes do not give it. ``rebuilt`` keeps the tuples rebuilt so far by entry (a memoised
+    tuple is one object, as in the unpickler), holding each entry so that its id is not reused."""
+    source = entry[3]
     if source is None or source is UNKNOWN:
         return UNKNOWN
     if type(source) is int:
@@ -57,7 +58,7 @@ def stand_in(entry: tuple[Any, ...], data: bytes, rebuilt: dict[int, Any]) -> An
         if entry[1] > _DEEPEST:
             value: Any = UNKNOWN
         else:
-            items = [stand_in(item, data, rebuilt) for item in source]
+            items = [stand_in(item, data, rebuilt) for item in entry[4:]]
             value = UNKNOWN if any(item is UNKNOWN for item in items) else tuple(items)
         known = rebuilt[id(entry)] = (entry, value)
     return known[1]

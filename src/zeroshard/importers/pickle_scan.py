@@ -52,6 +52,7 @@ _COUNTED = {
 _LONG_BINPUT = _OPCODES["LONG_BINPUT"].code.encode("latin-1")[0]
 _FRAME = _OPCODES["FRAME"].code.encode("latin-1")[0]
 _LONG4 = _OPCODES["LONG4"].code.encode("latin-1")[0]
+_GLOBAL = _OPCODES["GLOBAL"].code.encode("latin-1")[0]
 MAX_INT_BYTES = 1024  # an int of 8,192 bits, 2,467 digits: Python prints up to 4,300
 # Opcodes creating a container from nothing (FROZENSET from what the stack holds), and the
 # bytes CPython allocates for an empty one.
@@ -217,33 +218,89 @@ def _check_hashing(data: bytes, segments: list[tuple[int, int]], uncounted: bool
     if not uncounted and _shallow(data):
         collidable = sum(map(data.count, _COLLIDING_CODES))
         bound = limit // ((len(data) + 1) * (1 + collidable))  # 2^gets may be this much
-        # By byte values, then by opcodes; the bytes that look like gets of a pickle with names
-        # are rarely fewer than 3 (a rank file's: 5 to 7), so the first is tried where more may pass.
-        counts = (_heavy_gets_at_most, _heavy_gets) if bound >= 8 else (_heavy_gets,)
-        for count in counts if bound else ():
-            gets = count(data, segments)
+        # By byte values; then only those that start an opcode (a rank file's byte values show 5
+        # to 7 gets where 1 is real: names and floats hold bytes that look like one); then by opcodes.
+        puts = _heavy_put_indices(data) if bound else None
+        for count in (_heavy_gets_at_most, _heavy_gets_starting_opcodes, _heavy_gets) if bound else ():
+            gets = count(data, segments, puts)
             if gets is not None and 1 << min(gets, 64) <= bound:
                 return
     hash_steps(data, limit)
 
 
-def _heavy_gets_at_most(data: bytes, segments: list[tuple[int, int]]) -> int:
+def _heavy_gets_at_most(data: bytes, segments: list[tuple[int, int]], puts: _Puts) -> int:
     """At least as many as :func:`_heavy_gets`, from byte values alone: every put after a
     _HEAVY opcode and every get is among the bytes that look like one (a put is searched for
     by its code, then the byte before it: a search without a fixed first byte costs 3x)."""
-    puts = _HEAVY_PUTS.findall(data)
-    if not puts:
+    heavy, heavy_long = puts
+    if not heavy and not heavy_long:
         return 0
-    short, long = zip(*puts)
-    heavy, heavy_long = set(short), set(long)
-    heavy.update(index[:1] for index in heavy_long if index.endswith(b"\x00\x00\x00"))  # one memo
     gets = sum(map(heavy.__contains__, _SHORT_GETS.findall(data)))
     for index in _LONG_GETS.findall(data):  # rare but in pickles of 256 objects or more
-        gets += index in heavy_long or (index.endswith(b"\x00\x00\x00") and index[:1] in heavy)
+        gets += _is_heavy_long(index, heavy, heavy_long)
     return gets
 
 
-def _heavy_gets(data: bytes, segments: list[tuple[int, int]]) -> int | None:
+_Puts = tuple[set[bytes], set[bytes]]
+
+
+def _heavy_put_indices(data: bytes) -> _Puts:
+    """The 1-byte and 4-byte memo indices of every put whose byte before is a _HEAVY opcode,
+    by byte values."""
+    puts = _HEAVY_PUTS.findall(data)
+    short, long = zip(*puts) if puts else ((), ())
+    heavy, heavy_long = set(short), set(long)
+    heavy.discard(b"")
+    heavy_long.discard(b"")
+    heavy.update(index[:1] for index in heavy_long if index.endswith(b"\x00\x00\x00"))  # one memo
+    return heavy, heavy_long
+
+
+def _is_heavy_long(index: bytes, heavy: set[bytes], heavy_long: set[bytes]) -> bool:
+    return index in heavy_long or (index.endswith(b"\x00\x00\x00") and index[:1] in heavy)
+
+
+def _heavy_gets_starting_opcodes(data: bytes, segments: list[tuple[int, int]], puts: _Puts) -> int | None:
+    """The bytes :func:`_heavy_gets_at_most` counts that start an opcode, found by walking the
+    opcodes from the start of the run (a segment) holding one to it; None where the walk does
+    not end where its run does (the opcode pass decides)."""
+    heavy, heavy_long = puts
+    looks = [m.start() for m in _SHORT_GETS.finditer(data) if m.group(1) in heavy]
+    looks += [m.start() for m in _LONG_GETS.finditer(data) if _is_heavy_long(m.group(1), heavy, heavy_long)]
+    if not looks:
+        return 0
+    fast = _FAST_BIG if len(data) >= _FAST_MEMO_LIMIT else _FAST
+    looks.sort()
+    gets, index = 0, 0
+    for start, end in segments:
+        position = start
+        while index < len(looks) and looks[index] < end:
+            if looks[index] >= position:
+                position = _walk(data, fast, position, looks[index])
+                gets += position == looks[index]
+            index += 1
+        if _walk(data, fast, position, end) != end:
+            return None
+    return gets
+
+
+def _walk(data: bytes, fast: re.Pattern[bytes], position: int, target: int) -> int:
+    """From the opcode at ``position`` of a scanned pickle, the start of the last opcode at or
+    before ``target``: the fast scan's runs, and one by one what it stops at."""
+    while True:
+        position = fast.match(data, position, target).end()
+        if position >= target:
+            return position
+        if data[position] == _GLOBAL:  # a name's two lines, which the scan has seen end
+            after = data.index(b"\n", data.index(b"\n", position + 1) + 1) + 1
+        else:
+            after = _slow_opcode(data, position)
+        if after > target:
+            return position
+        position = after
+
+
+def _heavy_gets(data: bytes, segments: list[tuple[int, int]], puts: _Puts) -> int | None:
     """How many gets read a memo index a _HEAVY object was put at; None where a put follows
     something that did not make what it memoises."""
     found = []
