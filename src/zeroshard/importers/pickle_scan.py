@@ -218,10 +218,12 @@ def _check_hashing(data: bytes, segments: list[tuple[int, int]], uncounted: bool
     if not uncounted and _shallow(data):
         collidable = sum(map(data.count, _COLLIDING_CODES))
         bound = limit // ((len(data) + 1) * (1 + collidable))  # 2^gets may be this much
-        # By byte values; then only those that start an opcode (a rank file's byte values show 5
-        # to 7 gets where 1 is real: names and floats hold bytes that look like one); then by opcodes.
+        # By byte values (where more than 2 may pass: names and floats hold bytes that look like
+        # gets, a rank file's 5 to 7 where 1 is real); then only those that start an opcode (1 to
+        # 3 of a rank file's); then by opcodes.
+        counts = (_heavy_gets_starting_opcodes, _heavy_gets)
         puts = _heavy_put_indices(data) if bound else None
-        for count in (_heavy_gets_at_most, _heavy_gets_starting_opcodes, _heavy_gets) if bound else ():
+        for count in ((_heavy_gets_at_most, *counts) if bound >= 8 else counts) if bound else ():
             gets = count(data, segments, puts)
             if gets is not None and 1 << min(gets, 64) <= bound:
                 return
