@@ -8,9 +8,11 @@ see the same global batches, and a resharded resume continues the same optimisat
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 
 from zeroshard.checkpoint.engine_io import load_checkpoint, save_checkpoint
@@ -123,6 +125,16 @@ def resume_run(rank: int, world: int, out: str, stage: int, policy: LayoutPolicy
         "relative_update_diff": (differ / moved).item(),
         "steps": engine.global_steps,
     }
+
+
+def save_run_then_failed_load(rank: int, world: int, out: str, copy: str, stage: int, policy: LayoutPolicy | None) -> dict:
+    """:func:`save_run`, then :func:`failed_load_changes_nothing` on a copy of its checkpoint
+    (made by rank 0), in the same process group: one spawn for both."""
+    saved = save_run(rank, world, out, stage, policy)
+    if rank == 0:
+        shutil.copytree(Path(out) / "ckpt", Path(copy) / "ckpt")
+    dist.barrier()
+    return {"save": saved, "failed_load": failed_load_changes_nothing(rank, world, copy)}
 
 
 def failed_load_changes_nothing(rank: int, world: int, out: str) -> dict:

@@ -8,9 +8,11 @@ import os
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import checkpointer_workers as workers
+import pytest
 
 import zeroshard
 from zeroshard.checkpoint import open_checkpoint, verify_checkpoint
@@ -50,8 +52,21 @@ def _run_script(root: Path, mode: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_a_save_in_flight_at_exit_is_finished(tmp_path):
-    done = _run_script(tmp_path, "ok")
+@pytest.fixture(scope="module")
+def scripts(tmp_path_factory):
+    """Both modes of the script started at once (each is one process on one core):
+    {mode: (root, future of its result)}."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        started = {}
+        for mode in ("ok", "fail"):
+            root = tmp_path_factory.mktemp(f"exit_{mode}")
+            started[mode] = (root, pool.submit(_run_script, root, mode))
+        yield started
+
+
+def test_a_save_in_flight_at_exit_is_finished(scripts):
+    tmp_path, future = scripts["ok"]
+    done = future.result()
     assert done.returncode == 0, done.stderr
     assert "in flight at exit: True" in done.stdout
     assert read_latest(tmp_path) == "step-00000000", done.stderr
@@ -59,8 +74,9 @@ def test_a_save_in_flight_at_exit_is_finished(tmp_path):
     assert "finishing the save of" in done.stderr and "step-00000000" in done.stderr
 
 
-def test_a_save_that_fails_at_exit_fails_the_exit_loudly(tmp_path):
-    done = _run_script(tmp_path, "fail")
+def test_a_save_that_fails_at_exit_fails_the_exit_loudly(scripts):
+    tmp_path, future = scripts["fail"]
+    done = future.result()
     assert "in flight at exit: True" in done.stdout
     assert done.returncode == 1, (done.returncode, done.stderr)
     line = done.stderr.strip().splitlines()[-1]

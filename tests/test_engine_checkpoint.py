@@ -3,8 +3,6 @@ regression, failed loads and crashes during save. Multi-process tests use gloo r
 
 from __future__ import annotations
 
-import shutil
-
 import checkpoint_workers as workers
 import pytest
 import torch
@@ -29,10 +27,17 @@ LOSS_RELATIVE_TOLERANCE = 2.0**-8
 
 
 @pytest.fixture(scope="module")
-def saved_at_two(tmp_path_factory):
-    out = tmp_path_factory.mktemp("saved_d2")
-    results = spawn(workers.save_run, 2, (str(out), 2, SAVE_POLICY), timeout_s=240)
-    return out, results[0]
+def saved_and_failed_load_at_two(tmp_path_factory):
+    """One spawn at D=2: the saved run, then a load of a corrupted copy of its checkpoint."""
+    out, copy = tmp_path_factory.mktemp("saved_d2"), tmp_path_factory.mktemp("failed_load_d2")
+    args = (str(out), str(copy), 2, SAVE_POLICY)
+    return out, spawn(workers.save_run_then_failed_load, 2, args, timeout_s=240)
+
+
+@pytest.fixture(scope="module")
+def saved_at_two(saved_and_failed_load_at_two):
+    out, results = saved_and_failed_load_at_two
+    return out, results[0]["save"]
 
 
 def test_save_load_continue_is_bit_exact_at_the_same_world_size(saved_at_two):
@@ -70,12 +75,9 @@ def test_resharded_resume_at_world_size_one_in_process(saved_at_two):
     assert result["relative_update_diff"] < RELATIVE_UPDATE_TOLERANCE, result
 
 
-def test_failed_load_on_one_rank_fails_everywhere_and_changes_nothing(saved_at_two, tmp_path):
-    out, _ = saved_at_two
-    copy = tmp_path / "copy"
-    shutil.copytree(out / "ckpt", copy / "ckpt")
-    results = spawn(workers.failed_load_changes_nothing, 2, (str(copy),), timeout_s=240)
-    for result in results:
+def test_failed_load_on_one_rank_fails_everywhere_and_changes_nothing(saved_and_failed_load_at_two):
+    _, results = saved_and_failed_load_at_two
+    for result in (per_rank["failed_load"] for per_rank in results):
         assert result["unchanged"]
         assert result["message"] is not None
         assert "rank 1:" in result["message"] and "checksum mismatch" in result["message"], result["message"]
