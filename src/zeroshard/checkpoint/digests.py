@@ -26,7 +26,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from ..layout import GroupLayout, Layout
-from ..layout.coordinates import ep_rank, expert_numel, shard_rank
+from ..layout.coordinates import ep_rank, expert_numel, expert_pieces, shard_rank
 from .io.digest import ALGORITHM, digest, finish, piece_term, raw_crc, zeros_crc
 
 Key = tuple[str, "int | None", str]  # (parameter, global expert or None, kind)
@@ -163,13 +163,9 @@ def held_pieces(group: GroupLayout, rank: int, params: Iterable[str] | None = No
             found.append(HeldPiece(slot.name, None, start, position, fragment.length, slot.numel))
             continue
         per_expert = expert_numel(slot)
-        position, end = fragment.param_start, fragment.param_start + fragment.length
-        while position < end:
-            local, within = divmod(position, per_expert)
-            length = min(per_expert - within, end - position)
-            start = fragment.partition_start + position - fragment.param_start
-            found.append(HeldPiece(slot.name, experts[local], start, within, length, per_expert))
-            position += length
+        for piece in expert_pieces(fragment, per_expert):
+            expert, start = experts[piece.local_expert], piece.partition_start
+            found.append(HeldPiece(slot.name, expert, start, piece.within_expert, piece.length, per_expert))
     return found
 
 

@@ -16,9 +16,10 @@ Pure integer arithmetic, like the rest of the layout.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .group import GroupLayout, ParamSlot
+from .group import Fragment, GroupLayout, ParamSlot
 
 
 @dataclass(frozen=True)
@@ -87,16 +88,31 @@ def rank_runs(group: GroupLayout, rank: int) -> tuple[GlobalRun, ...]:
             runs.append(GlobalRun(rank, slot.name, fragment.partition_start, fragment.param_start, fragment.length))
             continue
         per_expert = expert_numel(slot)
-        position, end = fragment.param_start, fragment.param_start + fragment.length
-        while position < end:
-            local, within = divmod(position, per_expert)
-            length = min(per_expert - within, end - position)
-            first = group.expert_map[ep][local] * per_expert + within
-            runs.append(
-                GlobalRun(rank, slot.name, fragment.partition_start + position - fragment.param_start, first, length)
-            )
-            position += length
+        for piece in expert_pieces(fragment, per_expert):
+            first = group.expert_map[ep][piece.local_expert] * per_expert + piece.within_expert
+            runs.append(GlobalRun(rank, slot.name, piece.partition_start, first, piece.length))
     return tuple(runs)
+
+
+@dataclass(frozen=True)
+class ExpertPiece:
+    """The part of a fragment of a stacked expert weight that lies in one local expert."""
+
+    local_expert: int  # index in the rank's stack
+    within_expert: int  # first element, counted from the start of that expert
+    length: int
+    partition_start: int  # where it lies in the rank's partition
+
+
+def expert_pieces(fragment: Fragment, per_expert: int) -> Iterator[ExpertPiece]:
+    """``fragment`` (of a stacked weight whose experts hold ``per_expert`` elements each) cut
+    where one local expert ends and the next begins, in partition order."""
+    position, end = fragment.param_start, fragment.param_start + fragment.length
+    while position < end:
+        local, within = divmod(position, per_expert)
+        length = min(per_expert - within, end - position)
+        yield ExpertPiece(local, within, length, fragment.partition_start + position - fragment.param_start)
+        position += length
 
 
 def locate_global(group: GroupLayout, slot: ParamSlot, global_start: int, length: int) -> tuple[GlobalRun, ...]:
