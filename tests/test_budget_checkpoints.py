@@ -28,7 +28,7 @@ from zeroshard.cli.main import main
 from zeroshard.layout import ParamSpec, build_layout
 
 SLACK = 4 << 20  # what a command may allocate besides 64 bytes per byte of its input
-SECONDS = 5.0  # "a few seconds", under tracemalloc on a shared machine
+CPU_SECONDS = 5.0  # CPU time under tracemalloc: at most 0.26 s here (measured); the old readers took 30 s
 MODEL = "mp_rank_00_model_states.pt"
 RANK0 = "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
 
@@ -54,11 +54,11 @@ def input_bytes(path: Path) -> int:
 
 def run_command(capsys, *args: str | Path, within: Path) -> tuple[int, str]:
     """(exit status, what it printed) of ``zeroshard ARGS`` run in this process, asserting
-    it took under SECONDS and at most 64 bytes per byte of ``within`` plus SLACK."""
+    it took under CPU_SECONDS and at most 64 bytes per byte of ``within`` plus SLACK."""
     capsys.readouterr()
-    code, peak, elapsed = measured(lambda: main([str(arg) for arg in args]))
-    cheap = elapsed < SECONDS and peak < 64 * input_bytes(within) + SLACK
-    assert cheap, f"{args[0]}: {peak:,} bytes in {elapsed:.2f} s for {input_bytes(within):,} bytes of input"
+    code, peak, cpu = measured(lambda: main([str(arg) for arg in args]))
+    cheap = cpu < CPU_SECONDS and peak < 64 * input_bytes(within) + SLACK
+    assert cheap, f"{args[0]}: {peak:,} bytes, {cpu:.2f} CPU seconds for {input_bytes(within):,} bytes of input"
     printed = capsys.readouterr()
     return code, (printed.err if code == 2 else printed.out).strip()
 
@@ -255,8 +255,8 @@ def test_a_declared_world_size_is_compared_with_the_files_listed_first(native, c
 
     edit_json(path, change)
     expected = f"{path}: file list does not match world size {world_size}: 3 files listed"
-    _, peak, elapsed = measured(lambda: pytest.raises(ValueError, read_manifest, native))
-    assert peak < 1 << 20 and elapsed < 0.5, (peak, elapsed)
+    _, peak, cpu = measured(lambda: pytest.raises(ValueError, read_manifest, native))
+    assert peak < 1 << 20 and cpu < 0.5, (peak, cpu)
     with pytest.raises(ValueError) as caught:
         read_manifest(native)
     assert str(caught.value).startswith(expected)
@@ -333,8 +333,8 @@ def test_a_manifest_value_of_keys_of_one_hash_is_refused_in_one_line(native):
     path = native / "manifest.json"
     keys = [k * ((1 << 61) - 1) for k in range(1, 20_001)]
     edit_json(path, lambda data: data.update(extra={"__zeroshard__": "dict", "items": [[k, 0] for k in keys]}))
-    _, _, elapsed = measured(lambda: pytest.raises(ValueError, read_manifest, native))
-    assert elapsed < 1.0, elapsed
+    _, _, cpu = measured(lambda: pytest.raises(ValueError, read_manifest, native))
+    assert cpu < 1.0, cpu  # CPU seconds
     with pytest.raises(ValueError) as caught:
         read_manifest(native)
     message = str(caught.value)

@@ -6,7 +6,7 @@ manifest edited to declare what it does not hold) and runs one command on it in 
 process: ``inspect``, ``inspect --verify``, ``to-universal``, ``to-fp32`` or a load of rank
 0 through ``open_source``. Whatever the outcome (a conversion, or a one-line error naming
 the file), the command must allocate at most 64 bytes per byte of its input plus a constant
-(tracemalloc's peak) and end within a few seconds. Examples are derandomised, so every run
+(tracemalloc's peak) and end within a few seconds of CPU time. Examples are derandomised, so every run
 tries the same inputs.
 """
 
@@ -33,7 +33,10 @@ from zeroshard.cli.main import main
 from zeroshard.layout import ParamSpec, build_layout
 
 SLACK = 8 << 20  # what a command may allocate besides 64 bytes per byte of its input
-SECONDS = 5.0  # "a few seconds", under tracemalloc on a shared machine
+# CPU seconds under tracemalloc (not wall-clock: a loaded machine stalls the process without
+# charging it). Each command takes 0.005-0.025 s on the intact checkpoints; the costliest
+# hostile example here 2.1 s (1,000 views charged one by one); the old readers took 30 s.
+CPU_SECONDS = 10.0
 MODEL = "mp_rank_00_model_states.pt"
 COMMANDS = ("inspect", "inspect --verify", "to-universal", "to-fp32", "load")
 FUZZ = settings(
@@ -71,11 +74,11 @@ def warm_up(checkpoint: Path, work: Path) -> None:
 def check_bounded(command: str, checkpoint: Path, out: Path, capsys) -> int:
     """Run ``command``; assert its cost and that it either worked or said why in one line."""
     capsys.readouterr()
-    code, peak, elapsed = measured(lambda: run(command, checkpoint, out))
+    code, peak, cpu = measured(lambda: run(command, checkpoint, out))
     size = input_bytes(checkpoint)
     printed = capsys.readouterr()
-    cheap = peak < 64 * size + SLACK and elapsed < SECONDS
-    assert cheap, f"{command}: {peak:,} bytes allocated in {elapsed:.1f} s for {size:,} bytes of input"
+    cheap = peak < 64 * size + SLACK and cpu < CPU_SECONDS
+    assert cheap, f"{command}: {peak:,} bytes allocated, {cpu:.1f} CPU seconds for {size:,} bytes of input"
     assert code in (0, 1, 2), (command, code, printed.err[-500:])
     if code == 2 and command != "load":
         assert printed.err.count("\n") == 1 and len(printed.err) < 1000, printed.err[:1000]

@@ -90,6 +90,7 @@ def test_a_save_that_fails_at_exit_fails_the_exit_loudly(scripts):
 def test_an_extra_only_rank_0_cannot_encode_fails_the_save_on_every_rank(tmp_path):
     results = spawn(workers.unencodable_extra_on_rank_0, 2, (str(tmp_path),), timeout_s=120)
     for rank, result in enumerate(results):
+        # Rank 0's own reason on every rank: a rank that had waited out the Checkpointer's
+        # timeout (20 s) would report the timeout instead, so no clock is needed to tell.
         assert "cannot save: rank 0: extra" in result.get("error", ""), (rank, result)
-        assert result["seconds"] < 10, (rank, result)  # not the collective's timeout
     assert read_latest(tmp_path) == "step-00000001"

@@ -61,8 +61,10 @@ def bad_calls(tmp_path_factory):
 def test_a_bad_collective_call_raises_the_same_error_on_every_rank(bad_calls, label):
     rank0, rank1 = bad_calls[0][label], bad_calls[1][label]
     assert rank0["type"] == rank1["type"] == BAD_CALLS[label], (rank0, rank1)
-    assert rank0["message"] == rank1["message"]
-    assert max(rank0["seconds"], rank1["seconds"]) < 30  # no rank waited for a peer that had given up
+    # One message on both ranks, and the group still answering: a rank that had blocked in a
+    # collective its peer never entered would fail with the group's timeout (or the spawn's)
+    # instead, so no clock is needed to tell.
+    assert rank0["message"] == rank1["message"], (rank0, rank1)
     assert rank0["group_usable"] and rank1["group_usable"]  # a following collective works
     assert rank0["unchanged"] and rank1["unchanged"]  # and the failed call changed nothing
 
