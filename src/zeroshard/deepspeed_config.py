@@ -148,9 +148,11 @@ def from_deepspeed_config(
     )
     scheduler = plan.schedule(engine, **plan.schedule_params) if plan.schedule is not None else None
     notes = list(plan.notes) + list(getattr(scheduler, "notes", []))
-    if engine.rank == 0 and plan.ignored:
-        log.info(
-            "DeepSpeed config: %d keys change nothing in zeroshard: %s", len(plan.ignored), ", ".join(plan.ignored)
+    if engine.rank == 0 and plan.ignored:  # a warning: Python prints those even where logging is not configured
+        log.warning(
+            "DeepSpeed config: %d key(s) change nothing in zeroshard (run.ignored says why): %s",
+            len(plan.ignored),
+            ", ".join(plan.ignored),
         )
     return DeepSpeedRun(engine, engine.optimizer, scheduler, CheckpointSettings(), plan.batch, plan.ignored, notes)
 
