@@ -126,8 +126,11 @@ def from_deepspeed_config(
 
     Raises:
         ValueError: one line naming every refused key and why (features zeroshard does not
-            have, values it cannot honour, batch sizes that do not add up, unknown keys), on
-            every rank alike; or as :class:`~zeroshard.engine.ZeroOptimizer` once it is built.
+            have, values it cannot honour or of another type than the key takes, batch sizes
+            that do not add up, unknown keys), on every rank alike, before the model is
+            touched; a config file that is not a regular file (a FIFO is never waited on),
+            holds more than 16 MiB, nests deeper than 100 levels or is not JSON; or as
+            :class:`~zeroshard.engine.ZeroOptimizer` once it is built.
         FileNotFoundError: ``config`` is a path that does not exist.
         CollectiveCallError: the other ranks did not call it.
     """
@@ -148,9 +151,11 @@ def from_deepspeed_config(
     )
     scheduler = plan.schedule(engine, **plan.schedule_params) if plan.schedule is not None else None
     notes = list(plan.notes) + list(getattr(scheduler, "notes", []))
-    if engine.rank == 0 and plan.ignored:
-        log.info(
-            "DeepSpeed config: %d keys change nothing in zeroshard: %s", len(plan.ignored), ", ".join(plan.ignored)
+    if engine.rank == 0 and plan.ignored:  # a warning: Python prints those even where logging is not configured
+        log.warning(
+            "DeepSpeed config: %d key(s) change nothing in zeroshard (run.ignored says why): %s",
+            len(plan.ignored),
+            ", ".join(plan.ignored),
         )
     return DeepSpeedRun(engine, engine.optimizer, scheduler, CheckpointSettings(), plan.batch, plan.ignored, notes)
 

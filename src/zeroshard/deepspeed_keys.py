@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
+from .deepspeed_values import short
+
 MAPPED, NOOP, REFUSED = "mapped", "no-op", "refused"
 
 
@@ -180,6 +182,7 @@ RULES: tuple[KeyRule, ...] = (
     _noop(
         "zero_optimization.compute_grad_norm",
         "zeroshard always computes the norm (engine.last_grad_norm); false with gradient_clipping > 0 is refused",
+        _unless(lambda v: v is None or type(v) is bool, "must be true or false"),
     ),
     _noop(
         "zero_optimization.load_from_fp32_weights",
@@ -383,14 +386,14 @@ def classify(config: Mapping[str, Any]) -> Classified:
     for key, value in _leaves(config, ""):
         rule = rule_for(key)
         if rule is None and _has_rules_under(key):
-            result.refusals.append(f"{key} = {_short(value)}: must be a section (a JSON object of settings)")
+            result.refusals.append(f"{key} = {short(value)}: must be a section (a JSON object of settings)")
             continue
         if rule is None:
             result.refusals.append(f"{key}: not a DeepSpeed 0.19 setting zeroshard knows (a typo?)")
             continue
         problem = rule.problem(value)
         if problem is not None:
-            result.refusals.append(f"{key} = {_short(value)}: {problem}")
+            result.refusals.append(f"{key} = {short(value)}: {problem}")
         elif rule.kind == MAPPED:
             result.values[key] = value
         else:
@@ -409,8 +412,3 @@ def _leaves(config: Mapping[str, Any], prefix: str) -> Iterator[tuple[str, Any]]
 
 def _has_rules_under(section: str) -> bool:
     return any(rule.key.startswith(section + ".") for rule in RULES)
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."

@@ -10,13 +10,16 @@ DeepSpeed; DeepSpeed's own optimizers (Lamb, Lion, Muon, 1-bit, MuP) are refused
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Mapping
 
 import torch
 
+from .deepspeed_values import arguments, flag, refusal, required_arguments, setting
+
 # DeepSpeed's optimizers of its own, by the lower-case name DeepSpeed matches.
 DEEPSPEED_OWN = ("lamb", "lion", "muon", "muadam", "muadamw", "musgd", "onebitadam", "zerooneadam", "onebitlamb")
+# torch optimizers whose step refuses dense gradients, the only ones ZeroOptimizer has.
+SPARSE_ONLY = ("sparseadam",)
 
 
 def optimizer_from_config(
@@ -24,10 +27,12 @@ def optimizer_from_config(
 ) -> tuple[type[torch.optim.Optimizer], dict[str, Any], list[str]]:
     """(optimizer class, its keyword arguments, notes on what differs from DeepSpeed) for
     the config's ``optimizer`` section, or the client optimizer class when there is none.
+    The arguments are checked against the class's signature (:func:`~.deepspeed_values.arguments`).
 
     Raises:
-        ValueError: no optimizer at all or two of them, a DeepSpeed-only optimizer, an
-            argument the optimizer does not take, or a DeepSpeed option zeroshard cannot honour.
+        ValueError: no optimizer at all or two of them, a DeepSpeed-only optimizer, one whose
+            step ZeroOptimizer cannot run, an argument the optimizer does not take or of
+            another type, or a DeepSpeed option zeroshard cannot honour.
     """
     if section is None:
         if client_optimizer is None:
@@ -35,12 +40,15 @@ def optimizer_from_config(
         return client_optimizer, {}, []
     if client_optimizer is not None:
         raise ValueError("DeepSpeed config refused: optimizer: the config names one and optimizer_class= gives another")
-    if not isinstance(section, Mapping) or not isinstance(section.get("type"), str):
-        raise ValueError(
-            f"DeepSpeed config refused: optimizer = {section!r}: must be {{'type': NAME, 'params': {{...}}}}"
-        )
-    name = section["type"]
-    params = dict(section.get("params") or {})
+    if not isinstance(section, Mapping):
+        raise refusal("optimizer", section, "must be {'type': NAME, 'params': {...}}")
+    name = section.get("type")
+    if not isinstance(name, str):
+        raise refusal("optimizer.type", name, "must be the name of an optimizer (a string)")
+    params = setting(section, "params", {})
+    if not isinstance(params, Mapping):
+        raise refusal("optimizer.params", params, "must be a JSON object of the optimizer's arguments")
+    params = dict(params)
     if "max_grad_norm" in params:
         raise ValueError(
             "DeepSpeed config refused: optimizer.params.max_grad_norm: use gradient_clipping (DeepSpeed refuses it too)"
@@ -56,33 +64,47 @@ def optimizer_from_config(
         optimizer_class = torch.optim.Adagrad if name.lower() == "adagrad" else getattr(torch.optim, name, None)
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise ValueError(f"DeepSpeed config refused: optimizer.type = {name!r}: not a torch.optim optimizer")
+        _check_steps_here(name, optimizer_class)
         notes = []
-    _check_arguments(optimizer_class, params)
-    return optimizer_class, params, notes
+    return optimizer_class, arguments(optimizer_class, params, "optimizer.params", skip=("params",)), notes
+
+
+def _check_steps_here(name: str, optimizer_class: type[torch.optim.Optimizer]) -> None:
+    """Refuse an optimizer whose step ZeroOptimizer.step cannot run (it would fail there)."""
+    if optimizer_class.step is torch.optim.Optimizer.step:
+        raise refusal("optimizer.type", name, "the base class of torch's optimizers, not an optimizer")
+    needs = required_arguments(optimizer_class.step)
+    if needs:
+        raise refusal(
+            "optimizer.type",
+            name,
+            f"its step() needs a {needs[0]} that re-runs the forward and backward; ZeroOptimizer.step takes none",
+        )
+    if name.lower() in SPARSE_ONLY:
+        raise refusal("optimizer.type", name, "it takes sparse gradients only; zeroshard reduces dense ones")
 
 
 def _adam(kind: str, params: dict[str, Any]) -> tuple[type[torch.optim.Optimizer], list[str]]:
     """Torch's Adam or AdamW for DeepSpeed's; ``params`` loses DeepSpeed's own options."""
-    decoupled = kind == "adamw" or bool(params.pop("adam_w_mode", True))
-    torch_adam = bool(params.pop("torch_adam", False))
-    if params.pop("fp32_optimizer_states", None) is False:
+    adam_w_mode = _own_flag(params, "adam_w_mode", True)  # DeepSpeed takes it from AdamW too
+    decoupled = kind == "adamw" or adam_w_mode
+    torch_adam = _own_flag(params, "torch_adam", False)
+    if not _own_flag(params, "fp32_optimizer_states", True):
         raise ValueError(
             "DeepSpeed config refused: optimizer.params.fp32_optimizer_states = False: zeroshard keeps them in fp32"
         )
     optimizer_class = torch.optim.AdamW if decoupled else torch.optim.Adam
-    if "betas" in params and isinstance(params["betas"], list):
-        params["betas"] = tuple(params["betas"])
     if torch_adam:
         return optimizer_class, []
-    if params.pop("bias_correction", True) is not True:
+    if not _own_flag(params, "bias_correction", True):
         raise ValueError(
             "DeepSpeed config refused: optimizer.params.bias_correction = False: torch's Adam always corrects"
         )
-    if params.pop("amsgrad", False):
+    if _own_flag(params, "amsgrad", False):
         raise ValueError(
             "DeepSpeed config refused: optimizer.params.amsgrad = True: DeepSpeed's FusedAdam refuses it too"
         )
-    params.pop("set_grad_none", None)
+    _own_flag(params, "set_grad_none", True)
     params.setdefault("weight_decay", 0.0)  # FusedAdam's and DeepSpeedCPUAdam's default
     note = (
         f"DeepSpeed ran its FusedAdam / DeepSpeedCPUAdam (optimizer.params.torch_adam is false); zeroshard runs "
@@ -91,11 +113,7 @@ def _adam(kind: str, params: dict[str, Any]) -> tuple[type[torch.optim.Optimizer
     return optimizer_class, [note]
 
 
-def _check_arguments(optimizer_class: type, params: Mapping[str, Any]) -> None:
-    accepted = set(inspect.signature(optimizer_class).parameters) - {"params", "self"}
-    unknown = sorted(key for key in params if key not in accepted)
-    if unknown:
-        raise ValueError(
-            f"DeepSpeed config refused: optimizer.params.{unknown[0]}: {optimizer_class.__name__} takes "
-            f"{', '.join(sorted(accepted))}"
-        )
+def _own_flag(params: dict[str, Any], name: str, default: bool) -> bool:
+    """Take DeepSpeed's own option ``name`` (a bool) out of ``params``."""
+    key = f"optimizer.params.{name}"
+    return flag({key: params.pop(name, None)}, key, default)

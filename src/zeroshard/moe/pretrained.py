@@ -21,18 +21,22 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
+from ..checkpoint.io import jsonvalue
+from ..checkpoint.io.members import name_problem, open_member, read_small_file
 from ..layout.stacks import ExpertStack, exported_expert_shape, per_expert_tensors
 from .contract import ExpertModule, expert_stacks
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+_MAX_INDEX_BYTES = 64 << 20  # an index maps tensor names to shards: a few MB for the largest models
 
 
 @dataclass
@@ -62,9 +66,13 @@ def load_pretrained(
         ValueError: before anything is copied: a tensor of another shape than the model's
             (whatever ``strict``); with ``strict``, what the checkpoint lacks, or holds that
             nothing of the model is called (another rank's experts are not that); an index
-            file without a proper weight map or naming a shard outside the folder; a meta
-            model without ``initialize_weights()``.
-        FileNotFoundError: ``source`` is a folder with neither ``model.safetensors`` nor an index.
+            file without a proper weight map, naming a shard outside the folder or a tensor
+            in a shard that does not hold it; a file that cannot be read (truncated, empty,
+            not safetensors or not JSON, nested too deep, missing, a FIFO or a folder in its
+            place: never waited on), in one line naming it; a meta model without
+            ``initialize_weights()``.
+        FileNotFoundError: ``source`` does not exist, or is a folder with neither
+            ``model.safetensors`` nor an index.
     """
     with _open(source) as reader:
         plan = _plan(model, reader)
@@ -215,31 +223,70 @@ class _StateDictReader(_Reader):
 
 
 class _SafetensorsReader(_Reader):
-    """One file or the shards of an index, opened with safetensors' ``safe_open``; rows are
-    read by ``get_slice``, one read per run of consecutive ids."""
+    """Safetensors files opened with ``safe_open``: one file (``named`` None: every tensor
+    it holds) or the shards of an index (``named``: tensor name -> shard), each checked to
+    hold the tensors the index puts in it. Rows are read by ``get_slice``, one read per run
+    of consecutive ids. Every error of safetensors or the OS is a one-line ValueError naming
+    the file."""
 
-    def __init__(self, files: dict[str, Path], where: str) -> None:
-        from safetensors import safe_open
-
+    def __init__(self, shards: Sequence[Path], where: str, named: dict[str, Path] | None = None) -> None:
         self.where = where
-        self._handles = {path: safe_open(str(path), "pt") for path in sorted(set(files.values()))}
-        self._file_of = files
+        self._handles = {path: _open_shard(path) for path in sorted(set(shards))}
+        held = {path: set(handle.keys()) for path, handle in self._handles.items()}
+        if named is None:
+            named = {name: path for path, names in held.items() for name in names}
+        stray = next((name for name, path in named.items() if name not in held[path]), None)
+        if stray is not None:
+            raise ValueError(f"{where}: {INDEX_FILE} puts {stray!r} in {named[stray].name}, which does not hold it")
+        self._file_of = named
 
     def keys(self) -> list[str]:
         return list(self._file_of)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handles[self._file_of[name]].get_slice(name).get_shape())
+        path = self._file_of[name]
+        with _shard_errors(path, name):
+            return tuple(self._handles[path].get_slice(name).get_shape())
 
     def get(self, name: str) -> torch.Tensor:
-        return self._handles[self._file_of[name]].get_tensor(name)
+        path = self._file_of[name]
+        with _shard_errors(path, name):
+            return self._handles[path].get_tensor(name)
 
     def rows(self, name: str, ids: Sequence[int]) -> torch.Tensor:
-        sliced = self._handles[self._file_of[name]].get_slice(name)
-        return torch.cat([sliced[start:end] for start, end in _runs(ids)])
+        path = self._file_of[name]
+        with _shard_errors(path, name):
+            sliced = self._handles[path].get_slice(name)
+            return torch.cat([sliced[start:end] for start, end in _runs(ids)])
 
     def close(self) -> None:
         self._handles = {}
+
+
+@contextmanager
+def _shard_errors(path: Path, name: str | None = None) -> Iterator[None]:
+    """safetensors' and the OS's errors reading ``path`` (tensor ``name``) as one ValueError line."""
+    from safetensors import SafetensorError
+
+    what = f" (tensor {name!r})" if name is not None else ""
+    try:
+        yield
+    except SafetensorError as err:
+        raise ValueError(f"{path}: not a readable safetensors file{what}: {' '.join(str(err).split())}") from None
+    except FileNotFoundError:
+        raise ValueError(f"{path}: missing") from None
+    except OSError as err:
+        raise ValueError(f"{path}: cannot be read{what}: {err.strerror or err}") from None
+
+
+def _open_shard(path: Path):
+    """``safe_open`` on ``path`` once it is a regular file: a FIFO or a folder in its place
+    is refused, never waited on (safetensors would block opening a FIFO)."""
+    from safetensors import safe_open
+
+    with _shard_errors(path):
+        os.close(open_member(path, follow_links=True))  # links are fine: the Hugging Face cache is made of them
+        return safe_open(str(path), "pt")
 
 
 def _runs(ids: Sequence[int]) -> list[tuple[int, int]]:
@@ -257,26 +304,33 @@ def _open(source: str | os.PathLike[str] | Mapping[str, torch.Tensor]) -> _Reade
     if isinstance(source, Mapping):
         return _StateDictReader(source)
     path = Path(source)
-    if path.is_file():
-        return _SafetensorsReader(_file_keys(path), str(path))
-    if (path / INDEX_FILE).is_file():
-        index = json.loads((path / INDEX_FILE).read_text())
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise ValueError(f"{path / INDEX_FILE}: no weight_map of tensor names to shard files")
-        files = {}
-        for name, shard in weight_map.items():
-            if Path(shard).name != shard:
-                raise ValueError(f"{path / INDEX_FILE}: shard {shard!r} of {name!r} is not a file in {path}")
-            files[str(name)] = path / shard
-        return _SafetensorsReader(files, str(path))
-    if (path / SINGLE_FILE).is_file():
-        return _SafetensorsReader(_file_keys(path / SINGLE_FILE), str(path))
+    if not path.is_dir():
+        if not os.path.lexists(path):
+            raise FileNotFoundError(f"{path}: no such file or folder (a transformers safetensors checkpoint)")
+        return _SafetensorsReader([path], str(path))
+    if os.path.lexists(path / INDEX_FILE):
+        files = _index(path, path / INDEX_FILE)
+        return _SafetensorsReader(list(files.values()), str(path), files)
+    if os.path.lexists(path / SINGLE_FILE):
+        return _SafetensorsReader([path / SINGLE_FILE], str(path))
     raise FileNotFoundError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE} (a transformers safetensors checkpoint)")
 
 
-def _file_keys(path: Path) -> dict[str, Path]:
-    from safetensors import safe_open
-
-    with safe_open(str(path), "pt") as handle:
-        return {name: path for name in handle.keys()}
+def _index(folder: Path, index: Path) -> dict[str, Path]:
+    """Tensor name -> shard file, from the index file ``index`` (read without waiting on a
+    FIFO, its size and nesting bounded); every shard a plain file name in ``folder``."""
+    with _shard_errors(index):
+        data = read_small_file(index, _MAX_INDEX_BYTES)
+    try:
+        parsed = jsonvalue.loads(data, index)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{index}: not valid JSON ({err})") from None
+    weight_map = parsed.get("weight_map") if isinstance(parsed, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{index}: no weight_map of tensor names to shard files")
+    files = {}
+    for name, shard in weight_map.items():
+        if name_problem(shard) is not None:
+            raise ValueError(f"{index}: shard {shard!r} of {name!r} is not a file in {folder}")
+        files[str(name)] = folder / shard
+    return files

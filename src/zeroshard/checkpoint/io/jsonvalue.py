@@ -81,7 +81,7 @@ def _text_depth(text: str | bytes) -> int:
     return int(np.cumsum(np.where(opens, 1, -1)).max())
 
 
-def _deeper_than(value: Any, limit: int) -> bool:
+def deeper_than(value: Any, limit: int) -> bool:
     """Whether ``value`` nests lists and dicts more than ``limit`` deep (without recursing)."""
     pending = [(value, 1)] if isinstance(value, (list, dict)) else []
     while pending:
@@ -98,7 +98,7 @@ def encode(value: Any, path: str = "value") -> Any:
     """A JSON-able form of ``value``; ValueError names the first value that cannot be stored,
     or ``path`` when the value nests so deeply that its file could not be read back."""
     encoded = _encode(value, path)
-    if _deeper_than(encoded, MAX_VALUE_DEPTH):
+    if deeper_than(encoded, MAX_VALUE_DEPTH):
         raise ValueError(f"{path}: nested more than {MAX_VALUE_DEPTH} levels deep (a tuple or tagged value counts two)")
     return encoded
 
