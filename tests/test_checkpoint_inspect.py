@@ -92,10 +92,27 @@ def test_verify_lists_every_problem(saved, capsys):
     assert "stray.safetensors: not listed in the manifest" in lines[2]
 
 
-def test_not_a_checkpoint(tmp_path, capsys):
-    assert main(["inspect", str(tmp_path / "none")]) == 2
-    assert "no such checkpoint directory" in capsys.readouterr().err
-    assert main(["inspect", "--verify", str(tmp_path / "none")]) == 1
+@pytest.mark.parametrize("verify", [[], ["--verify"]])
+def test_not_a_checkpoint_is_bad_input_not_damage(tmp_path, capsys, verify):
+    """Exit 1 is damage --verify found in a checkpoint; a path that is none is exit 2, on stderr."""
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "notes.txt").write_text("x")
+    (tmp_path / "file").write_text("x")
+    for name, message in (
+        ("none", "no such checkpoint directory"),
+        ("plain", "no manifest.json: not a checkpoint"),
+        ("file", "not a directory"),
+    ):
+        assert main(["inspect", *verify, str(tmp_path / name)]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1, captured
+        assert f"error: {tmp_path / name}: {message}" in captured.err
+
+
+def test_a_root_whose_latest_names_a_missing_tag_is_damage(saved, capsys):
+    shutil.rmtree(saved / "step7")
+    assert main(["inspect", "--verify", str(saved)]) == 1
+    assert f"{saved / 'latest'}: names tag 'step7' but" in capsys.readouterr().out
 
 
 # ---- the other kinds: universal, DeepSpeed, DeepSpeed's universal format ------------------------

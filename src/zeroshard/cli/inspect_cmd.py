@@ -17,6 +17,7 @@ from ..checkpoint.formats import NATIVE, UnsupportedCheckpointError, open_source
 from ..checkpoint.io.directory import resolve_checkpoint
 from ..checkpoint.native.handle import Checkpoint, open_checkpoint
 from ..checkpoint.native.manifest import read_manifest
+from ..checkpoint.native.source import is_native_checkpoint
 from ..checkpoint.universal.format import read_universal_manifest
 from ..checkpoint.universal.read import open_universal
 from ..checkpoint.export.fp32 import is_fp32_export
@@ -95,6 +96,11 @@ Verified = tuple[str, list[str], dict[str, int]]  # summary, problems, every fil
 def _verify_native(path: Path) -> Verified:
     try:
         directory = resolve_checkpoint(path)
+    except (ValueError, FileNotFoundError) as err:
+        if not is_native_checkpoint(path):
+            raise  # nothing there claims to be a checkpoint: bad input (exit 2), not damage found
+        return "", [str(err)], {}
+    try:
         ckpt = Checkpoint(directory, read_manifest(directory))
     except (ValueError, FileNotFoundError) as err:
         return "", [str(err)], {}
