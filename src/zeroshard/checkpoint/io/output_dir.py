@@ -16,6 +16,7 @@ file names that kind writes, the safetensors files carrying its metadata.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -102,7 +103,7 @@ def output_path(out_dir: str | os.PathLike[str]) -> Path:
     the directory they mean (its lock and staging directory sit next to it, by name)."""
     out = Path(out_dir)
     if out.name in ("", ".", ".."):
-        out = out.resolve()
+        out = real_path(out)
         if not out.name:
             raise ValueError(f"{out_dir}: the root directory cannot be an output directory")
     return out
@@ -111,8 +112,8 @@ def output_path(out_dir: str | os.PathLike[str]) -> Path:
 def check_apart(out_dir: Path, inputs: Sequence[str | os.PathLike[str]]) -> None:
     """ValueError when ``out_dir`` is one of ``inputs``, lies inside one or holds one
     (links resolved): replacing it would delete what is being converted."""
-    out_real = out_dir.resolve()
-    resolved = [(given, Path(given).resolve()) for given in inputs]
+    out_real = real_path(out_dir)
+    resolved = [(given, real_path(Path(given))) for given in inputs]
     for relation, overlaps in (
         ("is the input", lambda real: out_real == real),
         ("lies inside the input", out_real.is_relative_to),
@@ -121,6 +122,19 @@ def check_apart(out_dir: Path, inputs: Sequence[str | os.PathLike[str]]) -> None
         for given, real in resolved:
             if overlaps(real):
                 raise ValueError(f"{out_dir}: the output directory {relation} {given}; write the output somewhere else")
+
+
+def real_path(path: Path) -> Path:
+    """``path`` absolute, with every link resolved as far as it exists; OSError (ELOOP)
+    naming ``path`` when its links loop (Path.resolve raises RuntimeError for that before
+    Python 3.13, and returns the path unresolved after)."""
+    try:
+        return Path(os.path.realpath(path, strict=True))
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            where = "" if os.path.abspath(err.filename) == os.path.abspath(path) else f" (at {err.filename})"
+            raise OSError(errno.ELOOP, f"{err.strerror}{where}", str(path)) from None
+    return Path(os.path.realpath(path))  # a part is missing: past it, nothing is a link
 
 
 def output_lock(out_dir: Path, what: str) -> WriterLock:
