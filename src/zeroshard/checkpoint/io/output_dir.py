@@ -4,7 +4,8 @@ A converter writes into a staging directory next to ``OUT`` and publishes it as 
 the same atomic-directory protocol as a save (:mod:`.directory`): a crash leaves either the
 previous ``OUT`` or the new one, and the next write to ``OUT`` recovers what a crash left. A
 failure removes the staging directory, so nothing under ``OUT`` ever looks complete unless
-it is. A conversion holds ``.OUT.lock`` (next to ``OUT``) throughout, so a second one into the
+it is. An empty ``OUT`` that is a mount point is staged inside itself, on its own file
+system, and published file by file (:mod:`.in_place`). A conversion holds ``.OUT.lock`` (next to ``OUT``) throughout, so a second one into the
 same ``OUT`` fails at once with a WriterLockedError naming the first, instead of deleting its
 staging directory.
 
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
 from .directory import Fault, fsync_dir, new_staging, publish_dir, recover_target
+from .in_place import check_empty_mount_point, publish_in_place, recover_in_place, stages_in_place
 from .safetensors_io import read_metadata
 from .writer_lock import WriterLock
 
@@ -86,13 +88,20 @@ def staged_output(
     with output_lock(out_dir, kind.what) as lock:
         if lock.held:  # else another writer may be live: leave every leftover alone
             recover_target(out_dir)  # first, so an output a crash moved aside counts as existing
+            recover_in_place(out_dir, kind.file_names, kind.markers)
         check_destination(out_dir, kind, overwrite)
-        staging = new_staging(out_dir)
+        in_place = stages_in_place(out_dir)  # a mount point: staged on its own file system
+        if in_place:
+            check_empty_mount_point(out_dir, kind.what)
+        staging = new_staging(out_dir, out_dir if in_place else None)
         try:
             yield staging
             fsync_dir(staging)
-            check_destination(out_dir, kind, overwrite)
-            publish_dir(staging, out_dir, fault)
+            if in_place:
+                publish_in_place(staging, out_dir, kind.markers, fault)
+            else:
+                check_destination(out_dir, kind, overwrite)
+                publish_dir(staging, out_dir, fault)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
