@@ -12,6 +12,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 from deepspeed_fixtures import deepspeed_universal_folder
 
 from zeroshard.checkpoint import SourceFormat, register_format, run_ranks, save_sharded, unregister_format
@@ -20,6 +21,7 @@ from zeroshard.checkpoint.testing import synthesize_state
 from zeroshard.checkpoint.universal import to_universal
 from zeroshard.cli.main import main
 from zeroshard.layout import LayoutPolicy, ParamSpec, build_layout
+from zeroshard.state import ParamGroupState
 
 LAYOUT = build_layout(
     [[ParamSpec.of("a", (7, 5), "bf16"), ParamSpec.of("b", (13,), "bf16")], [ParamSpec.of("c", (9,), "bf16")]],
@@ -113,6 +115,31 @@ def test_a_root_whose_latest_names_a_missing_tag_is_damage(saved, capsys):
     shutil.rmtree(saved / "step7")
     assert main(["inspect", "--verify", str(saved)]) == 1
     assert f"{saved / 'latest'}: names tag 'step7' but" in capsys.readouterr().out
+
+
+def _param_groups_to_universal_refuses(tmp_path: Path, case: str) -> Path:
+    """Saved (every checksum and digest right) with param groups to-universal cannot store."""
+    def state(rank):
+        synthesized = synthesize_state(LAYOUT, rank)
+        if case == "scalars":  # one param group whose two layout groups took different steps
+            scalars = [{"step": torch.tensor(7.0)}, {"step": torch.tensor(5.0)}]
+            return dataclasses.replace(synthesized, param_groups=[ParamGroupState({"lr": 1e-3}, [0, 1])], optimizer_scalars=scalars)
+        return dataclasses.replace(synthesized, param_groups=[ParamGroupState({"lr": 1e-3}, [0])])  # group 1 in none
+
+    root = tmp_path / case
+    run_ranks(12, lambda c: save_sharded(root, "t", state(c.rank), coordinator=c, block_size=64))
+    return root
+
+
+@pytest.mark.parametrize("case", ["scalars", "orphan"])
+def test_verify_reports_the_param_groups_to_universal_refuses(tmp_path, capsys, case):
+    """One check, shared: a checkpoint --verify passes converts, and the line is the same."""
+    root = _param_groups_to_universal_refuses(tmp_path, case)
+    assert main(["to-universal", str(root), str(tmp_path / "u"), "--no-progress"]) == 2
+    refusal = capsys.readouterr().err.strip().removeprefix("zeroshard to-universal: error: ")
+    assert main(["inspect", "--verify", str(root)]) == 1
+    assert capsys.readouterr().out.strip().splitlines() == [refusal]
+    assert ("layout groups 0 and 1 hold different" if case == "scalars" else "layout groups [1] belong to no") in refusal
 
 
 # ---- the other kinds: universal, DeepSpeed, DeepSpeed's universal format ------------------------

@@ -23,6 +23,7 @@ from ..checkpoint.universal.read import open_universal
 from ..checkpoint.export.fp32 import is_fp32_export
 from ..checkpoint.format import MANIFEST_FILE
 from ..checkpoint.universal.format import MANIFEST_FILE as UNIVERSAL_MANIFEST_FILE
+from ..checkpoint.param_groups import param_group_problems
 from ..checkpoint.verify import read_every_tensor, verify_checkpoint, verify_universal
 from .export_report import describe_fp32_export, verify_fp32_export
 from .inspect_report import describe_deepspeed, describe_native, describe_universal
@@ -147,6 +148,7 @@ def _verify_deepspeed(path: Path) -> Verified:
         checked = {file.name: file.stat().st_size for file in files}
         problems = [f"{source.path}: {problem}" for problem in read_every_tensor(raw)]
         problems += raw.experts.unreadable(raw.autoep) if raw.experts is not None else []
+        problems += [] if problems else param_group_problems(source)
         return summary, problems, checked
 
 
