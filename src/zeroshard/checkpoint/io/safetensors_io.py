@@ -273,9 +273,9 @@ def read_header(
                 metadata.update(info)
             continue
         try:
-            begin, end = (data_start + int(v) for v in info["data_offsets"])
-            entries[name] = TensorEntry(str(info["dtype"]), tuple(int(d) for d in info["shape"]), begin, end)
-        except (KeyError, TypeError, ValueError):
+            begin, end = (data_start + offset for offset in jsonvalue.read_shape(info["data_offsets"], "data_offsets"))
+            entries[name] = TensorEntry(str(info["dtype"]), jsonvalue.read_shape(info["shape"], "shape"), begin, end)
+        except (KeyError, TypeError, ValueError):  # JSON integers only: not true, 1.0 or "1"
             raise ValueError(f"{path}: corrupted: bad header entry for {name!r}") from None
         if not data_start <= begin <= end <= file_size:
             raise ValueError(f"{path}: corrupted: tensor {name!r} lies outside the file")

@@ -205,8 +205,11 @@ class Manifest:
             layout=layout,
             optimizer_class=str(optimizer["class"]),
             param_groups=[
-                ParamGroupState(jsonvalue.decode(g["hyperparameters"]), [int(i) for i in g["layout_groups"]])
-                for g in optimizer["param_groups"]
+                ParamGroupState(
+                    jsonvalue.decode(g["hyperparameters"]),
+                    [jsonvalue.read_int(i, "param group {} has a layout group that", index) for i in g["layout_groups"]],
+                )
+                for index, g in enumerate(optimizer["param_groups"])
             ],
             groups=tuple(GroupRecord.from_dict(group) for group in data["groups"]),
             model_tensors={
