@@ -187,6 +187,34 @@ def test_full_disk_names_the_file(saved, monkeypatch, capsys):
     assert not (out / "universal.json").exists()
 
 
+def test_full_disk_at_the_publish_or_the_lock_names_one_file(saved, monkeypatch, capsys):
+    """A rename's ENOSPC names its source and target; the one being written is OUT. The
+    lock's record is written through its descriptor: the lock file is named, not OUT."""
+    out = saved.parent / "out"
+    real_rename, real_pwrite = os.rename, os.pwrite
+
+    def rename(src, dst, **kwargs):
+        if Path(dst) == out:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(src), None, str(dst))
+        return real_rename(src, dst, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "rename", rename)
+        code = main(["to-universal", str(saved), str(out), "--no-progress"])
+    _assert_one_line_error((code, capsys.readouterr().err), f"error: {out}: No space left on device")
+
+    def pwrite(fd, data, offset):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".out.lock"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_pwrite(fd, data, offset)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "pwrite", pwrite)
+        code = main(["to-universal", str(saved), str(out), "--no-progress"])
+    _assert_one_line_error((code, capsys.readouterr().err), f"error: {saved.parent / '.out.lock'}: No space left on device")
+    assert sorted(p.name for p in saved.parent.iterdir()) == ["ckpt"]
+
+
 @pytest.mark.parametrize(
     "args, expected",
     [
