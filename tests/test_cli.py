@@ -72,6 +72,17 @@ def test_python_m_zeroshard_is_the_console_script(saved, args, code):
     assert (module.returncode, module.stdout, module.stderr) == (script.returncode, script.stdout, script.stderr)
 
 
+def test_a_path_the_terminal_cannot_encode_is_printed_escaped(saved):
+    """Under PYTHONIOENCODING=ascii the export was written, then printing its path raised
+    UnicodeEncodeError: exit 2 "error: 'ascii' codec can't encode" for work that was done."""
+    out = saved.parent / "exp\u00f6rt"
+    done = _cli("to-fp32", str(saved), str(out), "--no-progress", env={"PYTHONIOENCODING": "ascii"})
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert done.stdout.startswith(f"wrote {saved.parent}/exp\\xf6rt: 2 files"), done.stdout
+    described = _cli("inspect", str(out), env={"PYTHONIOENCODING": "ascii"})
+    assert described.returncode == 0 and "exp\\xf6rt" in described.stdout, described.stderr
+
+
 # ---- user errors: exit 2, one line -------------------------------------------------------------
 
 
