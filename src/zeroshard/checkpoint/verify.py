@@ -40,7 +40,7 @@ def verify_checkpoint(ckpt: Checkpoint) -> list[str]:
     problems = _verify_files(ckpt.directory, manifest.files, expected)
     if problems:
         return problems
-    problems = _binding_problems(ckpt) if manifest.digests is not None else []
+    problems = _binding_problems(ckpt)
     if problems:
         return problems
     from .native.source import NativeSource
@@ -92,7 +92,7 @@ def _binding_problems(ckpt: Checkpoint) -> list[str]:
         path = ckpt.path(name)
         try:
             read_header(path, manifest.files[name].size, metadata=metadata)
-            check_binding(path, metadata, manifest.layout, manifest.layout_digest, rank)
+            check_binding(path, metadata, manifest.layout, manifest.binding_digest, rank)
         except ValueError as err:
             problems.append(str(err))
     return problems
