@@ -82,7 +82,7 @@ def test_a_version_1_manifest_holding_a_layout_of_version_3_is_refused(tmp_path,
     saved = save_synthetic(tmp_path / "v3", layout)
     assert json.loads((saved / "manifest.json").read_text())["layout"]["version"] == 3
     copy = _edited(saved, tmp_path, drop_digests=True)
-    expected = f"{copy / 'manifest.json'}: format version 1, but its layout is version 3, which came after format version 2"
+    expected = f"{copy / 'manifest.json'}: format version 1, but its layout is version 3, which came after"
     with pytest.raises(ValueError, match=expected):
         open_checkpoint(copy)
     _refused_by_the_cli(copy, tmp_path, capsys, expected)

@@ -254,7 +254,9 @@ def test_open_checkpoint_reports_policy_change_free_layouts(saved):
     assert open_checkpoint(saved).manifest.layout.policy == LayoutPolicy.native()
 
 
-@pytest.mark.parametrize("entry", [{"shape": [True]}, {"shape": [1.0]}, {"data_offsets": ["0", 4]}, {"data_offsets": [0, 4.0]}])
+@pytest.mark.parametrize(
+    "entry", [{"shape": [True]}, {"shape": [1.0]}, {"data_offsets": ["0", 4]}, {"data_offsets": [0, 4.0]}]
+)
 def test_a_safetensors_header_number_of_the_wrong_json_type_is_refused(tmp_path, entry):
     from zeroshard.checkpoint.io.safetensors_io import read_header
 

@@ -123,7 +123,8 @@ def _param_groups_to_universal_refuses(tmp_path: Path, case: str) -> Path:
         synthesized = synthesize_state(LAYOUT, rank)
         if case == "scalars":  # one param group whose two layout groups took different steps
             scalars = [{"step": torch.tensor(7.0)}, {"step": torch.tensor(5.0)}]
-            return dataclasses.replace(synthesized, param_groups=[ParamGroupState({"lr": 1e-3}, [0, 1])], optimizer_scalars=scalars)
+            groups = [ParamGroupState({"lr": 1e-3}, [0, 1])]
+            return dataclasses.replace(synthesized, param_groups=groups, optimizer_scalars=scalars)
         return dataclasses.replace(synthesized, param_groups=[ParamGroupState({"lr": 1e-3}, [0])])  # group 1 in none
 
     root = tmp_path / case
@@ -139,7 +140,8 @@ def test_verify_reports_the_param_groups_to_universal_refuses(tmp_path, capsys, 
     refusal = capsys.readouterr().err.strip().removeprefix("zeroshard to-universal: error: ")
     assert main(["inspect", "--verify", str(root)]) == 1
     assert capsys.readouterr().out.strip().splitlines() == [refusal]
-    assert ("layout groups 0 and 1 hold different" if case == "scalars" else "layout groups [1] belong to no") in refusal
+    expected = "layout groups 0 and 1 hold different" if case == "scalars" else "layout groups [1] belong to no"
+    assert expected in refusal
 
 
 # ---- the other kinds: universal, DeepSpeed, DeepSpeed's universal format ------------------------

@@ -222,7 +222,8 @@ def test_full_disk_at_the_publish_or_the_lock_names_one_file(saved, monkeypatch,
     with monkeypatch.context() as patch:
         patch.setattr(os, "pwrite", pwrite)
         code = main(["to-universal", str(saved), str(out), "--no-progress"])
-    _assert_one_line_error((code, capsys.readouterr().err), f"error: {saved.parent / '.out.lock'}: No space left on device")
+    lock = saved.parent / ".out.lock"
+    _assert_one_line_error((code, capsys.readouterr().err), f"error: {lock}: No space left on device")
     assert sorted(p.name for p in saved.parent.iterdir()) == ["ckpt"]
 
 

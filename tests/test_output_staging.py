@@ -108,10 +108,10 @@ def test_a_failed_publish_into_a_mount_point_leaves_it_empty(mount_point):
         if point == "mid_publish":
             raise OSError(errno.EIO, "simulated", "x")
 
-    with pytest.raises(OSError, match="simulated"):
-        with staged_output(mount_point, kind=KIND, overwrite=False, fault=fail) as staging:
-            for name in ("part-1", "done"):
-                (staging / name).write_text(name)
+    output = staged_output(mount_point, kind=KIND, overwrite=False, fault=fail)
+    with pytest.raises(OSError, match="simulated"), output as staging:
+        for name in ("part-1", "done"):
+            (staging / name).write_text(name)
     assert _entries(mount_point) == []
 
 
@@ -130,16 +130,18 @@ def test_the_next_conversion_removes_what_a_crash_left_in_a_mount_point(mount_po
 def test_a_mount_point_holding_something_else_is_left_alone(mount_point):
     (mount_point / ".volume.tmp-0123456789ab").mkdir()  # a staging directory: ours
     (mount_point / "notes.txt").write_text("theirs")
-    with pytest.raises(FileExistsError, match="is not a test output"):
-        with staged_output(mount_point, kind=KIND, overwrite=True):
-            pass
+    output = staged_output(mount_point, kind=KIND, overwrite=True)
+    with pytest.raises(FileExistsError, match="is not a test output"), output:
+        pass
     assert _entries(mount_point) == ["notes.txt"]
 
 
 def _can_mount() -> bool:
     if shutil.which("unshare") is None or not sys.platform.startswith("linux"):
         return False
-    probe = subprocess.run(["unshare", "--mount", "--map-root-user", "true"], capture_output=True, timeout=30)
+    probe = subprocess.run(
+        ["unshare", "--mount", "--map-root-user", "true"], capture_output=True, timeout=30, check=False
+    )
     return probe.returncode == 0
 
 
@@ -148,14 +150,14 @@ def test_a_real_tmpfs_mount_point(ckpt, tmp_path):
     """The same, on a tmpfs mounted at OUT in a private mount namespace."""
     out = tmp_path / "volume"
     out.mkdir()
+    zeroshard = f'"{sys.executable}" -m zeroshard'
     script = (
-        f'mount -t tmpfs -o size=4m tmpfs "{out}" && "{sys.executable}" -m zeroshard to-fp32 "{ckpt}" "{out}" --no-progress'
-        f' && "{sys.executable}" -m zeroshard inspect --verify "{out}" && ls -A "{out}" && ls -A "{tmp_path}"'
+        f'mount -t tmpfs -o size=4m tmpfs "{out}" && {zeroshard} to-fp32 "{ckpt}" "{out}" --no-progress'
+        f' && {zeroshard} inspect --verify "{out}" && ls -A "{out}" && ls -A "{tmp_path}"'
     )
     environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        ["unshare", "--mount", "--map-root-user", "sh", "-c", script], capture_output=True, text=True, timeout=120, env=environ
-    )
+    command = ["unshare", "--mount", "--map-root-user", "sh", "-c", script]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=environ, check=False)
     assert done.returncode == 0, done.stderr
     listed = done.stdout.splitlines()
     assert "model.safetensors" in listed and not [line for line in listed if line.startswith(".")], listed

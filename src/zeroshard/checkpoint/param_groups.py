@@ -31,7 +31,8 @@ def universal_param_groups(
     missing = [g.index for g in source.info.layout.groups if g.index not in owner]
     if missing:
         raise ValueError(f"{source.path}: layout groups {missing} belong to no optimizer param group")
-    scalars = [_scalars_of(source, index, state.layout_groups, checker) for index, state in enumerate(source.info.param_groups)]
+    groups = source.info.param_groups
+    scalars = [_scalars_of(source, index, state.layout_groups, checker) for index, state in enumerate(groups)]
     return [owner[g.index] for g in source.info.layout.groups], scalars
 
 
@@ -44,7 +45,9 @@ def param_group_problems(source: ShardSource) -> list[str]:
     return []
 
 
-def _scalars_of(source: ShardSource, index: int, layout_groups: list[int], checker: ReadChecker | None) -> dict[str, Any]:
+def _scalars_of(
+    source: ShardSource, index: int, layout_groups: list[int], checker: ReadChecker | None
+) -> dict[str, Any]:
     """The param group's scalars; every layout group of it must hold the same ones."""
     found = [source.scalars(g) for g in layout_groups]
     if checker is not None:

@@ -195,7 +195,10 @@ class Layout:
         except (KeyError, TypeError) as err:
             raise ValueError(f"layout JSON is malformed: {type(err).__name__}: {err}") from None
         if not _same_json(layout._to_dict(version), data):
-            raise ValueError("layout JSON is inconsistent: its offsets and sizes differ from those its parameters give (in value or JSON type)")
+            raise ValueError(
+                "layout JSON is inconsistent: its offsets and sizes differ from those its parameters give "
+                "(in value or JSON type)"
+            )
         problem = layout.storage_problem()
         if problem:
             raise ValueError(f"layout JSON is inconsistent: {problem}")

@@ -5,9 +5,9 @@ the same atomic-directory protocol as a save (:mod:`.directory`): a crash leaves
 previous ``OUT`` or the new one, and the next write to ``OUT`` recovers what a crash left. A
 failure removes the staging directory, so nothing under ``OUT`` ever looks complete unless
 it is. An empty ``OUT`` that is a mount point is staged inside itself, on its own file
-system, and published file by file (:mod:`.in_place`). A conversion holds ``.OUT.lock`` (next to ``OUT``) throughout, so a second one into the
-same ``OUT`` fails at once with a WriterLockedError naming the first, instead of deleting its
-staging directory.
+system, and published file by file (:mod:`.in_place`). A conversion holds ``.OUT.lock``
+(next to ``OUT``) throughout, so a second one into the same ``OUT`` fails at once with a
+WriterLockedError naming the first, instead of deleting its staging directory.
 
 What is replaced: ``OUT`` is never the input, inside it or around it (a checkpoint tag holds
 ``model.safetensors`` too), and an existing non-empty ``OUT`` is replaced only when asked and

@@ -198,7 +198,9 @@ class Manifest:
             raise ValueError(f"{source}: {err}") from None
         newer = _newer_than_version_1(data) if version == UNDIGESTED_VERSION else None
         if newer:
-            raise ValueError(f"{source}: format version 1, but {newer}: a manifest may not claim an older version than it holds")
+            raise ValueError(
+                f"{source}: format version 1, but {newer}: a manifest may not claim an older version than it holds"
+            )
         try:
             manifest = cls._fields_from_dict(data, layout)
         except (KeyError, TypeError, ValueError, AttributeError) as err:
@@ -217,9 +219,9 @@ class Manifest:
             param_groups=[
                 ParamGroupState(
                     jsonvalue.decode(g["hyperparameters"]),
-                    [jsonvalue.read_int(i, "param group {} has a layout group that", index) for i in g["layout_groups"]],
+                    [jsonvalue.read_int(i, "param group {} has a layout group that", n) for i in g["layout_groups"]],
                 )
-                for index, g in enumerate(optimizer["param_groups"])
+                for n, g in enumerate(optimizer["param_groups"])
             ],
             groups=tuple(GroupRecord.from_dict(group) for group in data["groups"]),
             model_tensors={
