@@ -271,20 +271,22 @@ def test_a_universal_checkpoint_carries_the_digests_and_its_loads_attest(saved, 
     assert "'moe.experts.w1' expert 1 fp32" in message and str(universal) in message
 
 
-def legacy_copy(saved, tmp_path):
-    """The checkpoint as format version 1 wrote it: no digests (its rank files' bindings,
-    which version 1 did not write, are ignored then)."""
-    copy = tmp_path / "legacy"
-    shutil.copytree(saved, copy)
-    manifest = json.loads((copy / "manifest.json").read_text())
-    manifest.pop("digests")
-    manifest["version"] = 1
-    (copy / "manifest.json").write_text(json.dumps(manifest))
-    return copy
+def legacy_save(tmp_path):
+    """The run as format version 1 wrote it: no digests in the manifest, no bindings in the
+    rank files (a version 1 manifest over rank files with bindings is refused: see
+    test_attestation_versions.py)."""
+    from zeroshard.checkpoint.native import save as save_module
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(save_module, "_combined_digests", lambda *args: None)
+        patch.setattr(save_module, "binding_metadata", lambda *args: {})
+        legacy = save_synthetic(tmp_path / "legacy", moe_layout(4, 2, num_experts=EXPERTS))
+    assert json.loads((legacy / "manifest.json").read_text())["version"] == 1
+    return legacy
 
 
-def test_a_legacy_checkpoint_loads_says_so_once_and_is_attested_against_what_was_read(saved, tmp_path, monkeypatch):
-    legacy = legacy_copy(saved, tmp_path)
+def test_a_legacy_checkpoint_loads_says_so_once_and_is_attested_against_what_was_read(tmp_path, monkeypatch):
+    legacy = legacy_save(tmp_path)
     new = moe_layout(2, 1, num_experts=EXPERTS)
     with warnings.catch_warnings(record=True) as caught_warnings:
         warnings.simplefilter("always")

@@ -105,6 +105,37 @@ def test_newer_format_version(saved):
     assert "manifest.json: format version 99 is newer than this zeroshard reads (2)" in load_error(saved)
 
 
+def _retyped(path: tuple, retype):
+    """An edit of the manifest: the number at ``path`` given the same value in another JSON type."""
+
+    def change(data: dict) -> None:
+        for key in path[:-1]:
+            data = data[key]
+        data[path[-1]] = retype(data[path[-1]])
+
+    return change
+
+
+@pytest.mark.parametrize(
+    "path, retype, message",
+    [
+        (("layout", "version"), bool, "layout format version True is not supported"),
+        (("layout", "groups", 0, "params", 1, "offset"), float, "layout JSON is inconsistent"),
+        (("layout", "groups", 0, "buckets", 0, "start"), bool, "layout JSON is inconsistent"),
+        (("layout", "policy", "parameter_alignment"), int, "parameter_alignment must be true or false, got 0"),
+        (("files", "model.safetensors", "size"), str, "file record's size is '"),
+        (("files", "model.safetensors", "block_size"), float, "file record's block_size is 128.0, expected an integer"),
+        (("files", "model.safetensors", "crc32", 0), float, "file record's crc32 is ["),
+        (("optimizer", "param_groups", 1, "layout_groups", 0), bool, "param group 1 has a layout group that is True"),
+    ],
+)
+def test_a_number_of_the_wrong_json_type_is_refused(saved, path, retype, message):
+    """JSON true is not 1, nor 16.0 or "498" an integer, though Python's == and int() say so."""
+    edit_manifest(saved, _retyped(path, retype))
+    error = load_error(saved)
+    assert error.startswith(str(saved / "t" / "manifest.json")) and message in error, error
+
+
 def test_manifest_with_inconsistent_layout(saved):
     edit_manifest(saved, lambda d: d["layout"]["groups"][0]["params"][1].update(offset=3))
     assert "manifest.json: layout JSON is inconsistent" in load_error(saved)
@@ -221,3 +252,16 @@ def test_bad_tags(tmp_path, tag):
 def test_open_checkpoint_reports_policy_change_free_layouts(saved):
     # A manifest saved under one policy opens the same under any run policy: only the load maps.
     assert open_checkpoint(saved).manifest.layout.policy == LayoutPolicy.native()
+
+
+@pytest.mark.parametrize(
+    "entry", [{"shape": [True]}, {"shape": [1.0]}, {"data_offsets": ["0", 4]}, {"data_offsets": [0, 4.0]}]
+)
+def test_a_safetensors_header_number_of_the_wrong_json_type_is_refused(tmp_path, entry):
+    from zeroshard.checkpoint.io.safetensors_io import read_header
+
+    header = json.dumps({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], **entry}}).encode()
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
+    with pytest.raises(ValueError, match=re.escape(f"{path}: corrupted: bad header entry for 'x'")):
+        read_header(path, path.stat().st_size)

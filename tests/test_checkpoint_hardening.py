@@ -259,6 +259,28 @@ def test_a_disk_full_at_the_commit_leaves_nothing_behind_and_names_the_file(tmp_
     assert load_sharded(tmp_path, LAYOUT, 0).extra["global_step"] == 1
 
 
+def test_a_disk_full_in_the_model_file_names_that_file_once(tmp_path, monkeypatch):
+    """The error named the rank file and then the model file's path, as if both were written."""
+    import errno
+    import re
+
+    from zeroshard.checkpoint.io import safetensors_io
+
+    real = safetensors_io._write_all
+
+    def full(out, data, hasher):
+        if Path(out.name).name == "model.safetensors":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(out, data, hasher)
+
+    monkeypatch.setattr(safetensors_io, "_write_all", full)
+    for error in _save(tmp_path, "step1", 1):
+        assert isinstance(error, OSError), error
+        staged = re.escape(str(tmp_path)) + r"/\.step1\.tmp-[0-9a-f]{12}/model\.safetensors"
+        assert re.fullmatch(rf"checkpoint \S+ not saved: rank 0: {staged}: No space left on device", str(error)), error
+    assert _hidden(tmp_path) == []
+
+
 def test_recovery_removes_a_latest_temporary_file_a_crash_left(tmp_path):
     assert not any(isinstance(r, Exception) for r in _save(tmp_path, "step1", 1))
     (tmp_path / ".latest.tmp-0123456789ab").write_text("step9\n")  # what a death mid-replace leaves

@@ -12,6 +12,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 from deepspeed_fixtures import deepspeed_universal_folder
 
 from zeroshard.checkpoint import SourceFormat, register_format, run_ranks, save_sharded, unregister_format
@@ -20,6 +21,7 @@ from zeroshard.checkpoint.testing import synthesize_state
 from zeroshard.checkpoint.universal import to_universal
 from zeroshard.cli.main import main
 from zeroshard.layout import LayoutPolicy, ParamSpec, build_layout
+from zeroshard.state import ParamGroupState
 
 LAYOUT = build_layout(
     [[ParamSpec.of("a", (7, 5), "bf16"), ParamSpec.of("b", (13,), "bf16")], [ParamSpec.of("c", (9,), "bf16")]],
@@ -92,10 +94,54 @@ def test_verify_lists_every_problem(saved, capsys):
     assert "stray.safetensors: not listed in the manifest" in lines[2]
 
 
-def test_not_a_checkpoint(tmp_path, capsys):
-    assert main(["inspect", str(tmp_path / "none")]) == 2
-    assert "no such checkpoint directory" in capsys.readouterr().err
-    assert main(["inspect", "--verify", str(tmp_path / "none")]) == 1
+@pytest.mark.parametrize("verify", [[], ["--verify"]])
+def test_not_a_checkpoint_is_bad_input_not_damage(tmp_path, capsys, verify):
+    """Exit 1 is damage --verify found in a checkpoint; a path that is none is exit 2, on stderr."""
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "notes.txt").write_text("x")
+    (tmp_path / "file").write_text("x")
+    for name, message in (
+        ("none", "no such checkpoint directory"),
+        ("plain", "no manifest.json: not a checkpoint"),
+        ("file", "not a directory"),
+    ):
+        assert main(["inspect", *verify, str(tmp_path / name)]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1, captured
+        assert f"error: {tmp_path / name}: {message}" in captured.err
+
+
+def test_a_root_whose_latest_names_a_missing_tag_is_damage(saved, capsys):
+    shutil.rmtree(saved / "step7")
+    assert main(["inspect", "--verify", str(saved)]) == 1
+    assert f"{saved / 'latest'}: names tag 'step7' but" in capsys.readouterr().out
+
+
+def _param_groups_to_universal_refuses(tmp_path: Path, case: str) -> Path:
+    """Saved (every checksum and digest right) with param groups to-universal cannot store."""
+    def state(rank):
+        synthesized = synthesize_state(LAYOUT, rank)
+        if case == "scalars":  # one param group whose two layout groups took different steps
+            scalars = [{"step": torch.tensor(7.0)}, {"step": torch.tensor(5.0)}]
+            groups = [ParamGroupState({"lr": 1e-3}, [0, 1])]
+            return dataclasses.replace(synthesized, param_groups=groups, optimizer_scalars=scalars)
+        return dataclasses.replace(synthesized, param_groups=[ParamGroupState({"lr": 1e-3}, [0])])  # group 1 in none
+
+    root = tmp_path / case
+    run_ranks(12, lambda c: save_sharded(root, "t", state(c.rank), coordinator=c, block_size=64))
+    return root
+
+
+@pytest.mark.parametrize("case", ["scalars", "orphan"])
+def test_verify_reports_the_param_groups_to_universal_refuses(tmp_path, capsys, case):
+    """One check, shared: a checkpoint --verify passes converts, and the line is the same."""
+    root = _param_groups_to_universal_refuses(tmp_path, case)
+    assert main(["to-universal", str(root), str(tmp_path / "u"), "--no-progress"]) == 2
+    refusal = capsys.readouterr().err.strip().removeprefix("zeroshard to-universal: error: ")
+    assert main(["inspect", "--verify", str(root)]) == 1
+    assert capsys.readouterr().out.strip().splitlines() == [refusal]
+    expected = "layout groups 0 and 1 hold different" if case == "scalars" else "layout groups [1] belong to no"
+    assert expected in refusal
 
 
 # ---- the other kinds: universal, DeepSpeed, DeepSpeed's universal format ------------------------

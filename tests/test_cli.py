@@ -72,6 +72,17 @@ def test_python_m_zeroshard_is_the_console_script(saved, args, code):
     assert (module.returncode, module.stdout, module.stderr) == (script.returncode, script.stdout, script.stderr)
 
 
+def test_a_path_the_terminal_cannot_encode_is_printed_escaped(saved):
+    """Under PYTHONIOENCODING=ascii the export was written, then printing its path raised
+    UnicodeEncodeError: exit 2 "error: 'ascii' codec can't encode" for work that was done."""
+    out = saved.parent / "exp\u00f6rt"
+    done = _cli("to-fp32", str(saved), str(out), "--no-progress", env={"PYTHONIOENCODING": "ascii"})
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert done.stdout.startswith(f"wrote {saved.parent}/exp\\xf6rt: 2 files"), done.stdout
+    described = _cli("inspect", str(out), env={"PYTHONIOENCODING": "ascii"})
+    assert described.returncode == 0 and "exp\\xf6rt" in described.stdout, described.stderr
+
+
 # ---- user errors: exit 2, one line -------------------------------------------------------------
 
 
@@ -185,6 +196,35 @@ def test_full_disk_names_the_file(saved, monkeypatch, capsys):
     code = main(["to-universal", str(saved), str(out), "--no-progress"])
     _assert_one_line_error((code, capsys.readouterr().err), f"error: {out}: No space left on device")
     assert not (out / "universal.json").exists()
+
+
+def test_full_disk_at_the_publish_or_the_lock_names_one_file(saved, monkeypatch, capsys):
+    """A rename's ENOSPC names its source and target; the one being written is OUT. The
+    lock's record is written through its descriptor: the lock file is named, not OUT."""
+    out = saved.parent / "out"
+    real_rename, real_pwrite = os.rename, os.pwrite
+
+    def rename(src, dst, **kwargs):
+        if Path(dst) == out:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(src), None, str(dst))
+        return real_rename(src, dst, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "rename", rename)
+        code = main(["to-universal", str(saved), str(out), "--no-progress"])
+    _assert_one_line_error((code, capsys.readouterr().err), f"error: {out}: No space left on device")
+
+    def pwrite(fd, data, offset):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".out.lock"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_pwrite(fd, data, offset)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "pwrite", pwrite)
+        code = main(["to-universal", str(saved), str(out), "--no-progress"])
+    lock = saved.parent / ".out.lock"
+    _assert_one_line_error((code, capsys.readouterr().err), f"error: {lock}: No space left on device")
+    assert sorted(p.name for p in saved.parent.iterdir()) == ["ckpt"]
 
 
 @pytest.mark.parametrize(

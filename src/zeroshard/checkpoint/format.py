@@ -8,6 +8,7 @@ from __future__ import annotations
 FORMAT_NAME = "zeroshard.checkpoint"
 FORMAT_VERSION = 2  # 2: digests of the logical state and rank-file bindings
 UNDIGESTED_VERSION = 1  # written before digests; still read
+UNDIGESTED_LAYOUT_VERSION = 2  # the newest layout a version 1 manifest holds (layout version 3 came after version 2)
 
 MANIFEST_FILE = "manifest.json"
 MODEL_FILE = "model.safetensors"

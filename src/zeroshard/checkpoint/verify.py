@@ -22,6 +22,7 @@ from .io.members import member_path
 from .experts import exported_params, read_exported
 from .io.safetensors_io import check_entries, read_header, verify_file
 from .native.binding import check_binding
+from .param_groups import param_group_problems
 from .read_digests import ReadChecker
 from .source import ShardSource
 from .universal.format import UniversalManifest
@@ -31,12 +32,13 @@ _READ_CHUNK = 1 << 24  # elements per read when reading a whole partition (64 Mi
 
 
 def verify_checkpoint(ckpt: Checkpoint) -> list[str]:
-    """One line per problem found; empty when every file is present, intact and as described."""
+    """One line per problem found; empty when every file is present, intact and as described,
+    and its param groups are what a universal checkpoint stores (see :mod:`.param_groups`)."""
     manifest = ckpt.manifest
     rank_tensors = manifest.rank_file_tensors()
     expected = {name: manifest.model_file_tensors() if name == MODEL_FILE else rank_tensors for name in manifest.files}
     problems = _verify_files(ckpt.directory, manifest.files, expected)
-    if problems or manifest.digests is None:
+    if problems:
         return problems
     problems = _binding_problems(ckpt)
     if problems:
@@ -44,7 +46,7 @@ def verify_checkpoint(ckpt: Checkpoint) -> list[str]:
     from .native.source import NativeSource
 
     with NativeSource(ckpt) as source:
-        return verify_digests(source)
+        return verify_digests(source) + param_group_problems(source)
 
 
 def verify_universal(directory: Path, manifest: UniversalManifest) -> list[str]:
@@ -53,13 +55,13 @@ def verify_universal(directory: Path, manifest: UniversalManifest) -> list[str]:
     for key, spec in manifest.tensor_specs().items():
         expected[manifest.weight_map[key]][key] = spec
     problems = _verify_files(directory, manifest.shards, expected)
-    if problems or manifest.digests is None:
+    if problems:
         return problems
     from .universal.read import UniversalCheckpoint
     from .universal.source import UniversalSource
 
     with UniversalSource(UniversalCheckpoint(directory, manifest)) as source:
-        return verify_digests(source)
+        return verify_digests(source) + param_group_problems(source)
 
 
 def verify_digests(source: ShardSource) -> list[str]:
@@ -90,7 +92,7 @@ def _binding_problems(ckpt: Checkpoint) -> list[str]:
         path = ckpt.path(name)
         try:
             read_header(path, manifest.files[name].size, metadata=metadata)
-            check_binding(path, metadata, manifest.layout, manifest.layout_digest, rank)
+            check_binding(path, metadata, manifest.layout, manifest.binding_digest, rank)
         except ValueError as err:
             problems.append(str(err))
     return problems

@@ -6,7 +6,7 @@ import errno
 import os
 from pathlib import Path
 
-from ..checkpoint.io.safetensors_io import named_os_error
+from ..checkpoint.io.safetensors_io import describe_os_error, named_os_error
 
 _TRACEBACK = "Traceback (most recent call last):"
 # Errors about the output's disk, not about the input: worth naming the output directory.
@@ -26,8 +26,7 @@ def is_user_error(err: BaseException) -> bool:
 def describe_error(err: BaseException) -> str:
     """``err`` in one line: an OSError as "PATH: reason", anything else as its message."""
     if isinstance(err, OSError) and err.strerror:
-        paths = [str(p) for p in (err.filename, err.filename2) if p is not None]
-        text = f"{' -> '.join(paths)}: {err.strerror}" if paths else err.strerror
+        text = describe_os_error(err)
     elif isinstance(err, KeyError) and err.args:
         text = str(err.args[0])
     else:

@@ -17,11 +17,13 @@ from ..checkpoint.formats import NATIVE, UnsupportedCheckpointError, open_source
 from ..checkpoint.io.directory import resolve_checkpoint
 from ..checkpoint.native.handle import Checkpoint, open_checkpoint
 from ..checkpoint.native.manifest import read_manifest
+from ..checkpoint.native.source import is_native_checkpoint
 from ..checkpoint.universal.format import read_universal_manifest
 from ..checkpoint.universal.read import open_universal
 from ..checkpoint.export.fp32 import is_fp32_export
 from ..checkpoint.format import MANIFEST_FILE
 from ..checkpoint.universal.format import MANIFEST_FILE as UNIVERSAL_MANIFEST_FILE
+from ..checkpoint.param_groups import param_group_problems
 from ..checkpoint.verify import read_every_tensor, verify_checkpoint, verify_universal
 from .export_report import describe_fp32_export, verify_fp32_export
 from .inspect_report import describe_deepspeed, describe_native, describe_universal
@@ -95,6 +97,11 @@ Verified = tuple[str, list[str], dict[str, int]]  # summary, problems, every fil
 def _verify_native(path: Path) -> Verified:
     try:
         directory = resolve_checkpoint(path)
+    except (ValueError, FileNotFoundError) as err:
+        if not is_native_checkpoint(path):
+            raise  # nothing there claims to be a checkpoint: bad input (exit 2), not damage found
+        return "", [str(err)], {}
+    try:
         ckpt = Checkpoint(directory, read_manifest(directory))
     except (ValueError, FileNotFoundError) as err:
         return "", [str(err)], {}
@@ -141,6 +148,7 @@ def _verify_deepspeed(path: Path) -> Verified:
         checked = {file.name: file.stat().st_size for file in files}
         problems = [f"{source.path}: {problem}" for problem in read_every_tensor(raw)]
         problems += raw.experts.unreadable(raw.autoep) if raw.experts is not None else []
+        problems += [] if problems else param_group_problems(source)
         return summary, problems, checked
 
 

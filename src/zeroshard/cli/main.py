@@ -73,6 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         SystemExit: from argparse, for a usage error (status 2), ``--help`` or ``--version`` (0).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    _print_any_path()
     args = build_parser(_command_of(argv)).parse_args(argv)
     debug = getattr(args, "debug", False) or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     try:
@@ -97,6 +98,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return INTERNAL_ERROR
+
+
+def _print_any_path() -> None:
+    """A path the terminal's encoding cannot show (non-ASCII under ``PYTHONIOENCODING=ascii``
+    or a C locale, undecodable bytes in a file name) is printed escaped (``\\xfc``): printing
+    it raised UnicodeEncodeError after the work was done, and the command reported failure."""
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
 
 
 def _add_debug_flag(parser: argparse.ArgumentParser, default: object) -> None:

@@ -184,7 +184,7 @@ class Layout:
         if data.get("format") != FORMAT_NAME:
             raise ValueError(f"not a zeroshard layout (format {data.get('format')!r})")
         version = data.get("version")
-        if version not in (_DENSE_ONLY_VERSION, _LEGACY_STACKS_VERSION, FORMAT_VERSION):
+        if not _is_int(version) or version not in (_DENSE_ONLY_VERSION, _LEGACY_STACKS_VERSION, FORMAT_VERSION):
             raise ValueError(
                 f"layout format version {version!r} is not supported (this zeroshard reads versions "
                 f"{_DENSE_ONLY_VERSION} to {FORMAT_VERSION})"
@@ -194,8 +194,11 @@ class Layout:
             layout = build_layout(groups, data["world_size"], LayoutPolicy.from_dict(data["policy"]))
         except (KeyError, TypeError) as err:
             raise ValueError(f"layout JSON is malformed: {type(err).__name__}: {err}") from None
-        if layout._to_dict(version) != data:
-            raise ValueError("layout JSON is inconsistent: its offsets differ from those its parameters give")
+        if not _same_json(layout._to_dict(version), data):
+            raise ValueError(
+                "layout JSON is inconsistent: its offsets and sizes differ from those its parameters give "
+                "(in value or JSON type)"
+            )
         problem = layout.storage_problem()
         if problem:
             raise ValueError(f"layout JSON is inconsistent: {problem}")
@@ -323,6 +326,17 @@ def _check_shard_group_sizes(groups: list[GroupSpec]) -> None:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _same_json(a: object, b: object) -> bool:
+    """Equal and of the same JSON types throughout: ``==`` takes ``true`` for 1 and 5.0 for 5."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_json(a[key], b[key]) for key in a)  # type: ignore[attr-defined,index]
+    if isinstance(a, list):
+        return len(a) == len(b) and all(map(_same_json, a, b))  # type: ignore[arg-type]
+    return a == b
 
 
 def _check_unique_names(groups: list[tuple[ParamSpec, ...]]) -> None:

@@ -57,6 +57,9 @@ class LayoutPolicy:
             raise ValueError(f"alignment_bytes must be a positive integer, got {self.alignment_bytes!r}")
         if self.bucket_numel is not None and (not _is_int(self.bucket_numel) or self.bucket_numel < 1):
             raise ValueError(f"bucket_numel must be a positive integer or None, got {self.bucket_numel!r}")
+        for flag in ("compact", "parameter_alignment"):
+            if type(getattr(self, flag)) is not bool:
+                raise ValueError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if self.kind == "deepspeed" and self.bucket_numel is not None:
             raise ValueError("the deepspeed policy has one partitioned bucket per group; bucket_numel must be None")
 

@@ -13,6 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from . import jsonvalue
+from .budget import quoted
+
 try:
     from zlib_ng.zlib_ng import crc32
 except ImportError:  # a platform without zlib-ng wheels: the same CRC, slower
@@ -48,10 +51,15 @@ class FileRecord:
 
         Raises:
             ValueError: a negative size, a block size that is not positive, or a count of
-                checksums that does not match the size (or a value that is not an integer).
+                checksums that does not match the size; a value that is not a JSON integer
+                (``true``, ``1.0`` or ``"1"`` included).
             KeyError: a field is missing.
         """
-        record = cls(int(data["size"]), int(data["block_size"]), tuple(int(c) for c in data["crc32"]))
+        crcs = data["crc32"]
+        if type(crcs) is not list or not all(type(crc) is int for crc in crcs):
+            raise ValueError(f"file record's crc32 is {quoted(crcs)}, expected a list of integers")
+        size = jsonvalue.read_int(data["size"], "file record's size")
+        record = cls(size, jsonvalue.read_int(data["block_size"], "file record's block_size", minimum=1), tuple(crcs))
         expected_blocks = -(-record.size // record.block_size) if record.block_size > 0 else -1
         if record.size < 0 or record.block_size <= 0 or len(record.crc32) != expected_blocks:
             raise ValueError(

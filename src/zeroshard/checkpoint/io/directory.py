@@ -94,9 +94,10 @@ def replace_file_atomically(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
-def new_staging(target: Path) -> Path:
-    """Create the empty staging directory ``<parent>/.<name>.tmp-<id>`` of ``target``."""
-    staging = target.parent / temp_dir_name(target.name, uuid.uuid4().hex[:12])
+def new_staging(target: Path, parent: Path | None = None) -> Path:
+    """Create the empty staging directory ``<parent>/.<name>.tmp-<id>`` of ``target`` (its
+    parent unless ``parent`` is given: see :mod:`.in_place`)."""
+    staging = (target.parent if parent is None else parent) / temp_dir_name(target.name, uuid.uuid4().hex[:12])
     staging.mkdir()
     return staging
 

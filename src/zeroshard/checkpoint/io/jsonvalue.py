@@ -57,7 +57,8 @@ def read_int(value: Any, what: str, name: Any = None, minimum: int = 0) -> int:
 
 
 def read_shape(value: Any, what: str, name: Any = None) -> tuple[int, ...]:
-    """A tensor shape: a JSON list of integers of at least 0 (``what`` as for :func:`read_int`)."""
+    """A JSON list of integers of at least 0 (a tensor shape, a pair of offsets; ``what`` as
+    for :func:`read_int`)."""
     if type(value) is not list:
         raise ValueError(f"{what.format(quoted(name))} is {quoted(value)}, expected a list of integers")
     for dim in value:

@@ -4,9 +4,10 @@ A converter writes into a staging directory next to ``OUT`` and publishes it as 
 the same atomic-directory protocol as a save (:mod:`.directory`): a crash leaves either the
 previous ``OUT`` or the new one, and the next write to ``OUT`` recovers what a crash left. A
 failure removes the staging directory, so nothing under ``OUT`` ever looks complete unless
-it is. A conversion holds ``.OUT.lock`` (next to ``OUT``) throughout, so a second one into the
-same ``OUT`` fails at once with a WriterLockedError naming the first, instead of deleting its
-staging directory.
+it is. An empty ``OUT`` that is a mount point is staged inside itself, on its own file
+system, and published file by file (:mod:`.in_place`). A conversion holds ``.OUT.lock``
+(next to ``OUT``) throughout, so a second one into the same ``OUT`` fails at once with a
+WriterLockedError naming the first, instead of deleting its staging directory.
 
 What is replaced: ``OUT`` is never the input, inside it or around it (a checkpoint tag holds
 ``model.safetensors`` too), and an existing non-empty ``OUT`` is replaced only when asked and
@@ -16,6 +17,7 @@ file names that kind writes, the safetensors files carrying its metadata.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
 from .directory import Fault, fsync_dir, new_staging, publish_dir, recover_target
+from .in_place import check_empty_mount_point, publish_in_place, recover_in_place, stages_in_place
 from .safetensors_io import read_metadata
 from .writer_lock import WriterLock
 
@@ -85,13 +88,20 @@ def staged_output(
     with output_lock(out_dir, kind.what) as lock:
         if lock.held:  # else another writer may be live: leave every leftover alone
             recover_target(out_dir)  # first, so an output a crash moved aside counts as existing
+            recover_in_place(out_dir, kind.file_names, kind.markers)
         check_destination(out_dir, kind, overwrite)
-        staging = new_staging(out_dir)
+        in_place = stages_in_place(out_dir)  # a mount point: staged on its own file system
+        if in_place:
+            check_empty_mount_point(out_dir, kind.what)
+        staging = new_staging(out_dir, out_dir if in_place else None)
         try:
             yield staging
             fsync_dir(staging)
-            check_destination(out_dir, kind, overwrite)
-            publish_dir(staging, out_dir, fault)
+            if in_place:
+                publish_in_place(staging, out_dir, kind.markers, fault)
+            else:
+                check_destination(out_dir, kind, overwrite)
+                publish_dir(staging, out_dir, fault)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -102,7 +112,7 @@ def output_path(out_dir: str | os.PathLike[str]) -> Path:
     the directory they mean (its lock and staging directory sit next to it, by name)."""
     out = Path(out_dir)
     if out.name in ("", ".", ".."):
-        out = out.resolve()
+        out = real_path(out)
         if not out.name:
             raise ValueError(f"{out_dir}: the root directory cannot be an output directory")
     return out
@@ -111,8 +121,8 @@ def output_path(out_dir: str | os.PathLike[str]) -> Path:
 def check_apart(out_dir: Path, inputs: Sequence[str | os.PathLike[str]]) -> None:
     """ValueError when ``out_dir`` is one of ``inputs``, lies inside one or holds one
     (links resolved): replacing it would delete what is being converted."""
-    out_real = out_dir.resolve()
-    resolved = [(given, Path(given).resolve()) for given in inputs]
+    out_real = real_path(out_dir)
+    resolved = [(given, real_path(Path(given))) for given in inputs]
     for relation, overlaps in (
         ("is the input", lambda real: out_real == real),
         ("lies inside the input", out_real.is_relative_to),
@@ -121,6 +131,19 @@ def check_apart(out_dir: Path, inputs: Sequence[str | os.PathLike[str]]) -> None
         for given, real in resolved:
             if overlaps(real):
                 raise ValueError(f"{out_dir}: the output directory {relation} {given}; write the output somewhere else")
+
+
+def real_path(path: Path) -> Path:
+    """``path`` absolute, with every link resolved as far as it exists; OSError (ELOOP)
+    naming ``path`` when its links loop (Path.resolve raises RuntimeError for that before
+    Python 3.13, and returns the path unresolved after)."""
+    try:
+        return Path(os.path.realpath(path, strict=True))
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            where = "" if os.path.abspath(err.filename) == os.path.abspath(path) else f" (at {err.filename})"
+            raise OSError(errno.ELOOP, f"{err.strerror}{where}", str(path)) from None
+    return Path(os.path.realpath(path))  # a part is missing: past it, nothing is a link
 
 
 def output_lock(out_dir: Path, what: str) -> WriterLock:

@@ -221,11 +221,20 @@ def write_safetensors(
 
 
 def named_os_error(err: OSError, path: Path) -> OSError:
-    """``err`` naming ``path`` if it names no file: ``write`` and ``fsync`` know only a file
-    descriptor, so a full disk (ENOSPC) would otherwise not say where."""
-    if err.filename is not None or not err.errno:
+    """``err`` naming ``path`` if it names no file (``write`` and ``fsync`` know only a file
+    descriptor, so a full disk (ENOSPC) would otherwise not say where) or two (a rename's
+    source and target: ``path`` is the one being written)."""
+    if not err.errno or (err.filename is not None and err.filename2 is None):
         return err
     return OSError(err.errno, err.strerror or os.strerror(err.errno), str(path))
+
+
+def describe_os_error(err: OSError) -> str:
+    """``err`` as one line, "PATH: reason" (a rename's "SOURCE -> TARGET: reason")."""
+    if not err.strerror:
+        return str(err)
+    paths = [str(p) for p in (err.filename, err.filename2) if p is not None]
+    return f"{' -> '.join(paths)}: {err.strerror}" if paths else err.strerror
 
 
 def _plan_header(plan: Sequence[PlannedTensor], metadata: dict[str, str] | None) -> bytes:
@@ -273,9 +282,9 @@ def read_header(
                 metadata.update(info)
             continue
         try:
-            begin, end = (data_start + int(v) for v in info["data_offsets"])
-            entries[name] = TensorEntry(str(info["dtype"]), tuple(int(d) for d in info["shape"]), begin, end)
-        except (KeyError, TypeError, ValueError):
+            begin, end = (data_start + offset for offset in jsonvalue.read_shape(info["data_offsets"], "data_offsets"))
+            entries[name] = TensorEntry(str(info["dtype"]), jsonvalue.read_shape(info["shape"], "shape"), begin, end)
+        except (KeyError, TypeError, ValueError):  # JSON integers only: not true, 1.0 or "1"
             raise ValueError(f"{path}: corrupted: bad header entry for {name!r}") from None
         if not data_start <= begin <= end <= file_size:
             raise ValueError(f"{path}: corrupted: tensor {name!r} lies outside the file")

@@ -25,6 +25,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from .safetensors_io import named_os_error
+
 log = logging.getLogger(__name__)
 
 _POLL_SECONDS = 0.05
@@ -123,8 +125,11 @@ class WriterLock:
         since = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         record = {"pid": os.getpid(), "host": socket.gethostname(), "since": since, "what": self.what}
         data = json.dumps(record).encode()
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, data, 0)
+        try:
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, data, 0)
+        except OSError as err:  # a full disk: the lock file is what was being written
+            raise named_os_error(err, self.path) from err
 
     def _refusal(self, holder: dict | None) -> str:
         if holder is None:

@@ -53,10 +53,21 @@ def binding_metadata(layout: Layout, digest: str, rank: int) -> dict[str, str]:
     return {BINDING_KEY: json.dumps(rank_binding(layout, digest, rank), separators=(",", ":"))}
 
 
-def check_binding(path: Path, metadata: Mapping[str, Any], layout: Layout, digest: str, rank: int) -> None:
+def check_binding(path: Path, metadata: Mapping[str, Any], layout: Layout, digest: str | None, rank: int) -> None:
     """Refuse (CheckpointDamagedError, one line naming ``path``) a rank file whose binding says
-    it is not rank file ``rank`` of the checkpoint whose layout is ``layout`` (digest ``digest``)."""
+    it is not rank file ``rank`` of the checkpoint whose layout is ``layout`` (digest ``digest``).
+
+    ``digest`` None: the manifest says format version 1, which wrote no bindings; a rank file
+    that carries one was written by version 2, and its manifest edited to claim version 1
+    (which would make every check of version 2 be skipped: digests, bindings): refused."""
     raw = metadata.get(BINDING_KEY)
+    if digest is None:
+        if raw is not None:
+            raise CheckpointDamagedError(
+                f"{path}: carries a {BINDING_KEY}, which only format version 2 writes, but the manifest says "
+                "format version 1: a manifest may not claim an older version than its rank files"
+            )
+        return
     if not isinstance(raw, str):
         raise CheckpointDamagedError(
             f"{path}: no {BINDING_KEY} metadata; every rank file of a format version 2 checkpoint records where it belongs"

@@ -22,6 +22,7 @@ from ..digests import StateDigests, logical_keys
 from ..format import (
     FORMAT_NAME,
     FORMAT_VERSION,
+    UNDIGESTED_LAYOUT_VERSION,
     UNDIGESTED_VERSION,
     MANIFEST_FILE,
     MODEL_FILE,
@@ -112,6 +113,12 @@ class Manifest:
         return layout_digest(self.layout.to_dict() if self.stored_layout is None else self.stored_layout)
 
     @property
+    def binding_digest(self) -> str | None:
+        """The layout digest every rank file's binding records; None for format version 1,
+        which wrote no bindings (:func:`.binding.check_binding` then refuses a file with one)."""
+        return self.layout_digest if self.digests is not None else None
+
+    @property
     def world_size(self) -> int:
         """The number of ranks that saved it (one rank file each)."""
         return self.layout.world_size
@@ -189,6 +196,11 @@ class Manifest:
             layout = Layout.from_dict(data["layout"])
         except ValueError as err:
             raise ValueError(f"{source}: {err}") from None
+        newer = _newer_than_version_1(data) if version == UNDIGESTED_VERSION else None
+        if newer:
+            raise ValueError(
+                f"{source}: format version 1, but {newer}: a manifest may not claim an older version than it holds"
+            )
         try:
             manifest = cls._fields_from_dict(data, layout)
         except (KeyError, TypeError, ValueError, AttributeError) as err:
@@ -205,8 +217,11 @@ class Manifest:
             layout=layout,
             optimizer_class=str(optimizer["class"]),
             param_groups=[
-                ParamGroupState(jsonvalue.decode(g["hyperparameters"]), [int(i) for i in g["layout_groups"]])
-                for g in optimizer["param_groups"]
+                ParamGroupState(
+                    jsonvalue.decode(g["hyperparameters"]),
+                    [jsonvalue.read_int(i, "param group {} has a layout group that", n) for i in g["layout_groups"]],
+                )
+                for n, g in enumerate(optimizer["param_groups"])
             ],
             groups=tuple(GroupRecord.from_dict(group) for group in data["groups"]),
             model_tensors={
@@ -278,6 +293,16 @@ class Manifest:
         if set(self.digests.model) != set(self.model_tensors):
             return "the module digests do not name exactly the module tensors"
         return None
+
+
+def _newer_than_version_1(data: dict[str, Any]) -> str | None:
+    """What a manifest claiming format version 1 holds that only later versions write (its
+    layout already read, so its version is a valid one)."""
+    if "digests" in data:
+        return "it holds digests, which version 2 added"
+    if data["layout"]["version"] > UNDIGESTED_LAYOUT_VERSION:
+        return f"its layout is version {data['layout']['version']}, which came after format version 2"
+    return None
 
 
 def expert_param_names(layout: Layout) -> set[str]:

@@ -56,7 +56,7 @@ from ..format import (
 from .binding import binding_metadata, layout_digest
 from .manifest import GroupRecord, Manifest, ModelTensorRecord, dtype_name, expert_param_names
 from .model_file import save_model_state
-from ..io.safetensors_io import write_safetensors
+from ..io.safetensors_io import describe_os_error, named_os_error, write_safetensors
 from ..io.writer_lock import WriterLock, WriterLockedError
 
 FaultHook = Callable[[str, int], None]
@@ -251,7 +251,7 @@ def _on_rank0_then_broadcast(coord: Coordinator, action: Callable[[], Any]) -> A
         except Exception as err:  # noqa: BLE001 - every rank waits for the outcome: it must get one
             if _is_simulated_crash(err):
                 raise
-            outcome = ("error", f"{type(err).__name__}: {err}")
+            outcome = ("error", describe_os_error(err) if isinstance(err, OSError) else f"{type(err).__name__}: {err}")
     kind, value = coord.broadcast_object(outcome)
     if kind == "locked":
         raise WriterLockedError(f"checkpoint save refused: {value}")
@@ -346,21 +346,24 @@ def _group_records(state: ShardedState) -> list[GroupRecord]:
 
 def _write_own_files(plan: SavePlan, state: ShardedState, buffer_names: Collection[str] | None) -> WrittenFiles | str:
     """This rank's file records (and rank 0's model description), or a one-line error."""
-    name = rank_file_name(state.rank, state.layout.world_size)
+    writing = rank_file_name(state.rank, state.layout.world_size)
     try:
         terms = Terms()
-        files = {name: _write_rank_file(plan.staging / name, state, plan.block_size, terms)}
+        files = {writing: _write_rank_file(plan.staging / writing, state, plan.block_size, terms)}
         scalars = [{n: scalar_digest(t) for n, t in group.items()} for group in state.optimizer_scalars]
         if state.rank != 0:
             return WrittenFiles(files, terms, scalars)
+        writing = MODEL_FILE
         experts = expert_param_names(state.layout)  # the rank files hold them, by global expert id
         module_state = {name: t for name, t in state.model_state.items() if name not in experts}
         trainable = set(state.layout.param_names) - experts
         model = save_model_state(plan.staging / MODEL_FILE, module_state, trainable, buffer_names, plan.block_size)
         files[MODEL_FILE] = model.record
         return WrittenFiles(files, terms, scalars, (model.tensors, model.aliases, model.digests))
+    except OSError as err:  # a full disk: the path of the one file it was writing, once
+        return f"rank {state.rank}: {describe_os_error(named_os_error(err, plan.staging / writing))}"
     except Exception as err:  # any error: this rank must still reach the commit's collective
-        return f"rank {state.rank}: writing {name}: {type(err).__name__}: {err}"
+        return f"rank {state.rank}: writing {writing}: {type(err).__name__}: {err}"
 
 
 def _write_rank_file(path: Path, state: ShardedState, block_size: int, terms: Terms) -> FileRecord:

@@ -43,7 +43,7 @@ class NativeSource:
         self._stats = stats
         self._headers: dict[str, dict[str, TensorEntry]] = {}
         self._rank_tensors = manifest.rank_file_tensors()
-        self._layout_digest = manifest.layout_digest if manifest.digests is not None else None
+        self._binding_digest = manifest.binding_digest
         self.info = SourceInfo(
             layout=manifest.layout,
             optimizer_class=manifest.optimizer_class,
@@ -185,8 +185,8 @@ class NativeSource:
             header = read_header(path, manifest.files[file_name].size, self._stats, metadata)
             expected = manifest.model_file_tensors() if file_name == MODEL_FILE else self._rank_tensors
             check_entries(path, header, expected)
-            if file_name != MODEL_FILE and self._layout_digest is not None:
-                check_binding(path, metadata, manifest.layout, self._layout_digest, _rank_of(file_name))
+            if file_name != MODEL_FILE:
+                check_binding(path, metadata, manifest.layout, self._binding_digest, _rank_of(file_name))
             self._headers[file_name] = header
         return header
 

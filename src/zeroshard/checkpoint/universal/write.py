@@ -19,8 +19,6 @@ import dataclasses
 import functools
 import os
 from pathlib import Path
-from typing import Any
-
 import numpy as np
 
 from ...layout import LEGACY_STACK
@@ -32,7 +30,8 @@ from ..io.output_dir import OutputKind, output_path, staged_output
 from ..io.safetensors_io import PlannedTensor
 from ..experts import UNIVERSAL_FORM, exported_params, read_exported
 from ..read_digests import ReadChecker
-from ..source import ShardSource, param_group_owners
+from ..param_groups import universal_param_groups
+from ..source import ShardSource
 from ..io.streaming import OutputTensor, plan_shards, write_shards
 from .format import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -119,7 +118,7 @@ def describe(source: ShardSource, checker: ReadChecker | None = None) -> Univers
     digests (``checker`` checks and keeps the scalars' as they are read)."""
     info = source.info
     layout = info.layout
-    owner = _param_group_of_layout_groups(source)
+    owner, scalars = universal_param_groups(source, checker)
     params: dict[str, UniversalParam] = {}
     exported: dict[str, list[str]] = {}  # layout parameter -> its exported names
     for param in exported_params(layout, UNIVERSAL_FORM):
@@ -134,7 +133,7 @@ def describe(source: ShardSource, checker: ReadChecker | None = None) -> Univers
         UniversalParamGroup(
             hyperparameters=dict(state.hyperparameters),
             params=tuple(name for g in state.layout_groups for slot in layout.groups[g].params for name in exported[slot.name]),
-            scalars=_scalars_of(source, index, state.layout_groups, checker),
+            scalars=scalars[index],
         )
         for index, state in enumerate(info.param_groups)
     ]
@@ -185,44 +184,3 @@ def _model_tensor(source: ShardSource, name: str, planned: PlannedTensor, checke
             f"the checkpoint describes it as {planned.dtype} {list(planned.shape)}"
         )
     return tensor
-
-
-def _param_group_of_layout_groups(source: ShardSource) -> list[int]:
-    owner = param_group_owners(source)
-    missing = [g.index for g in source.info.layout.groups if g.index not in owner]
-    if missing:
-        raise ValueError(f"{source.path}: layout groups {missing} belong to no optimizer param group")
-    return [owner[g.index] for g in source.info.layout.groups]
-
-
-def _scalars_of(source: ShardSource, index: int, layout_groups: list[int], checker: ReadChecker | None) -> dict[str, Any]:
-    """The param group's scalars; every layout group of it must hold the same ones."""
-    found = [source.scalars(g) for g in layout_groups]
-    if checker is not None:
-        for group, scalars in zip(layout_groups, found):
-            checker.scalars(index, group, scalars)
-    for group, other in zip(layout_groups[1:], found[1:]):
-        if not _same_scalars(found[0], other):
-            raise ValueError(
-                f"{source.path}: param group {index}: layout groups {layout_groups[0]} and {group} hold different "
-                "optimizer scalars (step); a universal checkpoint keeps one set per param group"
-            )
-    return found[0] if found else {}
-
-
-def _same_scalars(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    if a.keys() != b.keys():
-        return False
-    for key in a:
-        x, y = a[key], b[key]
-        if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
-            if not (isinstance(x, np.ndarray) and isinstance(y, np.ndarray) and _same_array(x, y)):
-                return False
-        elif x != y:
-            return False
-    return True
-
-
-def _same_array(x: np.ndarray, y: np.ndarray) -> bool:
-    """Same dtype, shape and bytes (so NaN equals NaN, and -0.0 differs from 0.0)."""
-    return x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
