@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping
 
 from . import jsonvalue
 from .checksum import FileRecord
-from .damage import CheckpointDamagedError
+from .damage import CheckpointDamagedError, MissingFileError
 from ..format import (
     DELETE_MARKER,
     LATEST_FILE,
@@ -224,37 +224,40 @@ _MAX_LATEST_BYTES = 4096  # a tag and a newline
 
 
 def read_latest(root: Path) -> str | None:
-    """The tag ``root/latest`` names, or None when there is no ``latest``. ValueError in one
-    line when it is no regular file (a FIFO is never waited on) or holds no tag."""
+    """The tag ``root/latest`` names, or None when there is no ``latest``. CheckpointDamagedError
+    in one line when it is no regular file (a FIFO is never waited on) or holds no tag."""
     path = root / LATEST_FILE
     try:
         raw = read_small_file(path, _MAX_LATEST_BYTES)
     except FileNotFoundError:
         return None
+    except ValueError as err:  # a FIFO, a directory, more than a tag
+        raise CheckpointDamagedError(str(err)) from None
     try:
         return check_tag(raw.decode("utf-8").strip())
     except (UnicodeDecodeError, ValueError):
         shown = raw[:64].decode("utf-8", "replace").strip()
-        raise ValueError(f"{path}: holds {shown!r}{'...' if len(raw) > 64 else ''}, not a checkpoint tag") from None
+        raise CheckpointDamagedError(f"{path}: holds {shown!r}{'...' if len(raw) > 64 else ''}, not a checkpoint tag") from None
 
 
 def resolve_checkpoint(path: Path) -> Path:
     """The checkpoint directory ``path`` names: itself, or the tag its ``latest`` file names.
 
-    FileNotFoundError or ValueError in one line when there is none.
+    FileNotFoundError or ValueError in one line when there is none; CheckpointDamagedError
+    (MissingFileError for a missing tag) when ``latest`` is damaged or names no checkpoint.
     """
     if (path / MANIFEST_FILE).is_file():
         return path
-    if (path / LATEST_FILE).is_file():
+    if (path / LATEST_FILE).is_file():  # what latest names was committed: anything else is damage
         tag = read_latest(path)
         assert tag is not None
         if (path / tag).is_symlink():
-            raise ValueError(f"{path / LATEST_FILE}: names tag {tag!r}, a symbolic link; a tag must be a directory")
+            raise CheckpointDamagedError(f"{path / LATEST_FILE}: names tag {tag!r}, a symbolic link at {path / tag}; a tag must be a directory")
         target = _existing_or_moved_aside(path / tag)
         if target is None:
-            raise FileNotFoundError(f"{path / LATEST_FILE}: names tag {tag!r} but {path / tag} does not exist")
+            raise MissingFileError(f"{path / LATEST_FILE}: names tag {tag!r} but {path / tag} does not exist")
         if not (target / MANIFEST_FILE).is_file():
-            raise ValueError(f"{path / LATEST_FILE}: names tag {tag!r} but {target} has no {MANIFEST_FILE}")
+            raise CheckpointDamagedError(f"{path / LATEST_FILE}: names tag {tag!r} but {target} has no {MANIFEST_FILE}")
         return target
     if not path.exists():
         moved = _existing_or_moved_aside(path)
@@ -294,12 +297,15 @@ def _existing_or_moved_aside(target: Path) -> Path | None:
 
 
 def read_json_file(path: Path, what: str) -> Any:
-    """The JSON in ``path`` (a regular file, not a link); one-line errors for a missing file,
-    invalid JSON or JSON nested too deeply to parse safely."""
+    """The JSON in ``path`` (a regular file, not a link). One-line errors: FileNotFoundError
+    for a missing file; CheckpointDamagedError for a link or anything but a regular file, text
+    that is not UTF-8 or not JSON, or JSON nested too deeply to parse safely."""
     try:
         fd = open_member(path)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: missing: not a complete {what}") from None
+    except ValueError as err:  # a link, a FIFO: not the file that was written
+        raise CheckpointDamagedError(str(err)) from None
     with open(fd, "rb") as handle:
         raw = handle.read()
     try:
@@ -308,6 +314,8 @@ def read_json_file(path: Path, what: str) -> Any:
         raise CheckpointDamagedError(f"{path}: corrupted: not valid JSON ({err.msg} at line {err.lineno})") from None
     except UnicodeDecodeError:
         raise CheckpointDamagedError(f"{path}: corrupted: not UTF-8 text") from None
+    except ValueError as err:  # jsonvalue's own line: nested too deeply, an integer too long
+        raise CheckpointDamagedError(str(err)) from None
 
 
 def check_files_present(directory: Path, records: Mapping[str, FileRecord]) -> None:
