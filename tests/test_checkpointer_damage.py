@@ -228,3 +228,28 @@ def test_a_damaged_checkpoint_is_damage_in_one_line_naming_the_file(root, engine
     if named == root / NEWEST and kind == "manifest digest":  # the attestation names the path given
         named = root
     assert "\n" not in message and str(named) in message, message
+
+
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_the_checkpointer_refuses_damage_or_falls_back_to_the_older_checkpoint(root, engine, kind, caplog):
+    named = DAMAGE[kind](root / NEWEST)
+    with Checkpointer(engine, root, async_save=False) as ckpt:
+        with pytest.raises(CheckpointDamagedError) as refused:
+            ckpt.load()
+        assert ckpt.resumed_from is None
+    message = str(refused.value)
+    assert "\n" not in message and str(named) in message, message
+    if kind.startswith("tag"):
+        assert f"{root / 'latest'} names it" in message, "says where the tag comes from"
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="zeroshard.checkpoint"):
+        with Checkpointer(engine, root, async_save=False, fallback=True) as ckpt:
+            assert ckpt.load() == 2, "resumed after step 1"
+            assert ckpt.resumed_from == root / OLDER and ckpt.attestation.ok
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(str(named) in line and f"resuming from the older {OLDER}" in line for line in warnings), warnings
+    assert not os.path.lexists(root / NEWEST), "set aside: the resumed run saves this step again"
+    if kind != "tag deleted":
+        assert os.path.lexists(root / f"{NEWEST}.damaged"), "kept for inspection"
+        assert any(f"set aside the damaged {NEWEST} as {NEWEST}.damaged, for" in line for line in warnings), warnings

@@ -111,13 +111,23 @@ def root_lock(root: Path, tag: str) -> WriterLock:
     return WriterLock(root / LOCK_FILE, f"saving tag {tag!r}")
 
 
-def prepare_staging(root: Path, tag: str, *, clean: bool = True) -> Path:
+class TagExistsError(FileExistsError):
+    """A save that does not replace a checkpoint found its tag taken; nothing was written."""
+
+
+def prepare_staging(root: Path, tag: str, *, clean: bool = True, replace: bool = True) -> Path:
     """Clean up after earlier interrupted saves (unless ``clean`` is False: the root could
-    not be locked), then create a fresh staging directory."""
+    not be locked), then create a fresh staging directory. Unless ``replace``, a ``root/tag``
+    that exists (whatever it is) refuses the save first: TagExistsError, one line."""
     root.mkdir(parents=True, exist_ok=True)
     if clean:
         clean_interrupted_saves(root)
-    return new_staging(root / tag)
+    target = root / tag
+    if not replace and (target.exists() or target.is_symlink()):
+        raise TagExistsError(
+            f"{target}: exists, and this save never replaces a checkpoint: move it out of {root} to save {tag!r} again"
+        )
+    return new_staging(target)
 
 
 def clean_interrupted_saves(root: Path) -> None:
@@ -237,7 +247,8 @@ def read_latest(root: Path) -> str | None:
         return check_tag(raw.decode("utf-8").strip())
     except (UnicodeDecodeError, ValueError):
         shown = raw[:64].decode("utf-8", "replace").strip()
-        raise CheckpointDamagedError(f"{path}: holds {shown!r}{'...' if len(raw) > 64 else ''}, not a checkpoint tag") from None
+        more = "..." if len(raw) > 64 else ""
+        raise CheckpointDamagedError(f"{path}: holds {shown!r}{more}, not a checkpoint tag") from None
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -252,7 +263,9 @@ def resolve_checkpoint(path: Path) -> Path:
         tag = read_latest(path)
         assert tag is not None
         if (path / tag).is_symlink():
-            raise CheckpointDamagedError(f"{path / LATEST_FILE}: names tag {tag!r}, a symbolic link at {path / tag}; a tag must be a directory")
+            raise CheckpointDamagedError(
+                f"{path / LATEST_FILE}: names tag {tag!r}, a symbolic link at {path / tag}; a tag must be a directory"
+            )
         target = _existing_or_moved_aside(path / tag)
         if target is None:
             raise MissingFileError(f"{path / LATEST_FILE}: names tag {tag!r} but {path / tag} does not exist")

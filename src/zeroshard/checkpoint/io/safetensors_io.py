@@ -300,7 +300,9 @@ def _header_object(path: Path, file_size: int, stats: ReadStats | None) -> tuple
             raise CheckpointDamagedError(f"{path}: truncated: no safetensors header")
         (length,) = struct.unpack("<Q", prefix)
         if length > min(_MAX_HEADER_BYTES, file_size - 8):
-            raise CheckpointDamagedError(f"{path}: corrupted: header length {length} does not fit a {file_size}-byte file")
+            raise CheckpointDamagedError(
+                f"{path}: corrupted: header length {length} does not fit a {file_size}-byte file"
+            )
         raw = handle.read(length)
     if stats is not None:
         stats.add(path.name, 8 + len(raw))
@@ -326,7 +328,8 @@ def check_entries(path: Path, entries: Mapping, expected: Mapping[str, tuple[str
         try:
             found = dtype_of_code(entry.dtype)
         except ValueError:
-            raise CheckpointDamagedError(f"{path}: corrupted: tensor {name!r} has unknown dtype {entry.dtype!r}") from None
+            problem = f"tensor {name!r} has unknown dtype {entry.dtype!r}"
+            raise CheckpointDamagedError(f"{path}: corrupted: {problem}") from None
         found_dtype = found.name
         if found_dtype != dtype or tuple(entry.shape) != tuple(shape):
             raise CheckpointDamagedError(
