@@ -209,6 +209,40 @@ def test_a_checkpoint_newer_than_the_one_latest_names_refuses_the_resume(three_s
     assert all(torch.equal(fresh[name], value) for name, value in model.state_dict().items()), "nothing loaded"
 
 
+# The resume line without any logging configured (a subprocess: pytest configures logging).
+RESUME_SCRIPT = """
+import sys, torch
+from zeroshard.checkpoint import Checkpointer, CheckpointDamagedError
+from zeroshard.engine import ZeroOptimizer
+
+engine = ZeroOptimizer(torch.nn.Linear(4, 3), torch.optim.AdamW, lr=1e-3)
+with Checkpointer(engine, sys.argv[1], async_save=False) as ckpt:
+    ckpt.save(0)
+with Checkpointer(engine, sys.argv[1]) as ckpt:
+    print("start", ckpt.load(), flush=True)
+"""
+
+
+def test_the_resume_line_reaches_a_user_who_configured_no_logging(tmp_path):
+    """Before (issue 28, N4): it was logged at INFO only, which nobody sees by default."""
+    import os
+    import subprocess
+    import sys
+
+    import zeroshard
+
+    src = Path(zeroshard.__file__).resolve().parents[1]  # the sources this test runs on
+    env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", RESUME_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0 and done.stdout == "start 1\n", done.stderr
+    assert done.stderr.startswith(
+        f"zeroshard: resumed from {tmp_path / 'step-00000000'}: training goes on at step 1; "
+    ), done.stderr
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+
+
 # ---- on two ranks: the refusal on every rank, and a collective method called on one -------------------
 
 

@@ -159,8 +159,9 @@ class Checkpointer:
         elsewhere: a DeepSpeed run carried on), else nothing is changed. Returns the step to
         start at: one after the saved step (for a checkpoint not saved by a Checkpointer, the
         optimizer steps it had taken), or 0. Sets :attr:`extra`, :attr:`resumed_from` and
-        :attr:`attestation` (``.line()`` says what the load proved), and logs (rank 0, INFO)
-        what it loaded and proved. Rank 0 reads the root; every rank gets its verdict.
+        :attr:`attestation` (``.line()`` says what the load proved), and says on rank 0 what
+        it loaded and proved (logged at INFO, or printed to stderr when logging is not
+        configured). Rank 0 reads the root; every rank gets its verdict.
 
         Raises:
             CheckpointDamagedError: on every rank, when the checkpoint is damaged (its tag
@@ -195,7 +196,7 @@ class Checkpointer:
         start = int(saved[STEP_KEY]) + 1 if STEP_KEY in saved else int(saved.get("global_steps", 0))
         if self._coord.rank == 0:
             how = "resumed" if plan.candidates else f"warm start (no checkpoint in {self.root} yet)"
-            log.info("%s from %s: training goes on at step %d; %s", how, path, start, self.attestation.line())
+            _say(f"{how} from {path}: training goes on at step {start}; {self.attestation.line()}")
         return start
 
     def save(self, step: int, extra: dict[str, Any] | None = None) -> SaveStats:
@@ -357,6 +358,15 @@ class Checkpointer:
         if problem is not None:
             self.close()
             raise ValueError(problem)
+
+
+def _say(line: str) -> None:
+    """What the resume did, where the user sees it: logged at INFO where logging is configured
+    (a handler on the way up from this logger), else printed to stderr."""
+    if log.hasHandlers():
+        log.info("%s", line)
+    else:
+        print(f"zeroshard: {line}", file=sys.stderr, flush=True)
 
 
 def _finish_at_exit(ref: weakref.ref[Checkpointer]) -> None:
