@@ -59,7 +59,8 @@ def _error_of(action) -> str | None:
 def async_sync_errors_retention(rank: int, world: int, out: str) -> dict[str, Any]:
     """One D=2 run: async and sync Checkpointers save the same states (the test compares
     their bytes); retention; a writer error on rank 1 surfaces on every rank at the next
-    wait, save and close; nothing of the Checkpointer outlives close()."""
+    wait, save and close; a save of a step already saved is refused on every rank; nothing
+    of the Checkpointer outlives close()."""
     out_dir = Path(out)
     groups_before = len(dist.distributed_c10d._world.pg_map)
     model, engine = build(seed=0, stage=2, policy=SAVE_POLICY)
@@ -99,6 +100,8 @@ def async_sync_errors_retention(rank: int, world: int, out: str) -> dict[str, An
     dump(engine, out_dir / "state-at-8.safetensors")
     result["latest_after_recovery"] = read_latest(out_dir / "async")
     result["hidden_after_recovery"] = sorted(p.name for p in (out_dir / "async").iterdir() if p.name.startswith("."))
+    ckpt.save(8)  # its tag exists: refused on every rank, nothing written
+    result["save_over_error"] = _error_of(ckpt.wait)
     with _DiskFull(rank, failing_rank=1):
         ckpt.save(9)
         result["close_error"] = _error_of(ckpt.close)

@@ -12,7 +12,8 @@ import pytest
 import torch
 from universal_helpers import save_synthetic
 
-from zeroshard.checkpoint import Checkpointer, list_tags
+from zeroshard.checkpoint import Checkpointer, list_tags, open_checkpoint, verify_checkpoint
+from zeroshard.checkpoint.format import MANIFEST_FILE
 from zeroshard.checkpoint.io.damage import CheckpointDamagedError
 from zeroshard.checkpoint.retention import apply_retention, step_tag, tags_to_delete
 from zeroshard.layout import ParamSpec, build_layout
@@ -96,3 +97,34 @@ def test_a_fallback_with_nothing_older_that_verifies_raises_the_damage(two_saves
     with Checkpointer(engine, root, async_save=False, fallback=True) as ckpt:
         with pytest.raises(CheckpointDamagedError, match=f"{step_tag(2)}.*checksum mismatch"):
             ckpt.load()
+
+
+def test_retention_never_counts_the_checkpoint_the_fallback_found_damaged(two_saves, caplog):
+    """Before (issue 28, M5): retention counted the damaged step 2 (its files have their sizes)
+    and deleted step 1, the one the run had just resumed from: keep_last=2 left one checkpoint
+    that loads. The fallback now sets step 2 aside, out of the step-* tags retention manages."""
+    root, _ = two_saves
+    _corrupt(root / step_tag(2))
+    model, engine = checkpoint_workers.build(seed=9, stage=2)
+    with Checkpointer(engine, root, keep_last=2, async_save=False, fallback=True) as ckpt:
+        assert ckpt.load() == 2
+        checkpoint_workers.train(model, engine, 2, 2)
+        assert ckpt.save(3).deleted == ()
+    assert list_tags(root) == [step_tag(1), f"{step_tag(2)}.damaged", step_tag(3)]
+    for tag in (step_tag(1), step_tag(3)):
+        assert verify_checkpoint(open_checkpoint(root / tag)) == [], tag
+
+
+def test_after_a_fallback_the_resumed_run_saves_the_damaged_step_again(two_saves):
+    """A save never replaces a checkpoint; the damaged one the fallback passed over is set
+    aside, so the resumed run's save of its step goes through, and it is kept."""
+    root, _ = two_saves
+    _corrupt(root / step_tag(2))
+    damaged = (root / step_tag(2) / MANIFEST_FILE).read_bytes()
+    model, engine = checkpoint_workers.build(seed=9, stage=2)
+    with Checkpointer(engine, root, async_save=False, fallback=True) as ckpt:
+        assert ckpt.load() == 2
+        checkpoint_workers.train(model, engine, 2, 1)
+        ckpt.save(2)
+    assert verify_checkpoint(open_checkpoint(root)) == [] and open_checkpoint(root).directory == root / step_tag(2)
+    assert (root / f"{step_tag(2)}.damaged" / MANIFEST_FILE).read_bytes() == damaged

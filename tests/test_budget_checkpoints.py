@@ -20,6 +20,7 @@ from hostile_files import edit_torch_file as edit
 from hostile_files import measured
 
 from zeroshard.checkpoint import run_ranks, save_sharded
+from zeroshard.checkpoint.io.safetensors_io import read_header
 from zeroshard.checkpoint.native.manifest import read_manifest
 from zeroshard.checkpoint.testing import synthesize_state
 from zeroshard.checkpoint.universal import to_universal
@@ -325,6 +326,24 @@ def test_an_integer_of_more_than_4300_digits_is_refused_naming_the_manifest(nati
     with pytest.raises(ValueError) as caught:
         read(directory)
     assert str(caught.value) == f"{path}: corrupted: it holds an integer of more than 4,300 digits"
+
+
+@pytest.mark.parametrize("kind", ["native", "universal", "safetensors header"])
+def test_a_byte_that_is_not_utf8_is_not_taken_for_a_long_integer(native, universal, kind):
+    """A bit flipped in a JSON text (a space, 0x20, become 0xa0) was reported as "an integer of
+    more than 4,300 digits": the UnicodeDecodeError, a ValueError, was taken for the digits limit."""
+    if kind == "safetensors header":
+        path, expected = native / "rank-00000-of-00002.safetensors", "the safetensors header is not valid JSON"
+        read = lambda: read_header(path, path.stat().st_size)  # noqa: E731
+    else:
+        directory, path, reader = manifest_of(kind, native, universal)
+        expected, read = "not UTF-8 text", lambda: reader(directory)  # noqa: E731
+    data = bytearray(path.read_bytes())
+    data[data.index(b" " if kind != "safetensors header" else b"dtype")] ^= 0x80
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError) as caught:
+        read()
+    assert str(caught.value) == f"{path}: corrupted: {expected}"
 
 
 def test_a_manifest_value_of_keys_of_one_hash_is_refused_in_one_line(native):

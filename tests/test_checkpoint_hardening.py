@@ -317,7 +317,7 @@ def test_a_fifo_named_latest_is_refused_without_waiting(tmp_path, capsys):
         [sys.executable, "-c", _LOAD_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=120, env=env, check=False
     )
     assert done.returncode == 0, done.stderr
-    assert f"refused: checkpoint root {tmp_path}: ValueError: {tmp_path / 'latest'}: not a regular file" in done.stdout
+    assert f"refused: {tmp_path / 'latest'}: not a regular file" in done.stdout
     # the converters (a root with `latest` is a native checkpoint) and inspect say so too
     code, err = _cli(capsys, "to-fp32", tmp_path, tmp_path.parent / "f", "--no-progress")
     assert code == 2 and err.count("\n") == 1, err

@@ -133,6 +133,29 @@ def test_a_failed_retention_is_logged_and_the_next_save_goes_on(tmp_path, monkey
     assert "retention after step-00000001 failed, old tags kept" in caplog.text
 
 
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_save_never_replaces_a_checkpoint(tmp_path, async_save):
+    """Before (issue 28, N1): a save whose tag existed replaced it (a run restarted from
+    scratch beside a root's tags saved over them)."""
+    model, engine = _engine()
+    tag = tmp_path / step_tag(1)
+    with Checkpointer(engine, tmp_path, async_save=async_save) as ckpt:
+        checkpoint_workers.train(model, engine, 0, 1)
+        ckpt.save(1)
+        ckpt.wait()
+        saved = _files(tag)
+        checkpoint_workers.train(model, engine, 1, 1)
+        with pytest.raises(CheckpointSaveError) as refused:
+            ckpt.save(1)
+            ckpt.wait()
+    assert str(refused.value) == (
+        f"checkpoint {tag} not saved: {tag}: exists, and this save never replaces a checkpoint: "
+        f"move it out of {tmp_path} to save {step_tag(1)!r} again"
+    )
+    assert _files(tag) == saved and read_latest(tmp_path) == step_tag(1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", step_tag(1)], "nothing written"
+
+
 def test_bad_arguments():
     _, engine = _engine()
     for kwargs in ({"keep_last": 0}, {"keep_every": -1}, {"keep_last": 1.5}):
@@ -165,10 +188,16 @@ def test_async_equals_sync_errors_reach_every_rank_retention_and_resume_at_anoth
         assert "rank 1: taking the state failed: MemoryError: no host memory" in result["snapshot_error"]
         assert result["latest_after_error"] == step_tag(5)
         assert result["latest_after_recovery"] == step_tag(8) and result["hidden_after_recovery"] == []
+        tag = tmp_path / "async" / step_tag(8)
+        assert result["save_over_error"] == (
+            f"checkpoint {tag} not saved: {tag}: exists, and this save never replaces a checkpoint: "
+            f"move it out of {tag.parent} to save {step_tag(8)!r} again"
+        ), rank
         assert result["final_tags"] == [step_tag(s) for s in (0, 4, 5, 8)]  # 6, 7, 9 never appeared
         assert result["threads_after_close"] == [] and result["groups_leaked"] == 0
         assert "closed" in result["save_after_close"]
 
+    (tmp_path / "async" / "latest").unlink()  # the three ranks agree to resume the newest tag
     resumed = spawn(workers.resume_elsewhere, 3, (str(tmp_path),), timeout_s=300)
     for result in resumed:
         assert result["start"] == 9 and result["extra"] == {"note": 8}
@@ -195,8 +224,15 @@ def test_a_crash_during_an_async_save_keeps_the_previous_checkpoint(tmp_path, po
     assert len(hidden) == (0 if point == "before_latest" else 1)
 
     model, engine = _engine()  # resume at D=1
+    if point == "before_latest":  # resuming step 1 would save step 2 over the complete one
+        with Checkpointer(engine, tmp_path, keep_last=1) as ckpt:
+            newer = rf"latest names {step_tag(1)}, but newer checkpoints are there \({step_tag(2)}\)"
+            with pytest.raises(ValueError, match=newer):
+                ckpt.load()
+        (tmp_path / "latest").write_text(step_tag(2) + "\n")  # what the refusal says to do
     with Checkpointer(engine, tmp_path, keep_last=1) as ckpt:
-        assert ckpt.load() == 2
-        ckpt.save(2)
+        start = ckpt.load()
+        assert start == (3 if point == "before_latest" else 2)
+        ckpt.save(start)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
-    assert list_tags(tmp_path) == [step_tag(2)] and read_latest(tmp_path) == step_tag(2)
+    assert list_tags(tmp_path) == [step_tag(start)] and read_latest(tmp_path) == step_tag(start)

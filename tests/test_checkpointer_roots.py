@@ -15,7 +15,7 @@ import pytest
 import torch
 from deepspeed_fixtures import deepspeed_universal_folder
 
-from zeroshard.checkpoint import Checkpointer
+from zeroshard.checkpoint import Checkpointer, CheckpointDamagedError
 from zeroshard.checkpoint.export.fp32 import to_fp32
 from zeroshard.checkpoint.universal import to_universal
 from zeroshard.comm import CollectiveCallError
@@ -124,6 +124,123 @@ def test_an_fp32_export_is_no_warm_start(foreign_roots, tmp_path):
         with pytest.raises(ValueError, match=r"an fp32 export \(to-fp32 output\) holds model weights only"):
             ckpt.load(warm_start=exported)
         assert ckpt.resumed_from is None
+
+
+# ---- a root whose latest is missing, damaged, or older than its newest tag -------------------------
+
+
+@pytest.fixture
+def three_saves(tmp_path) -> Path:
+    """A Checkpointer root saved after steps 0, 1 and 2 (latest: step 2)."""
+    model, engine = make_engine()
+    with Checkpointer(engine, tmp_path / "ckpt", keep_last=None, async_save=False) as ckpt:
+        for step in range(3):
+            train(model, engine, 1)
+            ckpt.save(step)
+    return tmp_path / "ckpt"
+
+
+def test_a_root_whose_latest_is_missing_resumes_its_newest_checkpoint_saying_so(three_saves, caplog):
+    """Before (issue 28, N1): load() returned 0 with no word, training restarted at step 0 and
+    its saves replaced the tags of the same steps."""
+    root = three_saves
+    (root / "latest").unlink()
+    before = snapshot(root)
+    model, engine = make_engine()
+    caplog.set_level(logging.INFO, logger="zeroshard.checkpoint.checkpointer")
+    with Checkpointer(engine, root, keep_last=None, async_save=False) as ckpt:
+        assert ckpt.load() == 3 and ckpt.resumed_from == root / "step-00000002"
+        train(model, engine, 1)
+        ckpt.save(3)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == [f"{root / 'latest'} is missing; resuming the newest checkpoint, step-00000002"]
+    assert f"resumed from {root / 'step-00000002'}: training goes on at step 3" in caplog.text
+    after = snapshot(root)
+    assert {name: size for name, size in after.items() if name in before} == before, "nothing replaced"
+    assert (root / "latest").read_text() == "step-00000003\n"
+
+
+def test_without_latest_a_damaged_newest_checkpoint_is_refused_or_falls_back(three_saves, caplog):
+    root = three_saves
+    (root / "latest").unlink()
+    (root / "step-00000002" / "manifest.json").write_text("{")
+    _, engine = make_engine()
+    with Checkpointer(engine, root) as ckpt:
+        with pytest.raises(CheckpointDamagedError, match=r"step-00000002/manifest.json: corrupted: not valid JSON"):
+            ckpt.load()
+    with Checkpointer(engine, root, fallback=True) as ckpt, caplog.at_level(logging.WARNING):
+        assert ckpt.load() == 2 and ckpt.resumed_from == root / "step-00000001"
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == [
+        "step-00000000",
+        "step-00000001",
+        "step-00000002.damaged",
+    ]
+
+
+def test_a_latest_that_names_no_tag_is_damage_the_fallback_takes(three_saves, caplog):
+    root = three_saves
+    (root / "latest").write_bytes(b"step-0000\xa02\n")
+    _, engine = make_engine()
+    with Checkpointer(engine, root) as ckpt:
+        with pytest.raises(CheckpointDamagedError, match=rf"^{root / 'latest'}: holds .*, not a checkpoint tag$"):
+            ckpt.load()
+    with Checkpointer(engine, root, fallback=True) as ckpt, caplog.at_level(logging.WARNING):
+        assert ckpt.load() == 3 and ckpt.resumed_from == root / "step-00000002"
+    assert "not a checkpoint tag; resuming the newest checkpoint, step-00000002" in caplog.text
+
+
+def test_a_checkpoint_newer_than_the_one_latest_names_refuses_the_resume(three_saves):
+    """latest moved back by hand, or a save that stopped before moving it: resuming step 1
+    would come to save step 2 again, over the checkpoint there. Before: it resumed, and the
+    save replaced it."""
+    root = three_saves
+    (root / "latest").write_text("step-00000000\n")
+    model, engine = make_engine()
+    fresh = {name: value.clone() for name, value in model.state_dict().items()}
+    with Checkpointer(engine, root, fallback=True) as ckpt:
+        with pytest.raises(ValueError) as refused:
+            ckpt.load()
+        assert ckpt.resumed_from is None
+    assert str(refused.value) == (
+        f"checkpoint root {root}: latest names step-00000000, but newer checkpoints are there (step-00000001, "
+        "step-00000002); resuming step-00000000 would save over them, which a Checkpointer never does: point "
+        f"latest at the one to resume (echo step-00000002 > {root / 'latest'}), or move the newer ones out of {root}"
+    )
+    assert all(torch.equal(fresh[name], value) for name, value in model.state_dict().items()), "nothing loaded"
+
+
+# The resume line without any logging configured (a subprocess: pytest configures logging).
+RESUME_SCRIPT = """
+import sys, torch
+from zeroshard.checkpoint import Checkpointer, CheckpointDamagedError
+from zeroshard.engine import ZeroOptimizer
+
+engine = ZeroOptimizer(torch.nn.Linear(4, 3), torch.optim.AdamW, lr=1e-3)
+with Checkpointer(engine, sys.argv[1], async_save=False) as ckpt:
+    ckpt.save(0)
+with Checkpointer(engine, sys.argv[1]) as ckpt:
+    print("start", ckpt.load(), flush=True)
+"""
+
+
+def test_the_resume_line_reaches_a_user_who_configured_no_logging(tmp_path):
+    """Before (issue 28, N4): it was logged at INFO only, which nobody sees by default."""
+    import os
+    import subprocess
+    import sys
+
+    import zeroshard
+
+    src = Path(zeroshard.__file__).resolve().parents[1]  # the sources this test runs on
+    env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", RESUME_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0 and done.stdout == "start 1\n", done.stderr
+    assert done.stderr.startswith(
+        f"zeroshard: resumed from {tmp_path / 'step-00000000'}: training goes on at step 1; "
+    ), done.stderr
+    assert len(done.stderr.splitlines()) == 1, done.stderr
 
 
 # ---- on two ranks: the refusal on every rank, and a collective method called on one -------------------

@@ -263,9 +263,13 @@ def test_bad_demo_arguments_fail_before_spawning_anything(tmp_path, monkeypatch,
 
     monkeypatch.setattr(launch, "spawn", no_spawn)
     (tmp_path / "file").write_text("")
+    (tmp_path / "earlier" / "checkpoints" / "step-00000003").mkdir(parents=True)  # a Checkpointer never saves over it
+    earlier = f"{tmp_path / 'earlier' / 'checkpoints'} holds an earlier run's checkpoints (step-00000003, ...)"
     for args, expected in (
         (["demo", "--out", tmp_path / "file"], "exists and is not a directory"),
         (["demo", "--moe", "--out", tmp_path / "file" / "sub"], f"lies under {tmp_path / 'file'}, which is not a directory"),
+        (["demo", "--out", tmp_path / "earlier"], earlier),
+        (["demo", "--moe", "--out", tmp_path / "earlier"], earlier),
     ):
         _assert_one_line_error((main([str(a) for a in args]), capsys.readouterr().err), f"--out {args[-1]}", expected)
 

@@ -39,9 +39,8 @@ from typing import TYPE_CHECKING, Any
 from .coordinator import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
 from .attest import Attestation
 from .engine_io import LR_SCHEDULER_KEY, load_checkpoint_attested
-from .io.damage import CheckpointDamagedError
-from .io.directory import list_tags, read_latest
-from .retention import apply_retention, step_tag, tag_step
+from .resume import decided_on_rank0, load_newest, plan_resume
+from .retention import apply_retention, step_tag
 from .root_check import foreign_root_problem, warm_start_problem
 from .native.save import FaultHook, commit_save, plan_save, write_rank_files
 from .snapshot import HostSnapshot
@@ -90,10 +89,12 @@ class Checkpointer:
         lr_scheduler: saved and restored with the run (its ``state_dict``).
         timeout_s: how long a save's collectives wait for the other ranks.
         fault: ``fault(point, rank)`` at the save's fault points (tests simulate crashes).
-        fallback: when the checkpoint ``latest`` names is damaged (a file missing, truncated
-            or corrupted, or its attestation fails), :meth:`load` resumes from the newest older
-            ``step-*`` checkpoint that loads and attests, and logs which and why. Off by
-            default: resuming from an older step silently costs the steps since, and can hide a
+        fallback: when the checkpoint to resume is damaged (its directory or a file missing,
+            a link, truncated or corrupted, its manifest unreadable, or its attestation fails),
+            :meth:`load` resumes from the newest older ``step-*`` checkpoint that loads and
+            attests, warns which and why, and renames each damaged one it passed over
+            ``<tag>.damaged`` (kept for inspection; the resumed run saves that step again).
+            Off by default: resuming from an older step costs the steps since, and can hide a
             failing disk; a run that turns it on should watch for the warning.
 
     Construction and :meth:`close` are collective (they create and destroy the gloo group),
@@ -152,31 +153,41 @@ class Checkpointer:
 
     def load(self, warm_start: str | os.PathLike[str] | None = None) -> int:
         """Collective. Resume from the checkpoint ``latest`` names, resharding to this run's
-        world size and policy; without one, from ``warm_start`` if given (a native, universal
-        or DeepSpeed ZeRO-1/2 checkpoint elsewhere: a DeepSpeed run carried on), else nothing
-        is changed. Returns the step to start at: one after the saved step (for a checkpoint
-        not saved by a Checkpointer, the optimizer steps it had taken), or 0. Sets
-        :attr:`extra`, :attr:`resumed_from` and :attr:`attestation` (``.line()`` says what
-        the load proved), and logs (rank 0, INFO) what it loaded and proved.
+        world size and policy; without ``latest``, from the newest ``step-*`` checkpoint (with
+        a warning: a root holding checkpoints is never taken for empty); without either, from
+        ``warm_start`` if given (a native, universal or DeepSpeed ZeRO-1/2 checkpoint
+        elsewhere: a DeepSpeed run carried on), else nothing is changed. Returns the step to
+        start at: one after the saved step (for a checkpoint not saved by a Checkpointer, the
+        optimizer steps it had taken), or 0. Sets :attr:`extra`, :attr:`resumed_from` and
+        :attr:`attestation` (``.line()`` says what the load proved), and says on rank 0 what
+        it loaded and proved (logged at INFO, or printed to stderr when logging is not
+        configured). Rank 0 reads the root; every rank gets its verdict.
 
         Raises:
-            CheckpointDamagedError: on every rank, when the checkpoint is damaged (a file
-                missing, truncated or corrupted, or its attestation fails) and ``fallback`` is
-                off or no older checkpoint loads; with ``fallback``, the newest older
-                ``step-*`` checkpoint that loads is taken instead (logged as a warning).
+            CheckpointDamagedError: on every rank, when the checkpoint is damaged (its tag
+                missing, a symbolic link, a file missing, truncated or corrupted, or its
+                attestation fails) and ``fallback`` is off or no older checkpoint loads; with
+                ``fallback``, the newest older ``step-*`` checkpoint that loads is taken instead
+                (with a warning).
             ValueError: on every rank, when the checkpoint cannot be loaded (nothing changed),
-                or ``warm_start`` is an fp32 export (weights only: load it into the model).
+                a ``step-*`` checkpoint newer than the one ``latest`` names is there (the
+                resumed run would save over it), or ``warm_start`` is an fp32 export (weights
+                only: load it into the model).
         """
         self._check_open()
         self.wait()
-        candidates = self._agree_on_candidates()
-        if not candidates and warm_start is None:
+        plan = decided_on_rank0(self._coord, lambda: plan_resume(self.root, self.fallback))
+        if plan.note is not None and self._coord.rank == 0:
+            log.warning("%s", plan.note)
+        if not plan.candidates and warm_start is None:
             return 0
-        if candidates:
-            saved, path = self._load_newest(candidates)
+        if plan.candidates:
+            saved, path, self.attestation = load_newest(
+                self.engine, self.root, plan, self._coord, fallback=self.fallback, lr_scheduler=self.lr_scheduler
+            )
         else:
             path = Path(warm_start)
-            problem = self._coord.broadcast_object(warm_start_problem(path) if self._coord.rank == 0 else None)
+            problem = decided_on_rank0(self._coord, lambda: warm_start_problem(path))
             if problem is not None:
                 raise ValueError(problem)
             saved, self.attestation = load_checkpoint_attested(self.engine, path, lr_scheduler=self.lr_scheduler)
@@ -184,12 +195,14 @@ class Checkpointer:
         self.resumed_from = path
         start = int(saved[STEP_KEY]) + 1 if STEP_KEY in saved else int(saved.get("global_steps", 0))
         if self._coord.rank == 0:
-            how = "resumed" if candidates else f"warm start (no checkpoint in {self.root} yet)"
-            log.info("%s from %s: training goes on at step %d; %s", how, path, start, self.attestation.line())
+            how = "resumed" if plan.candidates else f"warm start (no checkpoint in {self.root} yet)"
+            _say(f"{how} from {path}: training goes on at step {start}; {self.attestation.line()}")
         return start
 
     def save(self, step: int, extra: dict[str, Any] | None = None) -> SaveStats:
-        """Collective. Save the run as ``step-<step>`` (the state after training step ``step``).
+        """Collective. Save the run as ``step-<step>`` (the state after training step ``step``),
+        never over a checkpoint: a ``step-<step>`` that exists fails the save on every rank
+        before anything is written.
 
         Waits for the previous save first (raising its error, if any). Asynchronous: returns
         once this rank's state is copied to host memory; :meth:`wait` for the outcome.
@@ -309,7 +322,7 @@ class Checkpointer:
     def _run_save(self, stats: SaveStats, state: ShardedState | None, problem: str | None) -> None:
         """Plan, write and commit one save (collective on the gloo group), then retention."""
         started = time.perf_counter()
-        plan = plan_save(self.root, stats.tag, state, self._coord, problem=problem)
+        plan = plan_save(self.root, stats.tag, state, self._coord, problem=problem, replace=False)
         assert state is not None  # plan_save raised on every rank otherwise
 
         def retain() -> None:  # rank 0, still holding the root's lock
@@ -346,43 +359,14 @@ class Checkpointer:
             self.close()
             raise ValueError(problem)
 
-    def _load_newest(self, candidates: list[str]) -> tuple[dict[str, Any], Path]:
-        """Load the first of ``candidates`` that loads and attests (only the first, unless
-        ``fallback``); what it saved and its path."""
-        for index, tag in enumerate(candidates):
-            path = self.root / tag
-            try:
-                saved, self.attestation = load_checkpoint_attested(self.engine, path, lr_scheduler=self.lr_scheduler)
-                return saved, path
-            except CheckpointDamagedError as err:  # raised on every rank alike
-                if not self.fallback or index + 1 == len(candidates):
-                    raise
-                if self._coord.rank == 0:
-                    log.warning("%s does not verify, resuming from the older %s: %s", path, candidates[index + 1], err)
-        raise AssertionError("unreachable: the last candidate returns or raises")
 
-    def _agree_on_candidates(self) -> list[str]:
-        """The tag ``latest`` names, then (with ``fallback``) the older ``step-*`` tags, newest
-        first: read on rank 0 and broadcast, so every rank loads the same."""
-        outcome: tuple[str, Any] | None = None
-        if self._coord.rank == 0:
-            try:
-                latest = read_latest(self.root) if self.root.is_dir() else None
-                outcome = ("ok", [] if latest is None else [latest, *self._older_than(latest)])
-            except (OSError, ValueError) as err:
-                outcome = ("error", f"{type(err).__name__}: {err}")
-        kind, value = self._coord.broadcast_object(outcome)
-        if kind == "error":
-            raise ValueError(f"checkpoint root {self.root}: {value}")
-        return value
-
-    def _older_than(self, latest: str) -> list[str]:
-        if not self.fallback:
-            return []
-        newest = tag_step(latest)
-        steps = {tag: step for tag in list_tags(self.root) if (step := tag_step(tag)) is not None and tag != latest}
-        older = [tag for tag, step in steps.items() if newest is None or step < newest]
-        return sorted(older, key=steps.__getitem__, reverse=True)
+def _say(line: str) -> None:
+    """What the resume did, where the user sees it: logged at INFO where logging is configured
+    (a handler on the way up from this logger), else printed to stderr."""
+    if log.hasHandlers():
+        log.info("%s", line)
+    else:
+        print(f"zeroshard: {line}", file=sys.stderr, flush=True)
 
 
 def _finish_at_exit(ref: weakref.ref[Checkpointer]) -> None:

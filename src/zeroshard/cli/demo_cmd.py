@@ -16,6 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..checkpoint.retention import tag_step
 from ..demo import LIVE_MASTERS_FILE, DemoConfig, PhaseResult, train_phase
 from .arguments import at_least, positive_float, positive_int
 
@@ -70,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
     """
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
     check_out_dir(args.out)
+    if not under_torchrun:
+        check_no_earlier_checkpoints(args.out)
     if args.hf and not args.moe:
         raise ValueError("--hf trains the transformers MoE model: give --moe too")
     if args.moe:
@@ -115,6 +118,19 @@ def check_out_dir(out: Path | None) -> None:
         if place.exists() or place.is_symlink():
             where = "exists and is not a directory" if place == out else f"lies under {place}, which is not a directory"
             raise ValueError(f"--out {out}: {where}")
+
+
+def check_no_earlier_checkpoints(out: Path | None) -> None:
+    """The demo's first phase trains from step 0 into ``--out``'s checkpoints, and a
+    Checkpointer never saves over a checkpoint: an ``--out`` holding an earlier run's is
+    refused before any rank is spawned (its first save would fail after training)."""
+    root = None if out is None else out / "checkpoints"
+    earlier = sorted(p.name for p in root.iterdir() if tag_step(p.name) is not None) if root and root.is_dir() else []
+    if earlier:
+        raise ValueError(
+            f"--out {out}: {root} holds an earlier run's checkpoints ({earlier[-1]}, ...); the demo trains from "
+            f"step 0 and never saves over a checkpoint: give another --out, or remove {root}"
+        )
 
 
 def _run_arc(config: DemoConfig, args: argparse.Namespace, out: Path) -> None:

@@ -16,4 +16,4 @@ class CheckpointDamagedError(ValueError):
 
 
 class MissingFileError(CheckpointDamagedError, FileNotFoundError):
-    """A file the checkpoint's manifest lists is not there."""
+    """A file the checkpoint's manifest lists, or the tag ``latest`` names, is not there."""

@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping
 
 from . import jsonvalue
 from .checksum import FileRecord
-from .damage import CheckpointDamagedError
+from .damage import CheckpointDamagedError, MissingFileError
 from ..format import (
     DELETE_MARKER,
     LATEST_FILE,
@@ -112,13 +112,23 @@ def root_lock(root: Path, tag: str) -> WriterLock:
     return WriterLock(root / LOCK_FILE, f"saving tag {tag!r}")
 
 
-def prepare_staging(root: Path, tag: str, *, clean: bool = True) -> Path:
+class TagExistsError(FileExistsError):
+    """A save that does not replace a checkpoint found its tag taken; nothing was written."""
+
+
+def prepare_staging(root: Path, tag: str, *, clean: bool = True, replace: bool = True) -> Path:
     """Clean up after earlier interrupted saves (unless ``clean`` is False: the root could
-    not be locked), then create a fresh staging directory."""
+    not be locked), then create a fresh staging directory. Unless ``replace``, a ``root/tag``
+    that exists (whatever it is) refuses the save first: TagExistsError, one line."""
     root.mkdir(parents=True, exist_ok=True)
     if clean:
         clean_interrupted_saves(root)
-    return new_staging(root / tag)
+    target = root / tag
+    if not replace and (target.exists() or target.is_symlink()):
+        raise TagExistsError(
+            f"{target}: exists, and this save never replaces a checkpoint: move it out of {root} to save {tag!r} again"
+        )
+    return new_staging(target)
 
 
 def clean_interrupted_saves(root: Path) -> None:
@@ -225,37 +235,43 @@ _MAX_LATEST_BYTES = 4096  # a tag and a newline
 
 
 def read_latest(root: Path) -> str | None:
-    """The tag ``root/latest`` names, or None when there is no ``latest``. ValueError in one
-    line when it is no regular file (a FIFO is never waited on) or holds no tag."""
+    """The tag ``root/latest`` names, or None when there is no ``latest``. CheckpointDamagedError
+    in one line when it is no regular file (a FIFO is never waited on) or holds no tag."""
     path = root / LATEST_FILE
     try:
         raw = read_small_file(path, _MAX_LATEST_BYTES)
     except FileNotFoundError:
         return None
+    except ValueError as err:  # a FIFO, a directory, more than a tag
+        raise CheckpointDamagedError(str(err)) from None
     try:
         return check_tag(raw.decode("utf-8").strip())
     except (UnicodeDecodeError, ValueError):
         shown = raw[:64].decode("utf-8", "replace").strip()
-        raise ValueError(f"{path}: holds {shown!r}{'...' if len(raw) > 64 else ''}, not a checkpoint tag") from None
+        more = "..." if len(raw) > 64 else ""
+        raise CheckpointDamagedError(f"{path}: holds {shown!r}{more}, not a checkpoint tag") from None
 
 
 def resolve_checkpoint(path: Path) -> Path:
     """The checkpoint directory ``path`` names: itself, or the tag its ``latest`` file names.
 
-    FileNotFoundError or ValueError in one line when there is none.
+    FileNotFoundError or ValueError in one line when there is none; CheckpointDamagedError
+    (MissingFileError for a missing tag) when ``latest`` is damaged or names no checkpoint.
     """
     if (path / MANIFEST_FILE).is_file():
         return path
-    if (path / LATEST_FILE).is_file():
+    if (path / LATEST_FILE).is_file():  # what latest names was committed: anything else is damage
         tag = read_latest(path)
         assert tag is not None
         if (path / tag).is_symlink():
-            raise ValueError(f"{path / LATEST_FILE}: names tag {tag!r}, a symbolic link; a tag must be a directory")
+            raise CheckpointDamagedError(
+                f"{path / LATEST_FILE}: names tag {tag!r}, a symbolic link at {path / tag}; a tag must be a directory"
+            )
         target = _existing_or_moved_aside(path / tag)
         if target is None:
-            raise FileNotFoundError(f"{path / LATEST_FILE}: names tag {tag!r} but {path / tag} does not exist")
+            raise MissingFileError(f"{path / LATEST_FILE}: names tag {tag!r} but {path / tag} does not exist")
         if not (target / MANIFEST_FILE).is_file():
-            raise ValueError(f"{path / LATEST_FILE}: names tag {tag!r} but {target} has no {MANIFEST_FILE}")
+            raise CheckpointDamagedError(f"{path / LATEST_FILE}: names tag {tag!r} but {target} has no {MANIFEST_FILE}")
         return target
     if not path.exists():
         moved = _existing_or_moved_aside(path)
@@ -295,12 +311,15 @@ def _existing_or_moved_aside(target: Path) -> Path | None:
 
 
 def read_json_file(path: Path, what: str) -> Any:
-    """The JSON in ``path`` (a regular file, not a link); one-line errors for a missing file,
-    invalid JSON or JSON nested too deeply to parse safely."""
+    """The JSON in ``path`` (a regular file, not a link). One-line errors: FileNotFoundError
+    for a missing file; CheckpointDamagedError for a link or anything but a regular file, text
+    that is not UTF-8 or not JSON, or JSON nested too deeply to parse safely."""
     try:
         fd = open_member(path)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: missing: not a complete {what}") from None
+    except ValueError as err:  # a link, a FIFO: not the file that was written
+        raise CheckpointDamagedError(str(err)) from None
     with open(fd, "rb") as handle:
         raw = handle.read()
     try:
@@ -309,6 +328,8 @@ def read_json_file(path: Path, what: str) -> Any:
         raise CheckpointDamagedError(f"{path}: corrupted: not valid JSON ({err.msg} at line {err.lineno})") from None
     except UnicodeDecodeError:
         raise CheckpointDamagedError(f"{path}: corrupted: not UTF-8 text") from None
+    except ValueError as err:  # jsonvalue's own line: nested too deeply, an integer too long
+        raise CheckpointDamagedError(str(err)) from None
 
 
 def check_files_present(directory: Path, records: Mapping[str, FileRecord]) -> None:

@@ -39,7 +39,7 @@ def loads(text: str | bytes, where: object) -> Any:
         return json.loads(text)
     except RecursionError:
         raise ValueError(f"{where}: corrupted: JSON nested too deeply to parse (the limit is {MAX_DEPTH})") from None
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError):  # ValueErrors too: the callers say what they mean
         raise
     except ValueError:  # the only other one: an integer longer than Python converts from text
         digits = sys.get_int_max_str_digits()

@@ -15,7 +15,7 @@ import os
 import stat
 from pathlib import Path
 
-from .damage import MissingFileError
+from .damage import CheckpointDamagedError, MissingFileError
 
 _NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)  # POSIX; elsewhere the lstat check stands alone
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -42,20 +42,21 @@ def name_problem(name: object) -> str | None:
 def member_path(directory: Path, name: str) -> Path:
     """``directory / name`` once ``name`` is a plain name there of a regular file, not a link.
 
-    FileNotFoundError when the file is missing, ValueError otherwise; one line naming the file.
+    Otherwise the checkpoint is not what was saved: MissingFileError when the file is missing,
+    CheckpointDamagedError for the rest; one line naming the file.
     """
     problem = name_problem(name)
     if problem is not None:
-        raise ValueError(f"{directory}: the manifest names file {name!r}: {problem}; refused")
+        raise CheckpointDamagedError(f"{directory}: the manifest names file {name!r}: {problem}; refused")
     path = directory / name
     try:
         info = os.lstat(path)
     except FileNotFoundError:
         raise MissingFileError(f"{path}: missing; the manifest lists it") from None
     if stat.S_ISLNK(info.st_mode):
-        raise ValueError(_LINK.format(path=path))
+        raise CheckpointDamagedError(_LINK.format(path=path))
     if not stat.S_ISREG(info.st_mode):
-        raise ValueError(f"{path}: not a regular file")
+        raise CheckpointDamagedError(f"{path}: not a regular file")
     return path
 
 

@@ -272,7 +272,9 @@ def read_header(
     path: Path, file_size: int, stats: ReadStats | None = None, metadata: dict[str, Any] | None = None
 ) -> dict[str, TensorEntry]:
     """Parse and check a safetensors header; offsets become absolute and must fit the file.
-    ``metadata``, if given, receives the header's ``__metadata__`` entries."""
+    ``metadata``, if given, receives the header's ``__metadata__`` entries. A header that is
+    cut short or does not parse into entries that fit is damage: CheckpointDamagedError, one
+    line naming the file."""
     header, length = _header_object(path, file_size, stats)
     data_start = 8 + length
     entries = {}
@@ -285,9 +287,9 @@ def read_header(
             begin, end = (data_start + offset for offset in jsonvalue.read_shape(info["data_offsets"], "data_offsets"))
             entries[name] = TensorEntry(str(info["dtype"]), jsonvalue.read_shape(info["shape"], "shape"), begin, end)
         except (KeyError, TypeError, ValueError):  # JSON integers only: not true, 1.0 or "1"
-            raise ValueError(f"{path}: corrupted: bad header entry for {name!r}") from None
+            raise CheckpointDamagedError(f"{path}: corrupted: bad header entry for {name!r}") from None
         if not data_start <= begin <= end <= file_size:
-            raise ValueError(f"{path}: corrupted: tensor {name!r} lies outside the file")
+            raise CheckpointDamagedError(f"{path}: corrupted: tensor {name!r} lies outside the file")
     return entries
 
 
@@ -304,40 +306,46 @@ def _header_object(path: Path, file_size: int, stats: ReadStats | None) -> tuple
     with open(open_member(path), "rb", buffering=0) as handle:
         prefix = handle.read(8)
         if len(prefix) < 8:
-            raise ValueError(f"{path}: truncated: no safetensors header")
+            raise CheckpointDamagedError(f"{path}: truncated: no safetensors header")
         (length,) = struct.unpack("<Q", prefix)
         if length > min(_MAX_HEADER_BYTES, file_size - 8):
-            raise ValueError(f"{path}: corrupted: header length {length} does not fit a {file_size}-byte file")
+            raise CheckpointDamagedError(
+                f"{path}: corrupted: header length {length} does not fit a {file_size}-byte file"
+            )
         raw = handle.read(length)
     if stats is not None:
         stats.add(path.name, 8 + len(raw))
     try:
         header = jsonvalue.loads(raw, path)
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ValueError(f"{path}: corrupted: the safetensors header is not valid JSON") from None
+        raise CheckpointDamagedError(f"{path}: corrupted: the safetensors header is not valid JSON") from None
+    except ValueError as err:  # jsonvalue's own line: nested too deeply, an integer too long
+        raise CheckpointDamagedError(str(err)) from None
     if not isinstance(header, dict):
-        raise ValueError(f"{path}: corrupted: the safetensors header is not a JSON object")
+        raise CheckpointDamagedError(f"{path}: corrupted: the safetensors header is not a JSON object")
     return header, length
 
 
 def check_entries(path: Path, entries: Mapping, expected: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
-    """The file's header must hold the tensors ``expected`` describes: name -> (dtype name, shape)."""
+    """The file's header must hold the tensors ``expected`` describes: name -> (dtype name, shape).
+    Otherwise the file and the manifest that lists it disagree: CheckpointDamagedError."""
     missing = sorted(set(expected) - set(entries))
     if missing:
-        raise ValueError(f"{path}: corrupted or not the manifest's file: tensors {missing} are missing")
+        raise CheckpointDamagedError(f"{path}: corrupted or not the manifest's file: tensors {missing} are missing")
     for name, (dtype, shape) in expected.items():
         entry = entries[name]
         try:
             found = dtype_of_code(entry.dtype)
         except ValueError:
-            raise ValueError(f"{path}: corrupted: tensor {name!r} has unknown dtype {entry.dtype!r}") from None
+            problem = f"tensor {name!r} has unknown dtype {entry.dtype!r}"
+            raise CheckpointDamagedError(f"{path}: corrupted: {problem}") from None
         found_dtype = found.name
         if found_dtype != dtype or tuple(entry.shape) != tuple(shape):
-            raise ValueError(
+            raise CheckpointDamagedError(
                 f"{path}: tensor {name!r} is {found_dtype} {list(entry.shape)}, the manifest says {dtype} {list(shape)}"
             )
         if entry.end - entry.begin != found.itemsize * math.prod(shape):
-            raise ValueError(f"{path}: corrupted: tensor {name!r} spans {entry.end - entry.begin} bytes")
+            raise CheckpointDamagedError(f"{path}: corrupted: tensor {name!r} spans {entry.end - entry.begin} bytes")
 
 
 @dataclass

@@ -35,6 +35,7 @@ from ..format import (
 from ..io import jsonvalue
 from ..io.budget import quoted
 from ..io.checksum import FileRecord
+from ..io.damage import CheckpointDamagedError
 from ..io.directory import read_json_file
 from .binding import layout_digest
 
@@ -181,22 +182,34 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "manifest") -> Manifest:
-        """Parse and check; ValueError names ``source`` and the problem in one line."""
+        """Parse and check, with one-line errors naming ``source``: a CheckpointDamagedError
+        for a manifest no zeroshard writes (another format name, fields malformed or
+        inconsistent: the file is not what was saved), a plain ValueError for one a newer
+        zeroshard wrote."""
         if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
             found = data.get("format") if isinstance(data, dict) else type(data).__name__
-            raise ValueError(f"{source}: not a zeroshard checkpoint manifest (format {quoted(found)})")
+            raise CheckpointDamagedError(f"{source}: not a zeroshard checkpoint manifest (format {quoted(found)})")
         version = data.get("version")
         if type(version) is not int or version < 1:
-            raise ValueError(f"{source}: format version {quoted(version)} is not valid")
+            raise CheckpointDamagedError(f"{source}: format version {quoted(version)} is not valid")
         if version > FORMAT_VERSION:
             raise ValueError(
                 f"{source}: format version {version} is newer than this zeroshard reads ({FORMAT_VERSION}); upgrade zeroshard"
             )
         try:
+            return cls._checked(data, source)
+        except ValueError as err:  # every manifest a save writes passes these checks
+            raise CheckpointDamagedError(str(err)) from None
+
+    @classmethod
+    def _checked(cls, data: dict[str, Any], source: str) -> Manifest:
+        try:
             layout = Layout.from_dict(data["layout"])
         except ValueError as err:
             raise ValueError(f"{source}: {err}") from None
-        newer = _newer_than_version_1(data) if version == UNDIGESTED_VERSION else None
+        except (KeyError, TypeError, AttributeError) as err:  # no layout, or not an object
+            raise ValueError(f"{source}: malformed manifest ({type(err).__name__}: {err})") from None
+        newer = _newer_than_version_1(data) if data["version"] == UNDIGESTED_VERSION else None
         if newer:
             raise ValueError(
                 f"{source}: format version 1, but {newer}: a manifest may not claim an older version than it holds"
@@ -332,9 +345,9 @@ def read_manifest(directory: Path) -> Manifest:
 
     Raises:
         FileNotFoundError: it is missing.
-        CheckpointDamagedError: it is not valid JSON or UTF-8.
-        ValueError: it is not a manifest this zeroshard reads (format, version), or its
-            fields are malformed or inconsistent; the message names the file.
+        CheckpointDamagedError: it is no regular file, not valid JSON or UTF-8, not a
+            zeroshard manifest, or its fields are malformed or inconsistent.
+        ValueError: a newer zeroshard wrote it (its format version); the message names the file.
     """
     path = directory / MANIFEST_FILE
     return Manifest.from_dict(read_json_file(path, "checkpoint"), str(path))

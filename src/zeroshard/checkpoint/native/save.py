@@ -40,7 +40,7 @@ from ..io import jsonvalue
 from ..io.dtypes import itemsize_of
 from ..io.checksum import FileRecord
 from ..coordinator import Coordinator, default_coordinator
-from ..io.directory import fsync_dir, prepare_staging, publish, root_lock, write_file_durably
+from ..io.directory import TagExistsError, fsync_dir, prepare_staging, publish, root_lock, write_file_durably
 from ..format import (
     DEFAULT_BLOCK_SIZE,
     FORMAT_NAME,
@@ -143,11 +143,14 @@ def plan_save(
     *,
     block_size: int = DEFAULT_BLOCK_SIZE,
     problem: str | None = None,
+    replace: bool = True,
 ) -> SavePlan:
     """Collective: check every rank's state and agree; rank 0 prepares the staging directory.
 
     ``problem`` is this rank's reason not to save (say, its snapshot failed): every rank
-    then raises it, instead of this rank alone leaving the others waiting.
+    then raises it, instead of this rank alone leaving the others waiting. Unless
+    ``replace``, a ``<root>/<tag>`` that exists refuses the save on every rank
+    (TagExistsError) before anything is written.
     """
     root = Path(root)
     check_tag(tag)
@@ -157,7 +160,7 @@ def plan_save(
     def begin() -> str:  # on rank 0; whatever it raises reaches every rank
         lock = root_lock(root, tag).acquire()
         try:
-            staging = prepare_staging(root, tag, clean=lock.held)
+            staging = prepare_staging(root, tag, clean=lock.held, replace=replace)
         except BaseException:
             lock.release()
             raise
@@ -248,6 +251,8 @@ def _on_rank0_then_broadcast(coord: Coordinator, action: Callable[[], Any]) -> A
             outcome = ("ok", action())
         except WriterLockedError as err:
             outcome = ("locked", str(err))
+        except TagExistsError as err:
+            outcome = ("exists", str(err))
         except Exception as err:  # noqa: BLE001 - every rank waits for the outcome: it must get one
             if _is_simulated_crash(err):
                 raise
@@ -255,6 +260,8 @@ def _on_rank0_then_broadcast(coord: Coordinator, action: Callable[[], Any]) -> A
     kind, value = coord.broadcast_object(outcome)
     if kind == "locked":
         raise WriterLockedError(f"checkpoint save refused: {value}")
+    if kind == "exists":
+        raise TagExistsError(value)
     if kind == "error":
         raise OSError(f"checkpoint save failed on rank 0: {value}")
     return value
