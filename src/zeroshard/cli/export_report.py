@@ -4,7 +4,8 @@
 An export is a model state dict in safetensors files (``model.safetensors``, or shards and
 ``model.safetensors.index.json``); it holds weights only, no optimizer state, step, layout or
 block checksums. ``--verify`` checks every header parses, every tensor's bytes match its
-dtype and shape, the index names every tensor and file exactly, and, where the export has
+dtype and shape, no name is held twice (in two files, or twice in one header or the index),
+the index names every tensor and file exactly, and, where the export has
 ``zeroshard.digests.json`` (every export zeroshard writes now), that each tensor's bytes read
 as the CRC-32 recorded there when it was written, and that it records exactly the tensors.
 Torch is not imported.
@@ -81,7 +82,8 @@ def verify_fp32_export(path: Path) -> tuple[str, list[str], dict[str, int]]:
             problems.append(str(err))
             continue
         problems += _entry_problems(path / file, entries)
-        held.update({name: file for name in entries})
+        problems += [f"{path / file}: tensor {quoted(name)} is also in {held[name]}" for name in entries if name in held]
+        held.update({name: file for name in entries if name not in held})
         headers[file] = entries
     if weight_map is not None:
         problems += _index_problems(path, weight_map, held)

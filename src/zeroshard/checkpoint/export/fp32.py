@@ -35,7 +35,7 @@ from ..format import DEFAULT_BLOCK_SIZE, MANIFEST_FILE
 from ..formats import open_source
 from ..io.output_dir import OutputKind, output_path, staged_output
 from ..io.safetensors_io import PlannedTensor
-from ..experts import EXPERT_FORMS, exported_params, read_exported
+from ..experts import EXPERT_FORMS, ExportedParam, exported_params, read_exported
 from ..io.digest import ALGORITHM
 from ..read_digests import ReadChecker
 from ..source import ModelEntry, ShardSource
@@ -201,7 +201,9 @@ def _open(path: Input, experts: str | None) -> _ModelView:
 
 
 def _source_view(source: ShardSource, experts: str | None, *, close: bool) -> _ModelView:
-    exported = {param.name: param for param in exported_params(source.info.layout, experts)}
+    params = exported_params(source.info.layout, experts)
+    _check_names_unique(source, params)
+    exported = {param.name: param for param in params}
     checker = ReadChecker(source)  # every master and module tensor read, against the saved digests
 
     def model_tensor(name: str) -> np.ndarray:
@@ -218,6 +220,22 @@ def _source_view(source: ShardSource, experts: str | None, *, close: bool) -> _M
         close=source.close if close else _nothing,
         origin=source.path,
     )
+
+
+def _check_names_unique(source: ShardSource, params: list[ExportedParam]) -> None:
+    """ValueError naming the checkpoint when two tensors of the export would have one name
+    (two expert stacks' per-expert tensors, or one and a module tensor): the last line of
+    defence behind the layout's and the manifests' checks, which refuse such stacks."""
+    owner: dict[str, str] = {}
+    named = [(param.name, param.param) for param in params]
+    named += [(entry.name, entry.name) for entry in source.info.model_entries]
+    named += [(alias, f"{target} (tied)") for alias, target in source.info.aliases.items()]
+    for name, origin in named:
+        if name in owner:
+            raise ValueError(
+                f"{source.path}: cannot export: {owner[name]!r} and {origin!r} would both be written as tensor {name!r}"
+            )
+        owner[name] = origin
 
 
 def _nothing() -> None:

@@ -19,6 +19,7 @@ from ... import __version__
 from ...layout import Layout
 from ...state import ParamGroupState
 from ..digests import StateDigests, logical_keys
+from ..experts import per_expert_clash
 from ..format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -256,6 +257,7 @@ class Manifest:
         problem = _model_tensor_kind_problem(
             self.model_tensors, set(self.layout.param_names) - expert_param_names(self.layout), expert_param_names(self.layout)
         )
+        problem = problem or per_expert_clash(self.layout, [*self.model_tensors, *self.aliases])
         if problem:
             raise ValueError(f"{source}: {problem}")
         problem = self._digests_problem()

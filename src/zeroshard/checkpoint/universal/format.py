@@ -32,7 +32,7 @@ from ...layout import (
     canonical_dtype,
     contiguous_expert_map,
 )
-from ...layout.stacks import check_stack_shape
+from ...layout.stacks import check_stack_shape, per_expert_name_clash
 from ..format import state_name_problem
 from ..io import jsonvalue
 from ..io.budget import quoted
@@ -347,7 +347,14 @@ class UniversalManifest:
                 check_stack_shape(name, stack, self.params[name].shape)
             except ValueError as err:
                 return str(err)
-        return None
+        return self._per_expert_clash(listed)
+
+    def _per_expert_clash(self, listed: set[str]) -> str | None:
+        """A per-expert export (of the run's stacks, legacy ones included) names each tensor once."""
+        stacks = [(name, stack, self.params[name].shape[0]) for name, stack in self.expert_stacks.items()]
+        stacks += [(name, LEGACY_STACK, len(names)) for name, names in self.experts.items()]
+        others = {*(set(self.params) - listed), *self.experts, *self.model_entries, *self.aliases}
+        return per_expert_name_clash(stacks, others)
 
 
 def _fields_from_dict(data: dict[str, Any]) -> UniversalManifest:
