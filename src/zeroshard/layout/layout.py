@@ -336,11 +336,8 @@ def _check_unique_names(groups: list[tuple[ParamSpec, ...]]) -> None:
 
 def _check_per_expert_names(groups: list[GroupSpec]) -> None:
     """Every stack's per-expert tensors have names of their own (exports write them)."""
-    stacks = [
-        (spec.name, stack, sum(map(len, group.expert_map)))
-        for group in groups
-        for spec, stack in zip(group.params, group.stacks)
-    ]
+    experts = [sum(map(len, group.expert_map)) for group in groups]
+    stacks = [(spec.name, stack, e) for g, e in zip(groups, experts) for spec, stack in zip(g.params, g.stacks)]
     problem = per_expert_name_clash(stacks, [spec.name for group in groups for spec in group.params])
     if problem:
         raise ValueError(f"{problem}; a per-expert export would write two tensors under it")
