@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from ...layout import canonical_dtype
+from ..io.checksum import block_crc
 from ..io.directory import write_file_durably
 from ..io.dtypes import cast, dtype_info, to_torch
 from ..format import DEFAULT_BLOCK_SIZE, MANIFEST_FILE
@@ -38,7 +39,8 @@ from ..io.safetensors_io import PlannedTensor
 from ..experts import EXPERT_FORMS, ExportedParam, exported_params, read_exported
 from ..io.digest import ALGORITHM
 from ..read_digests import ReadChecker
-from ..source import ModelEntry, ShardSource
+from ..model_config import CONFIG_FILE, parse_config
+from ..source import ModelEntry, ShardSource, read_model_configs
 from ..io.streaming import OutputTensor, plan_shards, write_shards
 from ..universal.read import UniversalCheckpoint
 from ..universal.source import UniversalSource
@@ -87,6 +89,7 @@ class _ModelView:
     model_tensor: Callable[[str], np.ndarray]
     close: Callable[[], None]
     origin: Path  # the checkpoint directory read
+    configs: Callable[[], dict[str, str]]  # the model's config files the checkpoint recorded
 
 
 def to_fp32(
@@ -110,6 +113,7 @@ def to_fp32(
     inputs = (path, view.origin) if isinstance(path, (str, os.PathLike)) else (view.origin,)
     try:
         tensors = _outputs(view, dtype)
+        configs = {name: exported_config(name, text, dtype) for name, text in view.configs().items()}
         sizes = [t.planned.nbytes for t in tensors]
         shards = plan_shards(sizes, max_shard_size)
         names = [SINGLE_FILE] if len(shards) == 1 else [shard_file_name(i, len(shards)) for i in range(len(shards))]
@@ -128,6 +132,8 @@ def to_fp32(
             )
             record = {"format": DIGESTS_FORMAT, "version": 1, "algorithm": ALGORITHM, "dtype": dtype}
             record["tensors"] = digests
+            if configs:
+                record["files"] = {name: _write_config(staging / name, text) for name, text in configs.items()}
             write_file_durably(staging / DIGESTS_FILE, json.dumps(record, indent=1) + "\n")
             if len(shards) > 1:
                 weight_map = {tensors[i].planned.key: name for shard, name in zip(shards, names) for i in shard}
@@ -181,6 +187,26 @@ def _outputs(view: _ModelView, dtype: str) -> list[OutputTensor]:
     return tensors
 
 
+def exported_config(name: str, text: str, dtype: str) -> str:
+    """Config file ``name`` as an export writes it: ``config.json`` says the weights' ``dtype``
+    (``from_pretrained`` loads in it by default), the rest as recorded."""
+    if name != CONFIG_FILE:
+        return text
+    value = parse_config(text, name)
+    value["dtype"] = dtype
+    if "torch_dtype" in value:  # what transformers before v5 read
+        value["torch_dtype"] = dtype
+    return json.dumps(value, indent=2, sort_keys=True) + "\n"
+
+
+def _write_config(path: Path, text: str) -> int:
+    """Write a config file; the CRC-32 of its bytes, which the digests record lists so that
+    ``--overwrite`` knows it for ours."""
+    data = text.encode("utf-8")
+    write_file_durably(path, data)
+    return block_crc(data)
+
+
 def _cast(read: Callable[[str], np.ndarray], name: str, dtype: str) -> np.ndarray:
     return cast(read(name), dtype)
 
@@ -219,6 +245,7 @@ def _source_view(source: ShardSource, experts: str | None, *, close: bool) -> _M
         model_tensor=model_tensor,
         close=source.close if close else _nothing,
         origin=source.path,
+        configs=lambda: read_model_configs(source),
     )
 
 
