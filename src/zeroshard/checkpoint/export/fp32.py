@@ -39,7 +39,7 @@ from ..io.safetensors_io import PlannedTensor
 from ..experts import EXPERT_FORMS, ExportedParam, exported_params, read_exported
 from ..io.digest import ALGORITHM
 from ..read_digests import ReadChecker
-from ..model_config import CONFIG_FILE, parse_config
+from ..model_config import CONFIG_FILE, EXPORTED_CONFIGS, parse_config
 from ..source import ModelEntry, ShardSource, read_model_configs
 from ..io.streaming import OutputTensor, plan_shards, write_shards
 from ..universal.read import UniversalCheckpoint
@@ -57,6 +57,8 @@ OUTPUT_KIND = OutputKind(
     r"model\.safetensors(\.index\.json)?|model-\d{5,}-of-\d{5,}\.safetensors|" + re.escape(DIGESTS_FILE),
     (SINGLE_FILE, INDEX_FILE),
     METADATA,
+    DIGESTS_FILE,  # its "files": the config.json and generation_config.json written with the export
+    "|".join(map(re.escape, EXPORTED_CONFIGS)),
 )
 if TYPE_CHECKING:
     import torch
