@@ -213,3 +213,16 @@ def test_a_manifest_whose_stack_names_a_module_tensor_is_refused_naming_the_file
         f"{path / 'manifest.json'}: expert stack 'experts.down_proj' names per-expert tensor "
         "'experts.2.down_proj.weight', the name of another tensor of the model"
     )
+
+
+def test_verify_notices_an_index_naming_a_tensor_twice(tmp_path, capsys):
+    one = np.arange(2, dtype=np.float32).tobytes()
+    meta = {"format": "pt", "zeroshard": "fp32 export"}
+    shard = "model-00001-of-00001.safetensors"
+    _write_raw(tmp_path / shard, {"__metadata__": meta, "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, one)
+    index = '{"metadata": {"total_size": 8}, "weight_map": {"a": "%s", "a": "%s"}}' % (shard, shard)
+    (tmp_path / "model.safetensors.index.json").write_text(index)
+    (tmp_path / "zeroshard.digests.json").write_text(_digests({"a": one}))
+    assert main(["inspect", "--verify", str(tmp_path)]) == 1
+    index_file = tmp_path / "model.safetensors.index.json"
+    assert f"{index_file}: corrupted: key 'a' appears twice in one JSON object" in capsys.readouterr().out
