@@ -368,7 +368,7 @@ def test_bad_checkpoint_one_line_error_and_no_output(small_checkpoint, tmp_path,
     [
         (lambda u: _truncate(_shards(u)[1]), "truncated or altered"),
         (lambda u: _shards(u)[-1].unlink(), "missing; the manifest lists it"),
-        (lambda u: _edit_json(u / "universal.json", version=5), "format version 5 is newer"),
+        (lambda u: _edit_json(u / "universal.json", version=6), "format version 6 is newer"),
         (lambda u: _edit_json(u / "universal.json", format="other"), "not a zeroshard universal checkpoint"),
         (lambda u: _flip_in_tensor(_shards(u)[0], "param/embed/fp32"), "checksum mismatch"),
         (lambda u: _edit_model_tensor(u, "positions", kind="weird"), "module tensor 'positions' has unknown kind 'weird'"),

@@ -1,6 +1,7 @@
 """The transformers side of ``zeroshard demo --moe --hf``: an unmodified transformers v5
 Qwen3-MoE (tiny, random weights, ``experts_implementation="grouped_mm"``) made
-expert-parallel in one call, and the check that ``from_pretrained`` loads its export.
+expert-parallel in one call, and the check that ``from_pretrained`` loads its export as it is
+(the config the checkpoints recorded from the model included).
 
 Needs transformers (``pip install -e '.[hf]'``); imported only when the demo runs with ``--hf``.
 """
@@ -59,14 +60,16 @@ class NextTokenLoss:
 
 
 def from_pretrained_check(exported: Path, live: dict[str, torch.Tensor]) -> tuple[int, int]:
-    """Load the fp32 export with ``Qwen3MoeForCausalLM.from_pretrained`` (its config written
-    next to it): ValueError if any key is missing, unexpected or mismatched. Returns (tensors
+    """Load the fp32 export with ``Qwen3MoeForCausalLM.from_pretrained`` as it is (the
+    ``config.json`` the checkpoint recorded from the model, written by the export): ValueError
+    if it has none, or if any key is missing, unexpected or mismatched. Returns (tensors
     bit-for-bit equal to ``live``, tensors in ``live``)."""
     from transformers import Qwen3MoeForCausalLM
     from transformers.utils import logging
 
+    if not (exported / "config.json").is_file():
+        raise ValueError(f"{exported}: no config.json: the checkpoint did not record the model's config")
     logging.disable_progress_bar()  # its loading bar would land in the middle of the report
-    qwen3_moe_config().save_pretrained(exported)
     model, info = Qwen3MoeForCausalLM.from_pretrained(exported, output_loading_info=True)
     problems = {key: info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys") if info[key]}
     if problems:

@@ -17,13 +17,13 @@ No exported name or shape depends on E's split over ranks, so exports of one sta
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Collection
 
 import numpy as np
 
 from ..layout import LEGACY_STACK, Layout, global_shape
 from ..layout.coordinates import expert_numel
-from ..layout.stacks import ExpertStack, exported_expert_shape, per_expert_tensors
+from ..layout.stacks import ExpertStack, exported_expert_shape, per_expert_name_clash, per_expert_tensors
 from .source import ShardSource, read_param, read_whole_param
 
 EXPERT_FORMS = ("stacked", "per_expert")
@@ -63,6 +63,19 @@ def exported_params(layout: Layout, experts: str | None = None) -> list[Exported
             else:
                 exported += _per_expert(slot.name, stack, global_shape(group, slot), slot.spec.shape)
     return exported
+
+
+def per_expert_clash(layout: Layout, others: Collection[str]) -> str | None:
+    """Why a per-expert export of ``layout``'s stacks would write two tensors under one name
+    (:func:`~zeroshard.layout.stacks.per_expert_name_clash`), counting ``others`` (the
+    checkpoint's module tensors and tied names) and the layout's parameters; or None."""
+    stacks = [
+        (slot.name, group.stacks[slot.index], sum(map(len, group.expert_map)))
+        for group in layout.groups
+        if group.is_expert_group
+        for slot in group.params
+    ]
+    return per_expert_name_clash(stacks, {*others, *layout.param_names}) if stacks else None
 
 
 def _form(stack: ExpertStack, experts: str | None) -> str:

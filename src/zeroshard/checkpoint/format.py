@@ -6,7 +6,8 @@ docs/FORMAT.md describes the format; this module is the one place that spells it
 from __future__ import annotations
 
 FORMAT_NAME = "zeroshard.checkpoint"
-FORMAT_VERSION = 2  # 2: digests of the logical state and rank-file bindings
+FORMAT_VERSION = 3  # the newest read; 3: the model's config files (written only with them)
+DIGESTED_VERSION = 2  # digests of the logical state and rank-file bindings; what a save without configs writes
 UNDIGESTED_VERSION = 1  # written before digests; still read
 UNDIGESTED_LAYOUT_VERSION = 2  # the newest layout a version 1 manifest holds (layout version 3 came after version 2)
 

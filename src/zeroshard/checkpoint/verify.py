@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 from .io.checksum import FileRecord
+from .model_config import read_config
 from .format import MODEL_FILE
 from .native.handle import Checkpoint
 from .io.members import member_path
@@ -36,8 +37,11 @@ def verify_checkpoint(ckpt: Checkpoint) -> list[str]:
     and its param groups are what a universal checkpoint stores (see :mod:`.param_groups`)."""
     manifest = ckpt.manifest
     rank_tensors = manifest.rank_file_tensors()
-    expected = {name: manifest.model_file_tensors() if name == MODEL_FILE else rank_tensors for name in manifest.files}
-    problems = _verify_files(ckpt.directory, manifest.files, expected)
+    configs = manifest.config_files
+    tensor_files = {name: record for name, record in manifest.files.items() if name not in configs}
+    expected = {name: manifest.model_file_tensors() if name == MODEL_FILE else rank_tensors for name in tensor_files}
+    problems = _verify_files(ckpt.directory, tensor_files, expected, listed=manifest.files)
+    problems += config_problems(ckpt.directory, configs)
     if problems:
         return problems
     problems = _binding_problems(ckpt)
@@ -54,7 +58,7 @@ def verify_universal(directory: Path, manifest: UniversalManifest) -> list[str]:
     expected: dict[str, dict[str, Spec]] = {name: {} for name in manifest.shards}
     for key, spec in manifest.tensor_specs().items():
         expected[manifest.weight_map[key]][key] = spec
-    problems = _verify_files(directory, manifest.shards, expected)
+    problems = _verify_files(directory, manifest.shards, expected) + config_problems(directory, manifest.configs)
     if problems:
         return problems
     from .universal.read import UniversalCheckpoint
@@ -119,8 +123,22 @@ def read_every_tensor(source: ShardSource) -> list[str]:
     return problems
 
 
+def config_problems(directory: Path, records: Mapping[str, FileRecord]) -> list[str]:
+    """The model's config files against their records: checksums, size, one JSON object each."""
+    problems = []
+    for name, record in sorted(records.items()):
+        try:
+            read_config(directory, name, record)
+        except (OSError, ValueError) as err:
+            problems.append(str(err))
+    return problems
+
+
 def _verify_files(
-    directory: Path, records: Mapping[str, FileRecord], expected: Mapping[str, Mapping[str, Spec]]
+    directory: Path,
+    records: Mapping[str, FileRecord],
+    expected: Mapping[str, Mapping[str, Spec]],
+    listed: Iterable[str] | None = None,
 ) -> list[str]:
     problems: list[str] = []
     for name, record in sorted(records.items()):
@@ -133,7 +151,8 @@ def _verify_files(
         if not file_problems:
             file_problems = _header_problems(path, record.size, expected[name])
         problems += file_problems
-    problems += [f"{directory / name}: not listed in the manifest" for name in _strays(directory, records)]
+    strays = _strays(directory, records if listed is None else listed)
+    problems += [f"{directory / name}: not listed in the manifest" for name in strays]
     return problems
 
 

@@ -123,7 +123,7 @@ def _verify_universal(path: Path) -> Verified:
     how = "every checksum and digest matches" if manifest.digests else "every checksum matches (no digests)"
     summary = f"{path}: OK, universal checkpoint, {shards} shards, {total:,} bytes, {how}"
     checked = {UNIVERSAL_MANIFEST_FILE: (path / UNIVERSAL_MANIFEST_FILE).stat().st_size}
-    checked.update((name, record.size) for name, record in manifest.shards.items())
+    checked.update((name, record.size) for name, record in {**manifest.configs, **manifest.shards}.items())
     return summary, verify_universal(path, manifest), checked
 
 

@@ -74,8 +74,9 @@ def describe_native(ckpt: Checkpoint, *, list_all_files: bool = False) -> list[s
     ]
     manifest_size = ckpt.path(MANIFEST_FILE).stat().st_size
     sizes = {name: record.size for name, record in manifest.files.items()}
+    configs = {name: record.size for name, record in manifest.config_files.items()}
     lines += file_lines(
-        {MANIFEST_FILE: manifest_size, MODEL_FILE: sizes[MODEL_FILE]},
+        {MANIFEST_FILE: manifest_size, MODEL_FILE: sizes[MODEL_FILE], **configs},
         {name: sizes[name] for name in manifest.rank_files()},
         "rank files",
         list_all_files,
@@ -123,7 +124,8 @@ def describe_universal(ckpt: UniversalCheckpoint, *, list_all_files: bool = Fals
         lines.append(_source_padding_line(manifest.param_specs(), source))
     manifest_size = (ckpt.directory / UNIVERSAL_MANIFEST_FILE).stat().st_size
     shards = {name: record.size for name, record in manifest.shards.items()}
-    lines += file_lines({UNIVERSAL_MANIFEST_FILE: manifest_size}, shards, "shards", list_all_files)
+    configs = {name: record.size for name, record in manifest.configs.items()}
+    lines += file_lines({UNIVERSAL_MANIFEST_FILE: manifest_size, **configs}, shards, "shards", list_all_files)
     return lines
 
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..state import ParamGroupState, ShardedState
+from ..state import ParamGroupState, ShardedState, model_config_files
 
 if TYPE_CHECKING:
     from .optimizer import ZeroOptimizer
@@ -57,6 +57,7 @@ def state_views(engine: ZeroOptimizer) -> ShardedState:
         optimizer_class=optimizer_class_name(engine.optimizer),
         model_state=engine.model.state_dict(),
         extra={"global_steps": engine.global_steps, "loss_scaler": engine.scaler.state_dict()},
+        model_configs=model_config_files(engine.model),
     )
 
 

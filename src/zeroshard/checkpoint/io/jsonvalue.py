@@ -31,19 +31,36 @@ MAX_VALUE_DEPTH = MAX_DEPTH - 10  # a stored value's own nesting, so the file ho
 
 def loads(text: str | bytes, where: object) -> Any:
     """``json.loads(text)``, refusing nesting deeper than :data:`MAX_DEPTH` (json.loads
-    itself, :func:`decode` and the manifest parsers recurse) with a ValueError naming
-    ``where``. JSONDecodeError and UnicodeDecodeError pass through."""
+    itself, :func:`decode` and the manifest parsers recurse) and an object holding a key
+    twice (``json.loads`` keeps the last silently: an index or header would hide a tensor)
+    with a ValueError naming ``where``. JSONDecodeError and UnicodeDecodeError pass through."""
     if _text_depth(text) > MAX_DEPTH:
         raise ValueError(f"{where}: corrupted: JSON nested more than {MAX_DEPTH} levels deep")
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_object_of_unique_keys)
     except RecursionError:
         raise ValueError(f"{where}: corrupted: JSON nested too deeply to parse (the limit is {MAX_DEPTH})") from None
+    except _RepeatedKey as err:
+        raise ValueError(f"{where}: corrupted: key {quoted(err.key)} appears twice in one JSON object") from None
     except (json.JSONDecodeError, UnicodeDecodeError):  # ValueErrors too: the callers say what they mean
         raise
     except ValueError:  # the only other one: an integer longer than Python converts from text
         digits = sys.get_int_max_str_digits()
         raise ValueError(f"{where}: corrupted: it holds an integer of more than {digits:,} digits") from None
+
+
+class _RepeatedKey(Exception):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _object_of_unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    made = dict(pairs)
+    if len(made) != len(pairs):
+        seen: set[str] = set()
+        raise _RepeatedKey(next(key for key, _ in pairs if key in seen or seen.add(key)))  # type: ignore[func-returns-value]
+    return made
 
 
 def read_int(value: Any, what: str, name: Any = None, minimum: int = 0) -> int:

@@ -12,7 +12,8 @@ WriterLockedError naming the first, instead of deleting its staging directory.
 What is replaced: ``OUT`` is never the input, inside it or around it (a checkpoint tag holds
 ``model.safetensors`` too), and an existing non-empty ``OUT`` is replaced only when asked and
 only when it is provably an output of the same kind (:class:`OutputKind`): nothing but the
-file names that kind writes, the safetensors files carrying its metadata.
+file names that kind writes, the safetensors files carrying its metadata, and files its
+record lists with the CRC-32 they were written with (an fp32 export's ``config.json``).
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
-from .directory import Fault, fsync_dir, new_staging, publish_dir, recover_target
+from .checksum import crc32
+from .directory import Fault, fsync_dir, new_staging, publish_dir, read_json_file, recover_target
 from .in_place import check_empty_mount_point, publish_in_place, recover_in_place, stages_in_place
+from .members import open_member
 from .safetensors_io import read_metadata
 from .writer_lock import WriterLock
 
@@ -40,16 +43,27 @@ class OutputKind:
     file_names: str  # a regular expression every file of such an output matches whole
     markers: tuple[str, ...]  # an output holding one of these is complete
     metadata: Mapping[str, str] = field(default_factory=dict)  # in the metadata of each of its .safetensors files
+    # a JSON file of the output (of a name above) whose "files" object lists other files it
+    # wrote, each with the CRC-32 of its bytes, and a regular expression of the names it may
+    # list: only those files, unchanged, are its own too
+    record: str | None = None
+    recorded_names: str = ""
 
     def foreign(self, directory: Path) -> str | None:
         """Why the non-empty ``directory`` is not a complete output of this kind, or None."""
         names = []
+        listed: dict[str, int] | None = None
         for entry in sorted(os.scandir(directory), key=lambda e: e.name):
             if not entry.is_file(follow_symlinks=False):
                 return f"it holds {entry.name!r}, which is not a regular file"
-            if not re.fullmatch(self.file_names, entry.name):
-                return f"it holds {entry.name!r}, which a {self.what} does not"
-            names.append(entry.name)
+            if re.fullmatch(self.file_names, entry.name):
+                names.append(entry.name)
+                continue
+            listed = self._listed(directory) if listed is None else listed
+            if entry.name not in listed:
+                return f"it holds {entry.name!r}, {self._not_ours(directory, entry.name)}"
+            if _crc_of(directory / entry.name) != listed[entry.name]:
+                return f"{entry.name} is not the file zeroshard wrote there: it changed since"
         if not set(self.markers) & set(names):
             return f"it has no {' or '.join(self.markers)}"
         for name in names:
@@ -57,12 +71,41 @@ class OutputKind:
                 return f"{name} was not written as a {self.what} by zeroshard"
         return None
 
+    def _not_ours(self, directory: Path, name: str) -> str:
+        if self.record and re.fullmatch(self.recorded_names, name) and (directory / self.record).is_file():
+            return f"which its {self.record} does not list: zeroshard did not write it"
+        return f"which a {self.what} does not"
+
+    def _listed(self, directory: Path) -> dict[str, int]:
+        """The files the output's record lists as its own, with their CRC-32 (none without one)."""
+        if self.record is None or not (directory / self.record).is_file():
+            return {}
+        try:
+            record = read_json_file(directory / self.record, self.what)
+        except (OSError, ValueError):
+            return {}
+        files = record.get("files") if isinstance(record, dict) else None
+        if not isinstance(files, dict):
+            return {}
+        return {
+            name: crc for name, crc in files.items() if type(crc) is int and re.fullmatch(self.recorded_names, name)
+        }
+
     def _carries_metadata(self, path: Path) -> bool:
         try:
             metadata = read_metadata(path)
         except ValueError:
             return False
         return all(metadata.get(key) == value for key, value in self.metadata.items())
+
+
+def _crc_of(path: Path) -> int:
+    """The CRC-32 of the regular file ``path``'s bytes (never a link), read in 1 MiB chunks."""
+    crc = 0
+    with open(open_member(path), "rb", buffering=0) as handle:
+        while chunk := handle.read(1 << 20):
+            crc = crc32(chunk, crc)
+    return crc
 
 
 @contextmanager

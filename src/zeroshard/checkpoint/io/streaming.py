@@ -67,8 +67,14 @@ def write_shards(
     Tensors are produced on this thread and written (hashed, written, fsynced) on another,
     so reading the next tensor overlaps writing the last; at most two are alive at a time.
     Consecutive entries with the same ``produce`` function object (one tensor saved under
-    several names) are produced once.
+    several names) are produced once. ValueError before anything is written when two
+    entries have one key (each file's header refuses that alone; this is across files).
     """
+    planned: set[str] = set()
+    for tensor in tensors:
+        if tensor.planned.key in planned:
+            raise ValueError(f"{directory}: tensor {tensor.planned.key!r} is planned twice; an output holds each name once")
+        planned.add(tensor.planned.key)
     records: dict[str, FileRecord] = {}
     total = sum(t.planned.nbytes for t in tensors)
     opened: list[dict[str, SafetensorsWriter]] = []

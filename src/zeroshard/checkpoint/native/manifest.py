@@ -5,7 +5,8 @@ the format name and version, rebuilds the Layout (which re-derives every offset)
 checks that the file list matches the world size. From format version 2 it also holds the
 digests of the logical state (:mod:`..digests`), one per parameter (per global expert),
 tensor kind, optimizer scalar and module tensor; version 1 manifests, written before, have
-none and still load.
+none and still load. Version 3 (written only then) also lists the model's config files
+(:mod:`..model_config`) with the others; versions 1 and 2 still load.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ from ... import __version__
 from ...layout import Layout
 from ...state import ParamGroupState
 from ..digests import StateDigests, logical_keys
+from ..experts import per_expert_clash
+from ..model_config import config_records
 from ..format import (
+    DIGESTED_VERSION,
     FORMAT_NAME,
     FORMAT_VERSION,
     UNDIGESTED_LAYOUT_VERSION,
@@ -103,10 +107,18 @@ class Manifest:
 
     @property
     def format_version(self) -> int:
-        """The version read, or for a new manifest the one its fields need (2 with digests, 1 without)."""
+        """The version read, or for a new manifest the one its fields need (3 with config
+        files, 2 with digests, 1 without)."""
         if self.version is not None:
             return self.version
-        return FORMAT_VERSION if self.digests is not None else UNDIGESTED_VERSION
+        if self.config_files:
+            return FORMAT_VERSION
+        return DIGESTED_VERSION if self.digests is not None else UNDIGESTED_VERSION
+
+    @property
+    def config_files(self) -> dict[str, FileRecord]:
+        """The model's config files the checkpoint stores (``model.config.json``, ...), by stored name."""
+        return config_records(self.files)
 
     @property
     def layout_digest(self) -> str:
@@ -261,19 +273,22 @@ class Manifest:
             )
         if len(self.groups) != len(self.layout.groups):
             raise ValueError(f"{source}: {len(self.groups)} group records for {len(self.layout.groups)} layout groups")
-        if len(self.files) != self.world_size + 1:  # compared first: the world size is what the file declares
+        configs = self.config_files
+        if len(self.files) - len(configs) != self.world_size + 1:  # first: the world size is what the file declares
             raise ValueError(
                 f"{source}: file list does not match world size {self.world_size}: {len(self.files)} files listed, "
-                f"{self.world_size + 1:,} expected (the model file and one per rank)"
+                f"{self.world_size + 1:,} expected (the model file and one per rank, besides config files)"
             )
+        if configs and self.format_version < FORMAT_VERSION:
+            raise ValueError(f"{source}: format version {self.format_version} lists config files {sorted(configs)}")
         for index, record in enumerate(self.groups):
             problem = next(filter(None, map(state_name_problem, record.states)), None)
             if problem:
                 raise ValueError(f"{source}: group {index}: {problem}")
         expected = {MODEL_FILE, *self.rank_files()}
-        if set(self.files) != expected:
+        if set(self.files) - set(configs) != expected:
             missing = sorted(expected - set(self.files))[:3]
-            unknown = sorted(set(self.files) - expected)[:3]
+            unknown = sorted(set(self.files) - expected - set(configs))[:3]
             raise ValueError(
                 f"{source}: file list does not match world size {self.world_size} "
                 f"(missing {quoted(missing)}, unknown {quoted(unknown)})"
@@ -284,6 +299,7 @@ class Manifest:
         problem = _model_tensor_kind_problem(
             self.model_tensors, set(self.layout.param_names) - expert_param_names(self.layout), expert_param_names(self.layout)
         )
+        problem = problem or per_expert_clash(self.layout, [*self.model_tensors, *self.aliases])
         if problem:
             raise ValueError(f"{source}: {problem}")
         problem = self._digests_problem()

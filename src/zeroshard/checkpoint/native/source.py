@@ -21,6 +21,7 @@ from ..io.block_reader import RangeReader, array_view, observe_bytes
 from ..io.checksum import FileRecord
 from ..io.dtypes import dtype_info, itemsize_of, to_float32
 from ..io.safetensors_io import ReadStats, TensorEntry, check_entries, read_header
+from ..model_config import STORED_NAMES, read_config
 from ..source import ModelEntry, SourceInfo
 from .binding import check_binding
 from .handle import Checkpoint, open_checkpoint
@@ -140,6 +141,12 @@ class NativeSource:
         if record is None:
             raise KeyError(f"{self.path / MODEL_FILE}: no module tensor {name!r}")
         return stored, record
+
+    def model_configs(self) -> dict[str, str]:
+        """The model's config files the checkpoint stores, checked: file name to write them
+        under (``config.json``, ...) -> JSON text. Empty for a checkpoint without them."""
+        configs = self.checkpoint.manifest.config_files
+        return {STORED_NAMES[name]: read_config(self.path, name, record) for name, record in sorted(configs.items())}
 
     def close(self) -> None:
         """Drop the cached edge blocks and file headers (no file is held open between reads)."""

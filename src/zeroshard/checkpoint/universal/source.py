@@ -106,6 +106,10 @@ class UniversalSource(PackedSource):
             return self.checkpoint.model_tensor(name)
         return cast(self.checkpoint.read_param(name, "fp32"), param.dtype).reshape(param.shape)
 
+    def model_configs(self) -> dict[str, str]:
+        """The model's config files the checkpoint carries (file name -> JSON text), checked."""
+        return self.checkpoint.model_configs()
+
     def close(self) -> None:
         """Drop the cached expert tensors and close the checkpoint's reader caches."""
         self._expert_cache = {}
