@@ -21,12 +21,12 @@ from .format import MODEL_FILE
 from .native.handle import Checkpoint
 from .io.members import member_path
 from .experts import exported_params, read_exported
-from .io.safetensors_io import check_entries, read_header, verify_file
+from .io.safetensors_io import check_entries, read_header, read_metadata, verify_file
 from .native.binding import check_binding
 from .param_groups import param_group_problems
 from .read_digests import ReadChecker
 from .source import ShardSource
-from .universal.format import UniversalManifest
+from .universal.format import UniversalManifest, shard_version_problem
 
 Spec = tuple[str, tuple[int, ...]]  # a tensor's dtype name and shape
 _READ_CHUNK = 1 << 24  # elements per read when reading a whole partition (64 MiB of fp32)
@@ -59,6 +59,9 @@ def verify_universal(directory: Path, manifest: UniversalManifest) -> list[str]:
     for key, spec in manifest.tensor_specs().items():
         expected[manifest.weight_map[key]][key] = spec
     problems = _verify_files(directory, manifest.shards, expected) + config_problems(directory, manifest.configs)
+    if not problems:
+        versions = (shard_version_problem(directory / name, read_metadata(directory / name), manifest) for name in manifest.shards)
+        problems = [problem for problem in versions if problem]
     if problems:
         return problems
     from .universal.read import UniversalCheckpoint

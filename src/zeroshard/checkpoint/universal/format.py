@@ -48,10 +48,36 @@ FORMAT_VERSION = 5  # the newest read: with the model's config files; see the mo
 _WITHOUT_EXPERTS_VERSION = 1
 _LEGACY_EXPERTS_VERSION = 2
 _STACKS_VERSION = 3  # stored expert stacks, no digests
-_DIGESTS_VERSION = 4  # with digests: what a conversion of a run without config files writes
+DIGESTS_VERSION = 4  # with digests: what a conversion of a run without config files writes (public: the writer)
 MANIFEST_FILE = "universal.json"
+# Each manifest field a later version added, with that version: an older reader ignores it.
+_ADDED_IN = (
+    ("experts", _LEGACY_EXPERTS_VERSION),
+    ("expert_stacks", _STACKS_VERSION),
+    ("digests", DIGESTS_VERSION),
+    ("model_configs", FORMAT_VERSION),
+)
 DEFAULT_MAX_SHARD_SIZE = 2**31
 MODEL_ENTRY_KINDS = ("buffer", "frozen", "other")  # "other": written by a run that did not tell them apart
+
+
+def shard_metadata(version: int) -> dict[str, str]:
+    """The safetensors metadata of every shard of a universal checkpoint of format ``version``:
+    the shards tell which manifest version they belong to, so a manifest edited to claim an
+    older version (whose reader skips the digests) is caught when a shard is read."""
+    return {"format": FORMAT_NAME, "version": str(version)}
+
+
+def shard_version_problem(path: Path, metadata: dict[str, Any], manifest: UniversalManifest) -> str | None:
+    """What is wrong when shard ``path``'s ``metadata`` names another format version than
+    ``manifest`` (shards written before version 5 name none), or None."""
+    written = metadata.get("version")
+    if written is None or written == str(manifest.format_version):
+        return None
+    return (
+        f"{path}: written as universal format version {quoted(written)}, but {MANIFEST_FILE} claims version "
+        f"{manifest.format_version}: a manifest may not claim another version than its shards"
+    )
 
 
 def shard_file_name(index: int, count: int) -> str:
@@ -133,7 +159,7 @@ class UniversalManifest:
         if self.configs:
             return FORMAT_VERSION
         if self.digests is not None:
-            return _DIGESTS_VERSION
+            return DIGESTS_VERSION
         if self.expert_stacks:
             return _STACKS_VERSION
         return _LEGACY_EXPERTS_VERSION if self.experts else _WITHOUT_EXPERTS_VERSION
@@ -270,6 +296,12 @@ class UniversalManifest:
         if version > FORMAT_VERSION:
             raise ValueError(
                 f"{where}: format version {version} is newer than this zeroshard reads ({FORMAT_VERSION}); upgrade zeroshard"
+            )
+        newer = next((f"{key}, which version {since} added" for key, since in _ADDED_IN if version < since and data.get(key)), None)
+        if newer:  # read as the older version, it would be ignored: digests dropped, expert lists unchecked
+            raise ValueError(
+                f"{where}: format version {version}, but it holds {newer}: "
+                "a manifest may not claim an older version than it holds"
             )
         try:
             manifest = _fields_from_dict(data)
@@ -413,7 +445,7 @@ def _fields_from_dict(data: dict[str, Any]) -> UniversalManifest:
             str(name): ExpertStack.from_dict(stack)
             for name, stack in (data.get("expert_stacks", {}) if data["version"] >= _STACKS_VERSION else {}).items()
         },
-        digests=StateDigests.from_dict(data["digests"]) if data["version"] >= _DIGESTS_VERSION else None,
+        digests=StateDigests.from_dict(data["digests"]) if data["version"] >= DIGESTS_VERSION else None,
         configs={
             str(name): FileRecord.from_dict(record)
             for name, record in (data["model_configs"] if data["version"] >= FORMAT_VERSION else {}).items()

@@ -16,11 +16,12 @@ import numpy as np
 
 from ...layout import Layout, LayoutPolicy, build_layout
 from ..io.block_reader import RangeReader, array_view
+from ..io.damage import CheckpointDamagedError
 from ..io.directory import check_files_present
 from ..io.dtypes import itemsize_of
 from ..io.safetensors_io import ReadStats, TensorEntry, check_entries, read_header
 from ..model_config import STORED_NAMES, read_config
-from .format import UniversalManifest, model_key, param_key, read_universal_manifest
+from .format import UniversalManifest, model_key, param_key, read_universal_manifest, shard_version_problem
 
 
 class UniversalCheckpoint:
@@ -100,7 +101,11 @@ class UniversalCheckpoint:
         header = self._headers.get(shard)
         if header is None:
             path = self.directory / shard
-            header = read_header(path, self.manifest.shards[shard].size, self._stats)
+            metadata: dict[str, Any] = {}
+            header = read_header(path, self.manifest.shards[shard].size, self._stats, metadata)
+            problem = shard_version_problem(path, metadata, self.manifest)
+            if problem:
+                raise CheckpointDamagedError(problem)
             expected = {
                 key: spec
                 for key, spec in self._specs.items()

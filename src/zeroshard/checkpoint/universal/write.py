@@ -38,7 +38,9 @@ from ..source import ShardSource, read_model_configs
 from ..io.streaming import OutputTensor, plan_shards, write_shards
 from .format import (
     DEFAULT_MAX_SHARD_SIZE,
+    DIGESTS_VERSION,
     FORMAT_NAME,
+    FORMAT_VERSION,
     MANIFEST_FILE,
     UniversalManifest,
     UniversalParam,
@@ -46,6 +48,7 @@ from .format import (
     model_key,
     param_key,
     shard_file_name,
+    shard_metadata,
 )
 
 OUTPUT_KIND = OutputKind(
@@ -97,6 +100,7 @@ def _convert(
     manifest = describe(source, checker)
     tensors = output_tensors(source, manifest, checker)
     configs = read_model_configs(source)
+    version = FORMAT_VERSION if configs else DIGESTS_VERSION  # what the complete manifest will say
     shards = plan_shards([t.planned.nbytes for t in tensors], max_shard_size)
     names = [shard_file_name(i, len(shards)) for i in range(len(shards))]
     with staged_output(out_dir, kind=OUTPUT_KIND, overwrite=overwrite, inputs=inputs) as staging:
@@ -106,7 +110,7 @@ def _convert(
             shards,
             names,
             block_size=block_size,
-            metadata={"format": FORMAT_NAME},
+            metadata=shard_metadata(version),
             progress=progress,
             description="to-universal",
         )
@@ -115,6 +119,7 @@ def _convert(
         stored = {stored_name(name): text for name, text in configs.items()}
         stored = {name: write_config(staging, name, text, block_size) for name, text in stored.items()}
         complete = dataclasses.replace(manifest, shards=records, weight_map=weight_map, digests=digests, configs=stored)
+        assert complete.format_version == version, (complete.format_version, version)
         write_file_durably(staging / MANIFEST_FILE, complete.to_json())
     return out_dir
 
