@@ -33,7 +33,7 @@ from ..collector import collector_paused
 from ..layout import GroupLayout, GroupSpec, Layout, LayoutPolicy, ParamSpec, build_layout, canonical_dtype
 from ..layout.coordinates import shard_rank
 from ..state import ParamGroupState
-from .autoep_files import ExpertWeights, expert_file_names, read_expert_files
+from .autoep_experts import ExpertWeights, expert_file_names, read_expert_files
 from .autoep_layout import expert_group_spec, group_kind
 from .deepspeed_files import ModelStates, RankShard, read_model_states, read_rank_shard, read_scalars
 from .deepspeed_paths import (
