@@ -233,7 +233,8 @@ def rebuild_layout(model: ModelStates, first: RankShard, world_size: int) -> Lay
     groups: list[GroupSpec | list[ParamSpec]] = []
     for index, shapes in enumerate(model.param_shapes):
         if group_kind(model.autoep, list(shapes), first.param_groups[index], f"{where}, group {index}"):
-            groups.append(expert_group_spec(model.autoep, shapes, fallback_dtype, world_size, model.path))
+            spec = expert_group_spec(model.autoep, shapes, fallback_dtype, world_size, model.path, model.budget)
+            groups.append(spec)
         else:
             dtypes = {name: _param_dtype(model, name, shape, fallback_dtype) for name, shape in shapes.items()}
             groups.append([ParamSpec.of(name, shape, dtypes[name]) for name, shape in shapes.items()])

@@ -125,7 +125,7 @@ def read_model_states(path: Path) -> ModelStates:
         lr_scheduler=fields.plain(raw.get("lr_scheduler"), "lr_scheduler", path, budget),
         ds_config=ds_config,
         ds_version=fields.optional_text(raw.get("ds_version"), "ds_version", path),
-        autoep=parse_autoep(raw, ds_config, path),
+        autoep=parse_autoep(raw, ds_config, path, budget),
         budget=budget,
     )
 
