@@ -1,16 +1,20 @@
-"""AutoEP metadata against the per-file budget.
+"""AutoEP metadata against the per-file budget; AutoEP files that are FIFOs.
 
 Hostile versions of a real AutoEP checkpoint (tests/autoep_fixtures.py): a model-states file
 whose ``ds_autoep_layers`` declares counts it does not hold or shares one list or layer many
-times. Each must end in a one-line error naming the file, within 64 bytes per byte of the input
-plus a constant (tracemalloc's peak), as test_budget_checkpoints checks the dense DeepSpeed fields.
+times, an expert or rank file that is a FIFO. Each must end in a one-line error naming the file,
+within 64 bytes per byte of the input plus a constant (tracemalloc's peak), as
+test_budget_checkpoints checks the dense DeepSpeed fields.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +29,9 @@ from zeroshard.cli.main import main
 from zeroshard.importers import autoep_files
 
 MODEL = "mp_rank_00_model_states.pt"
+RANK1 = "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+EXPERT = "layer_0_expert_2_mp_rank_00_model_states.pt"
+SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 @pytest.fixture(scope="module")
@@ -222,3 +229,31 @@ def test_an_autoep_error_quotes_a_value_by_its_type_and_length(tag_dir, capsys, 
     change, words = QUOTED[case]
     edit(tag_dir / MODEL, change)
     refused(capsys, tag_dir, tag_dir / MODEL, words)
+
+
+# ---- FIFOs ------------------------------------------------------------------------------------------
+
+
+def run_cli(*args: str | Path, timeout: float = 60) -> tuple[int | None, str]:
+    """(exit status, what it printed) of ``python -m zeroshard ARGS`` in a process of its own;
+    None when it ran past ``timeout`` (killed), so that a command blocked on a FIFO fails the test."""
+    environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "zeroshard", *map(str, args)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environ)
+    except subprocess.TimeoutExpired:
+        return None, ""
+    return done.returncode, (done.stdout + done.stderr).strip()
+
+
+@pytest.mark.parametrize("name", [EXPERT, RANK1])
+def test_an_expert_or_rank_file_that_is_a_fifo_is_refused_by_every_command(tag_dir, tmp_path, name):
+    """Opening one blocked every command for ever (no writer ever came)."""
+    (tag_dir / name).unlink()
+    os.mkfifo(tag_dir / name)
+    for command in COMMANDS:
+        target = [tmp_path / command[0]] if command[0].startswith("to-") else []
+        code, err = run_cli(*command, tag_dir, *target)
+        expected = 1 if command == ("inspect", "--verify") else 2  # --verify reports damage, exit 1
+        assert code == expected and "\n" not in err, (command, code, err)
+        assert f"{tag_dir / name}: not a regular file" in err, (command, err)

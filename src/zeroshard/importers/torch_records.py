@@ -62,6 +62,7 @@ STORAGE_CLASSES: dict[str, str | None] = {
 _READ_CHUNK = 1 << 30
 _HOT_CHUNK = 1 << 20  # read and checked while still in the CPU's cache
 MAP_BYTES = 8 << 20  # reads at least this big are memory-mapped, not copied in
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a file replaced by a FIFO since it was opened is not waited on
 
 
 def refuses_state(cls: type) -> type:
@@ -258,7 +259,7 @@ def _read(storage: StorageRecord, dtype: str, first: int, count: int) -> np.ndar
     begin = first * numpy_dtype.itemsize
     end = begin + count * numpy_dtype.itemsize
     try:
-        fd = os.open(storage.path, os.O_RDONLY)
+        fd = os.open(storage.path, os.O_RDONLY | _NONBLOCK)
         try:
             record = storage.record_size
             whole_read = record <= min(_SMALL_RECORD_BYTES, _WHOLE_READS * (end - begin) + _WHOLE_BYTES)
@@ -279,7 +280,7 @@ def _read_into(storage: StorageRecord, begin: int, out: np.ndarray) -> None:
     other range after its record is checked (once per load)."""
     buffer = memoryview(out.view(np.uint8))
     try:
-        fd = os.open(storage.path, os.O_RDONLY)
+        fd = os.open(storage.path, os.O_RDONLY | _NONBLOCK)
         try:
             whole_record = begin == 0 and len(buffer) == storage.record_size
             checked = whole_record and not _was_verified(storage, fd)
