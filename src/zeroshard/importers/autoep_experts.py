@@ -56,11 +56,11 @@ def read_expert_files(tag_dir: Path, autoep: AutoEP, shapes: dict[str, tuple[int
     """Every per-expert file, each holding exactly its three weights in ``shapes`` (the stacked
     weights' shapes without the expert dimension) and ``dtype``; none missing, none extra."""
     expected = {layer.expert_file(g): (layer, g) for layer in autoep.layers for g in range(layer.num_experts)}
-    found = expert_file_names(tag_dir)
-    extra = sorted(set(found) - set(expected))
+    found = set(expert_file_names(tag_dir))  # made once: it was made again for every name expected
+    extra = sorted(found - set(expected))
     if extra:
         raise DeepSpeedFormatError(f"{tag_dir}: {extra[0]} belongs to no AutoEP layer and expert of {LAYERS_KEY}")
-    missing = [name for name in expected if name not in set(found)]
+    missing = [name for name in expected if name not in found]
     if missing:
         raise DeepSpeedFormatError(f"{tag_dir}: {missing[0]} is missing ({len(missing)} AutoEP expert files in all)")
     tensors: dict[tuple[int, str], list[StoredTensor]] = {
