@@ -235,6 +235,20 @@ def test_an_autoep_error_quotes_a_value_by_its_type_and_length(tag_dir, capsys, 
     refused(capsys, tag_dir, tag_dir / MODEL, words)
 
 
+def test_an_expert_file_holding_other_keys_is_named_by_bounded_keys(tag_dir, capsys):
+    """Its keys were sorted and printed: a key that is not a string made sorting raise a
+    TypeError (exit 3), a long one a line of its length."""
+
+    def change(raw):
+        weights = dict(raw)
+        raw.clear()
+        raw.update({7: None, "x" * 100_000: None, **weights})
+
+    edit(tag_dir / EXPERT, change)
+    words = "holds 5 keys (7, a str of 100,000 characters, model.layers.0.mlp.experts.w1.2, "
+    refused(capsys, tag_dir, tag_dir / EXPERT, words + "model.layers.0.mlp.experts.w2.2, ...), expected exactly [")
+
+
 # ---- FIFOs ------------------------------------------------------------------------------------------
 
 

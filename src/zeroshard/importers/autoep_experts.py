@@ -7,13 +7,14 @@ which files there must be.
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ..checkpoint.io.budget import quoted
+from ..checkpoint.io.budget import named, quoted
 from . import deepspeed_fields as fields
 from .autoep_files import EXPERT_FILE, EXPERT_WEIGHTS, LAYERS_KEY, AutoEP, AutoEPLayer
 from .deepspeed_pickle import DeepSpeedFormatError, load_checkpoint_file
@@ -71,8 +72,11 @@ def read_expert_files(tag_dir: Path, autoep: AutoEP, shapes: dict[str, tuple[int
         path = tag_dir / name
         content, _, budget = load_checkpoint_file(path)
         keys = {layer.expert_key(weight, expert): weight for weight in EXPERT_WEIGHTS}
-        if set(content) != set(keys):
-            raise DeepSpeedFormatError(f"{path}: holds {quoted(sorted(content)[:4])}, expected exactly {sorted(keys)}")
+        if set(content) != set(keys):  # its keys named bounded: they may be long, or not strings (unsortable)
+            shown = ", ".join(sorted(map(named, itertools.islice(content, 4)))) + (", ..." if len(content) > 4 else "")
+            raise DeepSpeedFormatError(
+                f"{path}: holds {len(content):,} keys ({shown}), expected exactly {sorted(keys)}"
+            )
         for key, weight in keys.items():
             tensor = fields.tensor(content[key], key, path)
             want = shapes[layer.param_name(weight)]
