@@ -1,10 +1,11 @@
-"""AutoEP metadata against the per-file budget; AutoEP files that are FIFOs.
+"""AutoEP metadata against the per-file budget, and the expert files against the placement.
 
 Hostile versions of a real AutoEP checkpoint (tests/autoep_fixtures.py): a model-states file
 whose ``ds_autoep_layers`` declares counts it does not hold or shares one list or layer many
-times, an expert or rank file that is a FIFO; thousands of expert files. Each must end in a one-line error naming the file,
-within 64 bytes per byte of the input plus a constant (tracemalloc's peak), as
-test_budget_checkpoints checks the dense DeepSpeed fields.
+times, an expert or rank file that is a FIFO, thousands of expert files, a placement edited
+without its expert files. Each must end in a one-line error naming the file, within 64 bytes
+per byte of the input plus a constant (tracemalloc's peak), as test_budget_checkpoints checks
+the dense DeepSpeed fields.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import ml_dtypes
+import numpy as np
 import pytest
 
 if importlib.util.find_spec("deepspeed") is None:
@@ -28,9 +31,10 @@ from hostile_files import edit_torch_file as edit
 from test_budget_checkpoints import COMMANDS, run_command
 
 from zeroshard.cli.main import main
-from zeroshard.importers import DeepSpeedFormatError, autoep_files
-from zeroshard.importers.autoep_experts import read_expert_files
+from zeroshard.importers import DeepSpeedFormatError, autoep_files, open_deepspeed
+from zeroshard.importers.autoep_experts import _rounds_to, read_expert_files
 from zeroshard.importers.autoep_files import AutoEP, AutoEPLayer
+from zeroshard.importers.deepspeed_pickle import load_checkpoint_file
 
 MODEL = "mp_rank_00_model_states.pt"
 RANK1 = "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
@@ -305,3 +309,62 @@ def test_the_expert_file_presence_check_is_linear_in_the_files(tmp_path):
     small = presence_check_seconds(tmp_path, 4, 256)
     large = presence_check_seconds(tmp_path, 32, 256)
     assert large < 24 * max(small, 1e-3), (small, large)
+
+
+# ---- the placement against the expert files -----------------------------------------------------------
+
+
+def test_a_placement_changed_without_its_expert_files_is_refused(tag_dir, tmp_path, capsys):
+    """Experts 0 and 1 swapped in expert_placement, affine_maps left out: every check passed and
+    every output gave expert 0 expert 1's masters (and the other way round)."""
+
+    def change(raw):
+        for entry in raw["ds_autoep_layers"]:
+            ranks = entry["expert_placement"]["ranks"]
+            ranks[0]["experts"] = ranks[0]["experts"][::-1]
+            entry["affine_maps"] = None
+        raw["universal_checkpoint_info"]["ds_autoep_layers"] = raw["ds_autoep_layers"]
+
+    edit(tag_dir / MODEL, change)
+    expert = tag_dir / "layer_0_expert_0_mp_rank_00_model_states.pt"
+    words = (
+        "model.layers.0.mlp.experts.w1.0 disagrees with the fp32 master where the expert_placement of "
+        f"{MODEL} puts expert 0 (EP rank 0, local expert 1, in bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt)"
+    )
+    for command in COMMANDS:
+        target = (tmp_path / command[0],) if command[0].startswith("to-") else ()
+        code, err = run_command(capsys, *command, tag_dir, *target, within=tag_dir)
+        expected = 1 if command == ("inspect", "--verify") else 2
+        assert code == expected and "\n" not in err and f"{expert}: {words}" in err, (command, code, err)
+        assert not target or not target[0].exists()
+
+
+def test_damaged_bytes_where_the_experts_are_compared_are_named_as_damage(tag_dir):
+    """The comparison reads without checking CRCs; a difference is read again, checked, so a
+    flipped bit there is reported as a corrupt record, not as a changed placement."""
+    path = tag_dir / "layer_0_expert_1_mp_rank_00_model_states.pt"
+    content, _, _ = load_checkpoint_file(path)
+    weight = content["model.layers.0.mlp.experts.w1.1"]
+    data = bytearray(path.read_bytes())
+    data[weight.data_offset + 2 * weight.storage_offset + 1] ^= 0x40  # a high bit of its first bf16 element
+    path.write_bytes(bytes(data))
+    with pytest.raises(DeepSpeedFormatError) as caught:
+        open_deepspeed(tag_dir)
+    assert str(caught.value).startswith(f"{path}: record ") and "is corrupt" in str(caught.value)
+
+
+def test_an_expert_file_agrees_with_its_master_rounded_either_way_and_no_further():
+    """DeepSpeed rounds a master to nearest (torch's copy_); a CPU optimizer may truncate. Both
+    agree, as do NaN for NaN and an infinity for a master past the dtype's range; two units in
+    the last place, or another expert's value, do not."""
+    rng = np.random.default_rng(0)
+    master = rng.standard_normal(4096).astype(np.float32)
+    nearest = master.astype(ml_dtypes.bfloat16)
+    toward_zero = (master.view(np.uint32) & 0xFFFF0000).view(np.float32).astype(ml_dtypes.bfloat16)
+    assert _rounds_to(nearest, master, "bfloat16") and _rounds_to(toward_zero, master, "bfloat16")
+    assert _rounds_to(master.astype(np.float16), master, "float16") and _rounds_to(master, master, "float32")
+    special = np.array([np.nan, 70000.0, -70000.0, 0.0], dtype=np.float32)  # past float16's range
+    assert _rounds_to(np.array([np.nan, np.inf, -np.inf, 0.0], dtype=np.float16), special, "float16")
+    two_units = (nearest.view(np.uint16) + 2).view(ml_dtypes.bfloat16)
+    assert not _rounds_to(two_units, master, "bfloat16")
+    assert not _rounds_to(nearest, rng.permutation(master), "bfloat16")

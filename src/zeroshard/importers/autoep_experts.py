@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from ..checkpoint.io.budget import named, quoted
+from ..checkpoint.io.dtypes import dtype_info
+from ..layout import Layout
+from ..layout.coordinates import GlobalRun, expert_location, locate_global
 from . import deepspeed_fields as fields
 from .autoep_files import EXPERT_FILE, EXPERT_WEIGHTS, LAYERS_KEY, AutoEP, AutoEPLayer
 from .deepspeed_pickle import DeepSpeedFormatError, load_checkpoint_file
@@ -90,3 +95,79 @@ def read_expert_files(tag_dir: Path, autoep: AutoEP, shapes: dict[str, tuple[int
         fields.charge_tensors([content[key] for key in keys], budget, "reading the expert weights")
         paths.append(path)
     return ExpertWeights(tensors, paths)
+
+
+# ---- the expert files against the placement -------------------------------------------------------
+
+SAMPLED = 64  # leading elements of each expert's w1 compared with its fp32 master
+
+
+def check_placement(
+    experts: ExpertWeights, autoep: AutoEP, layout: Layout, fp32: Sequence[StoredTensor], model: Path
+) -> None:
+    """Each expert file's w1 must be the fp32 master that ``model``'s placement gives its expert,
+    rounded to the file's dtype (``layout``: the ZeRO files' layout, whose expert group has the
+    placement as its expert map; ``fp32[rank]``: rank ``rank``'s fp32 partition of that group).
+
+    The placement is metadata one edit can change (the affine maps that restate it can be left
+    out), and a wrong one gives every expert another's masters in every output; the expert files
+    are the one record of the experts by global id that does not come from it. The first
+    ``SAMPLED`` elements of each are compared, read without checking their records' CRC-32 (that
+    reads each record whole: the checkpoint's size, at open), a layer's in one comparison; a
+    difference is read again, checked, before it is reported. DeepSpeedFormatError naming the
+    expert file."""
+    for layer in autoep.layers:
+        group, slot = layout.param(layer.param_name("w1"))
+        weights = experts.tensors[(layer.moe_layer_id, "w1")]
+        runs, samples = [], []
+        for expert, saved in enumerate(weights):
+            count = min(SAMPLED, saved.numel())
+            runs.append(locate_global(group, slot, expert * saved.numel(), count))
+            masters = np.concatenate([fp32[run.rank].peek(*_span(run)) for run in runs[-1]])
+            samples.append((_leading(saved, count, checked=False), masters))
+        if not weights or _rounds_to(*map(np.concatenate, zip(*samples)), weights[0].dtype):
+            continue
+        for expert, (saved, sample) in enumerate(zip(weights, samples)):
+            if _rounds_to(*sample, saved.dtype) or _agrees_when_checked(saved, runs[expert], fp32):
+                continue
+            ep_rank, local = expert_location(group, expert)
+            raise DeepSpeedFormatError(
+                f"{saved.path}: {layer.expert_key('w1', expert)} disagrees with the fp32 master where the "
+                f"expert_placement of {model.name} puts expert {expert} (EP rank {ep_rank}, local expert {local}, "
+                f"in {fp32[runs[expert][0].rank].path.name}): the placement or the expert files were changed"
+            )
+
+
+def _agrees_when_checked(saved: StoredTensor, runs: tuple[GlobalRun, ...], fp32: Sequence[StoredTensor]) -> bool:
+    """:func:`check_placement`'s comparison of one expert whose sample differed, its bytes read
+    again and checked: damaged bytes are named as such (DeepSpeedFormatError), not as a wrong
+    placement."""
+    try:
+        masters = np.concatenate([fp32[run.rank].read(*_span(run)) for run in runs])
+        return _rounds_to(_leading(saved, len(masters), checked=True), masters, saved.dtype)
+    except TorchFileError as err:
+        raise DeepSpeedFormatError(str(err)) from None
+
+
+def _leading(tensor: StoredTensor, count: int, *, checked: bool) -> np.ndarray:
+    """The first ``count`` elements of ``tensor`` in row-major order (a view that is not
+    contiguous is read whole, checked)."""
+    if not tensor.is_contiguous():
+        return tensor.numpy().reshape(-1)[:count]
+    return tensor.read(0, count) if checked else tensor.peek(0, count)
+
+
+def _span(run: GlobalRun) -> tuple[int, int]:
+    return run.partition_start, run.partition_start + run.length
+
+
+def _rounds_to(saved: np.ndarray, master: np.ndarray, dtype: str) -> bool:
+    """Whether ``saved`` (elements of ``dtype``) is ``master`` (fp32) rounded to ``dtype``, to
+    nearest or toward zero: within one unit in the last place, NaN for NaN, an infinity for a
+    master beyond the dtype's range."""
+    info = ml_dtypes.finfo(dtype_info(dtype).numpy)
+    found, master = saved.astype(np.float64), master.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        close = np.abs(found - master) <= float(info.eps) * np.abs(master) + float(info.smallest_subnormal)
+        overflow = np.isinf(found) & (np.abs(master) >= float(info.max)) & (np.sign(found) == np.sign(master))
+    return found.shape == master.shape and bool(np.all(close | overflow | (np.isnan(found) & np.isnan(master))))
