@@ -96,7 +96,7 @@ FIELD_CASES = {
                 e["expert_placement"].update(num_experts=10**12),
             ]
         ),
-        "places experts [[0, 1], [2, 3]]: each of 0..999999999999 must be on exactly one EP rank",
+        "['expert_placement']['ranks'][0]['experts'] lists 2 experts, expected 500000000000 (E / EP)",
     ),
     "placement version": (
         MODEL,

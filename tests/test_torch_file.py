@@ -4,6 +4,7 @@ allowlist, and one-line errors for damaged files."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import enum
 import io
@@ -484,11 +485,27 @@ def test_unexpected_opcodes_and_broken_pickles_are_refused(tmp_path, data, words
 
 def test_missing_file_and_non_zip(tmp_path, read_mode):
     expect_error(tmp_path / "absent.pt", "file is missing")
-    expect_error(tmp_path, "not a file")
+    expect_error(tmp_path, "not a regular file")
     (tmp_path / "text.pt").write_text("hello")
     expect_error(tmp_path / "text.pt", "not a torch.save file")
     (tmp_path / "empty.pt").write_bytes(b"")
     expect_error(tmp_path / "empty.pt", "empty file")
+
+
+def test_a_fifo_is_refused_not_waited_on(tmp_path):
+    """Opening a FIFO with no writer blocked for ever (every DeepSpeed command on a rank or
+    expert file that is one); it is refused at once. Run in a thread: a regression fails."""
+    fifo = tmp_path / "rank.pt"
+    os.mkfifo(fifo)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        outcome = pool.submit(lambda: pytest.raises(TorchFileError, load_torch_file, fifo).value)
+        try:
+            message = str(outcome.result(timeout=30))
+        except concurrent.futures.TimeoutError:
+            with open(fifo, "wb"):  # a writer lets the blocked open return, so the thread ends
+                pass
+            pytest.fail(f"opening {fifo} blocked")
+    assert message == f"{fifo}: not a regular file"
 
 
 def test_legacy_format_is_named(tmp_path):

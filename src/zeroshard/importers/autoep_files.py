@@ -8,7 +8,7 @@ holds the dense files and:
   its stacked weights) and affine maps that restate the placement per weight;
 * one ``layer_{L}_expert_{g}_mp_rank_00_model_states.pt`` per MoE layer ``L`` and global
   expert ``g``, holding ``{prefix}.w1.{g}`` ``[I, H]``, ``{prefix}.w2.{g}`` ``[H, I]`` and
-  ``{prefix}.w3.{g}`` ``[I, H]`` in the run's dtype.
+  ``{prefix}.w3.{g}`` ``[I, H]`` in the run's dtype (read by :mod:`.autoep_experts`).
 
 The fp32 masters and Adam state of the stacked ``{prefix}.w1`` ``[E / EP, I, H]`` (and w2,
 w3) are in the ZeRO rank files, in an optimizer group of their own partitioned over the
@@ -18,18 +18,16 @@ expert-data-parallel group. Parsing checks types, values and agreement within th
 
 from __future__ import annotations
 
-import os
+import itertools
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from ..checkpoint.io.budget import quoted
+from ..checkpoint.io.budget import Budget, quoted
 from . import deepspeed_fields as fields
-from .deepspeed_pickle import DeepSpeedFormatError, load_checkpoint_file
-from .torch_file import StoredTensor, TorchFileError
+from .deepspeed_pickle import DeepSpeedFormatError
 
 LAYERS_KEY = "ds_autoep_layers"
 _LEGACY_LAYERS_KEY = "autoep_layers"  # older DeepSpeed releases
@@ -78,9 +76,12 @@ class AutoEP:
         return {layer.param_name(weight): (layer, weight) for layer in self.layers for weight in EXPERT_WEIGHTS}
 
 
-def parse_autoep(raw: dict[str, Any], ds_config: dict[str, Any], path: Path) -> AutoEP | None:
+def parse_autoep(raw: dict[str, Any], ds_config: dict[str, Any], path: Path, budget: Budget) -> AutoEP | None:
     """The AutoEP metadata of a model-states file (``raw``, its top-level dict; ``ds_config``
-    already checked as plain data), or None for a run without AutoEP."""
+    already checked as plain data), or None for a run without AutoEP. What parsing copies is
+    charged to the file's ``budget`` first (a pickle may share one layer, placement or id list
+    many times), and every count is compared with what it must equal before anything of its
+    size is built."""
     if raw.get(_LEGACY_LAYERS_KEY) is not None and raw.get(LAYERS_KEY) is None:
         raise DeepSpeedFormatError(
             f"{path}: {_LEGACY_LAYERS_KEY}: AutoEP metadata of an older DeepSpeed is not supported"
@@ -88,32 +89,34 @@ def parse_autoep(raw: dict[str, Any], ds_config: dict[str, Any], path: Path) -> 
     value = raw.get(LAYERS_KEY)
     if value is None:
         return None
-    entries = fields.sequence(value, LAYERS_KEY, path)
+    entries = fields.sequence(value, LAYERS_KEY, path, budget)
     if not entries:
         raise fields.field_error(path, LAYERS_KEY, "is empty")
-    layers = tuple(_layer(entry, f"{LAYERS_KEY}[{index}]", path) for index, entry in enumerate(entries))
-    for what, values in (
-        ("moe_layer_id", [layer.moe_layer_id for layer in layers]),
-        ("module_path", [layer.module_path for layer in layers]),
-    ):
-        ordered = sorted(values)  # not a set: ints a file chose may share a hash, and a set compares them all
-        if any(first == second for first, second in zip(ordered, ordered[1:])):
-            twice = next(first for first, second in zip(ordered, ordered[1:]) if first == second)
-            raise fields.field_error(path, LAYERS_KEY, f"names {what} {quoted(twice)} twice")
+    layers: list[AutoEPLayer] = []
+    module_paths: set[str] = set()  # strings: their hashes are keyed by the process, a file cannot make them collide
+    for index, entry in enumerate(entries):
+        layer = _layer(entry, f"{LAYERS_KEY}[{index}]", path, budget)
+        if layer.module_path in module_paths:  # at once: one layer shared by every entry is no more work than two
+            raise fields.field_error(path, LAYERS_KEY, f"names module_path {quoted(layer.module_path)} twice")
+        module_paths.add(layer.module_path)
+        layers.append(layer)
+    ordered = sorted(layer.moe_layer_id for layer in layers)  # not a set: ints a file chose may share a hash
+    twice = next((first for first, second in zip(ordered, ordered[1:]) if first == second), None)
+    if twice is not None:
+        raise fields.field_error(path, LAYERS_KEY, f"names moe_layer_id {quoted(twice)} twice")
     ep_size = layers[0].ep_size
     other = next((layer.ep_size for layer in layers if layer.ep_size != ep_size), None)
     if other is not None:
         raise fields.field_error(path, LAYERS_KEY, f"mixes expert-parallel sizes {quoted(ep_size)} and {quoted(other)}")
     counts = raw.get("num_experts")
-    if counts is not None and fields.integers(counts, "num_experts", path) != [layer.num_experts for layer in layers]:
-        raise fields.field_error(
-            path, "num_experts", f"is {counts}, {LAYERS_KEY} gives {[layer.num_experts for layer in layers]}"
-        )
-    return AutoEP(layers, ep_size, _check_config(ds_config, ep_size, path))
+    expected = [layer.num_experts for layer in layers]
+    if counts is not None and fields.integers(counts, "num_experts", path, budget) != expected:
+        raise fields.field_error(path, "num_experts", f"is {quoted(counts)}, {LAYERS_KEY} gives {quoted(expected)}")
+    return AutoEP(tuple(layers), ep_size, _check_config(ds_config, ep_size, path))
 
 
-def _layer(value: Any, where: str, path: Path) -> AutoEPLayer:
-    entry = fields.mapping(value, where, path)
+def _layer(value: Any, where: str, path: Path, budget: Budget) -> AutoEPLayer:
+    entry = fields.mapping(value, where, path, budget)
 
     def integer(key: str, minimum: int = 0) -> int:
         return fields.integer(entry.get(key), f"{where}[{quoted(key)}]", path, minimum=minimum)
@@ -136,23 +139,29 @@ def _layer(value: Any, where: str, path: Path) -> AutoEPLayer:
         )
     num_experts, ep_size, local = integer("num_experts", 1), integer("ep_size", 1), integer("num_local_experts", 1)
     if local * ep_size != num_experts:
-        raise wrong("num_local_experts", f"is {local}: {ep_size} EP ranks x {local} is not {num_experts} experts")
+        raise wrong(
+            "num_local_experts",
+            f"is {quoted(local)}: {quoted(ep_size)} EP ranks x {quoted(local)} is not {quoted(num_experts)} experts",
+        )
     module_path, prefix = text("module_path"), text("expert_key_prefix")
     if not prefix.startswith(module_path + "."):
         raise wrong("expert_key_prefix", f"{quoted(prefix)} is not inside module {quoted(module_path)}")
-    placement = _placement(entry.get("expert_placement"), num_experts, ep_size, f"{where}['expert_placement']", path)
+    sizes = (num_experts, ep_size)
+    placement = _placement(entry.get("expert_placement"), sizes, f"{where}['expert_placement']", path, budget)
     if text("ep_group_name") != f"ep_size_{ep_size}":
         raise wrong("ep_group_name", f"is {quoted(entry['ep_group_name'])}, expected 'ep_size_{ep_size}'")
     for key in ("ep_rank", "expert_data_parallel_rank"):  # rank 0 writes the file
         if integer(key) != 0:
-            raise wrong(key, f"is {entry[key]}, expected 0 (the model-states file is rank 0's)")
+            raise wrong(key, f"is {quoted(entry[key])}, expected 0 (the model-states file is rank 0's)")
     first = placement[0]
     start, end = integer("global_expert_start"), integer("global_expert_end")
     if list(first) == list(range(first[0], first[0] + len(first))) and (start, end) != (first[0], first[-1] + 1):
         raise wrong(
-            "global_expert_start", f"and global_expert_end are [{start}, {end}), EP rank 0 holds experts {list(first)}"
+            "global_expert_start",
+            f"and global_expert_end are [{quoted(start)}, {quoted(end)}), "
+            f"EP rank 0 holds experts {quoted(list(first))}",
         )
-    maps = _affine_maps(entry.get("affine_maps"), prefix, f"{where}['affine_maps']", path)
+    maps = _affine_maps(entry.get("affine_maps"), prefix, f"{where}['affine_maps']", path, budget)
     return AutoEPLayer(
         integer("moe_layer_id"),
         module_path,
@@ -165,123 +174,168 @@ def _layer(value: Any, where: str, path: Path) -> AutoEPLayer:
     )
 
 
-def _placement(value: Any, num_experts: int, ep_size: int, where: str, path: Path) -> tuple[tuple[int, ...], ...]:
-    """Global expert ids per EP rank, every expert on exactly one EP rank, E / EP on each.
-    Files without a descriptor (older DeepSpeed releases) are refused: the ids would come from
-    ``num_experts`` alone, a number a file could make as big as it likes."""
+def _placement(
+    value: Any, sizes: tuple[int, int], where: str, path: Path, budget: Budget
+) -> tuple[tuple[int, ...], ...]:
+    """Global expert ids per EP rank, every expert on exactly one EP rank, E / EP on each
+    (``sizes``: E and EP). Files without a descriptor (older DeepSpeed releases) are refused:
+    the ids would come from ``num_experts`` alone, a number a file could make as big as it
+    likes. The EP ranks listed and each one's ids are counted before they are copied, and each
+    copy is charged to ``budget``: E comes from the file, so E ids are built only once the file
+    has listed them."""
+    num_experts, ep_size = sizes
+    local = num_experts // ep_size
     if value is None:
         raise fields.field_error(path, where, "is missing (AutoEP metadata of an older DeepSpeed is not supported)")
-    descriptor = fields.mapping(value, where, path)
+    descriptor = fields.mapping(value, where, path, budget)
     for key, expected in (("version", _VERSION), ("num_experts", num_experts), ("ep_size", ep_size)):
         found = descriptor.get(key)
         if type(found) is not int or found != expected:
-            raise fields.field_error(path, f"{where}[{quoted(key)}]", f"is {quoted(found)}, expected {expected}")
-    ranks = fields.sequence(descriptor.get("ranks"), f"{where}['ranks']", path)
-    by_rank: dict[int, tuple[int, ...]] = {}
-    for index, item in enumerate(ranks):
+            words = f"is {quoted(found)}, expected {quoted(expected)}"
+            raise fields.field_error(path, f"{where}[{quoted(key)}]", words)
+    listed = descriptor.get("ranks")
+    if isinstance(listed, (list, tuple)) and len(listed) != ep_size:
+        raise fields.field_error(path, f"{where}['ranks']", f"lists {len(listed):,} EP ranks, expected {ep_size}")
+    by_rank: dict[int, tuple[int, ...]] = {}  # keys below EP, which is a count of items the file lists
+    for index, item in enumerate(fields.sequence(listed, f"{where}['ranks']", path, budget)):
         label = f"{where}['ranks'][{index}]"
-        rank_entry = fields.mapping(item, label, path)
+        rank_entry = fields.mapping(item, label, path, budget)
         rank = fields.integer(rank_entry.get("rank"), f"{label}['rank']", path)
         if rank >= ep_size or rank in by_rank:
-            raise fields.field_error(path, f"{label}['rank']", f"is {rank}: EP ranks are 0..{ep_size - 1}, each once")
-        by_rank[rank] = tuple(fields.integers(rank_entry.get("experts"), f"{label}['experts']", path))
-    if len(by_rank) != ep_size:
-        raise fields.field_error(path, f"{where}['ranks']", f"lists {len(by_rank)} EP ranks, expected {ep_size}")
+            words = f"is {quoted(rank)}: EP ranks are 0..{ep_size - 1}, each once"
+            raise fields.field_error(path, f"{label}['rank']", words)
+        experts = rank_entry.get("experts")
+        if isinstance(experts, (list, tuple)) and len(experts) != local:
+            words = f"lists {len(experts):,} experts, expected {quoted(local)} (E / EP)"
+            raise fields.field_error(path, f"{label}['experts']", words)
+        by_rank[rank] = tuple(fields.integers(experts, f"{label}['experts']", path, budget))
     placement = tuple(by_rank[rank] for rank in range(ep_size))
-    ids = sorted(expert for experts in placement for expert in experts)
-    uneven = any(len(experts) != num_experts // ep_size for experts in placement)
-    if len(ids) != num_experts or ids != list(range(num_experts)) or uneven:  # sizes first: num_experts is the file's
+    ids = sorted(expert for experts in placement for expert in experts)  # E of them, each charged
+    wrong = next((index for index, expert in enumerate(ids) if expert != index), None)
+    if wrong is not None:
+        shown = quoted([list(experts) for experts in placement])  # the ids themselves only when short
+        placed = f"places experts {shown}" if shown.startswith("[") else f"places {num_experts:,} experts"
+        reason = f"expert {wrong} is on none" if ids[wrong] > wrong else f"expert {ids[wrong]} is on two"
         raise fields.field_error(
-            path, where, f"places experts {[list(experts) for experts in placement]}: each of 0..{num_experts - 1} "
-            f"must be on exactly one EP rank, {num_experts // ep_size} per rank (replicated experts are not read)"
+            path, where, f"{placed} ({reason}): each of 0..{num_experts - 1} must be on exactly one EP rank, "
+            f"{local} per rank (replicated experts are not read)"
         )  # fmt: skip
     return placement
 
 
-def _affine_maps(value: Any, prefix: str, where: str, path: Path) -> dict[str, Any]:
+def _affine_maps(value: Any, prefix: str, where: str, path: Path, budget: Budget) -> dict[str, Any]:
     """Per stacked weight its saved affine map (``{}`` when none was saved), structure only."""
     if value is None:
         return {}
-    maps = fields.mapping(value, where, path)
+    maps = fields.mapping(value, where, path, budget)
     if type(maps.get("version")) is not int or maps["version"] != _VERSION:
         raise fields.field_error(path, f"{where}['version']", f"is {quoted(maps.get('version'))}, expected {_VERSION}")
-    params = fields.mapping(maps.get("params"), f"{where}['params']", path)
+    params = fields.mapping(maps.get("params"), f"{where}['params']", path, budget)
     expected = {f"{prefix}.{weight}" for weight in EXPERT_WEIGHTS}
     if set(params) != expected:
         raise fields.field_error(
             path, f"{where}['params']", f"holds {quoted(sorted(params))}, expected {sorted(expected)}"
         )
-    return {name: fields.mapping(params[name], f"{where}['params'][{quoted(name)}]", path) for name in sorted(expected)}
+    return {
+        name: fields.mapping(params[name], f"{where}['params'][{quoted(name)}]", path, budget)
+        for name in sorted(expected)
+    }
 
 
-def check_affine_maps(layer: AutoEPLayer, local_shapes: dict[str, tuple[int, ...]], path: Path) -> None:
+def check_affine_maps(
+    layer: AutoEPLayer, local_shapes: dict[str, tuple[int, ...]], path: Path, budget: Budget | None
+) -> None:
     """Every saved affine map must say what the placement says: local expert ``l`` of EP rank
     ``r`` is global expert ``placement[r][l]``, rows laid out row-major, each piece on its own
-    rank. ``local_shapes``: the stacked weights' shapes (``param_shapes``)."""
+    rank. ``local_shapes``: the stacked weights' shapes (``param_shapes``). Every list is
+    counted before it is copied (a shape has the weight's dimensions, a rank map at most one
+    piece per expert), and what is copied is charged to the model-states file's ``budget``."""
     for name, saved in layer.affine_maps.items():
         where = f"{LAYERS_KEY}[{layer.moe_layer_id}]['affine_maps']['params'][{quoted(name)}]"
         local = local_shapes[name]
         logical = (layer.num_experts, *local[1:])
-        if tuple(fields.integers(saved.get("logical_shape"), f"{where}['logical_shape']", path)) != logical:
+        found = saved.get("logical_shape")
+        if _exactly(found, len(logical), f"{where}['logical_shape']", path) != logical:
+            raise fields.field_error(path, f"{where}['logical_shape']", f"is {quoted(found)}, expected {list(logical)}")
+        ranks = saved.get("ranks")
+        if not isinstance(ranks, dict):
+            ranks = fields.optional_dict(ranks, f"{where}['ranks']", path)
+        if len(ranks) != layer.ep_size or not all(rank in ranks for rank in range(layer.ep_size)):
+            shown = ", ".join(sorted(quoted(key) for key in itertools.islice(ranks, 4)))
             raise fields.field_error(
-                path, f"{where}['logical_shape']", f"is {saved.get('logical_shape')}, expected {list(logical)}"
-            )
-        ranks = fields.optional_dict(saved.get("ranks"), f"{where}['ranks']", path)
-        if set(ranks) != set(range(layer.ep_size)):
-            keys = sorted(map(repr, ranks))
-            shown = ", ".join(keys[:4]) + (", ..." if len(keys) > 4 else "")
-            raise fields.field_error(
-                path, f"{where}['ranks']", f"has keys {shown}, expected EP ranks 0..{layer.ep_size - 1}"
+                path,
+                f"{where}['ranks']",
+                f"has keys {shown}{', ...' if len(ranks) > 4 else ''}, expected EP ranks 0..{layer.ep_size - 1}",
             )
         for rank, experts in enumerate(layer.placement):
-            _check_rank_map(ranks[rank], rank, experts, logical, f"{where}['ranks'][{rank}]", path)
+            _check_rank_map(ranks[rank], (rank, experts), logical, f"{where}['ranks'][{rank}]", path, budget)
 
 
 def _check_rank_map(
-    value: Any, rank: int, experts: tuple[int, ...], logical: tuple[int, ...], where: str, path: Path
+    value: Any,
+    held: tuple[int, tuple[int, ...]],
+    logical: tuple[int, ...],
+    where: str,
+    path: Path,
+    budget: Budget | None,
 ) -> None:
-    entry = fields.mapping(value, where, path)
+    """The map of EP rank ``held[0]``, which holds global experts ``held[1]`` in local order."""
+    rank, experts = held
+    entry = fields.mapping(value, where, path, budget)
     shard = (len(experts), *logical[1:])
-    if tuple(fields.integers(entry.get("shard_shape"), f"{where}['shard_shape']", path)) != shard:
-        raise fields.field_error(
-            path, f"{where}['shard_shape']", f"is {entry.get('shard_shape')}, expected {list(shard)}"
-        )
-    per_expert = 1
-    for dim in logical[1:]:
-        per_expert *= dim
-    covered: list[int] = []
-    for index, item in enumerate(fields.sequence(entry.get("pieces"), f"{where}['pieces']", path)):
+    found = entry.get("shard_shape")
+    if _exactly(found, len(shard), f"{where}['shard_shape']", path) != shard:
+        raise fields.field_error(path, f"{where}['shard_shape']", f"is {quoted(found)}, expected {list(shard)}")
+    per_expert = math.prod(logical[1:])
+    listed = entry.get("pieces")
+    if isinstance(listed, (list, tuple)) and len(listed) > len(experts):  # each piece maps one expert or more
+        words = f"lists {len(listed):,} pieces, more than EP rank {rank}'s {len(experts)} experts"
+        raise fields.field_error(path, f"{where}['pieces']", words)
+    covered = bytearray(len(experts))
+    for index, item in enumerate(fields.sequence(listed, f"{where}['pieces']", path, budget)):
         label = f"{where}['pieces'][{index}]"
-        piece = fields.mapping(item, label, path)
-        shape = fields.integers(piece.get("shape"), f"{label}['shape']", path)
-        source = _offset_and_strides(piece.get("source"), f"{label}['source']", path)
-        dest = _offset_and_strides(piece.get("dest"), f"{label}['dest']", path)
-        locations = fields.integers(piece.get("locations"), f"{label}['locations']", path)
+        piece = fields.mapping(item, label, path, budget)
+        shape = _exactly(piece.get("shape"), len(logical), f"{label}['shape']", path)
+        source = _offset_and_strides(piece.get("source"), len(logical), f"{label}['source']", path)
+        dest = _offset_and_strides(piece.get("dest"), len(logical), f"{label}['dest']", path)
+        locations = _exactly(piece.get("locations"), 1, f"{label}['locations']", path)
         ok = (
-            len(shape) == len(logical) and shape[0] >= 1 and tuple(shape[1:]) == logical[1:]
-            and source[1] == _row_major(logical) and dest[1] == _row_major(shard) and locations == [rank]
+            shape is not None and shape[0] >= 1 and shape[1:] == logical[1:]
+            and source[1] == _row_major(logical) and dest[1] == _row_major(shard) and locations == (rank,)
             and per_expert > 0 and source[0] % per_expert == 0 and dest[0] % per_expert == 0
         )  # fmt: skip
-        first_local, first_global = (dest[0] // per_expert, source[0] // per_expert) if per_expert else (0, 0)
-        runs = [(first_local + k, first_global + k) for k in range(shape[0])] if ok else []
-        if not ok or any(local >= len(experts) or experts[local] != expert for local, expert in runs):
+        first_local, first_global = (dest[0] // per_expert, source[0] // per_expert) if ok else (0, 0)
+        count = shape[0] if ok and shape is not None else 0
+        if not ok or first_local + count > len(experts) or any(
+            experts[first_local + k] != first_global + k for k in range(count)
+        ):  # the count is bounded by the experts before a range of it is walked
             raise fields.field_error(
-                path, label, f"does not map EP rank {rank}'s experts {list(experts)} as the placement does"
+                path, label, f"does not map EP rank {rank}'s experts {quoted(list(experts))} as the placement does"
             )
-        covered += [local for local, _ in runs]
-    if sorted(covered) != list(range(len(experts))):
-        raise fields.field_error(
-            path,
-            f"{where}['pieces']",
-            f"cover local experts {sorted(covered)}, expected 0..{len(experts) - 1} once each",
-        )
+        for local in range(first_local, first_local + count):
+            if covered[local]:
+                words = f"cover local expert {local} twice, expected 0..{len(experts) - 1} once each"
+                raise fields.field_error(path, f"{where}['pieces']", words)
+            covered[local] = 1
+    if not all(covered):
+        words = f"cover no local expert {covered.index(0)}, expected 0..{len(experts) - 1} once each"
+        raise fields.field_error(path, f"{where}['pieces']", words)
 
 
-def _offset_and_strides(value: Any, where: str, path: Path) -> tuple[int, tuple[int, ...]]:
+def _exactly(value: Any, count: int, where: str, path: Path) -> tuple[int, ...] | None:
+    """``value`` as ``count`` non-negative integers; None, without a copy, for a list or tuple
+    of another length (the caller says what was expected)."""
+    if isinstance(value, (list, tuple)) and len(value) != count:
+        return None
+    return tuple(fields.integers(value, where, path))
+
+
+def _offset_and_strides(value: Any, dims: int, where: str, path: Path) -> tuple[int, tuple[int, ...] | None]:
+    """``[offset, strides]``: strides None where there are not ``dims`` of them."""
+    if isinstance(value, (list, tuple)) and len(value) != 2:
+        raise fields.field_error(path, where, f"has {len(value):,} items, expected [offset, strides]")
     pair = fields.sequence(value, where, path)
-    if len(pair) != 2:
-        raise fields.field_error(path, where, f"has {len(pair)} items, expected [offset, strides]")
-    return fields.integer(pair[0], f"{where}[0]", path), tuple(fields.integers(pair[1], f"{where}[1]", path))
+    return fields.integer(pair[0], f"{where}[0]", path), _exactly(pair[1], dims, f"{where}[1]", path)
 
 
 def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -316,75 +370,3 @@ def _check_config(ds_config: dict[str, Any], ep_size: int, path: Path) -> str | 
             "is set: that rank order of expert groups is not supported",
         )
     return fields.optional_text(section.get("preset_model"), f"{where}['preset_model']", path)
-
-
-# ---- the per-expert files ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ExpertWeights:
-    """The low-precision weights of every expert: ``tensors[(layer id, weight)][g]``."""
-
-    tensors: dict[tuple[int, str], list[StoredTensor]]
-    paths: list[Path]
-
-    def read(self, layer: AutoEPLayer, weight: str, expert: int) -> np.ndarray:
-        """One expert's weight in its own dtype and shape; damaged bytes (a CRC-32 mismatch, a
-        file cut short since it was opened) are a DeepSpeedFormatError naming file and record."""
-        try:
-            return self.tensors[(layer.moe_layer_id, weight)][expert].numpy()
-        except TorchFileError as err:
-            raise DeepSpeedFormatError(str(err)) from None
-
-    def unreadable(self, autoep: AutoEP) -> list[str]:
-        """Read every tensor of every file: one line per one that cannot be read (damaged bytes)."""
-        problems = []
-        for layer in autoep.layers:
-            for expert in range(layer.num_experts):
-                for weight in EXPERT_WEIGHTS:
-                    try:
-                        self.read(layer, weight, expert)
-                    except (OSError, ValueError) as err:
-                        problems.append(str(err))
-        return problems
-
-
-def expert_file_names(tag_dir: Path) -> list[str]:
-    """The names of the AutoEP per-expert files in ``tag_dir``, sorted (empty without AutoEP)."""
-    return sorted(name for name in os.listdir(tag_dir) if EXPERT_FILE.match(name))
-
-
-def read_expert_files(tag_dir: Path, autoep: AutoEP, shapes: dict[str, tuple[int, ...]], dtype: str) -> ExpertWeights:
-    """Every per-expert file, each holding exactly its three weights in ``shapes`` (the stacked
-    weights' shapes without the expert dimension) and ``dtype``; none missing, none extra."""
-    expected = {layer.expert_file(g): (layer, g) for layer in autoep.layers for g in range(layer.num_experts)}
-    found = expert_file_names(tag_dir)
-    extra = sorted(set(found) - set(expected))
-    if extra:
-        raise DeepSpeedFormatError(f"{tag_dir}: {extra[0]} belongs to no AutoEP layer and expert of {LAYERS_KEY}")
-    missing = [name for name in expected if name not in set(found)]
-    if missing:
-        raise DeepSpeedFormatError(f"{tag_dir}: {missing[0]} is missing ({len(missing)} AutoEP expert files in all)")
-    tensors: dict[tuple[int, str], list[StoredTensor]] = {
-        (layer.moe_layer_id, weight): [] for layer in autoep.layers for weight in EXPERT_WEIGHTS
-    }
-    paths = []
-    for name, (layer, expert) in expected.items():
-        path = tag_dir / name
-        content, _, budget = load_checkpoint_file(path)
-        keys = {layer.expert_key(weight, expert): weight for weight in EXPERT_WEIGHTS}
-        if set(content) != set(keys):
-            raise DeepSpeedFormatError(f"{path}: holds {quoted(sorted(content)[:4])}, expected exactly {sorted(keys)}")
-        for key, weight in keys.items():
-            tensor = fields.tensor(content[key], key, path)
-            want = shapes[layer.param_name(weight)]
-            if tensor.shape != want or tensor.dtype != dtype:
-                raise fields.field_error(
-                    path,
-                    key,
-                    f"is a {tensor.dtype} tensor of shape {quoted(list(tensor.shape))}, expected {dtype} {list(want)}",
-                )
-            tensors[(layer.moe_layer_id, weight)].append(tensor)
-        fields.charge_tensors([content[key] for key in keys], budget, "reading the expert weights")
-        paths.append(path)
-    return ExpertWeights(tensors, paths)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.io.budget import quoted
+from ..checkpoint.io.budget import Budget, BudgetExceeded, quoted
 from ..layout import EXPERT_SHARD_GROUP, GroupSpec, ParamSpec
 from .autoep_files import AutoEP, check_affine_maps
 from .deepspeed_pickle import DeepSpeedFormatError
@@ -38,18 +38,24 @@ def group_kind(autoep: AutoEP | None, names: list[str], hyperparameters: dict[st
 
 
 def expert_group_spec(
-    autoep: AutoEP, shapes: dict[str, tuple[int, ...]], dtype: str, world_size: int, path: Path
+    autoep: AutoEP,
+    shapes: dict[str, tuple[int, ...]],
+    dtype: str,
+    world_size: int,
+    path: Path,
+    budget: Budget | None = None,
 ) -> GroupSpec:
     """The layout group of the expert weights ``shapes`` (name -> stacked shape, in flat
     order) of ``path``'s ``param_shapes``; every layer's shapes, placement and affine maps
-    checked against each other."""
+    checked against each other, what the affine maps' check copies charged to ``budget`` (the
+    model-states file's)."""
     params = autoep.expert_params()
     layers = {params[name][0].moe_layer_id: params[name][0] for name in shapes}
     if len(layers) != len(autoep.layers) or len(shapes) != len(params):
         missing = sorted(set(params) - set(shapes))
         raise DeepSpeedFormatError(f"{path}: param_shapes has no expert weight {quoted(missing[0])}")
-    placements = {layer.placement for layer in autoep.layers}
-    if len(placements) != 1:
+    placement = autoep.layers[0].placement
+    if any(layer.placement != placement for layer in autoep.layers):  # not a set: no hashing of the file's ids
         raise DeepSpeedFormatError(
             f"{path}: AutoEP layers place their experts differently; one placement per group is read"
         )
@@ -60,12 +66,15 @@ def expert_group_spec(
         _check_shapes(layer.param_name, layer.num_experts // ep, shapes, path)
         if layer.data_parallel_size != world_size // ep:
             raise DeepSpeedFormatError(
-                f"{path}: ds_autoep_layers says {layer.data_parallel_size} expert-data-parallel ranks for "
+                f"{path}: ds_autoep_layers says {quoted(layer.data_parallel_size)} expert-data-parallel ranks for "
                 f"{layer.module_path}, {world_size} rank files / EP {ep} gives {world_size // ep}"
             )
-        check_affine_maps(layer, shapes, path)
+        try:
+            check_affine_maps(layer, shapes, path, budget)
+        except BudgetExceeded as err:
+            raise DeepSpeedFormatError(str(err)) from None
     specs = tuple(ParamSpec.of(name, shape, dtype) for name, shape in shapes.items())
-    return GroupSpec(specs, EXPERT_SHARD_GROUP, world_size // ep, placements.pop())
+    return GroupSpec(specs, EXPERT_SHARD_GROUP, world_size // ep, placement)
 
 
 def _check_shapes(name_of: Any, local_experts: int, shapes: dict[str, tuple[int, ...]], path: Path) -> None:
@@ -74,6 +83,7 @@ def _check_shapes(name_of: Any, local_experts: int, shapes: dict[str, tuple[int,
     ok = len(w1) == 3 and w1[0] == local_experts and w3 == w1 and w2 == (w1[0], w1[2], w1[1])
     if not ok:
         raise DeepSpeedFormatError(
-            f"{path}: param_shapes gives {name_of('w1')} {list(w1)}, w2 {list(w2)}, w3 {list(w3)}; expected "
+            f"{path}: param_shapes gives {name_of('w1')} {quoted(list(w1))}, w2 {quoted(list(w2))}, "
+            f"w3 {quoted(list(w3))}; expected "
             f"[{local_experts}, I, H], [{local_experts}, H, I], [{local_experts}, I, H]"
         )

@@ -33,7 +33,7 @@ from ..collector import collector_paused
 from ..layout import GroupLayout, GroupSpec, Layout, LayoutPolicy, ParamSpec, build_layout, canonical_dtype
 from ..layout.coordinates import shard_rank
 from ..state import ParamGroupState
-from .autoep_files import ExpertWeights, expert_file_names, read_expert_files
+from .autoep_experts import ExpertWeights, check_placement, expert_file_names, read_expert_files
 from .autoep_layout import expert_group_spec, group_kind
 from .deepspeed_files import ModelStates, RankShard, read_model_states, read_rank_shard, read_scalars
 from .deepspeed_paths import (
@@ -114,7 +114,10 @@ class DeepSpeedSource:
     def _read_expert_files(self) -> ExpertWeights:
         group = next(group for group in self.layout.groups if group.is_expert_group)
         shapes = {slot.name: slot.spec.shape[1:] for slot in group.params}
-        return read_expert_files(self.path, self.autoep, shapes, group.dtype)
+        experts = read_expert_files(self.path, self.autoep, shapes, group.dtype)
+        fp32 = [shard.fp32[group.index] for shard in self._ranks]
+        check_placement(experts, self.autoep, self.layout, fp32, self._model.path)
+        return experts
 
     @property
     def layout(self) -> Layout:
@@ -233,7 +236,8 @@ def rebuild_layout(model: ModelStates, first: RankShard, world_size: int) -> Lay
     groups: list[GroupSpec | list[ParamSpec]] = []
     for index, shapes in enumerate(model.param_shapes):
         if group_kind(model.autoep, list(shapes), first.param_groups[index], f"{where}, group {index}"):
-            groups.append(expert_group_spec(model.autoep, shapes, fallback_dtype, world_size, model.path))
+            spec = expert_group_spec(model.autoep, shapes, fallback_dtype, world_size, model.path, model.budget)
+            groups.append(spec)
         else:
             dtypes = {name: _param_dtype(model, name, shape, fallback_dtype) for name, shape in shapes.items()}
             groups.append([ParamSpec.of(name, shape, dtypes[name]) for name, shape in shapes.items()])

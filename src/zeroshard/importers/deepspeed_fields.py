@@ -5,8 +5,10 @@ for ``zero_stage``, a list for ``module``, a dict that contains itself). Each ch
 the value, the field's name and the file, and returns the value in the type the importer
 uses or raises a one-line :class:`DeepSpeedFormatError` naming the file and the field, so no
 later step meets a type it does not expect (and fails with a TypeError or RecursionError).
-Values the importer copies into its outputs (:func:`plain`) and tensors it keeps
-(:func:`charge_tensors`) are charged to the file's budget: the checks bound one value, the
+Values the importer copies into its outputs (:func:`plain`), tensors it keeps
+(:func:`charge_tensors`) and the lists and dicts it copies from a field a file may share
+(``budget`` of :func:`sequence`, :func:`mapping`, :func:`integers`, :func:`shape`) are charged
+to the file's budget, each before it is walked or copied: the checks bound one value, the
 budget the total a file makes of values it shares (a pickle's memo).
 """
 
@@ -16,7 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.io.budget import REFERENCE_BYTES, Budget, named, quoted
+from ..checkpoint.io.budget import DICT_ITEM_BYTES, REFERENCE_BYTES, Budget, named, quoted
 from .deepspeed_pickle import DeepSpeedFormatError
 from .torch_records import STORAGE_CLASSES, StoredTensor
 from .torch_unpickler import ITEMSIZES
@@ -59,10 +61,13 @@ def optional_text(value: Any, field: str, path: Path) -> str | None:
     return None if value is None else text(value, field, path)
 
 
-def sequence(value: Any, field: str, path: Path) -> list[Any]:
-    """A list or tuple, as a list."""
+def sequence(value: Any, field: str, path: Path, budget: Budget | None = None) -> list[Any]:
+    """A list or tuple, as a list; its copy charged to ``budget`` first, where one is given
+    (a field the pickle may share: each reference is copied again)."""
     if not isinstance(value, (list, tuple)):
         raise field_error(path, field, f"is {_kind(value)}, expected a list")
+    if budget is not None:
+        budget.charge(REFERENCE_BYTES * len(value), "copying {}", field)
     return list(value)
 
 
@@ -74,10 +79,12 @@ def is_mapping(value: Any) -> bool:
 _STRINGS = frozenset((str,))
 
 
-def mapping(value: Any, field: str, path: Path) -> dict[str, Any]:
-    """A dict whose keys are strings."""
+def mapping(value: Any, field: str, path: Path, budget: Budget | None = None) -> dict[str, Any]:
+    """A dict whose keys are strings; its copy charged to ``budget`` first, where one is given."""
     if not isinstance(value, dict):
         raise field_error(path, field, f"is {_kind(value)}, expected a dict")
+    if budget is not None:
+        budget.charge(DICT_ITEM_BYTES * len(value), "copying {}", field)
     if not set(map(type, value)) <= _STRINGS:
         bad = next((key for key in value if not isinstance(key, str)), None)
         if bad is not None:
@@ -85,24 +92,28 @@ def mapping(value: Any, field: str, path: Path) -> dict[str, Any]:
     return dict(value)
 
 
-def optional_dict(value: Any, field: str, path: Path) -> dict[Any, Any]:
-    """A dict with keys of any type; None gives an empty one."""
+def optional_dict(value: Any, field: str, path: Path, budget: Budget | None = None) -> dict[Any, Any]:
+    """A dict with keys of any type; None gives an empty one. Its copy is charged to
+    ``budget`` first, where one is given."""
     if value is None:
         return {}
     if not isinstance(value, dict):
         raise field_error(path, field, f"is {_kind(value)}, expected a dict")
+    if budget is not None:
+        budget.charge(DICT_ITEM_BYTES * len(value), "copying {}", field)
     return dict(value)
 
 
-def optional_mapping(value: Any, field: str, path: Path) -> dict[str, Any]:
+def optional_mapping(value: Any, field: str, path: Path, budget: Budget | None = None) -> dict[str, Any]:
     """A dict with string keys; None (DeepSpeed's "not saved") gives an empty one."""
-    return {} if value is None else mapping(value, field, path)
+    return {} if value is None else mapping(value, field, path, budget)
 
 
-def integers(value: Any, field: str, path: Path) -> list[int]:
-    """Non-negative integers. Plain ints are checked in bulk (a rank file at large D holds
-    thousands of paddings); anything else one by one, for the error naming the item."""
-    items = sequence(value, field, path)
+def integers(value: Any, field: str, path: Path, budget: Budget | None = None) -> list[int]:
+    """Non-negative integers (their copy charged to ``budget`` first, where one is given).
+    Plain ints are checked in bulk (a rank file at large D holds thousands of paddings);
+    anything else one by one, for the error naming the item."""
+    items = sequence(value, field, path, budget)
     if set(map(type, items)) <= {int} and min(items, default=0) >= 0:
         return items
     return [integer(item, f"{field}[{index}]", path) for index, item in enumerate(items)]
@@ -113,9 +124,12 @@ def texts(value: Any, field: str, path: Path) -> list[str]:
     return [text(item, f"{field}[{index}]", path) for index, item in enumerate(sequence(value, field, path))]
 
 
-def shape(value: Any, field: str, path: Path) -> tuple[int, ...]:
-    """A tensor shape (``torch.Size`` is read as a tuple)."""
-    return tuple(integers(value, field, path))
+def shape(value: Any, field: str, path: Path, budget: Budget | None = None) -> tuple[int, ...]:
+    """A tensor shape (``torch.Size`` is read as a tuple); the list and the tuple it is copied
+    into charged to ``budget`` first, where one is given."""
+    if budget is not None and isinstance(value, (list, tuple)):
+        budget.charge(REFERENCE_BYTES * len(value), "copying {}", field)
+    return tuple(integers(value, field, path, budget))
 
 
 def tensor(value: Any, field: str, path: Path) -> StoredTensor:

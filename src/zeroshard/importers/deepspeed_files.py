@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..checkpoint.io.budget import DICT_ITEM_BYTES, REFERENCE_BYTES, UNCHARGED_BYTES, Budget, BudgetExceeded, quoted
+from ..checkpoint.io.budget import DICT_ITEM_BYTES, UNCHARGED_BYTES, Budget, BudgetExceeded, quoted
 from . import deepspeed_fields as fields
 from .autoep_files import AutoEP, parse_autoep
 from .deepspeed_pickle import (
@@ -125,7 +125,7 @@ def read_model_states(path: Path) -> ModelStates:
         lr_scheduler=fields.plain(raw.get("lr_scheduler"), "lr_scheduler", path, budget),
         ds_config=ds_config,
         ds_version=fields.optional_text(raw.get("ds_version"), "ds_version", path),
-        autoep=parse_autoep(raw, ds_config, path),
+        autoep=parse_autoep(raw, ds_config, path, budget),
         budget=budget,
     )
 
@@ -210,15 +210,15 @@ def _same_pickle_as(checked: RankShard, raw: dict[str, Any], path: Path, rank: i
 
 def _param_shapes(value: Any, path: Path, budget: Budget) -> list[dict[str, tuple[int, ...]]]:
     """Per group, each parameter's shape; every parameter (and every dimension) charged to
-    ``budget`` for the layout built from it, however often the pickle repeats a group."""
+    ``budget`` for the layout built from it before it is copied, however often the pickle
+    repeats a group or a shape."""
     groups = []
-    for index, group in enumerate(fields.sequence(value, "param_shapes", path)):
+    for index, group in enumerate(fields.sequence(value, "param_shapes", path, budget)):
         where = f"param_shapes[{index}]"
+        entries = len(group) if isinstance(group, dict) else 0  # charged before the dict is walked or copied
+        budget.charge(PARAM_BYTES * entries, "rebuilding the layout of param_shapes[{}]", index)
         shapes = fields.mapping(group, where, path)
-        budget.charge(PARAM_BYTES * len(shapes), "rebuilding the layout of param_shapes[{}]", index)
-        parsed = {name: fields.shape(dims, f"{where}[{quoted(name)}]", path) for name, dims in shapes.items()}
-        dims = sum(map(len, parsed.values()))
-        budget.charge(REFERENCE_BYTES * dims, "rebuilding the layout of param_shapes[{}]", index)
+        parsed = {name: fields.shape(dims, f"{where}[{quoted(name)}]", path, budget) for name, dims in shapes.items()}
         groups.append(parsed)
     return groups
 
@@ -270,9 +270,10 @@ def _split_optimizer_state(
                 f"{path}: optimizer group {index} should hold one flat partition: params={quoted(ids)}"
             )
         entries = state.get(ids[0])
+        walked = len(entries) if isinstance(entries, dict) else 0  # charged before it is walked or copied
+        budget.charge(DICT_ITEM_BYTES * walked, "reading base_optimizer_state['state']")
         if not fields.is_mapping(entries):
             entries = fields.optional_mapping(entries, f"base_optimizer_state['state'][{quoted(ids[0])}]", path)
-        budget.charge(DICT_ITEM_BYTES * len(entries), "reading base_optimizer_state['state']")
         group_vectors: dict[str, StoredTensor] = {}
         group_scalars: dict[str, Any] = {}
         for key, value in entries.items():
@@ -297,10 +298,8 @@ def _alignment_paddings(
     if value == checked:
         return checked
     field = "param_alignment_paddings"
-    groups = fields.sequence(value, field, path)
-    parsed = [fields.integers(group, f"{field}[{i}]", path) for i, group in enumerate(groups)]
-    budget.charge(REFERENCE_BYTES * sum(map(len, parsed)), "reading param_alignment_paddings")
-    return parsed
+    groups = fields.sequence(value, field, path, budget)
+    return [fields.integers(group, f"{field}[{i}]", path, budget) for i, group in enumerate(groups)]
 
 
 def _slice_mappings(value: Any, path: Path, budget: Budget) -> list[dict[str, tuple[int, int]]]:

@@ -39,7 +39,6 @@ import enum
 import functools
 import itertools
 import os
-import stat
 import struct
 import types
 import zipfile
@@ -48,6 +47,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..checkpoint.io.budget import Budget, BudgetExceeded, named, quoted
+from ..checkpoint.io.members import open_member
 from .torch_records import (
     FileProblem,
     StorageRecord,
@@ -151,16 +151,15 @@ def _globals(allowed: tuple[tuple[str, type], ...]) -> Mapping[str, Any]:
 
 
 def _open_file(path: Path) -> tuple[int, int]:
-    """A read-only descriptor of the regular file ``path``, and the file's size."""
+    """A read-only descriptor of the regular file ``path``, and the file's size; a FIFO or a
+    device is refused, never waited on (:func:`~zeroshard.checkpoint.io.members.open_member`)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_member(path, follow_links=True)
     except FileNotFoundError:
         raise FileProblem("file is missing") from None
-    status = os.fstat(fd)
-    if not stat.S_ISREG(status.st_mode):
-        os.close(fd)
-        raise FileProblem("not a file")
-    return fd, status.st_size
+    except ValueError:  # what it is not: a FIFO, a device, a directory
+        raise FileProblem("not a regular file") from None
+    return fd, os.fstat(fd).st_size
 
 
 class _FileBytes:

@@ -62,6 +62,7 @@ STORAGE_CLASSES: dict[str, str | None] = {
 _READ_CHUNK = 1 << 30
 _HOT_CHUNK = 1 << 20  # read and checked while still in the CPU's cache
 MAP_BYTES = 8 << 20  # reads at least this big are memory-mapped, not copied in
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a file replaced by a FIFO since it was opened is not waited on
 
 
 def refuses_state(cls: type) -> type:
@@ -226,6 +227,24 @@ class StoredTensor:
             raise IndexError(f"elements [{start}, {start + out.size}) are outside a tensor of {self.numel()} elements")
         _read_into(self.storage, (self.storage_offset + start) * out.itemsize, out)
 
+    def peek(self, start: int, end: int) -> np.ndarray:
+        """Elements ``[start, end)`` of the flattened tensor (contiguous tensors only) as they
+        are on disk, without checking the record's CRC-32, which would read all of it: for a
+        check of a few elements that reads them again with :meth:`read` before it trusts a
+        difference."""
+        if not self.is_contiguous() or not 0 <= start <= end <= self.numel():
+            raise ValueError(f"{self.path}: peek() needs a contiguous tensor and a range inside it")
+        numpy_dtype = dtype_info(self.dtype).numpy
+        begin = self.storage.data_offset + (self.storage_offset + start) * numpy_dtype.itemsize
+        try:
+            fd = os.open(self.storage.path, os.O_RDONLY | _NONBLOCK)
+            try:
+                return np.array(_read_range(self.storage, fd, numpy_dtype, begin, end - start))
+            finally:
+                os.close(fd)
+        except OSError as err:
+            raise TorchFileError(f"{self.storage.path}: cannot be read: {err.strerror or err}") from None
+
     def numpy(self) -> np.ndarray:
         """The whole tensor in its shape, an array the caller owns (as :meth:`read`)."""
         if self.is_contiguous():
@@ -258,7 +277,7 @@ def _read(storage: StorageRecord, dtype: str, first: int, count: int) -> np.ndar
     begin = first * numpy_dtype.itemsize
     end = begin + count * numpy_dtype.itemsize
     try:
-        fd = os.open(storage.path, os.O_RDONLY)
+        fd = os.open(storage.path, os.O_RDONLY | _NONBLOCK)
         try:
             record = storage.record_size
             whole_read = record <= min(_SMALL_RECORD_BYTES, _WHOLE_READS * (end - begin) + _WHOLE_BYTES)
@@ -279,7 +298,7 @@ def _read_into(storage: StorageRecord, begin: int, out: np.ndarray) -> None:
     other range after its record is checked (once per load)."""
     buffer = memoryview(out.view(np.uint8))
     try:
-        fd = os.open(storage.path, os.O_RDONLY)
+        fd = os.open(storage.path, os.O_RDONLY | _NONBLOCK)
         try:
             whole_record = begin == 0 and len(buffer) == storage.record_size
             checked = whole_record and not _was_verified(storage, fd)
