@@ -1,0 +1,113 @@
+"""What the trainer integrations refuse, each in one line and before anything is written or
+loaded: a model another wrapper owns, a DeepSpeed engine asked for on the side, a checkpoint
+another trainer wrote, a ZeRO-3 config, batch settings the world size does not fit. All in
+this process, at world size 1."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[transformers]')")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import trainer_workers  # noqa: E402
+
+ZERO2 = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto"}
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return trainer_workers.example("trainer_transformers")
+
+
+def _trainer(hf, out, **options):
+    args = hf.training_arguments(hf.parse_args(["--out", str(out), "--steps", "2"]), 1)
+    return hf.ZeroShardTrainer(model=hf.tiny_gpt2(), args=args, train_dataset=hf.ProgressionCorpus(), **options)
+
+
+def _one_line(error: pytest.ExceptionInfo) -> str:
+    text = str(error.value)
+    assert "\n" not in text, text
+    return text
+
+
+def _files(folder) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) if folder.exists() else []
+
+
+def test_a_model_in_ddp_or_fsdp_is_refused(hf, tmp_path):
+    # Unbuilt instances of the wrappers: the check looks at the type before anything else.
+    ddp = nn.parallel.DistributedDataParallel.__new__(nn.parallel.DistributedDataParallel)
+    args = hf.training_arguments(hf.parse_args(["--out", str(tmp_path)]), 1)
+    with pytest.raises(ValueError, match="already wrapped in DistributedDataParallel") as error:
+        hf.ZeroShardTrainer(model=ddp, args=args)
+    assert "pass the bare model" in _one_line(error)
+
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp = object.__new__(type("FSDPGPT2", (FSDPModule, nn.Module), {}))  # as fully_shard makes it, unbuilt
+    with pytest.raises(ValueError, match="already wrapped in FSDP"):
+        hf.ZeroShardTrainer(model=fsdp, args=args)
+
+
+def test_training_arguments_with_deepspeed_are_refused(hf, tmp_path):
+    from transformers import TrainingArguments
+
+    environment = dict(os.environ)  # TrainingArguments(deepspeed=...) sets Accelerate's variables
+    try:
+        config = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto"}
+        args = TrainingArguments(output_dir=str(tmp_path), deepspeed=config, use_cpu=True, report_to=[])
+        with pytest.raises(ValueError, match=r"TrainingArguments\(deepspeed=\.\.\.\)") as error:
+            hf.ZeroShardTrainer(model=hf.tiny_gpt2(), args=args)
+        assert "zeroshard=config" in _one_line(error)
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+
+
+def test_a_stock_trainer_checkpoint_is_refused_before_anything_loads(hf, tmp_path):
+    from transformers import Trainer
+
+    stock_out = tmp_path / "stock"
+    args = hf.training_arguments(hf.parse_args(["--out", str(stock_out), "--steps", "2"]), 1)
+    Trainer(model=hf.tiny_gpt2(), args=args, train_dataset=hf.ProgressionCorpus()).train()
+    checkpoint = stock_out / "checkpoint-2"
+    assert (checkpoint / "optimizer.pt").is_file()
+
+    trainer = _trainer(hf, tmp_path / "zeroshard")
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    with pytest.raises(ValueError, match="written by a stock transformers Trainer") as error:
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert "rank 0 alone" in _one_line(error)
+    assert trainer.engine is None and trainer.state.global_step == 0
+    assert all(torch.equal(p, before[name]) for name, p in trainer.model.named_parameters())
+    assert _files(tmp_path / "zeroshard") == []
+
+
+def test_a_zero3_config_is_refused_before_the_model_changes(hf, tmp_path):
+    trainer = _trainer(hf, tmp_path, zeroshard={**ZERO2, "zero_optimization": {"stage": 3}})
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    with pytest.raises(ValueError, match="zero_optimization.stage = 3: ZeRO-3") as error:
+        trainer.train()
+    _one_line(error)
+    assert all(p.dtype == torch.float32 and torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+    assert _files(tmp_path) == []
+
+
+def test_batch_settings_the_world_size_does_not_fit_name_the_key_to_drop(hf, tmp_path):
+    # 6 rows per step do not split into micro-batches of 4 on 1 rank (nor on any world size).
+    trainer = _trainer(hf, tmp_path, zeroshard={**ZERO2, "train_batch_size": 6})
+    with pytest.raises(ValueError, match="train_batch_size = 6 but per_device_train_batch_size 4") as error:
+        trainer.train()
+    assert "drop train_batch_size (or set it to 'auto')" in _one_line(error)
+    assert _files(tmp_path) == []
+
+
+def test_zeroshard_settings_that_mix_engine_arguments_and_config_keys_are_refused(hf, tmp_path):
+    with pytest.raises(ValueError, match="mixes ZeroOptimizer arguments") as error:
+        _trainer(hf, tmp_path, zeroshard={"stage": 1, "train_batch_size": 8})
+    _one_line(error)

@@ -1,0 +1,112 @@
+"""Worker code for the trainer integration tests (spawned gloo ranks).
+
+Each framework's worker runs, in the same processes, the bare zeroshard loop on the same
+model, data and world size as the framework's example, then the example itself, and
+gathers the engine's full state after its last step (the state its last checkpoint holds).
+Workers return numbers and tensors, never verdicts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zeroshard.engine import ZeroOptimizer
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+ADAM_STATES = ("exp_avg", "exp_avg_sq")
+
+
+def example(name: str):
+    """The example script ``examples/<name>.py`` as a module."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def full_state(engine: ZeroOptimizer) -> dict[str, dict[str, torch.Tensor]]:
+    """Collective: every parameter's fp32 master and Adam states, gathered over the ranks."""
+    state = {}
+    for name, _ in engine.model.named_parameters():
+        entry = {"fp32": engine.get_full_fp32_param(name)}
+        for key in ADAM_STATES:
+            entry[key] = engine.get_full_optimizer_state(name, key)
+        state[name] = entry
+    return state
+
+
+def state_difference(engine: ZeroOptimizer, expected: dict[str, dict[str, torch.Tensor]]) -> float:
+    """Collective: the largest absolute difference between the engine's full state and ``expected``."""
+    got = full_state(engine)
+    if set(got) != set(expected):
+        return float("inf")
+    return max(float((got[name][key] - expected[name][key]).abs().max()) for name in got for key in got[name])
+
+
+def mean_over_ranks(value: torch.Tensor) -> float:
+    total = value.detach().clone().reshape(1)
+    dist.all_reduce(total)
+    return float(total / dist.get_world_size())
+
+
+# ---- transformers ----------------------------------------------------------------------------
+
+
+def gpt2_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Trainer's split for GPT-2: biases and LayerNorm parameters take no weight decay."""
+    norms = {id(p) for module in model.modules() if isinstance(module, nn.LayerNorm) for p in module.parameters()}
+    named = list(model.named_parameters())
+    decay = [p for name, p in named if not name.endswith("bias") and id(p) not in norms]
+    rest = [p for name, p in named if name.endswith("bias") or id(p) in norms]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def transformers_bare_losses(module, steps: int, micro: int) -> list[float]:
+    """The bare loop the example's Trainer run amounts to, at this world size (one micro-batch
+    per rank and step): the same model, rows, optimizer, lr schedule and clipping."""
+    from transformers import get_scheduler
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = module.tiny_gpt2()
+    engine = ZeroOptimizer(
+        model,
+        torch.optim.AdamW,
+        gpt2_decay_groups(model, 0.1),
+        stage=2,
+        param_dtype=torch.bfloat16,
+        max_grad_norm=1.0,
+        lr=3e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        fused=True,
+    )
+    schedule = get_scheduler("linear", engine, num_warmup_steps=0, num_training_steps=steps)
+    corpus = module.ProgressionCorpus()
+    losses = []
+    for step in range(steps):
+        first = (step * world_size + rank) * micro  # the batch Accelerate's sharded sampler gives this rank
+        ids = torch.stack([corpus[i]["input_ids"] for i in range(first, first + micro)])
+        loss = model(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        schedule.step()
+        engine.zero_grad()
+        losses.append(mean_over_ranks(loss))
+    return losses
+
+
+def transformers_run(rank: int, world_size: int, out: str, steps: int) -> dict:
+    """The bare loop, then examples/trainer_transformers.py; the losses of both and the
+    engine's gathered state after the last step (rank 0)."""
+    module = example("trainer_transformers")
+    bare = transformers_bare_losses(module, steps, micro=4)
+    trainer = module.main(["--out", out, "--steps", str(steps)])
+    logged = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+    gathered = full_state(trainer.engine)
+    return {"bare": bare, "trainer": logged, "grad_norms": norms, "state": gathered if rank == 0 else None}
