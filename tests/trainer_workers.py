@@ -110,3 +110,51 @@ def transformers_run(rank: int, world_size: int, out: str, steps: int) -> dict:
     norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
     gathered = full_state(trainer.engine)
     return {"bare": bare, "trainer": logged, "grad_norms": norms, "state": gathered if rank == 0 else None}
+
+
+class TokenRows(torch.utils.data.Dataset):
+    """Random token rows (seeded by index) for the MoE model: input_ids and labels."""
+
+    def __init__(self, vocab: int, length: int = 8, rows: int = 64) -> None:
+        self.vocab, self.length, self.rows = vocab, length, rows
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, self.vocab, (self.length,), generator=torch.Generator().manual_seed(index))
+        return {"input_ids": ids, "labels": ids}
+
+
+def moe_trainer(out: str, world_size: int, expert_parallel: int | None, steps: int):
+    """A ZeroShardTrainer over the tiny transformers Qwen3-MoE of tests/hf_moe_workers.py, fp32,
+    global batch 8 in micro-batches of 4 (accumulation makes up for fewer ranks)."""
+    from hf_moe_workers import CONFIG, qwen3_moe
+    from transformers import TrainingArguments
+
+    from zeroshard.integrations.transformers import ZeroShardTrainer
+
+    args = TrainingArguments(
+        output_dir=out,
+        max_steps=steps,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2 // world_size,
+        learning_rate=1e-2,
+        save_steps=2,
+        logging_steps=1,
+        train_sampling_strategy="sequential",
+        use_cpu=True,
+        report_to=[],
+        disable_tqdm=True,
+    )
+    return ZeroShardTrainer(
+        model=qwen3_moe(), args=args, train_dataset=TokenRows(CONFIG["vocab_size"]), expert_parallel=expert_parallel
+    )
+
+
+def moe_run(rank: int, world_size: int, out: str, steps: int) -> list[float]:
+    """The Qwen3-MoE trained at EP = world size under ZeroShardTrainer; its logged losses."""
+    trainer = moe_trainer(out, world_size, world_size, steps)
+    assert trainer.model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 4 // world_size  # its own experts
+    trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]

@@ -41,7 +41,7 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..engine import ZeroOptimizer
-from ..moe import ExpertGroups, expert_parallel, moe_param_groups, new_expert_groups
+from ..moe import ExpertGroups, expert_modules, expert_parallel, moe_param_groups, new_expert_groups
 from .accelerate import EngineLossScale, ZeroShardAcceleratedOptimizer
 from .building import BuiltEngine, Setting, build_engine, param_dtype_for, refuse_wrapped, split_settings
 from .saves import TAG, FolderSaves, check_resumable, export_fp32, newest_committed
@@ -62,7 +62,9 @@ class ZeroShardTrainer(Trainer):
             (``"auto"`` values filled from the arguments, contradictions refused); or a dict
             of ZeroOptimizer arguments (``{"stage": 1, "reduce_dtype": torch.bfloat16}``).
         expert_parallel: for a transformers MoE model: the EP size (the model is made
-            expert-parallel here), or the ``ExpertGroups`` it was made expert-parallel with.
+            expert-parallel here; default 1), or the ``ExpertGroups`` it was made
+            expert-parallel with. A MoE model's experts always train as expert groups, so its
+            checkpoints load at any world size and EP.
         async_save: checkpoints are written in the background (default) or before the
             training goes on.
 
@@ -98,7 +100,8 @@ class ZeroShardTrainer(Trainer):
         self._built: BuiltEngine | None = None
         self._saves: FolderSaves | None = None
         super().__init__(*args, **kwargs)
-        self._expert_groups = self._make_expert_parallel(expert_parallel)
+        self._moe = expert_parallel is not None or bool(expert_modules(self.model))
+        self._expert_groups = self._make_expert_parallel(expert_parallel) if self._moe else None
 
     # ---- the engine -------------------------------------------------------------------------
 
@@ -165,7 +168,7 @@ class ZeroShardTrainer(Trainer):
         """Trainer's weight-decay split (decay / no decay); expert stacks in groups of their own."""
         decay = set(self.get_decay_parameter_names(model))
         named = {id(param): name for name, param in model.named_parameters()}
-        if self._expert_groups is None:
+        if not self._moe:
             dense, experts = [p for p in model.parameters() if p.requires_grad], []
         else:
             dense_group, *experts = moe_param_groups(model)
@@ -208,9 +211,12 @@ class ZeroShardTrainer(Trainer):
         ]
 
     def _make_expert_parallel(self, expert_parallel_size: int | ExpertGroups | None) -> ExpertGroups | None:
-        if expert_parallel_size is None or isinstance(expert_parallel_size, ExpertGroups):
+        """The expert groups of a MoE model: the given ones, or EP of the given size (1 when
+        none is given: the experts still train as expert groups, so checkpoints load at any EP)."""
+        if isinstance(expert_parallel_size, ExpertGroups):
             return expert_parallel_size
-        groups = new_expert_groups(expert_parallel_size)
+        size = 1 if expert_parallel_size is None else expert_parallel_size
+        groups = new_expert_groups(size) if self.args.world_size > 1 or size > 1 else None
         expert_parallel(self.model, groups, device=self.args.device)
         return groups
 
