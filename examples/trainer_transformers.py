@@ -29,50 +29,10 @@ import os
 from pathlib import Path
 
 import torch
-from torch.utils.data import Dataset
-from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+from tiny_lm import ProgressionCorpus, tiny_gpt2
+from transformers import GPT2LMHeadModel, TrainingArguments
 
 from zeroshard.integrations.transformers import ZeroShardTrainer
-
-VOCAB, LENGTH = 96, 16
-
-
-class ProgressionCorpus(Dataset):
-    """Token sequences that step through the vocabulary by a fixed stride: learnable, deterministic."""
-
-    def __init__(self, rows: int = 512) -> None:
-        self.rows = rows
-
-    def __len__(self) -> int:
-        return self.rows
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        start, stride = (index * 37) % VOCAB, 1 + index % 7
-        ids = (start + stride * torch.arange(LENGTH)) % VOCAB
-        return {"input_ids": ids, "labels": ids}
-
-
-def tiny_gpt2() -> GPT2LMHeadModel:
-    """A one-layer GPT-2 of width 32, no dropout; the same weights on every rank (seeded)."""
-    torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=LENGTH,
-        n_embd=32,
-        n_layer=1,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    model = GPT2LMHeadModel(config)
-    # GPT2LMHeadModel's name does not say its loss: named, Trainer counts the tokens the loss
-    # is taken over (the shifted labels) when it normalises by them, and the warning goes.
-    model.loss_type = "ForCausalLM"
-    return model
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

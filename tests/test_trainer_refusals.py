@@ -111,3 +111,89 @@ def test_zeroshard_settings_that_mix_engine_arguments_and_config_keys_are_refuse
     with pytest.raises(ValueError, match="mixes ZeroOptimizer arguments") as error:
         _trainer(hf, tmp_path, zeroshard={"stage": 1, "train_batch_size": 8})
     _one_line(error)
+
+
+# ---- Accelerate --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_accelerate():
+    """Accelerate keeps one AcceleratorState per process: each test starts and ends without one."""
+    pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _masters(engine) -> list[torch.Tensor]:
+    return [master.detach().clone() for master in engine.masters]
+
+
+def test_prepare_zeroshard_refuses_a_deepspeed_accelerator_and_a_wrapped_model(hf, fresh_accelerate):
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    from zeroshard.integrations.accelerate import prepare_zeroshard
+
+    model = hf.tiny_gpt2()
+    environment = dict(os.environ)  # a DeepSpeed plugin sets Accelerate's variables
+    try:
+        accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2))  # DeepSpeed's CPU accelerator here
+        with pytest.raises(ValueError, match="the Accelerator has a DeepSpeed plugin") as error:
+            prepare_zeroshard(accelerator, model, torch.optim.AdamW, lr=1e-3)
+        assert "config= here instead" in _one_line(error)
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    ddp = nn.parallel.DistributedDataParallel.__new__(nn.parallel.DistributedDataParallel)
+    with pytest.raises(ValueError, match="already wrapped in DistributedDataParallel"):
+        prepare_zeroshard(Accelerator(cpu=True), ddp, torch.optim.AdamW, lr=1e-3)
+
+
+def test_load_state_of_a_stock_accelerate_folder_is_refused_before_anything_loads(hf, tmp_path, fresh_accelerate):
+    from accelerate import Accelerator
+
+    from zeroshard.integrations.accelerate import prepare_zeroshard
+
+    stock = Accelerator(cpu=True)
+    model, optimizer = stock.prepare(hf.tiny_gpt2(), None)[0], None
+    optimizer = stock.prepare(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    ids = torch.stack([hf.ProgressionCorpus()[i]["input_ids"] for i in range(4)])
+    stock.backward(model(input_ids=ids, labels=ids).loss)
+    optimizer.step()
+    stock.save_state(str(tmp_path / "stock"))
+    assert (tmp_path / "stock" / "optimizer.bin").is_file()
+
+    accelerator = Accelerator(cpu=True)
+    model, optimizer = prepare_zeroshard(accelerator, hf.tiny_gpt2(), torch.optim.AdamW, lr=1e-3)
+    before, weights = _masters(optimizer.engine), [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="written by a stock accelerator.save_state") as error:
+        accelerator.load_state(str(tmp_path / "stock"))
+    _one_line(error)
+    assert all(torch.equal(a, b) for a, b in zip(before, _masters(optimizer.engine)))
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+
+
+def test_prepare_zeroshard_refuses_zero3_and_a_batch_the_accumulation_does_not_split(hf, fresh_accelerate):
+    from accelerate import Accelerator
+
+    from zeroshard.integrations.accelerate import prepare_zeroshard
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)
+    model = hf.tiny_gpt2()
+    with pytest.raises(ValueError, match="zero_optimization.stage = 3: ZeRO-3") as error:
+        prepare_zeroshard(accelerator, model, torch.optim.AdamW, config={"zero_optimization": {"stage": 3}}, lr=1e-3)
+    _one_line(error)
+    # 6 rows per step do not split over 4 accumulation steps on 1 rank.
+    with pytest.raises(ValueError, match="train_batch_size = 6 does not split over") as error:
+        prepare_zeroshard(accelerator, model, torch.optim.AdamW, config={"train_batch_size": 6}, lr=1e-3)
+    assert "drop train_batch_size" in _one_line(error)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert not getattr(model, "_is_accelerate_prepared", False)

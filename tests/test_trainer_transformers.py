@@ -5,10 +5,7 @@ rank; the one-line refusals of what it cannot take."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,18 +17,7 @@ import torch  # noqa: E402
 import trainer_workers  # noqa: E402
 from zeroshard.launch import spawn  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-TORCHRUN = Path(sys.executable).parent / "torchrun"
 STEPS = 4  # checkpoints at steps 2 and 4
-
-
-def _torchrun(ranks: int, *args: str) -> subprocess.CompletedProcess:
-    command = [str(TORCHRUN), "--standalone", "--nproc_per_node", str(ranks), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "terminate called" not in done.stderr
-    return done
 
 
 def _logged(checkpoint: Path, key: str = "loss") -> list[float]:
@@ -79,7 +65,7 @@ def test_trainer_matches_the_bare_loop_saves_every_rank_and_resumes_at_one(tmp_p
     # 2-rank run's (the two halves' losses are summed in one rounding either way).
     shutil.rmtree(folder)
     shutil.rmtree(out / "model")
-    _torchrun(1, "examples/trainer_transformers.py", "--out", str(out), "--steps", str(STEPS))
+    trainer_workers.torchrun(1, "examples/trainer_transformers.py", "--out", str(out), "--steps", str(STEPS))
     resumed = _logged(out / "checkpoint-4")
     assert resumed[:2] == logged[:2], "the 2-rank history comes back with trainer_state.json"
     assert resumed[2] - logged[2] == 0.0

@@ -9,20 +9,35 @@ Workers return numbers and tensors, never verdicts.
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from zeroshard.engine import ZeroOptimizer
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 
 
+def torchrun(ranks: int, *args: str) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node RANKS ARGS`` from the repository root, as a user runs it."""
+    command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", str(ranks), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "terminate called" not in done.stderr
+    return done
+
+
 def example(name: str):
-    """The example script ``examples/<name>.py`` as a module."""
+    """The example script ``examples/<name>.py`` as a module (its folder on the path, for tiny_lm)."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
     spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -54,44 +69,40 @@ def mean_over_ranks(value: torch.Tensor) -> float:
     return float(total / dist.get_world_size())
 
 
-# ---- transformers ----------------------------------------------------------------------------
-
-
-def gpt2_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Trainer's split for GPT-2: biases and LayerNorm parameters take no weight decay."""
-    norms = {id(p) for module in model.modules() if isinstance(module, nn.LayerNorm) for p in module.parameters()}
-    named = list(model.named_parameters())
-    decay = [p for name, p in named if not name.endswith("bias") and id(p) not in norms]
-    rest = [p for name, p in named if name.endswith("bias") or id(p) in norms]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
-
-
-def transformers_bare_losses(module, steps: int, micro: int) -> list[float]:
-    """The bare loop the example's Trainer run amounts to, at this world size (one micro-batch
-    per rank and step): the same model, rows, optimizer, lr schedule and clipping."""
-    from transformers import get_scheduler
-
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    model = module.tiny_gpt2()
-    engine = ZeroOptimizer(
+def bare_engine(fused: bool) -> ZeroOptimizer:
+    """The examples' tiny GPT-2 under a ZeroOptimizer as the examples build it: ZeRO-2, bf16
+    parameters, the decay split, AdamW (fused as Trainer's default, or torch's default), clip 1.0."""
+    lm = example("tiny_lm")
+    model = lm.tiny_gpt2()
+    return ZeroOptimizer(
         model,
         torch.optim.AdamW,
-        gpt2_decay_groups(model, 0.1),
+        lm.decay_groups(model, 0.1),
         stage=2,
         param_dtype=torch.bfloat16,
         max_grad_norm=1.0,
         lr=3e-3,
         betas=(0.9, 0.999),
         eps=1e-8,
-        fused=True,
+        fused=fused,
     )
+
+
+def bare_losses(steps: int, micro: int, fused: bool) -> list[float]:
+    """The bare zeroshard loop the examples amount to at this world size (one micro-batch per
+    rank and step; rank r takes the step's r-th block of rows): the same model, rows,
+    optimizer, linear lr decay and clipping. Each step's loss, averaged over the ranks."""
+    from transformers import get_scheduler
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    engine = bare_engine(fused)
     schedule = get_scheduler("linear", engine, num_warmup_steps=0, num_training_steps=steps)
-    corpus = module.ProgressionCorpus()
+    corpus = example("tiny_lm").ProgressionCorpus()
     losses = []
     for step in range(steps):
-        first = (step * world_size + rank) * micro  # the batch Accelerate's sharded sampler gives this rank
+        first = (step * world_size + rank) * micro
         ids = torch.stack([corpus[i]["input_ids"] for i in range(first, first + micro)])
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = engine.model(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
         schedule.step()
@@ -100,11 +111,14 @@ def transformers_bare_losses(module, steps: int, micro: int) -> list[float]:
     return losses
 
 
+# ---- the frameworks ---------------------------------------------------------------------------
+
+
 def transformers_run(rank: int, world_size: int, out: str, steps: int) -> dict:
     """The bare loop, then examples/trainer_transformers.py; the losses of both and the
     engine's gathered state after the last step (rank 0)."""
     module = example("trainer_transformers")
-    bare = transformers_bare_losses(module, steps, micro=4)
+    bare = bare_losses(steps, micro=4, fused=True)  # Trainer's default optim is adamw_torch_fused
     trainer = module.main(["--out", out, "--steps", str(steps)])
     logged = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
@@ -158,3 +172,14 @@ def moe_run(rank: int, world_size: int, out: str, steps: int) -> list[float]:
     assert trainer.model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 4 // world_size  # its own experts
     trainer.train()
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def accelerate_run(rank: int, world_size: int, out: str, steps: int) -> dict:
+    """The bare loop, then examples/trainer_accelerate.py; the losses of both and the engine's
+    gathered state after the last step (rank 0)."""
+    module = example("trainer_accelerate")
+    bare = bare_losses(steps, micro=4, fused=False)  # the example's AdamW is torch's default
+    accelerator, losses = module.main(["--out", out, "--steps", str(steps)])
+    engine = accelerator._optimizers[0].engine
+    gathered = full_state(engine)
+    return {"bare": bare, "accelerate": losses, "state": gathered if rank == 0 else None}

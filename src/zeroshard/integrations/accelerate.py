@@ -34,7 +34,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 
 from ..engine import ZeroOptimizer
-from .building import ENGINE_KEYWORDS, Setting, batch_placeholder, build_engine, param_dtype_for, refuse_wrapped
+from .building import ENGINE_KEYWORDS, Setting, build_engine, dataloader_batch, param_dtype_for, refuse_wrapped
 from .saves import TAG, FolderSaves, check_resumable
 
 log = logging.getLogger(__name__)
@@ -223,17 +223,19 @@ def _check_accelerator(accelerator: Accelerator) -> None:
 
 def _settings(accelerator: Accelerator, config: Any, dtype: torch.dtype | None) -> list[Setting]:
     steps = accelerator.gradient_accumulation_steps
-    settings = [
+    source = f"Accelerator(gradient_accumulation_steps={steps})"
+    precision = f"Accelerator(mixed_precision={accelerator.mixed_precision!r})"
+    return [
         Setting(
             "gradient_accumulation_steps",
             steps,
-            f"Accelerator(gradient_accumulation_steps={steps})",
+            source,
             fix="drop the key from the config: the Accelerator's gradient_accumulation_steps sets it",
         ),
-        Setting("bf16.enabled", dtype == torch.bfloat16, f"Accelerator(mixed_precision={accelerator.mixed_precision!r})"),
-        Setting("fp16.enabled", dtype == torch.float16, f"Accelerator(mixed_precision={accelerator.mixed_precision!r})"),
+        Setting("bf16.enabled", dtype == torch.bfloat16, precision),
+        Setting("fp16.enabled", dtype == torch.float16, precision),
+        *dataloader_batch(config, steps, accelerator.num_processes, source, OWNER),
     ]
-    return settings + batch_placeholder(config)
 
 
 def _install_hooks(

@@ -256,15 +256,33 @@ def build_engine(
     return BuiltEngine(run.engine, run.scheduler)
 
 
-def batch_placeholder(config: Any) -> list[Setting]:
-    """For a framework whose batch size is the dataloader's (Accelerate, Lightning): when
-    the config gives neither batch size, a micro-batch of 1, which the engine never uses but
-    the config's batch check needs; an explicit one is checked against the world size."""
+def dataloader_batch(config: Any, steps: int, world_size: int, source: str, owner: str) -> list[Setting]:
+    """For a framework whose batch size is the dataloader's (Accelerate, Lightning) and whose
+    accumulation steps are its own (``source``: ``"Accelerator(gradient_accumulation_steps=2)"``):
+    the config's batch keys are only checked, against ``steps`` x ``world_size``; when it gives
+    neither, a micro-batch of 1 stands in (the engine never uses it).
+
+    Raises:
+        ValueError: ``train_batch_size`` does not split over ``steps`` x ``world_size`` (and the
+            config's micro-batch), naming the key to drop.
+    """
     if config is None:
         return []
     given = read_config(config)
-    batch_given = any(given.get(key) not in (None, AUTO) for key in ("train_batch_size", "train_micro_batch_size_per_gpu"))
-    return [Setting("train_micro_batch_size_per_gpu", 1, "the dataloader's batch", fill_missing=not batch_given)]
+    train, micro = (given.get(key) for key in ("train_batch_size", "train_micro_batch_size_per_gpu"))
+    train = train if isinstance(train, int) and not isinstance(train, bool) else None
+    micro = micro if isinstance(micro, int) and not isinstance(micro, bool) else None
+    fix = f"drop train_batch_size (the dataloader and {source} set the batch)"
+    if train is not None and micro is not None and train != micro * steps * world_size:
+        raise ValueError(
+            f"{owner}: train_batch_size = {train} but train_micro_batch_size_per_gpu {micro} x {source} x world size "
+            f"{world_size} = {micro * steps * world_size}: {fix}"
+        )
+    if train is not None and micro is None:
+        if train % (steps * world_size):
+            raise ValueError(f"{owner}: train_batch_size = {train} does not split over {source} x world size {world_size}: {fix}")
+        return [Setting("train_micro_batch_size_per_gpu", train // (steps * world_size), "train_batch_size")]
+    return [Setting("train_micro_batch_size_per_gpu", 1, "the dataloader's batch", fill_missing=micro is None)]
 
 
 def param_dtype_for(precision: str, owner: str) -> torch.dtype | None:
