@@ -197,3 +197,71 @@ def test_prepare_zeroshard_refuses_zero3_and_a_batch_the_accumulation_does_not_s
     assert "drop train_batch_size" in _one_line(error)
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert not getattr(model, "_is_accelerate_prepared", False)
+
+
+# ---- Lightning ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def lightning_fit(hf, tmp_path):
+    """Fit the Lightning example's module in this process (1 device) with ZeroShardStrategy
+    options; the process group and the variables Lightning sets up are undone afterwards."""
+    pytest.importorskip("lightning")
+    import torch.distributed as dist
+
+    pl = trainer_workers.example("trainer_lightning")
+    environment = dict(os.environ)
+
+    def fit(ckpt_path=None, config=None, **trainer_options):
+        import lightning as L
+
+        from zeroshard.integrations.lightning import ZeroShardStrategy
+
+        module = pl.TinyLM(pl.parse_args(["--out", str(tmp_path / "out"), "--steps", "1"]))
+        options = dict(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False)
+        options.update(enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
+        trainer = L.Trainer(strategy=ZeroShardStrategy(config=config), **{**options, **trainer_options})
+        trainer.fit(module, ckpt_path=ckpt_path)
+        return module
+
+    yield fit
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environment)
+
+
+def test_lightning_refuses_zero3_a_batch_it_cannot_split_and_clipping_by_value(lightning_fit, tmp_path):
+    with pytest.raises(ValueError, match="zero_optimization.stage = 3: ZeRO-3") as error:
+        lightning_fit(config={"zero_optimization": {"stage": 3}})
+    _one_line(error)
+    with pytest.raises(ValueError, match="train_batch_size = 6 does not split over Trainer") as error:
+        lightning_fit(config={"train_batch_size": 6}, accumulate_grad_batches=4)
+    assert "drop train_batch_size" in _one_line(error)
+    with pytest.raises(ValueError, match="gradient_clip_algorithm='value'"):
+        lightning_fit(gradient_clip_val=1.0, gradient_clip_algorithm="value")
+    assert not (tmp_path / "out").exists()
+
+
+def test_lightning_refuses_a_precision_it_does_not_train_in(hf):
+    pytest.importorskip("lightning")
+    import lightning as L
+
+    from zeroshard.integrations.lightning import ZeroShardStrategy
+
+    with pytest.raises(ValueError, match="precision '64-true': zeroshard trains in fp32, bf16 or fp16"):
+        L.Trainer(strategy=ZeroShardStrategy(), accelerator="cpu", devices=1, precision="64-true", logger=False)
+
+
+def test_lightning_refuses_a_single_file_checkpoint_before_anything_loads(lightning_fit, hf, tmp_path):
+    import lightning as L
+
+    pl = trainer_workers.example("trainer_lightning")
+    stock = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False)
+    stock.fit(pl.TinyLM(pl.parse_args(["--out", str(tmp_path / "stock"), "--steps", "1"])))
+    stock.save_checkpoint(tmp_path / "stock.ckpt")
+
+    with pytest.raises(ValueError, match="a single-file Lightning checkpoint another strategy wrote") as error:
+        lightning_fit(ckpt_path=tmp_path / "stock.ckpt")
+    assert "load_from_checkpoint" in _one_line(error)
+    assert not (tmp_path / "out").exists()

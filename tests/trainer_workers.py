@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from zeroshard.engine import ZeroOptimizer
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
+STEP_LINE = re.compile(r"^step \d+ loss (\S+)$", re.MULTILINE)  # the Lightning example's lines
 
 
 def torchrun(ranks: int, *args: str) -> subprocess.CompletedProcess:
@@ -69,15 +71,20 @@ def mean_over_ranks(value: torch.Tensor) -> float:
     return float(total / dist.get_world_size())
 
 
-def bare_engine(fused: bool) -> ZeroOptimizer:
+def bare_engine(fused: bool, wrapped: bool = False) -> ZeroOptimizer:
     """The examples' tiny GPT-2 under a ZeroOptimizer as the examples build it: ZeRO-2, bf16
-    parameters, the decay split, AdamW (fused as Trainer's default, or torch's default), clip 1.0."""
+    parameters, the decay split, AdamW (fused as Trainer's default, or torch's default), clip
+    1.0. ``wrapped``: the GPT-2 as the ``model`` of a container, as in the LightningModule."""
     lm = example("tiny_lm")
-    model = lm.tiny_gpt2()
+    gpt2 = lm.tiny_gpt2()
+    model = gpt2
+    if wrapped:
+        model = torch.nn.Module()
+        model.model = gpt2
     return ZeroOptimizer(
         model,
         torch.optim.AdamW,
-        lm.decay_groups(model, 0.1),
+        lm.decay_groups(gpt2, 0.1),
         stage=2,
         param_dtype=torch.bfloat16,
         max_grad_norm=1.0,
@@ -88,10 +95,11 @@ def bare_engine(fused: bool) -> ZeroOptimizer:
     )
 
 
-def bare_losses(steps: int, micro: int, fused: bool) -> list[float]:
+def bare_losses(steps: int, micro: int, fused: bool, epoch_rows: int | None = None) -> list[float]:
     """The bare zeroshard loop the examples amount to at this world size (one micro-batch per
-    rank and step; rank r takes the step's r-th block of rows): the same model, rows,
-    optimizer, linear lr decay and clipping. Each step's loss, averaged over the ranks."""
+    rank and step; rank r takes the step's r-th block of rows, epochs of ``epoch_rows`` rows
+    starting over): the same model, rows, optimizer, linear lr decay and clipping. Each
+    step's loss, averaged over the ranks."""
     from transformers import get_scheduler
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -100,7 +108,7 @@ def bare_losses(steps: int, micro: int, fused: bool) -> list[float]:
     corpus = example("tiny_lm").ProgressionCorpus()
     losses = []
     for step in range(steps):
-        first = (step * world_size + rank) * micro
+        first = (step * world_size + rank) * micro % (epoch_rows or len(corpus))
         ids = torch.stack([corpus[i]["input_ids"] for i in range(first, first + micro)])
         loss = engine.model(input_ids=ids, labels=ids).loss
         engine.backward(loss)
@@ -183,3 +191,26 @@ def accelerate_run(rank: int, world_size: int, out: str, steps: int) -> dict:
     engine = accelerator._optimizers[0].engine
     gathered = full_state(engine)
     return {"bare": bare, "accelerate": losses, "state": gathered if rank == 0 else None}
+
+
+def lightning_run(rank: int, world_size: int, out: str, steps: int) -> dict:
+    """The bare loop, then examples/trainer_lightning.py; the losses of both (the example's
+    from its printed lines, rank 0) and the engine's gathered state at the end of fit (rank 0)."""
+    import contextlib
+    import io
+
+    from lightning.pytorch.callbacks import Callback
+
+    class GatherState(Callback):
+        state: dict = {}
+
+        def on_train_end(self, trainer, module) -> None:  # before the strategy's teardown
+            GatherState.state = full_state(trainer.strategy.engine)
+
+    module = example("trainer_lightning")
+    bare = bare_losses(steps, micro=4, fused=False, epoch_rows=16)  # torch's default AdamW; epochs of 2 steps
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        module.main(["--out", out, "--steps", str(steps)], callbacks=[GatherState()])
+    losses = [float(loss) for loss in STEP_LINE.findall(printed.getvalue())]
+    return {"bare": bare, "lightning": losses, "state": GatherState.state if rank == 0 else None}

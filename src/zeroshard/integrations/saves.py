@@ -109,14 +109,15 @@ def committed(folder: Path) -> bool:
 
 def resume_problem(folder: Path, foreign: Callable[[Path], str | None]) -> str | None:
     """Why ``folder`` cannot be resumed from, in one line (None when it can). ``foreign(folder)``
-    names what another trainer left there (a stock trainer's optimizer file), if anything."""
-    if not folder.is_dir():
-        return f"{folder}: no such checkpoint folder"
+    names what another trainer left there (a stock trainer's optimizer file, or a single-file
+    checkpoint where a folder belongs), if anything."""
     if committed(folder):
         return None
     other = foreign(folder)
     if other is not None:
         return other
+    if not folder.is_dir():
+        return f"{folder}: no such checkpoint folder"
     return (
         f"{folder}: holds no zeroshard checkpoint ({TAG}/ named by {LATEST_FILE}): its save did not finish, "
         "or another program wrote the folder; resume from an earlier checkpoint"
