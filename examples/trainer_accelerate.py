@@ -22,15 +22,18 @@ in order in micro-batches of ``--micro-batch`` rows, shared out by Accelerate's 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-import torch
-from accelerate import Accelerator, PartialState
-from tiny_lm import ProgressionCorpus, decay_groups, tiny_gpt2
-from torch.utils.data import DataLoader
-from transformers import get_scheduler
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tiny_lm, beside this file
 
-from zeroshard.integrations.accelerate import prepare_zeroshard
+import torch  # noqa: E402
+from accelerate import Accelerator, PartialState  # noqa: E402
+from tiny_lm import ProgressionCorpus, decay_groups, tiny_gpt2  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+from transformers import get_scheduler  # noqa: E402
+
+from zeroshard.integrations.accelerate import prepare_zeroshard  # noqa: E402
 
 
 class Progress:

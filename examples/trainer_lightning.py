@@ -27,15 +27,18 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 from pathlib import Path
 
-import lightning as L
-import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
-from tiny_lm import ProgressionCorpus, decay_groups, tiny_gpt2
-from torch.utils.data import DataLoader, Sampler
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tiny_lm, beside this file
 
-import zeroshard.integrations.lightning  # noqa: F401  (registers strategy="zeroshard")
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from tiny_lm import ProgressionCorpus, decay_groups, tiny_gpt2  # noqa: E402
+from torch.utils.data import DataLoader, Sampler  # noqa: E402
+
+import zeroshard.integrations.lightning  # noqa: E402,F401  (registers strategy="zeroshard")
 
 
 class RankBlocks(Sampler):

@@ -26,13 +26,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
-import torch
-from tiny_lm import ProgressionCorpus, tiny_gpt2
-from transformers import GPT2LMHeadModel, TrainingArguments
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tiny_lm, beside this file
 
-from zeroshard.integrations.transformers import ZeroShardTrainer
+import torch  # noqa: E402
+from tiny_lm import ProgressionCorpus, tiny_gpt2  # noqa: E402
+from transformers import GPT2LMHeadModel, TrainingArguments  # noqa: E402
+
+from zeroshard.integrations.transformers import ZeroShardTrainer  # noqa: E402
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

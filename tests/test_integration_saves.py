@@ -10,7 +10,7 @@ import torch
 
 from zeroshard.checkpoint import Checkpointer, checkpoint_kind
 from zeroshard.engine import ZeroOptimizer
-from zeroshard.integrations.building import Setting, build_engine, reconcile
+from zeroshard.integrations.building import Setting, build_engine, reconcile, split_settings
 from zeroshard.integrations.saves import FolderSaves, check_resumable, export_fp32, newest_committed
 
 
@@ -119,3 +119,12 @@ def test_an_adopted_optimizer_keeps_its_groups_and_its_scheduler():
     assert [g["lr"] for g in engine.param_groups] == [5e-3, 5e-3]
     with pytest.raises(ValueError, match="has taken steps already"):
         build_engine(model, optimizer, owner="Owner", framework="Framework")
+
+
+def test_zeroshard_settings_are_a_config_or_engine_arguments():
+    config = {"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": "auto", "gradient_clipping": 1.0}
+    assert split_settings(config, "Owner") == (config, {})  # gradient_accumulation_steps is DeepSpeed's key too
+    assert split_settings({"stage": 1, "offload": True}, "Owner") == (None, {"stage": 1, "offload": True})
+    assert split_settings("ds_config.json", "Owner") == ("ds_config.json", {})
+    with pytest.raises(ValueError, match=r"mixes ZeroOptimizer arguments \(stage\) with other keys \(train_batch_size\)"):
+        split_settings({"stage": 1, "train_batch_size": 8}, "Owner")

@@ -46,3 +46,17 @@ def test_lightning_matches_the_bare_loop_saves_every_rank_and_resumes_at_one(tmp
     resumed = {int(step): float(loss) for step, loss in STEP_LINE.findall(done.stdout)}
     assert sorted(resumed) == [3, 4], done.stdout[-2000:] + done.stderr[-2000:]
     assert resumed[3] - logged[2] == 0.0
+
+    # Outside fit (validate, test, predict with ckpt_path=) the weights come from the module
+    # file, tied names included: the LightningModule takes them with strict=True.
+    from zeroshard.integrations.lightning import _module_state
+
+    step2 = out / "checkpoints" / "epoch=0-step=2.ckpt"
+    module = trainer_workers.example("trainer_lightning").TinyLM(None)
+    weights = _module_state(step2 / "zeroshard", module.state_dict())
+    module.load_state_dict(weights, strict=True)
+    assert module.model.lm_head.weight.data_ptr() == module.model.transformer.wte.weight.data_ptr()
+    FolderSaves(engine).load(step2)  # the same checkpoint through the engine: its bf16 parameters
+    loaded = engine.model.state_dict()
+    assert sorted(weights) == sorted(loaded)
+    assert max(float((weights[name] - loaded[name]).abs().max()) for name in weights) == 0.0

@@ -155,8 +155,9 @@ def prepare_zeroshard(
     async_save: bool = True,
     **engine_options: Any,
 ) -> tuple[nn.Module, ZeroShardAcceleratedOptimizer]:
-    """Collective: every process calls it, before ``accelerator.prepare`` of the dataloaders
-    and schedulers. Make ``model`` train with a ZeroOptimizer under ``accelerator``.
+    """Collective: every process calls it, before ``accelerator.prepare`` of the model, the
+    optimizer and a scheduler built on it. Make ``model`` train with a ZeroOptimizer under
+    ``accelerator``.
 
     Args:
         accelerator: the Accelerator, without a DeepSpeed or FSDP plugin.
@@ -177,12 +178,18 @@ def prepare_zeroshard(
 
     Raises:
         ValueError: on every process, before the model changes: the accelerator has a
-            DeepSpeed or FSDP plugin, the model is wrapped (DDP, FSDP, ...), the precision is
+            DeepSpeed or FSDP plugin, the model is wrapped (DDP, FSDP, ...) or the optimizer
+            prepared by Accelerate already, the precision is
             not fp32/bf16/fp16, the config is refused (ZeRO-3, a batch size the world size
             does not divide, ...); or as ZeroOptimizer.
     """
     _check_accelerator(accelerator)
     refuse_wrapped(model, OWNER)
+    if isinstance(optimizer, AcceleratedOptimizer):
+        raise ValueError(
+            f"{OWNER}: the optimizer went through accelerator.prepare already; call prepare_zeroshard with the "
+            "optimizer you built, before accelerator.prepare"
+        )
     dtype = param_dtype_for(accelerator.mixed_precision, OWNER)
     if accelerator.device_placement:
         model.to(accelerator.device)

@@ -27,11 +27,12 @@ from ..engine import ZeroOptimizer
 
 AUTO = "auto"
 
-# ZeroOptimizer's own keyword arguments: a mapping of only these is engine options, not a config.
+# ZeroOptimizer's own keyword arguments: a mapping of only these is engine options, not a
+# config. gradient_accumulation_steps is a DeepSpeed key too, and the framework's to set.
 ENGINE_KEYWORDS = frozenset(
     name
     for name, parameter in inspect.signature(ZeroOptimizer.__init__).parameters.items()
-    if parameter.kind == inspect.Parameter.KEYWORD_ONLY
+    if parameter.kind == inspect.Parameter.KEYWORD_ONLY and name != "gradient_accumulation_steps"
 )
 
 

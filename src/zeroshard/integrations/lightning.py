@@ -35,7 +35,6 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 
-from ..checkpoint.format import MODEL_FILE
 from ..engine import ZeroOptimizer
 from .building import Setting, build_engine, dataloader_batch, param_dtype_for
 from .saves import TAG, FolderSaves, check_resumable
@@ -233,9 +232,7 @@ class ZeroShardStrategy(DDPStrategy):
             if self.is_global_zero:
                 log.info("%s: resumed from %s: %s", OWNER, folder / TAG, attestation.line())
         else:
-            from safetensors.torch import load_file
-
-            checkpoint["state_dict"] = load_file(str(folder / TAG / MODEL_FILE))
+            checkpoint["state_dict"] = _module_state(folder / TAG, self.lightning_module.state_dict())
         return checkpoint
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -277,6 +274,17 @@ def _settings(trainer: Any, precision: ZeroShardPrecision, config: Any) -> list[
         Setting("fp16.enabled", precision.param_dtype == torch.float16, flag),
         *dataloader_batch(config, steps, trainer.world_size, source, OWNER),
     ]
+
+
+def _module_state(tag: Path, like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The module's state_dict from a sharded checkpoint's module file (rank 0 wrote it), tied
+    names included, for a run that has no engine (validate, test, predict)."""
+    from ..checkpoint import open_source
+    from ..checkpoint.io.dtypes import to_torch
+
+    with open_source(tag) as source:
+        arrays = source.model_tensors(list(like))
+    return {name: to_torch(array) for name, array in arrays.items()}
 
 
 def _other_strategy(path: Path) -> str | None:
