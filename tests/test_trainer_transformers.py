@@ -1,6 +1,6 @@
 """ZeroShardTrainer (zeroshard.integrations.transformers) as a user runs it: the example at 2
 ranks against the bare zeroshard loop, every rank's state in its checkpoints, a resume at 1
-rank; the one-line refusals of what it cannot take."""
+rank; a transformers Qwen3-MoE at EP 2 resumed at EP 1. Its refusals: test_trainer_refusals.py."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ pytest.importorskip("transformers", reason="transformers is not installed (pip i
 import torch  # noqa: E402
 
 import trainer_workers  # noqa: E402
+from zeroshard.integrations.saves import FolderSaves  # noqa: E402
 from zeroshard.launch import spawn  # noqa: E402
 
 STEPS = 4  # checkpoints at steps 2 and 4
@@ -23,17 +24,6 @@ STEPS = 4  # checkpoints at steps 2 and 4
 def _logged(checkpoint: Path, key: str = "loss") -> list[float]:
     history = json.loads((checkpoint / "trainer_state.json").read_text())["log_history"]
     return [entry[key] for entry in history if key in entry]
-
-
-def _engine_at_one_rank(out: Path):
-    """A ZeroShardTrainer's engine built in this process (world size 1), as the example builds it."""
-    module = trainer_workers.example("trainer_transformers")
-    args = module.parse_args(["--out", str(out / "one-rank")])
-    trainer = module.ZeroShardTrainer(
-        model=module.tiny_gpt2(), args=module.training_arguments(args, 1), train_dataset=module.ProgressionCorpus()
-    )
-    trainer.create_optimizer()
-    return trainer
 
 
 def test_trainer_matches_the_bare_loop_saves_every_rank_and_resumes_at_one(tmp_path):
@@ -56,9 +46,9 @@ def test_trainer_matches_the_bare_loop_saves_every_rank_and_resumes_at_one(tmp_p
         "rank-00001-of-00002.safetensors",
     ]
     assert not (folder / "optimizer.pt").exists()
-    trainer = _engine_at_one_rank(tmp_path)
-    trainer._saves.load(folder)
-    assert trainer_workers.state_difference(trainer.engine, results[0]["state"]) == 0.0
+    engine = trainer_workers.bare_engine(fused=True)  # world size 1, laid out as the Trainer's
+    FolderSaves(engine).load(folder)
+    assert trainer_workers.state_difference(engine, results[0]["state"]) == 0.0
 
     # Resume checkpoint-2 at 1 rank (2 micro-batches per step instead of 2 ranks): the first
     # resumed step runs the loaded weights on the same 8 rows, so its loss is bit for bit the
