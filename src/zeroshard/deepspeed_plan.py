@@ -60,7 +60,7 @@ def plan_run(config: Any, world_size: int, client_optimizer: Any) -> Plan:
         ValueError: one line naming every refused key and why, or the first value that
             cannot be honoured. FileNotFoundError: the config file does not exist.
     """
-    raw = _read_config(config)
+    raw = read_config(config)
     classified = classify(raw)
     refusals = classified.refusals + _auto_values(raw)
     if refusals:
@@ -96,7 +96,7 @@ def plan_run(config: Any, world_size: int, client_optimizer: Any) -> Plan:
     return Plan(values, classified.noops, batch, dtype, optimizer_class, options, notes, schedule, schedule_params)
 
 
-def _read_config(config: Any) -> dict[str, Any]:
+def read_config(config: Any) -> dict[str, Any]:
     """The config as a dict: a JSON file is read without waiting on a FIFO, at most
     16 MiB of it, nested at most jsonvalue.MAX_DEPTH deep (a dict given is held to that too)."""
     if isinstance(config, (str, os.PathLike)):

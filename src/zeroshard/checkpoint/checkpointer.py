@@ -68,6 +68,7 @@ class SaveStats:
 
     tag: str
     step: int
+    root: Path | None = None  # where the save goes: the Checkpointer's root unless save() named another
     waited_s: float = 0.0
     snapshot_s: float = 0.0
     stall_s: float = 0.0
@@ -199,7 +200,14 @@ class Checkpointer:
             _say(f"{how} from {path}: training goes on at step {start}; {self.attestation.line()}")
         return start
 
-    def save(self, step: int, extra: dict[str, Any] | None = None) -> SaveStats:
+    def save(
+        self,
+        step: int,
+        extra: dict[str, Any] | None = None,
+        *,
+        root: str | os.PathLike[str] | None = None,
+        tag: str | None = None,
+    ) -> SaveStats:
         """Collective. Save the run as ``step-<step>`` (the state after training step ``step``),
         never over a checkpoint: a ``step-<step>`` that exists fails the save on every rank
         before anything is written.
@@ -207,11 +215,16 @@ class Checkpointer:
         Waits for the previous save first (raising its error, if any). Asynchronous: returns
         once this rank's state is copied to host memory; :meth:`wait` for the outcome.
         ``extra`` (JSON-able) comes back as :attr:`extra` after :meth:`load`.
+
+        ``root`` and ``tag`` save elsewhere: as ``<root>/<tag>`` with its own ``<root>/latest``
+        (a trainer's ``checkpoint-N/`` folder holding one checkpoint beside the trainer's own
+        files). Retention applies to the Checkpointer's root only, and :meth:`load` reads only that.
         """
         started = time.perf_counter()
         self._check_open()
         self.wait()
-        stats = SaveStats(step_tag(step), step, waited_s=time.perf_counter() - started)
+        target = self.root if root is None else Path(root)
+        stats = SaveStats(tag or step_tag(step), step, target, waited_s=time.perf_counter() - started)
         snapshot_start = time.perf_counter()
         state, problem = self._take_state(step, extra)
         stats.snapshot_s = time.perf_counter() - snapshot_start
@@ -225,7 +238,7 @@ class Checkpointer:
             try:
                 self._run_save(stats, state, problem)
             except (OSError, ValueError) as err:
-                raise CheckpointSaveError(_not_saved(self.root / stats.tag, err)) from err
+                raise CheckpointSaveError(_not_saved(stats.root / stats.tag, err)) from err
         stats.stall_s = time.perf_counter() - started
         return stats
 
@@ -239,7 +252,7 @@ class Checkpointer:
         self._in_flight = self._error = None
         if error is not None:
             assert stats is not None
-            raise CheckpointSaveError(_not_saved(self.root / stats.tag, error)) from error
+            raise CheckpointSaveError(_not_saved(stats.root / stats.tag, error)) from error
         return stats
 
     @property
@@ -322,7 +335,7 @@ class Checkpointer:
     def _run_save(self, stats: SaveStats, state: ShardedState | None, problem: str | None) -> None:
         """Plan, write and commit one save (collective on the gloo group), then retention."""
         started = time.perf_counter()
-        plan = plan_save(self.root, stats.tag, state, self._coord, problem=problem, replace=False)
+        plan = plan_save(stats.root, stats.tag, state, self._coord, problem=problem, replace=False)
         assert state is not None  # plan_save raised on every rank otherwise
 
         def retain() -> None:  # rank 0, still holding the root's lock
@@ -330,7 +343,8 @@ class Checkpointer:
 
         try:
             written = write_rank_files(plan, state, self._buffer_names, self._coord, self._fault)
-            stats.path = commit_save(plan, state, written, self._coord, self._fault, after_publish=retain)
+            after_publish = retain if stats.root == self.root else None
+            stats.path = commit_save(plan, state, written, self._coord, self._fault, after_publish=after_publish)
         finally:
             plan.release()
         stats.write_s = time.perf_counter() - started
@@ -377,7 +391,7 @@ def _finish_at_exit(ref: weakref.ref[Checkpointer]) -> None:
         return
     stats = ckpt._in_flight
     print(
-        f"zeroshard: exiting with a checkpoint save in flight: finishing the save of {ckpt.root / stats.tag} "
+        f"zeroshard: exiting with a checkpoint save in flight: finishing the save of {stats.root / stats.tag} "
         "(call Checkpointer.close() before exiting)",
         file=sys.stderr,
         flush=True,
