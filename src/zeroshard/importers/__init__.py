@@ -11,9 +11,10 @@ lists, so :func:`~zeroshard.checkpoint.formats.open_source` recognises it.
 
 from ..checkpoint.formats import SourceFormat
 from .autoep import AutoEPSource
-from .deepspeed import DeepSpeedSource, open_deepspeed
+from .deepspeed import DeepSpeedSource
 from .deepspeed_paths import find_tag_dir, is_deepspeed_checkpoint, is_deepspeed_universal, recognise_deepspeed
 from .deepspeed_pickle import ALLOWED_GLOBALS, DeepSpeedFormatError
+from .opener import open_deepspeed
 
 # Recognises DeepSpeed's own universal format too, so that opening it refuses it by name.
 DEEPSPEED_FORMAT = SourceFormat("deepspeed", recognise_deepspeed, open_deepspeed, "DeepSpeed ZeRO stage 1/2 checkpoint")

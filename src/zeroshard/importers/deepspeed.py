@@ -1,8 +1,8 @@
 """DeepSpeed ZeRO stage 1/2 checkpoints as a :class:`~zeroshard.checkpoint.source.ShardSource`.
 
-:func:`open_deepspeed` finds the tag folder, reads the model-states file, rebuilds the flat
-layout with the layout module's ``deepspeed`` policy from ``param_shapes``, and checks it
-against what every rank's optimizer file says (partition sizes, paddings, slice mappings)
+:class:`DeepSpeedSource`, given the tag folder (:func:`~.opener.open_deepspeed` finds it),
+reads the model-states file, rebuilds the flat layout with the layout module's ``deepspeed``
+policy from ``param_shapes``, and checks it against what every rank's optimizer file says (partition sizes, paddings, slice mappings)
 before anything is read. A disagreement is a :class:`DeepSpeedFormatError` naming the file,
 group and rank: a misread layout would silently scramble weights.
 
@@ -21,7 +21,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -36,39 +36,10 @@ from ..state import ParamGroupState
 from .autoep_experts import ExpertWeights, check_placement, expert_file_names, read_expert_files
 from .autoep_layout import expert_group_spec, group_kind
 from .deepspeed_files import ModelStates, RankShard, read_model_states, read_rank_shard, read_scalars
-from .deepspeed_paths import (
-    MODEL_STATES_FILE,
-    find_tag_dir,
-    model_states_path,
-    rank_file_paths,
-    refuse_deepspeed_universal,
-    refuse_unsupported,
-)
+from .deepspeed_paths import MODEL_STATES_FILE, model_states_path, rank_file_paths, refuse_unsupported
 from .deepspeed_pickle import DeepSpeedFormatError
 from .torch_file import StoredTensor, TorchFileError
 from .torch_records import one_line
-
-if TYPE_CHECKING:
-    from .autoep import AutoEPSource
-
-
-def open_deepspeed(path: str | Path) -> DeepSpeedSource | AutoEPSource:
-    """Open a DeepSpeed ZeRO stage 1/2 checkpoint, check its layout, and return a source:
-    an AutoEP run's in the transformers model's names and layout (:class:`~.autoep.AutoEPSource`;
-    its ``raw`` is DeepSpeed's own). DeepSpeed's own universal format is refused by name
-    (UnsupportedCheckpointError)."""
-    refuse_deepspeed_universal(path)
-    raw = DeepSpeedSource(find_tag_dir(path))
-    if raw.autoep is None:
-        return raw
-    from .autoep import AutoEPSource  # it builds on this module
-
-    try:
-        return AutoEPSource(raw)
-    except BaseException:
-        raw.close()
-        raise
-
 
 @dataclass(frozen=True, slots=True)
 class RankTensors:
