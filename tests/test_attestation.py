@@ -25,7 +25,7 @@ from universal_helpers import save_synthetic
 
 from zeroshard.checkpoint import attest, loader, run_ranks
 from zeroshard.checkpoint.attest import AttestationError, UnattestedCheckpointWarning
-from zeroshard.checkpoint.io.damage import CheckpointDamagedError
+from zeroshard.io.damage import CheckpointDamagedError
 from zeroshard.checkpoint.attested import load_attested
 from zeroshard.checkpoint.native.load import load_sharded
 from zeroshard.checkpoint.native.source import NativeSource

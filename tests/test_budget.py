@@ -1,4 +1,4 @@
-"""The per-file byte budget (zeroshard.checkpoint.io.budget) on its own, and the torch.save
+"""The per-file byte budget (zeroshard.io.budget) on its own, and the torch.save
 reader charging it: pickles that re-use one memoised object to make the unpickler copy it
 again and again, opcodes that declare more than the pickle holds, hostile names in errors.
 
@@ -29,7 +29,7 @@ from hostile_files import (
     put,
 )
 
-from zeroshard.checkpoint.io.budget import CONSTANT, FACTOR, Budget, BudgetExceeded, quoted
+from zeroshard.io.budget import CONSTANT, FACTOR, Budget, BudgetExceeded, quoted
 from zeroshard.importers import torch_unpickler
 from zeroshard.importers.deepspeed_pickle import ALLOWED_GLOBALS
 from zeroshard.importers.torch_file import TorchFileError, load_torch_file

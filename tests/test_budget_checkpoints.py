@@ -20,7 +20,7 @@ from hostile_files import edit_torch_file as edit
 from hostile_files import measured
 
 from zeroshard.checkpoint import run_ranks, save_sharded
-from zeroshard.checkpoint.io.safetensors_io import read_header
+from zeroshard.io.safetensors_io import read_header
 from zeroshard.checkpoint.native.manifest import read_manifest
 from zeroshard.checkpoint.testing import synthesize_state
 from zeroshard.checkpoint.universal import to_universal
@@ -220,7 +220,7 @@ def test_what_an_output_repeats_is_charged_to_the_file_it_comes_from(tmp_path):
     shared_params, would make 400 MB of export."""
     from types import SimpleNamespace
 
-    from zeroshard.checkpoint.io.budget import Budget
+    from zeroshard.io.budget import Budget
     from zeroshard.importers.deepspeed import KEY_BYTES, charge_outputs
     from zeroshard.importers.deepspeed_pickle import DeepSpeedFormatError
 

@@ -25,7 +25,7 @@ if importlib.util.find_spec("deepspeed") is None:
 from deepspeed_fixtures import CONFIGS, Fixture
 from safetensors.torch import load_file
 
-from zeroshard.checkpoint.io.dtypes import to_torch
+from zeroshard.io.dtypes import to_torch
 from zeroshard.checkpoint.export.fp32 import to_fp32
 from zeroshard.checkpoint.source import read_param
 from zeroshard.checkpoint.universal.write import to_universal

@@ -36,7 +36,7 @@ SPECS = [
     [ParamSpec.of("embed", (13, 7), "bf16"), ParamSpec.of("w", (5, 3), "bf16")],
     [ParamSpec.of("head.bias", (11,), "bf16"), ParamSpec.of("norm", (4,), "bf16")],
 ]
-CHECKPOINT_PACKAGE = Path(zeroshard.__file__).parent / "checkpoint"
+PACKAGES = {name: Path(zeroshard.__file__).parent / name for name in ("checkpoint", "io")}
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +47,17 @@ def native_and_universal(tmp_path_factory):
 
 
 def _checkpoint_imports() -> dict[str, set[str]]:
-    """Every checkpoint module (sub-packages included) and the absolute modules it imports."""
+    """Every checkpoint and io module (sub-packages included) and the absolute modules it imports."""
     imports = {}
-    for path in sorted(CHECKPOINT_PACKAGE.rglob("*.py")):
-        parts = ("zeroshard", "checkpoint", *path.relative_to(CHECKPOINT_PACKAGE).with_suffix("").parts)
+    for name, root in PACKAGES.items():
+        imports.update(_package_imports(name, root))
+    return imports
+
+
+def _package_imports(name: str, root: Path) -> dict[str, set[str]]:
+    imports = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = ("zeroshard", name, *path.relative_to(root).with_suffix("").parts)
         package = parts[:-1] if parts[-1] != "__init__" else parts[:-1]
         module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         names = set()
@@ -66,13 +73,13 @@ def _checkpoint_imports() -> dict[str, set[str]]:
 
 def test_the_checkpoint_layers_import_only_downwards():
     """Importers build on the checkpoint layer; the formats table in zeroshard/__init__.py
-    names them instead, so no checkpoint module imports them. Inside it, io (bytes, files)
-    imports none of the formats built on it, and native and universal not each other."""
+    names them instead, so no checkpoint module imports them. io (bytes, files) imports none of
+    the checkpoint layer built on it; inside that, native and universal import not each other."""
     imports = _checkpoint_imports()
-    assert "zeroshard.checkpoint.io.safetensors_io" in imports and "zeroshard.checkpoint.native.save" in imports
+    assert "zeroshard.io.safetensors_io" in imports and "zeroshard.checkpoint.native.save" in imports
     forbidden = {
         "zeroshard.checkpoint": ("zeroshard.importers",),
-        "zeroshard.checkpoint.io": ("zeroshard.checkpoint.native", "zeroshard.checkpoint.universal", "zeroshard.checkpoint.export"),
+        "zeroshard.io": ("zeroshard.checkpoint",),
         "zeroshard.checkpoint.native": ("zeroshard.checkpoint.universal", "zeroshard.checkpoint.export"),
         "zeroshard.checkpoint.universal": ("zeroshard.checkpoint.native", "zeroshard.checkpoint.export"),
     }

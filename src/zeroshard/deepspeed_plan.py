@@ -12,8 +12,8 @@ from typing import Any, Mapping
 
 import torch
 
-from .checkpoint.io import jsonvalue
-from .checkpoint.io.members import read_small_file
+from .io import jsonvalue
+from .io.members import read_small_file
 from .deepspeed_keys import classify
 from .deepspeed_optimizer import optimizer_from_config
 from .deepspeed_values import arguments, flag, integer, number, positive, refusal, required_arguments, setting

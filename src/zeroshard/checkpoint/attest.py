@@ -40,8 +40,8 @@ from .digests import (
     range_term,
     scalar_digest,
 )
-from .io.damage import CheckpointDamagedError
-from .io.digest import FUSED, digest
+from ..io.damage import CheckpointDamagedError
+from ..io.digest import FUSED, digest
 
 if TYPE_CHECKING:
     from .source import ShardSource

@@ -15,7 +15,7 @@ from ..layout import Layout
 from ..state import ShardedState
 from . import attest
 from .attest import Attestation, AttestationError, Evidence, warn_if_unattested
-from .io.damage import CheckpointDamagedError
+from ..io.damage import CheckpointDamagedError
 from .loader import load_state
 from .source import ShardSource
 

@@ -39,7 +39,7 @@ from ..layout.coordinates import ep_rank, expert_numel, shard_rank
 from ..state import ParamGroupState, ShardedState
 from .attest import Evidence, attest_alone
 from .compat import Mismatch, compare_module, compare_params
-from .io.dtypes import arrays_to_torch, cast, dtype_info, dtype_of, to_numpy, to_torch
+from ..io.dtypes import arrays_to_torch, cast, dtype_info, dtype_of, to_numpy, to_torch
 from .reshard import GroupPlan, plan_reads
 from .source import ShardSource, param_group_owners, read_into, read_model_tensors, read_param, read_whole_param
 

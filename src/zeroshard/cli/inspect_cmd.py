@@ -14,7 +14,7 @@ import argparse
 from pathlib import Path
 
 from ..checkpoint.formats import NATIVE, UnsupportedCheckpointError, open_source, recognise
-from ..checkpoint.io.directory import resolve_checkpoint
+from ..checkpoint.directory import resolve_checkpoint
 from ..checkpoint.native.handle import Checkpoint, open_checkpoint
 from ..checkpoint.native.manifest import read_manifest
 from ..checkpoint.native.source import is_native_checkpoint

@@ -13,8 +13,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from ..checkpoint.format import MANIFEST_FILE, MODEL_FILE, rank_file_name, scalar_key
-from ..checkpoint.io.block_reader import array_view
-from ..checkpoint.io.safetensors_io import VerifiedRanges, read_header
+from ..io.block_reader import array_view
+from ..io.safetensors_io import VerifiedRanges, read_header
 from ..checkpoint.native.handle import Checkpoint
 from ..checkpoint.universal.format import MANIFEST_FILE as UNIVERSAL_MANIFEST_FILE
 from ..checkpoint.universal.read import UniversalCheckpoint

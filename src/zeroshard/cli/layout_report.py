@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from ..checkpoint.io import jsonvalue
-from ..checkpoint.io.members import read_small_file
+from ..io import jsonvalue
+from ..io.members import read_small_file
 from ..layout import ExpertMesh, GroupSpec, Layout, LayoutPolicy, ParamSpec, build_layout, itemsize
 from .arguments import positive_int
 from .expert_report import group_partitioning, shard_group_lines

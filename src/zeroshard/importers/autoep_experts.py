@@ -16,8 +16,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from ..checkpoint.io.budget import named, quoted
-from ..checkpoint.io.dtypes import dtype_info
+from ..io.budget import named, quoted
+from ..io.dtypes import dtype_info
 from ..layout import Layout
 from ..layout.coordinates import GlobalRun, expert_location, locate_global
 from . import deepspeed_fields as fields

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.io.budget import Budget, quoted
+from ..io.budget import Budget, quoted
 from . import deepspeed_fields as fields
 from .deepspeed_pickle import DeepSpeedFormatError
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.io.budget import Budget, BudgetExceeded, quoted
+from ..io.budget import Budget, BudgetExceeded, quoted
 from ..layout import EXPERT_SHARD_GROUP, GroupSpec, ParamSpec
 from .autoep_files import AutoEP, check_affine_maps
 from .deepspeed_pickle import DeepSpeedFormatError

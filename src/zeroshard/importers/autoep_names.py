@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checkpoint.io.budget import quoted
+from ..io.budget import quoted
 from ..layout import ExpertStack
 from .autoep_files import AutoEP
 from .deepspeed_pickle import DeepSpeedFormatError

@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 
 from ..checkpoint.format import state_name_problem
-from ..checkpoint.io.budget import BudgetExceeded, quoted
-from ..checkpoint.io.dtypes import to_float32
+from ..io.budget import BudgetExceeded, quoted
+from ..io.dtypes import to_float32
 from ..checkpoint.source import ModelEntry, SourceInfo
 from ..collector import collector_paused
 from ..layout import GroupLayout, GroupSpec, Layout, LayoutPolicy, ParamSpec, build_layout, canonical_dtype

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.io.budget import DICT_ITEM_BYTES, REFERENCE_BYTES, Budget, named, quoted
+from ..io.budget import DICT_ITEM_BYTES, REFERENCE_BYTES, Budget, named, quoted
 from .deepspeed_pickle import DeepSpeedFormatError
 from .torch_records import STORAGE_CLASSES, StoredTensor
 from .torch_unpickler import ITEMSIZES

@@ -11,7 +11,7 @@ Two kinds of file in a tag folder (DeepSpeed 0.19; docs/DEEPSPEED.md):
 Finding the files (tag folder, ``latest``, rank files, layouts and formats we refuse) is
 :mod:`.deepspeed_paths`'s job.
 Parsing checks types and shapes, not the layout; that is :mod:`.deepspeed`'s job. Every file
-is read within its budget (:mod:`zeroshard.checkpoint.io.budget`): what parsing walks again
+is read within its budget (:mod:`zeroshard.io.budget`): what parsing walks again
 for each reference to a shared container, the tensors kept and the values copied out are
 charged to it.
 """
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..checkpoint.io.budget import DICT_ITEM_BYTES, UNCHARGED_BYTES, Budget, BudgetExceeded, quoted
+from ..io.budget import DICT_ITEM_BYTES, UNCHARGED_BYTES, Budget, BudgetExceeded, quoted
 from . import deepspeed_fields as fields
 from .autoep_files import AutoEP, parse_autoep
 from .deepspeed_pickle import (

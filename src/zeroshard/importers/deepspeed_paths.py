@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 from ..checkpoint.formats import UnsupportedCheckpointError
-from ..checkpoint.io.budget import quoted
+from ..io.budget import quoted
 from .deepspeed_pickle import DeepSpeedFormatError
 
 MODEL_STATES_FILE = "mp_rank_00_model_states.pt"

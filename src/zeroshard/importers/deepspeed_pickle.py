@@ -20,7 +20,7 @@ import enum
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.io.budget import Budget, quoted
+from ..io.budget import Budget, quoted
 from .torch_file import TorchFileError, read_torch_file
 from .torch_records import fills_state, refuses_state
 

@@ -32,7 +32,7 @@ import operator
 import pickletools
 from typing import Any
 
-from ..checkpoint.io.hashes import MAX_ALIKE, crowded
+from ..io.hashes import MAX_ALIKE, crowded
 from .pickle_keys import ITEMS, REBUILT, UNKNOWN, Held, stand_in
 from .torch_records import FileProblem, charge_load
 

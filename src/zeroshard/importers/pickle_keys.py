@@ -16,7 +16,7 @@ import pickletools
 import struct
 from typing import Any
 
-from ..checkpoint.io.hashes import MAX_ALIKE
+from ..io.hashes import MAX_ALIKE
 from .torch_records import FileProblem
 
 UNKNOWN = object()  # what a key whose value the bytes do not give rebuilds to

@@ -25,7 +25,7 @@ import re
 import sys
 import threading
 
-from ..checkpoint.io.budget import CONSTANT, FACTOR
+from ..io.budget import CONSTANT, FACTOR
 from .pickle_hashing import MAX_TUPLE_DEPTH, hash_steps
 from .torch_records import FileProblem
 

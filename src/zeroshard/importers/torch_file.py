@@ -29,7 +29,7 @@ bytes are read (:func:`~.torch_records.verify_record`). No size the file declare
 allocation beyond the bytes it holds: a storage must fit its record, and a tensor view must
 fit its storage and hold no more elements than it (so a stride-0 view of a small storage
 cannot expand into gigabytes). What unpickling creates and copies is charged to the file's
-:class:`~zeroshard.checkpoint.io.budget.Budget`, which the caller keeps charging for what it
+:class:`~zeroshard.io.budget.Budget`, which the caller keeps charging for what it
 does with the result (the DeepSpeed importer charges every tensor it keeps).
 """
 
@@ -46,8 +46,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ..checkpoint.io.budget import Budget, BudgetExceeded, named, quoted
-from ..checkpoint.io.members import open_member
+from ..io.budget import Budget, BudgetExceeded, named, quoted
+from ..io.members import open_member
 from .torch_records import (
     FileProblem,
     StorageRecord,
@@ -92,7 +92,7 @@ def load_torch_file(path: Path, allowed: Mapping[str, type] | None = None) -> An
     shared beyond one load, an Enum's members, must refuse, so that a file cannot change them
     for the whole process). It cannot replace the built-in entries. Raises TorchFileError,
     whose one-line message starts with ``path``, also where the file would cost more than its
-    budget (:mod:`zeroshard.checkpoint.io.budget`).
+    budget (:mod:`zeroshard.io.budget`).
     """
     return read_torch_file(path, allowed).value
 
@@ -152,7 +152,7 @@ def _globals(allowed: tuple[tuple[str, type], ...]) -> Mapping[str, Any]:
 
 def _open_file(path: Path) -> tuple[int, int]:
     """A read-only descriptor of the regular file ``path``, and the file's size; a FIFO or a
-    device is refused, never waited on (:func:`~zeroshard.checkpoint.io.members.open_member`)."""
+    device is refused, never waited on (:func:`~zeroshard.io.members.open_member`)."""
     try:
         fd = open_member(path, follow_links=True)
     except FileNotFoundError:

@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpoint.io.budget import DICT_ITEM_BYTES, named
-from ..checkpoint.io.dtypes import dtype_info
-from ..checkpoint.io.safetensors_io import map_range
+from ..io.budget import DICT_ITEM_BYTES, named
+from ..io.dtypes import dtype_info
+from ..io.safetensors_io import map_range
 
 try:
     from zlib_ng.zlib_ng import crc32
@@ -41,7 +41,7 @@ class FileProblem(Exception):
 
 
 # torch's storage class of each dtype; None where torch saves the dtype with an untyped
-# storage and _rebuild_tensor_v3. Element types come from zeroshard.checkpoint.io.dtypes.
+# storage and _rebuild_tensor_v3. Element types come from zeroshard.io.dtypes.
 STORAGE_CLASSES: dict[str, str | None] = {
     "float64": "DoubleStorage",
     "float32": "FloatStorage",

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..checkpoint.io.budget import (
+from ..io.budget import (
     DICT_ITEM_BYTES,
     REFERENCE_BYTES,
     SET_ITEM_BYTES,
@@ -36,7 +36,7 @@ from ..checkpoint.io.budget import (
     named,
     quoted,
 )
-from ..checkpoint.io.dtypes import dtype_info
+from ..io.dtypes import dtype_info
 from .pickle_hashing import charge_hashing
 from .pickle_scan import check_opcodes
 from .torch_records import (

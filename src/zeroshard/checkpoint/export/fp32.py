@@ -29,19 +29,19 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from ...layout import canonical_dtype
-from ..io.checksum import block_crc
-from ..io.directory import write_file_durably
-from ..io.dtypes import cast, dtype_info, to_torch
+from ...io.checksum import block_crc
+from ..directory import write_file_durably
+from ...io.dtypes import cast, dtype_info, to_torch
 from ..format import DEFAULT_BLOCK_SIZE, MANIFEST_FILE
 from ..formats import open_source
-from ..io.output_dir import OutputKind, output_path, staged_output
-from ..io.safetensors_io import PlannedTensor
+from ..output_dir import OutputKind, output_path, staged_output
+from ...io.safetensors_io import PlannedTensor
 from ..experts import EXPERT_FORMS, ExportedParam, exported_params, read_exported
-from ..io.digest import ALGORITHM
+from ...io.digest import ALGORITHM
 from ..read_digests import ReadChecker
 from ..model_config import CONFIG_FILE, EXPORTED_CONFIGS, parse_config
 from ..source import ModelEntry, ShardSource, read_model_configs
-from ..io.streaming import OutputTensor, plan_shards, write_shards
+from ...io.streaming import OutputTensor, plan_shards, write_shards
 from ..universal.read import UniversalCheckpoint
 from ..universal.source import UniversalSource
 

@@ -28,7 +28,7 @@ from ..coordinator import Coordinator
 from .handle import Checkpoint
 from ..attested import load_from
 from .source import NativeSource
-from ..io.safetensors_io import ReadStats
+from ...io.safetensors_io import ReadStats
 
 
 def load_sharded(

@@ -36,11 +36,11 @@ from ..format import (
     state_key,
     state_name_problem,
 )
-from ..io import jsonvalue
-from ..io.budget import quoted
-from ..io.checksum import FileRecord
-from ..io.damage import CheckpointDamagedError
-from ..io.directory import read_json_file
+from ...io import jsonvalue
+from ...io.budget import quoted
+from ...io.checksum import FileRecord
+from ...io.damage import CheckpointDamagedError
+from ..directory import read_json_file
 from .binding import layout_digest
 
 TENSOR_KINDS = ("trainable", "frozen", "buffer", "other")

@@ -35,10 +35,10 @@ from ...layout import (
 )
 from ...layout.stacks import check_stack_shape, per_expert_name_clash
 from ..format import state_name_problem
-from ..io import jsonvalue
-from ..io.budget import quoted
-from ..io.checksum import FileRecord
-from ..io.directory import read_json_file
+from ...io import jsonvalue
+from ...io.budget import quoted
+from ...io.checksum import FileRecord
+from ..directory import read_json_file
 from ..model_config import STORED_NAMES
 from ..digests import StateDigests
 from ..source import ModelEntry

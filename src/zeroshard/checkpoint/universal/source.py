@@ -24,8 +24,8 @@ import numpy as np
 
 from ...layout import Layout, build_layout
 from ...state import ParamGroupState
-from ..io.dtypes import cast
-from ..io.safetensors_io import ReadStats
+from ...io.dtypes import cast
+from ...io.safetensors_io import ReadStats
 from ..formats import SourceFormat
 from ..packed import PACKED_POLICY, PackedPartitions, PackedSource
 from ..digests import StateDigests

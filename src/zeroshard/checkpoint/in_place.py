@@ -22,7 +22,7 @@ import shutil
 from pathlib import Path
 from typing import Sequence
 
-from ..format import temp_dir_name
+from .format import temp_dir_name
 from .directory import Fault, fsync_dir
 
 _UNIQUE = "[0-9a-f]{12}"  # as directory.new_staging names them

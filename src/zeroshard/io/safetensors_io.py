@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from ...layout.specs import shape_problem, tensor_name_problem
+from ..layout.specs import shape_problem, tensor_name_problem
 from . import jsonvalue
 from .checksum import BlockHasher, FileRecord, block_crc
 from .damage import CheckpointDamagedError

@@ -31,10 +31,10 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from . import jsonvalue
-from .checksum import FileRecord
-from .damage import CheckpointDamagedError, MissingFileError
-from ..format import (
+from ..io import jsonvalue
+from ..io.checksum import FileRecord
+from ..io.damage import CheckpointDamagedError, MissingFileError
+from .format import (
     DELETE_MARKER,
     LATEST_FILE,
     LOCK_FILE,
@@ -45,9 +45,9 @@ from ..format import (
     old_dir_name,
     temp_dir_name,
 )
-from .members import member_path, open_member, read_small_file
-from .safetensors_io import named_os_error
-from .writer_lock import WriterLock
+from ..io.members import member_path, open_member, read_small_file
+from ..io.safetensors_io import named_os_error
+from ..io.writer_lock import WriterLock
 
 log = logging.getLogger(__name__)
 
@@ -333,7 +333,7 @@ def read_json_file(path: Path, what: str) -> Any:
 
 
 def check_files_present(directory: Path, records: Mapping[str, FileRecord]) -> None:
-    """Every file a manifest lists is a regular file in ``directory`` (see :mod:`.members`)
+    """Every file a manifest lists is a regular file in ``directory`` (see :mod:`..io.members`)
     with its recorded size (one lstat each)."""
     for name, record in records.items():
         size = member_path(directory, name).lstat().st_size

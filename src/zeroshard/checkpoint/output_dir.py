@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
-from .checksum import crc32
+from ..io.checksum import crc32
 from .directory import Fault, fsync_dir, new_staging, publish_dir, read_json_file, recover_target
 from .in_place import check_empty_mount_point, publish_in_place, recover_in_place, stages_in_place
-from .members import open_member
-from .safetensors_io import read_metadata
-from .writer_lock import WriterLock
+from ..io.members import open_member
+from ..io.safetensors_io import read_metadata
+from ..io.writer_lock import WriterLock
 
 
 @dataclass(frozen=True)
