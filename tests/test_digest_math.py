@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zeroshard.checkpoint.digests import (
+from zeroshard.checkpoint.attest.digests import (
     PartitionDigester,
     Terms,
     array_digest,

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
-from .attest import Attestation
+from .attest.attestation import Attestation
 from .coordinator import Coordinator
 from .engine_io import load_checkpoint_attested
 from .format import LATEST_FILE, LOCK_FILE, MANIFEST_FILE

@@ -24,7 +24,7 @@ from .experts import exported_params, read_exported
 from ..io.safetensors_io import check_entries, read_header, read_metadata, verify_file
 from .native.binding import check_binding
 from .param_groups import param_group_problems
-from .read_digests import ReadChecker
+from .attest.read_digests import ReadChecker
 from .source import ShardSource
 from .universal.format import UniversalManifest, shard_version_problem
 

@@ -16,7 +16,7 @@ wholly inside the range are read straight into the caller's array, a few at a ti
 is checked there right after its read, while it is still in the CPU cache. That is one copy
 (the kernel's, from the page cache) and a checksum pass on hot memory: about the cost of
 reading the bytes once. Given an observer (a digester: ``cuts`` and ``segment``, see
-:mod:`..checkpoint.digests`), it also hands over the CRC of every segment it checks, cut at the
+:mod:`..checkpoint.attest.digests`), it also hands over the CRC of every segment it checks, cut at the
 observer's boundaries too, so a load digests what it read with no pass of its own.
 """
 

@@ -9,7 +9,7 @@
   are the rank files' fp32 masters, and the model's config files, :mod:`..model_config`),
   hashing while writing, then fsyncs it. The same pass
   digests each fragment of the logical state while its bytes are in the CPU cache
-  (:mod:`..digests`), and each rank file records its binding (:mod:`.binding`);
+  (:mod:`..attest.digests`), and each rank file records its binding (:mod:`.binding`);
 * commit (collective): the block checksums and partial digests are gathered on rank 0 (also
   the barrier that says every rank's files are durable); rank 0 combines the digests (every
   logical tensor must be covered exactly once, and every rank's optimizer scalars must be
@@ -36,7 +36,7 @@ import torch
 
 from ...layout.specs import tensor_name_problem
 from ...state import ShardedState
-from ..digests import PartitionDigester, StateDigests, Terms, digests_from_terms, held_pieces, scalar_digest
+from ..attest.digests import PartitionDigester, StateDigests, Terms, digests_from_terms, held_pieces, scalar_digest
 from ...io import jsonvalue
 from ...io.dtypes import itemsize_of
 from ...io.checksum import FileRecord

@@ -1,6 +1,6 @@
 """Attestation: every load proves that each rank holds what was saved, or nothing is loaded.
 
-The loader (:func:`~.loader.load_state`) fills an :class:`Evidence` as it reads: after the
+The loader (:func:`~..loader.load_state`) fills an :class:`Evidence` as it reads: after the
 load each rank digests what it now holds (:mod:`.digests`): the fragments of its fp32 and
 optimizer-state partitions, the optimizer scalars, the module tensors it read, and the fp32
 masters it read whole to cast into weights. What it can check alone (whole tensors) it
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import numpy as np
 
-from ..layout import Layout
+from ...layout import Layout
 from .digests import (
     HeldPiece,
     PartitionDigester,
@@ -40,11 +40,11 @@ from .digests import (
     range_term,
     scalar_digest,
 )
-from ..io.damage import CheckpointDamagedError
-from ..io.digest import FUSED, digest
+from ...io.damage import CheckpointDamagedError
+from ...io.digest import FUSED, digest
 
 if TYPE_CHECKING:
-    from .source import ShardSource
+    from ..source import ShardSource
 
 _SHOWN_PROBLEMS = 3  # of a failed attestation, named in its one line
 
@@ -98,7 +98,7 @@ class Attestation:
 
 
 class Evidence:
-    """Filled by :func:`~.loader.load_state` as it loads one rank (see the module docstring).
+    """Filled by :func:`~..loader.load_state` as it loads one rank (see the module docstring).
     One created with ``enabled=False`` ignores every call (a benchmark's baseline)."""
 
     def __init__(self, enabled: bool = True) -> None:

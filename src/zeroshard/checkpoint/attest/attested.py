@@ -1,6 +1,6 @@
 """Loads that every rank attests together: the loader on every rank, then one verdict.
 
-:func:`load_attested` runs :func:`~.loader.load_state` on every rank of a coordinator and
+:func:`load_attested` runs :func:`~..loader.load_state` on every rank of a coordinator and
 judges every rank's evidence together (:func:`attested_load`: one all-gather, the same
 verdict on every rank); :func:`load_from` is
 the entry points' choice between that and a rank loading alone.
@@ -11,16 +11,16 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..layout import Layout
-from ..state import ShardedState
-from . import attest
-from .attest import Attestation, AttestationError, Evidence, warn_if_unattested
-from ..io.damage import CheckpointDamagedError
-from .loader import load_state
-from .source import ShardSource
+from ...layout import Layout
+from ...state import ShardedState
+from . import attestation
+from .attestation import Attestation, AttestationError, Evidence, warn_if_unattested
+from ...io.damage import CheckpointDamagedError
+from ..loader import load_state
+from ..source import ShardSource
 
 if TYPE_CHECKING:
-    from .coordinator import Coordinator
+    from ..coordinator import Coordinator
 
 
 def load_attested(
@@ -93,7 +93,7 @@ def attested_load(
         per_rank = {rank: their_agree for rank, (_, their_agree, _, _) in enumerate(reports)}
         raise ValueError(f"{prefix}: the ranks' options differ: {per_rank}")
     evidences = [report[2] for report in reports]
-    verdict = attest.judge(evidences, layout, evidence._expected, evidence.path, evidence.kind, shape=mine)
+    verdict = attestation.judge(evidences, layout, evidence._expected, evidence.path, evidence.kind, shape=mine)
     if not verdict.ok:
         raise AttestationError(f"{prefix}: {verdict.line()}")
     warn_if_unattested(verdict, evidence.kind, coordinator.rank)

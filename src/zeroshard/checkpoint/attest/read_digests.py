@@ -14,9 +14,9 @@ from typing import Any, Mapping
 import numpy as np
 
 from .digests import StateDigests, array_digest, describe_key, scalar_digest
-from ..io.damage import CheckpointDamagedError
-from ..io.dtypes import cast
-from .source import ShardSource
+from ...io.damage import CheckpointDamagedError
+from ...io.dtypes import cast
+from ..source import ShardSource
 
 
 class ReadChecker:

@@ -3,7 +3,7 @@
 A *digest key* names one logical tensor: ``(parameter, expert, kind)``, where ``kind`` is
 "fp32" (the master) or an optimizer state name, and ``expert`` is the global expert id of
 one expert of a stacked expert weight (None for a dense parameter). Its digest is
-``zlib.crc32`` of its padding-free values in logical order, as stored (see :mod:`..io.digest`):
+``zlib.crc32`` of its padding-free values in logical order, as stored (see :mod:`...io.digest`):
 a dense parameter's elements, an expert's slice ``[in, out]`` of the stacked weight. The
 same key has the same digest at any world size, EP, policy or bucket size, so every rank
 digests the pieces it holds and the XOR of everyone's terms gives it.
@@ -25,9 +25,9 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from ..layout import GroupLayout, Layout
-from ..layout.coordinates import ep_rank, expert_numel, expert_pieces, shard_rank
-from ..io.digest import ALGORITHM, digest, finish, piece_term, raw_crc, zeros_crc
+from ...layout import GroupLayout, Layout
+from ...layout.coordinates import ep_rank, expert_numel, expert_pieces, shard_rank
+from ...io.digest import ALGORITHM, digest, finish, piece_term, raw_crc, zeros_crc
 
 Key = tuple[str, "int | None", str]  # (parameter, global expert or None, kind)
 _MAX_DIGEST = 1 << 32
@@ -317,7 +317,7 @@ def scalar_digest(value: Any) -> int:
         return array_digest(np.array(value, dtype=np.int64))
     if isinstance(value, float):
         return array_digest(np.array(value, dtype=np.float32))
-    from ..io.dtypes import as_array  # a torch tensor
+    from ...io.dtypes import as_array  # a torch tensor
 
     return array_digest(as_array(value))
 
