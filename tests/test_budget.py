@@ -30,10 +30,10 @@ from hostile_files import (
 )
 
 from zeroshard.io.budget import CONSTANT, FACTOR, Budget, BudgetExceeded, quoted
-from zeroshard.importers import torch_unpickler
+from zeroshard.torchfile import torch_unpickler
 from zeroshard.importers.deepspeed_pickle import ALLOWED_GLOBALS
-from zeroshard.importers.torch_file import TorchFileError, load_torch_file
-from zeroshard.importers.torch_records import fills_state
+from zeroshard.torchfile.torch_file import TorchFileError, load_torch_file
+from zeroshard.torchfile.torch_records import fills_state
 
 SLACK = 2 << 20  # what a refused load may allocate besides 64 bytes per byte of its file
 CPU_SECONDS = 2.5  # 10x the costliest refusal here (0.24 CPU seconds, measured untraced)

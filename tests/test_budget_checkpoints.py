@@ -153,9 +153,9 @@ def test_a_tuple_key_that_doubles_at_each_link_is_refused_by_every_command(tag_d
 def test_real_deepspeed_files_pass_the_cheap_bound_on_hashing(deepspeed_runs, monkeypatch):
     """No file of any fixture run needs the exact count of hashing (Python, slower than
     unpickling): the bound from byte values or the opcode pass clears each."""
-    from zeroshard.importers import pickle_scan
+    from zeroshard.torchfile import pickle_scan
     from zeroshard.importers.deepspeed_pickle import ALLOWED_GLOBALS
-    from zeroshard.importers.torch_file import load_torch_file
+    from zeroshard.torchfile.torch_file import load_torch_file
 
     counted = []
     monkeypatch.setattr(pickle_scan, "hash_steps", lambda data, limit: counted.append(len(data)))

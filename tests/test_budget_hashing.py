@@ -30,8 +30,8 @@ from hostile_files import (
 )
 from test_budget import expect_refused_within_budget
 
-from zeroshard.importers import pickle_scan
-from zeroshard.importers.torch_file import TorchFileError, load_torch_file
+from zeroshard.torchfile import pickle_scan
+from zeroshard.torchfile.torch_file import TorchFileError, load_torch_file
 
 DEPTH = 26
 
@@ -135,7 +135,7 @@ def test_a_torch_size_of_anything_but_ints_is_refused(tmp_path):
 def test_a_put_after_what_did_not_make_it_takes_the_exact_count(monkeypatch):
     """PROTO, MARK, POP, a get or a put before a put: what is memoised was made earlier, so the
     cheap bound does not hold and the exact count runs; a GLOBAL cut short is still refused."""
-    from zeroshard.importers.torch_records import FileProblem
+    from zeroshard.torchfile.torch_records import FileProblem
 
     counted = []
     monkeypatch.setattr(pickle_scan, "hash_steps", lambda data, limit: counted.append(data))

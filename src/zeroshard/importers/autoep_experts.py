@@ -23,7 +23,7 @@ from ..layout.coordinates import GlobalRun, expert_location, locate_global
 from . import deepspeed_fields as fields
 from .autoep_files import EXPERT_FILE, EXPERT_WEIGHTS, LAYERS_KEY, AutoEP, AutoEPLayer
 from .deepspeed_pickle import DeepSpeedFormatError, load_checkpoint_file
-from .torch_file import StoredTensor, TorchFileError
+from ..torchfile.torch_file import StoredTensor, TorchFileError
 
 @dataclass(frozen=True)
 class ExpertWeights:

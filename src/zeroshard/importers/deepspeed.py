@@ -38,8 +38,8 @@ from .autoep_layout import expert_group_spec, group_kind
 from .deepspeed_files import ModelStates, RankShard, read_model_states, read_rank_shard, read_scalars
 from .deepspeed_paths import MODEL_STATES_FILE, model_states_path, rank_file_paths, refuse_unsupported
 from .deepspeed_pickle import DeepSpeedFormatError
-from .torch_file import StoredTensor, TorchFileError
-from .torch_records import one_line
+from ..torchfile.torch_file import StoredTensor, TorchFileError
+from ..torchfile.torch_records import one_line
 
 @dataclass(frozen=True, slots=True)
 class RankTensors:

@@ -20,8 +20,8 @@ from typing import Any
 
 from ..io.budget import DICT_ITEM_BYTES, REFERENCE_BYTES, Budget, named, quoted
 from .deepspeed_pickle import DeepSpeedFormatError
-from .torch_records import STORAGE_CLASSES, StoredTensor
-from .torch_unpickler import ITEMSIZES
+from ..torchfile.torch_records import STORAGE_CLASSES, StoredTensor
+from ..torchfile.torch_unpickler import ITEMSIZES
 
 # Bounds for free-form values (lr scheduler state, hyperparameters, config): deeper or
 # bigger is not what DeepSpeed writes, and a self-containing dict is infinitely deep.

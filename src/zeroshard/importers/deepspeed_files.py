@@ -34,7 +34,7 @@ from .deepspeed_pickle import (
     ZeroStageEnum,
     load_checkpoint_file,
 )
-from .torch_file import StoredTensor, TorchFileError
+from ..torchfile.torch_file import StoredTensor, TorchFileError
 
 PARAM_BYTES = 512  # what a parameter of param_shapes costs in the layout rebuilt from it, at most
 
