@@ -148,7 +148,7 @@ def _run_ds_to_universal(*argv: str) -> None:
 
 
 def _run_zeroshard(*argv: str) -> None:
-    import zeroshard.importers  # noqa: F401  (imported lazily by the CLI; not part of the conversion)
+    import zeroshard.deepspeed.checkpoint  # noqa: F401  (imported lazily by the CLI; not part of the conversion)
     from zeroshard.cli.main import main
 
     started, cpu_started = time.perf_counter(), _cpu_seconds()

@@ -304,7 +304,7 @@ def test_a_legacy_checkpoint_loads_says_so_once_and_is_attested_against_what_was
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 def test_a_deepspeed_checkpoint_is_digested_as_read_and_compared_after_redistribution(deepspeed_runs, tmp_path, monkeypatch):
-    from zeroshard.importers import open_deepspeed
+    from zeroshard.deepspeed.checkpoint import open_deepspeed
 
     run = deepspeed_runs["w2_s2"]
     with open_deepspeed(run.save_dir) as source:

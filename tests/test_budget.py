@@ -31,7 +31,7 @@ from hostile_files import (
 
 from zeroshard.io.budget import CONSTANT, FACTOR, Budget, BudgetExceeded, quoted
 from zeroshard.torchfile import torch_unpickler
-from zeroshard.importers.deepspeed_pickle import ALLOWED_GLOBALS
+from zeroshard.deepspeed.checkpoint.pickled import ALLOWED_GLOBALS
 from zeroshard.torchfile.torch_file import TorchFileError, load_torch_file
 from zeroshard.torchfile.torch_records import fills_state
 

@@ -154,7 +154,7 @@ def test_real_deepspeed_files_pass_the_cheap_bound_on_hashing(deepspeed_runs, mo
     """No file of any fixture run needs the exact count of hashing (Python, slower than
     unpickling): the bound from byte values or the opcode pass clears each."""
     from zeroshard.torchfile import pickle_scan
-    from zeroshard.importers.deepspeed_pickle import ALLOWED_GLOBALS
+    from zeroshard.deepspeed.checkpoint.pickled import ALLOWED_GLOBALS
     from zeroshard.torchfile.torch_file import load_torch_file
 
     counted = []
@@ -221,8 +221,8 @@ def test_what_an_output_repeats_is_charged_to_the_file_it_comes_from(tmp_path):
     from types import SimpleNamespace
 
     from zeroshard.io.budget import Budget
-    from zeroshard.importers.deepspeed import KEY_BYTES, charge_outputs
-    from zeroshard.importers.deepspeed_pickle import DeepSpeedFormatError
+    from zeroshard.deepspeed.checkpoint.source import KEY_BYTES, charge_outputs
+    from zeroshard.deepspeed.checkpoint.pickled import DeepSpeedFormatError
 
     layout = build_layout([[ParamSpec.of(f"p{i}", (4,), "bf16") for i in range(300)]], 2)
     model = SimpleNamespace(budget=Budget(tmp_path / MODEL, 10_000))

@@ -231,7 +231,7 @@ def test_thousands_of_keys_of_distinct_hashes_load(tmp_path, case):
 def test_a_state_naming_attributes_by_anything_but_strings_is_refused(tmp_path, qualname):
     """BUILD copies its state into the object's attributes, again for every object a memoised
     state fills: attribute names are strings, whose hashes no file chooses."""
-    from zeroshard.importers.deepspeed_pickle import ALLOWED_GLOBALS
+    from zeroshard.deepspeed.checkpoint.pickled import ALLOWED_GLOBALS
 
     made = b")R" if qualname == "collections.OrderedDict" else b")\x81"
     state = b"}(" + b"".join(long1(k) + b"N" for k in colliding_ints(5)) + b"u"

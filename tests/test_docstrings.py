@@ -67,9 +67,9 @@ COLLECTIVE = (
     "zeroshard.moe.model:MoEGPT",
     "zeroshard.moe.model:MoEGPT.forward",
     "zeroshard.moe.parallel:expert_parallel",  # the forward it installs
-    "zeroshard.deepspeed_config:from_deepspeed_config",
-    "zeroshard.deepspeed_config:DeepSpeedRun.step",
-    "zeroshard.deepspeed_config:DeepSpeedRun.checkpointer",
+    "zeroshard.deepspeed.config:from_deepspeed_config",
+    "zeroshard.deepspeed.config:DeepSpeedRun.step",
+    "zeroshard.deepspeed.config:DeepSpeedRun.checkpointer",
     "zeroshard.checkpoint.engine_io:save_checkpoint",
     "zeroshard.checkpoint.engine_io:load_checkpoint",
     "zeroshard.checkpoint.engine_io:load_checkpoint_attested",

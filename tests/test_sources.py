@@ -78,7 +78,7 @@ def test_the_checkpoint_layers_import_only_downwards():
     imports = _checkpoint_imports()
     assert "zeroshard.io.safetensors_io" in imports and "zeroshard.checkpoint.native.save" in imports
     forbidden = {
-        "zeroshard.checkpoint": ("zeroshard.importers",),
+        "zeroshard.checkpoint": ("zeroshard.deepspeed.checkpoint",),
         "zeroshard.io": ("zeroshard.checkpoint",),
         "zeroshard.checkpoint.native": ("zeroshard.checkpoint.universal", "zeroshard.checkpoint.export"),
         "zeroshard.checkpoint.universal": ("zeroshard.checkpoint.native", "zeroshard.checkpoint.export"),
@@ -109,7 +109,7 @@ def test_each_kind_is_recognised_and_opened(native_and_universal, tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 def test_a_deepspeed_checkpoint_is_recognised(deepspeed_runs):
-    from zeroshard.importers import DeepSpeedSource
+    from zeroshard.deepspeed.checkpoint import DeepSpeedSource
 
     run = deepspeed_runs["w2_s2"]
     assert checkpoint_kind(run.save_dir) == checkpoint_kind(run.tag_dir) == "deepspeed"

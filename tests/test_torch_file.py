@@ -643,7 +643,7 @@ def test_one_storage_declared_two_ways_is_refused(tmp_path):
 
 
 def test_every_deepspeed_file_matches_torch_load(deepspeed_runs):
-    from zeroshard.importers.deepspeed_pickle import ALLOWED_GLOBALS
+    from zeroshard.deepspeed.checkpoint.pickled import ALLOWED_GLOBALS
 
     allowed = dict(ALLOWED_GLOBALS)
     files = [path for run in deepspeed_runs.values() for path in sorted(run.tag_dir.glob("*.pt"))]
@@ -785,7 +785,7 @@ def test_records_are_checked_once_and_with_flat_memory(tmp_path, monkeypatch):
 @pytest.mark.parametrize("call", [b"\x85R", b"\x85\x81"], ids=["REDUCE", "NEWOBJ"])
 @pytest.mark.parametrize("state", [{"_value_": 3, "_name_": "weights"}, {"evil": 1}], ids=["value", "new"])
 def test_a_file_cannot_change_an_allowed_enum_member(tmp_path, call, state):
-    from zeroshard.importers.deepspeed_pickle import ALLOWED_GLOBALS, ZeroStageEnum
+    from zeroshard.deepspeed.checkpoint.pickled import ALLOWED_GLOBALS, ZeroStageEnum
 
     member = ZeroStageEnum.gradients
     before = dict(vars(member))

@@ -81,7 +81,7 @@ def _describe_deepspeed(path: Path, list_all: bool) -> list[str]:
 
 def _deepspeed_files(source) -> list[Path]:
     """The model-states file, the rank files in rank order, then AutoEP's per-expert files."""
-    from ..importers.deepspeed_paths import model_states_path, rank_file_paths
+    from ..deepspeed.checkpoint.paths import model_states_path, rank_file_paths
 
     raw = getattr(source, "raw", source)
     experts = raw.experts.paths if raw.experts is not None else []

@@ -6,7 +6,7 @@ opcodes (:mod:`.pickle_scan`) and of what hashing its dict keys and set elements
 (:mod:`.torch_unpickler`), the records of storages and tensor views it yields
 (:mod:`.torch_records`), and :func:`~.torch_file.load_torch_file`, which puts them together
 within a byte budget. It knows nothing of DeepSpeed: a caller allows the globals its files
-need (``zeroshard.importers`` allows DeepSpeed's).
+need (``zeroshard.deepspeed.checkpoint`` allows DeepSpeed's).
 
 May import: ``zeroshard.io`` (the byte budget, ``open_member``, the dtype table, the range
 mapping of files) and nothing else of zeroshard, so it can be used alone.

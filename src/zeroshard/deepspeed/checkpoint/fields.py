@@ -18,10 +18,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ..io.budget import DICT_ITEM_BYTES, REFERENCE_BYTES, Budget, named, quoted
-from .deepspeed_pickle import DeepSpeedFormatError
-from ..torchfile.torch_records import STORAGE_CLASSES, StoredTensor
-from ..torchfile.torch_unpickler import ITEMSIZES
+from ...io.budget import DICT_ITEM_BYTES, REFERENCE_BYTES, Budget, named, quoted
+from .pickled import DeepSpeedFormatError
+from ...torchfile.torch_records import STORAGE_CLASSES, StoredTensor
+from ...torchfile.torch_unpickler import ITEMSIZES
 
 # Bounds for free-form values (lr scheduler state, hyperparameters, config): deeper or
 # bigger is not what DeepSpeed writes, and a self-containing dict is infinitely deep.

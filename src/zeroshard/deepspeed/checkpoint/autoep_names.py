@@ -24,10 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..io.budget import quoted
-from ..layout import ExpertStack
+from ...io.budget import quoted
+from ...layout import ExpertStack
 from .autoep_files import AutoEP
-from .deepspeed_pickle import DeepSpeedFormatError
+from .pickled import DeepSpeedFormatError
 
 
 @dataclass(frozen=True)

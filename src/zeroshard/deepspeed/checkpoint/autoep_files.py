@@ -13,7 +13,7 @@ holds the dense files and:
 The fp32 masters and Adam state of the stacked ``{prefix}.w1`` ``[E / EP, I, H]`` (and w2,
 w3) are in the ZeRO rank files, in an optimizer group of their own partitioned over the
 expert-data-parallel group. Parsing checks types, values and agreement within the metadata;
-:mod:`.deepspeed` checks it against the layout.
+:mod:`.source` checks it against the layout.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..io.budget import Budget, quoted
-from . import deepspeed_fields as fields
-from .deepspeed_pickle import DeepSpeedFormatError
+from ...io.budget import Budget, quoted
+from . import fields
+from .pickled import DeepSpeedFormatError
 
 LAYERS_KEY = "ds_autoep_layers"
 _LEGACY_LAYERS_KEY = "autoep_layers"  # older DeepSpeed releases

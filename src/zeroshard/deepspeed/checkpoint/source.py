@@ -25,21 +25,21 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpoint.format import state_name_problem
-from ..io.budget import BudgetExceeded, quoted
-from ..io.dtypes import to_float32
-from ..checkpoint.source import ModelEntry, SourceInfo
-from ..collector import collector_paused
-from ..layout import GroupLayout, GroupSpec, Layout, LayoutPolicy, ParamSpec, build_layout, canonical_dtype
-from ..layout.coordinates import shard_rank
-from ..state import ParamGroupState
+from ...checkpoint.format import state_name_problem
+from ...io.budget import BudgetExceeded, quoted
+from ...io.dtypes import to_float32
+from ...checkpoint.source import ModelEntry, SourceInfo
+from ...collector import collector_paused
+from ...layout import GroupLayout, GroupSpec, Layout, LayoutPolicy, ParamSpec, build_layout, canonical_dtype
+from ...layout.coordinates import shard_rank
+from ...state import ParamGroupState
 from .autoep_experts import ExpertWeights, check_placement, expert_file_names, read_expert_files
 from .autoep_layout import expert_group_spec, group_kind
-from .deepspeed_files import ModelStates, RankShard, read_model_states, read_rank_shard, read_scalars
-from .deepspeed_paths import MODEL_STATES_FILE, model_states_path, rank_file_paths, refuse_unsupported
-from .deepspeed_pickle import DeepSpeedFormatError
-from ..torchfile.torch_file import StoredTensor, TorchFileError
-from ..torchfile.torch_records import one_line
+from .files import ModelStates, RankShard, read_model_states, read_rank_shard, read_scalars
+from .paths import MODEL_STATES_FILE, model_states_path, rank_file_paths, refuse_unsupported
+from .pickled import DeepSpeedFormatError
+from ...torchfile.torch_file import StoredTensor, TorchFileError
+from ...torchfile.torch_records import one_line
 
 @dataclass(frozen=True, slots=True)
 class RankTensors:

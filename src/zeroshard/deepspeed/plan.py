@@ -1,4 +1,4 @@
-"""A DeepSpeed config read and checked into what :func:`~zeroshard.deepspeed_config.from_deepspeed_config`
+"""A DeepSpeed config read and checked into what :func:`~zeroshard.deepspeed.config.from_deepspeed_config`
 builds, before anything is built: the engine's arguments, the optimizer and scheduler
 classes, the batch sizes. Every refusal is a one-line ValueError naming the key."""
 
@@ -12,13 +12,13 @@ from typing import Any, Mapping
 
 import torch
 
-from .io import jsonvalue
-from .io.members import read_small_file
-from .deepspeed_keys import classify
-from .deepspeed_optimizer import optimizer_from_config
-from .deepspeed_values import arguments, flag, integer, number, positive, refusal, required_arguments, setting
-from .engine.scaler import DeepSpeedLossScaler, LossScaler
-from .layout import LayoutPolicy
+from ..io import jsonvalue
+from ..io.members import read_small_file
+from .keys import classify
+from .optimizer import optimizer_from_config
+from .values import arguments, flag, integer, number, positive, refusal, required_arguments, setting
+from ..engine.scaler import DeepSpeedLossScaler, LossScaler
+from ..layout import LayoutPolicy
 from .lr_schedules import SCHEDULES
 
 _DTYPE_NAMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

@@ -16,14 +16,14 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from ..io.budget import named, quoted
-from ..io.dtypes import dtype_info
-from ..layout import Layout
-from ..layout.coordinates import GlobalRun, expert_location, locate_global
-from . import deepspeed_fields as fields
+from ...io.budget import named, quoted
+from ...io.dtypes import dtype_info
+from ...layout import Layout
+from ...layout.coordinates import GlobalRun, expert_location, locate_global
+from . import fields
 from .autoep_files import EXPERT_FILE, EXPERT_WEIGHTS, LAYERS_KEY, AutoEP, AutoEPLayer
-from .deepspeed_pickle import DeepSpeedFormatError, load_checkpoint_file
-from ..torchfile.torch_file import StoredTensor, TorchFileError
+from .pickled import DeepSpeedFormatError, load_checkpoint_file
+from ...torchfile.torch_file import StoredTensor, TorchFileError
 
 @dataclass(frozen=True)
 class ExpertWeights:

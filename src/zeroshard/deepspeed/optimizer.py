@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .deepspeed_values import arguments, flag, refusal, required_arguments, setting
+from .values import arguments, flag, refusal, required_arguments, setting
 
 # DeepSpeed's optimizers of its own, by the lower-case name DeepSpeed matches.
 DEEPSPEED_OWN = ("lamb", "lion", "muon", "muadam", "muadamw", "musgd", "onebitadam", "zerooneadam", "onebitlamb")
@@ -27,7 +27,7 @@ def optimizer_from_config(
 ) -> tuple[type[torch.optim.Optimizer], dict[str, Any], list[str]]:
     """(optimizer class, its keyword arguments, notes on what differs from DeepSpeed) for
     the config's ``optimizer`` section, or the client optimizer class when there is none.
-    The arguments are checked against the class's signature (:func:`~.deepspeed_values.arguments`).
+    The arguments are checked against the class's signature (:func:`~.values.arguments`).
 
     Raises:
         ValueError: no optimizer at all or two of them, a DeepSpeed-only optimizer, one whose

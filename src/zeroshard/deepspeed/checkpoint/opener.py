@@ -1,6 +1,6 @@
 """Open a DeepSpeed ZeRO stage 1/2 checkpoint as the source that fits it.
 
-:class:`~.deepspeed.DeepSpeedSource` reads the files as DeepSpeed laid them out; an AutoEP
+:class:`~.source.DeepSpeedSource` reads the files as DeepSpeed laid them out; an AutoEP
 run's is presented in the transformers model's names and layout by
 :class:`~.autoep.AutoEPSource`, which builds on it. The choice between them is made here,
 above both: the module of the source an AutoEP source builds on cannot pick the AutoEP source
@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from .autoep import AutoEPSource
-from .deepspeed import DeepSpeedSource
-from .deepspeed_paths import find_tag_dir, refuse_deepspeed_universal
+from .source import DeepSpeedSource
+from .paths import find_tag_dir, refuse_deepspeed_universal
 
 
 def open_deepspeed(path: str | Path) -> DeepSpeedSource | AutoEPSource:

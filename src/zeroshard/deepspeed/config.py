@@ -11,7 +11,7 @@
         run.step()                                # engine.step, scheduler.step, zero_grad: DeepSpeed's engine.step
 
 Every key of the config is mapped, accepted as a no-op or refused, by the table in
-:mod:`zeroshard.deepspeed_keys`; docs/MIGRATING.md lists it. What DeepSpeed does with a key
+:mod:`zeroshard.deepspeed.keys`; docs/MIGRATING.md lists it. What DeepSpeed does with a key
 left out, this does too (its defaults: hysteresis 2, communication in the parameter dtype,
 bf16 overflow checks on, ...).
 """
@@ -26,8 +26,8 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
-from .deepspeed_plan import BatchSizes, Plan, plan_run, positive, resolve_batch_sizes  # noqa: F401  (re-exported)
-from .engine import ZeroOptimizer
+from .plan import BatchSizes, Plan, plan_run, positive, resolve_batch_sizes  # noqa: F401  (re-exported)
+from ..engine import ZeroOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class DeepSpeedRun:
             ValueError: as the Checkpointer's constructor (a bad option; a root that holds a
                 checkpoint of another kind).
         """
-        from .checkpoint import Checkpointer
+        from ..checkpoint import Checkpointer
 
         settings = {"keep_last": self.checkpoint.keep_last, "async_save": self.checkpoint.async_save, **options}
         return Checkpointer(self.engine, root, lr_scheduler=self.scheduler, **settings)
@@ -134,7 +134,7 @@ def from_deepspeed_config(
         FileNotFoundError: ``config`` is a path that does not exist.
         CollectiveCallError: the other ranks did not call it.
     """
-    from .comm import Collectives
+    from ..comm import Collectives
 
     comm = Collectives(process_group)
     plan: Plan = comm.checked("from_deepspeed_config", lambda: plan_run(config, comm.world_size, optimizer_class))

@@ -15,10 +15,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..io.budget import Budget, BudgetExceeded, quoted
-from ..layout import EXPERT_SHARD_GROUP, GroupSpec, ParamSpec
+from ...io.budget import Budget, BudgetExceeded, quoted
+from ...layout import EXPERT_SHARD_GROUP, GroupSpec, ParamSpec
 from .autoep_files import AutoEP, check_affine_maps
-from .deepspeed_pickle import DeepSpeedFormatError
+from .pickled import DeepSpeedFormatError
 
 
 def group_kind(autoep: AutoEP | None, names: list[str], hyperparameters: dict[str, Any], where: str) -> bool:

@@ -3,7 +3,7 @@
 Each key (a dotted path: ``zero_optimization.stage``) is one :class:`KeyRule` of one kind:
 
 * ``mapped``: turned into a zeroshard setting (``what`` names it); values zeroshard cannot
-  honour are refused by :mod:`zeroshard.deepspeed_config` where the value is read;
+  honour are refused by :mod:`zeroshard.deepspeed.config` where the value is read;
 * ``no-op``: accepted and changes nothing in zeroshard (``what`` says why); a few values of
   some are refused all the same (``refuse`` returns the reason);
 * ``refused``: a feature zeroshard does not have; the config is refused, with ``what`` as
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
-from .deepspeed_values import short
+from .values import short
 
 MAPPED, NOOP, REFUSED = "mapped", "no-op", "refused"
 
@@ -273,7 +273,7 @@ RULES: tuple[KeyRule, ...] = (
     _noop("optimizer.legacy_fusion", "a setting of DeepSpeed's fused fp16 optimizer"),
     _mapped(
         "scheduler.type",
-        "zeroshard.lr_schedules (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest) or any torch.optim.lr_scheduler name",
+        "zeroshard.deepspeed.lr_schedules (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest) or any torch.optim.lr_scheduler name",
     ),
     _mapped("scheduler.params", "the scheduler's arguments, as DeepSpeed's"),
     _noop("zero_allow_untested_optimizer", "zeroshard wraps any torch optimizer"),

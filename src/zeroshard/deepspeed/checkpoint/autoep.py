@@ -1,12 +1,12 @@
 """A DeepSpeed AutoEP checkpoint in the transformers model's names and layout (a ShardSource).
 
-:class:`~.deepspeed.DeepSpeedSource` reads the ZeRO files as DeepSpeed laid them out: the
+:class:`~.source.DeepSpeedSource` reads the ZeRO files as DeepSpeed laid them out: the
 router under AutoEP's name and the experts as ``w1``/``w2``/``w3`` stacks of each EP rank.
 :class:`AutoEPSource` presents the same state as the model the run started from holds it
 (:mod:`.autoep_names`): ``mlp.gate.weight`` and the stacks ``mlp.experts.gate_up_proj
 [E, 2I, H]`` (``cat(w1, w3)``) and ``mlp.experts.down_proj [E, H, I]`` (``w2``), every expert
 under its global id. Like a universal checkpoint it is a world of one whose parameters lie back
-to back (:mod:`..checkpoint.packed`): the dense group, and an expert group at EP = 1 holding all
+to back (:mod:`...checkpoint.packed`): the dense group, and an expert group at EP = 1 holding all
 E experts in id order. A range of it is read from the ranges of DeepSpeed's tensors it maps to,
 each from the rank files holding them, so the loader reshards it to any (W, EP), and the
 converters export it under the model's own names.
@@ -20,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpoint.packed import PACKED_POLICY, PackedPartitions, PackedSource
-from ..checkpoint.source import read_param
-from ..layout import EXPERT_SHARD_GROUP, GroupSpec, ParamSpec, build_layout
+from ...checkpoint.packed import PACKED_POLICY, PackedPartitions, PackedSource
+from ...checkpoint.source import read_param
+from ...layout import EXPERT_SHARD_GROUP, GroupSpec, ParamSpec, build_layout
 from .autoep_names import ModelStack, TransformersNames, transformers_names
-from .deepspeed import DeepSpeedSource
-from .deepspeed_paths import MODEL_STATES_FILE
+from .source import DeepSpeedSource
+from .paths import MODEL_STATES_FILE
 
 
 class AutoEPSource(PackedSource):

@@ -9,8 +9,8 @@ Two kinds of file in a tag folder (DeepSpeed 0.19; docs/DEEPSPEED.md):
   DeepSpeed says about its layout (paddings, partition counts, slice mappings).
 
 Finding the files (tag folder, ``latest``, rank files, layouts and formats we refuse) is
-:mod:`.deepspeed_paths`'s job.
-Parsing checks types and shapes, not the layout; that is :mod:`.deepspeed`'s job. Every file
+:mod:`.paths`'s job.
+Parsing checks types and shapes, not the layout; that is :mod:`.source`'s job. Every file
 is read within its budget (:mod:`zeroshard.io.budget`): what parsing walks again
 for each reference to a shared container, the tensors kept and the values copied out are
 charged to it.
@@ -24,17 +24,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..io.budget import DICT_ITEM_BYTES, UNCHARGED_BYTES, Budget, BudgetExceeded, quoted
-from . import deepspeed_fields as fields
+from ...io.budget import DICT_ITEM_BYTES, UNCHARGED_BYTES, Budget, BudgetExceeded, quoted
+from . import fields
 from .autoep_files import AutoEP, parse_autoep
-from .deepspeed_pickle import (
+from .pickled import (
     DeepSpeedFormatError,
     FragmentAddress,
     LossScaler,
     ZeroStageEnum,
     load_checkpoint_file,
 )
-from ..torchfile.torch_file import StoredTensor, TorchFileError
+from ...torchfile.torch_file import StoredTensor, TorchFileError
 
 PARAM_BYTES = 512  # what a parameter of param_shapes costs in the layout rebuilt from it, at most
 

@@ -1,6 +1,6 @@
 """Load DeepSpeed's pickled checkpoint files without unpickling arbitrary objects, or torch.
 
-Every file is read with :func:`~..torchfile.torch_file.load_torch_file`: a restricted unpickler, the
+Every file is read with :func:`~...torchfile.torch_file.load_torch_file`: a restricted unpickler, the
 rule ``torch.load(weights_only=True)`` applies (only tensors, containers, plain values and
 explicitly allowed globals are built), without importing torch, whose import costs more
 than converting a checkpoint of a few hundred MB. DeepSpeed's ZeRO-1/2 optimizer files need
@@ -10,7 +10,7 @@ DeepSpeed code runs and DeepSpeed need not be installed. The unpickler only call
 class (``ZeroStageEnum(2)``), creates an instance of one without running ``__init__`` and
 fills its ``__dict__`` (charged to the file's budget): the stand-ins hold data and have no
 behaviour a file could trigger. ``ZeroStageEnum``'s members are shared by the process, so
-they refuse that filling. Tensors come back as lazy :class:`~..torchfile.torch_file.StoredTensor` records.
+they refuse that filling. Tensors come back as lazy :class:`~...torchfile.torch_file.StoredTensor` records.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import enum
 from pathlib import Path
 from typing import Any
 
-from ..io.budget import Budget, quoted
-from ..torchfile.torch_file import TorchFileError, read_torch_file
-from ..torchfile.torch_records import fills_state, refuses_state
+from ...io.budget import Budget, quoted
+from ...torchfile.torch_file import TorchFileError, read_torch_file
+from ...torchfile.torch_records import fills_state, refuses_state
 
 
 class DeepSpeedFormatError(ValueError):

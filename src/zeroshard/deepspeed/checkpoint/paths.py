@@ -1,7 +1,7 @@
 """Where a DeepSpeed ZeRO-1/2 checkpoint's files are, from file names alone: the tag folder
 (or the one ``latest`` names), the model-states file, the rank files in rank order, and the
 checkpoints refused by their file names (ZeRO-3, pipeline and tensor parallel, DeepSpeed MoE
-other than AutoEP, DeepSpeed's own universal format). :mod:`.deepspeed_files` reads them.
+other than AutoEP, DeepSpeed's own universal format). :mod:`.files` reads them.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import os
 import re
 from pathlib import Path
 
-from ..checkpoint.formats import UnsupportedCheckpointError
-from ..io.budget import quoted
-from .deepspeed_pickle import DeepSpeedFormatError
+from ...checkpoint.formats import UnsupportedCheckpointError
+from ...io.budget import quoted
+from .pickled import DeepSpeedFormatError
 
 MODEL_STATES_FILE = "mp_rank_00_model_states.pt"
 LATEST_FILE = "latest"

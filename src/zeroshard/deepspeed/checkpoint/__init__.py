@@ -9,11 +9,11 @@ lists, so :func:`~zeroshard.checkpoint.formats.open_source` recognises it.
   :class:`AutoEPSource`, in the transformers model's names and layout.
 """
 
-from ..checkpoint.formats import SourceFormat
+from ...checkpoint.formats import SourceFormat
 from .autoep import AutoEPSource
-from .deepspeed import DeepSpeedSource
-from .deepspeed_paths import find_tag_dir, is_deepspeed_checkpoint, is_deepspeed_universal, recognise_deepspeed
-from .deepspeed_pickle import ALLOWED_GLOBALS, DeepSpeedFormatError
+from .source import DeepSpeedSource
+from .paths import find_tag_dir, is_deepspeed_checkpoint, is_deepspeed_universal, recognise_deepspeed
+from .pickled import ALLOWED_GLOBALS, DeepSpeedFormatError
 from .opener import open_deepspeed
 
 # Recognises DeepSpeed's own universal format too, so that opening it refuses it by name.
