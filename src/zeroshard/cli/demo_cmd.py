@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from ..checkpoint.retention import tag_step
-from ..demo import LIVE_MASTERS_FILE, DemoConfig, PhaseResult, train_phase
+from ..demos.dense import LIVE_MASTERS_FILE, DemoConfig, PhaseResult, train_phase
 from .arguments import at_least, positive_float, positive_int
 
 

@@ -165,7 +165,7 @@ def _moe_demo_groups(dtype: str, ep: int) -> tuple[Callable[[int], list[GroupInp
     over the W / EP ranks that hold them."""
     import torch
 
-    from ..demo_moe import MOE_MODEL
+    from ..demos.moe import MOE_MODEL
     from ..moe import MoEGPT, layout_groups
 
     with torch.device("meta"):

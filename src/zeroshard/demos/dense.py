@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint.checkpointer import Checkpointer, SaveStats
+from ..checkpoint.checkpointer import Checkpointer, SaveStats
 from .data import markov_chain, sample_batch
-from .engine import ZeroOptimizer
-from .layout import LayoutPolicy
-from .models import GPTConfig, TinyGPT, gpt_param_groups
+from ..engine import ZeroOptimizer
+from ..layout import LayoutPolicy
+from ..models import GPTConfig, TinyGPT, gpt_param_groups
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LIVE_MASTERS_FILE = "live_fp32_masters.safetensors"

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .models import GPTConfig
+from ..models import GPTConfig
 
 # head_dim 10: each layer's q_norm + k_norm (20 elements, 40 bytes in bf16) would put a compact
 # layout's next views off 16 bytes; widths are multiples of 8 so the native layout's views

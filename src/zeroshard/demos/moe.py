@@ -1,10 +1,10 @@
-"""The MoE demo: MoEGPT, or with ``hf`` the transformers Qwen3-MoE (:mod:`.demo_hf`), trained
+"""The MoE demo: MoEGPT, or with ``hf`` the transformers Qwen3-MoE (:mod:`.hf`), trained
 with ZeRO and expert parallelism, its grouped GEMMs watched.
 
 ``moe_train_phase`` runs on every rank (spawned by the CLI, or under torchrun) at W ranks
 with expert parallelism EP: each rank holds E / EP experts of every layer, tokens reach them
 by all-to-all, expert state is sharded over the W / EP ranks holding the same experts. Every
-``torch._grouped_mm`` call is recorded as it happens (:mod:`.moe.recorder`) and checked, with
+``torch._grouped_mm`` call is recorded as it happens (:mod:`..moe.recorder`) and checked, with
 the gradient backward computes for its weight, against CUDA's grouped GEMM rules, so the
 report shows the alignment the kernel was given. Checkpoints go through one function,
 :func:`checkpointing`. Rank 0 returns a ``MoEPhaseResult``.
@@ -20,12 +20,12 @@ from typing import Callable, Iterator
 
 import torch
 
-from .buffers import owns_storage
-from .checkpoint.checkpointer import Checkpointer, SaveStats
-from .demo import DTYPES, DemoConfig, progress_bar, resume_at, train_steps
-from .engine import ZeroOptimizer
-from .layout.stacks import exported_expert_shape, per_expert_tensors
-from .moe import (
+from ..buffers import owns_storage
+from ..checkpoint.checkpointer import Checkpointer, SaveStats
+from .dense import DTYPES, DemoConfig, progress_bar, resume_at, train_steps
+from ..engine import ZeroOptimizer
+from ..layout.stacks import exported_expert_shape, per_expert_tensors
+from ..moe import (
     ExpertGroups,
     MoEConfig,
     MoEGPT,
@@ -35,7 +35,7 @@ from .moe import (
     new_expert_groups,
     per_expert_state_dict,
 )
-from .moe.recorder import GroupedMMCall, GroupedMMRecorder
+from ..moe.recorder import GroupedMMCall, GroupedMMRecorder
 
 MOE_MODEL = MoEConfig(num_experts=8, top_k=2)  # 2 layers, width 32, expert hidden 48
 LIVE_STATE_FILE = "live_fp32_state.safetensors"
@@ -47,13 +47,13 @@ class MoEDemoConfig(DemoConfig):
 
     steps: int = 40
     model: MoEConfig = MOE_MODEL
-    hf: bool = False  # the transformers Qwen3-MoE (demo_hf.HF_MODEL) instead of MoEGPT
+    hf: bool = False  # the transformers Qwen3-MoE (hf.HF_MODEL) instead of MoEGPT
 
     @property
     def num_experts(self) -> int:
         """Experts per MoE layer of the model trained (Qwen3-MoE's with ``hf``, else MoEGPT's)."""
         if self.hf:
-            from .demo_hf import NUM_EXPERTS
+            from .hf import NUM_EXPERTS
 
             return NUM_EXPERTS
         return self.model.num_experts
@@ -92,7 +92,7 @@ def build_moe_engine(config: MoEDemoConfig, groups: ExpertGroups) -> tuple:
     Collective over every rank of ``groups``.
     """
     if config.hf:
-        from .demo_hf import NextTokenLoss, qwen3_moe
+        from .hf import NextTokenLoss, qwen3_moe
 
         model = qwen3_moe(config.seed)
         expert_parallel(model, groups)
@@ -119,7 +119,7 @@ def build_moe_engine(config: MoEDemoConfig, groups: ExpertGroups) -> tuple:
 
 
 def expert_weights(model: torch.nn.Module, engine: ZeroOptimizer) -> dict[str, tuple[torch.Tensor, tuple[int, ...], bool]]:
-    """Every expert stack (the contract's, :mod:`.moe.contract`): (the tensor, its experts'
+    """Every expert stack (the contract's, :mod:`..moe.contract`): (the tensor, its experts'
     global ids, whether it is a view of the engine's flat buffer), by parameter name."""
     weights = {}
     for prefix, contract in expert_modules(model).items():
