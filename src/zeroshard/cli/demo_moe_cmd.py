@@ -16,10 +16,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..demos.report import convert_timed, memory_lines, size_of
 from ..demos.moe import LIVE_STATE_FILE, CheckpointPlan, MoEDemoConfig, MoEPhaseResult, moe_train_phase
 from ..layout import ExpertMesh, Layout
 from ..moe.recorder import GroupedMMCall
-from .demo_cmd import convert_timed, memory_lines, size_of
 from .expert_report import format_ids, shard_group_lines
 
 
