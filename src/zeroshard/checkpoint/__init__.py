@@ -13,6 +13,18 @@
 * :class:`WriterLockedError`: another process is saving into the same root.
 
 docs/FORMAT.md describes the format.
+
+Owns every checkpoint kind as a ShardSource (:mod:`.source`), the formats registry
+(:mod:`.formats`), the one loader (:mod:`.loader`), the Checkpointer and its resume and
+retention, the atomic-directory protocol of checkpoint roots and conversion outputs
+(:mod:`.directory`, :mod:`.output_dir`, :mod:`.in_place`), verification, and the
+sub-packages :mod:`.attest` (digests and every load's attestation), :mod:`.native`,
+:mod:`.universal` and :mod:`.export`, in that order from the bottom (``native`` and
+``universal`` import not each other).
+
+May import: the engine (through its public methods), ``zeroshard.state``, ``io``,
+``layout`` and the package face (the version, the formats table); not the readers built on it (``zeroshard.deepspeed.checkpoint``), which
+``zeroshard.CHECKPOINT_FORMATS`` names for :mod:`.formats` to import on first use.
 """
 
 from __future__ import annotations

@@ -1,12 +1,20 @@
-"""Readers for checkpoints written by other ZeRO implementations.
+"""DeepSpeed ZeRO stage 1/2 checkpoints (AutoEP's among them) read without DeepSpeed or torch.
 
-Each presents its checkpoint as a :class:`~zeroshard.checkpoint.source.ShardSource`, so
-universal conversion, fp32 export and resharded loading work on it unchanged, and each is a
+Each is presented as a :class:`~zeroshard.checkpoint.source.ShardSource`, so universal
+conversion, fp32 export and resharded loading work on it unchanged, and the format is a
 :class:`~zeroshard.checkpoint.formats.SourceFormat` that ``zeroshard.CHECKPOINT_FORMATS``
 lists, so :func:`~zeroshard.checkpoint.formats.open_source` recognises it.
 
-* :func:`open_deepspeed`: DeepSpeed ZeRO stage 1/2 (docs/DEEPSPEED.md); an AutoEP run's as
-  :class:`AutoEPSource`, in the transformers model's names and layout.
+* :func:`open_deepspeed` (:mod:`.opener`): DeepSpeed ZeRO stage 1/2 (docs/DEEPSPEED.md) as a
+  :class:`DeepSpeedSource` (:mod:`.source`; files found by :mod:`.paths`, read by
+  :mod:`.files` with the checks of :mod:`.fields` and the stand-ins of :mod:`.pickled`); an
+  AutoEP run's as :class:`AutoEPSource` (:mod:`.autoep`), in the transformers model's names
+  and layout (:mod:`.autoep_names`; AutoEP's own files: :mod:`.autoep_files`,
+  :mod:`.autoep_layout`, :mod:`.autoep_experts`).
+
+May import: the checkpoint layer, ``zeroshard.torchfile`` (every file is a torch.save
+archive), ``io``, ``layout``, ``state`` and ``collector``; not the rest of ``zeroshard.deepspeed`` (the
+config side), and no torch.
 """
 
 from ...checkpoint.formats import SourceFormat
