@@ -23,8 +23,9 @@ sub-packages :mod:`.attest` (digests and every load's attestation), :mod:`.nativ
 ``universal`` import not each other).
 
 May import: the engine (through its public methods), ``zeroshard.state``, ``io``,
-``layout`` and the package face (the version, the formats table); not the readers built on it (``zeroshard.deepspeed.checkpoint``), which
-``zeroshard.CHECKPOINT_FORMATS`` names for :mod:`.formats` to import on first use.
+``layout`` and the package face (the version, the formats table); not the readers built on
+it (``zeroshard.deepspeed.checkpoint``), which ``zeroshard.CHECKPOINT_FORMATS`` names for
+:mod:`.formats` to import on first use.
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 :class:`DeepSpeedSource`, given the tag folder (:func:`~.opener.open_deepspeed` finds it),
 reads the model-states file, rebuilds the flat layout with the layout module's ``deepspeed``
-policy from ``param_shapes``, and checks it against what every rank's optimizer file says (partition sizes, paddings, slice mappings)
-before anything is read. A disagreement is a :class:`DeepSpeedFormatError` naming the file,
-group and rank: a misread layout would silently scramble weights.
+policy from ``param_shapes``, and checks it against what every rank's optimizer file says
+(partition sizes, paddings, slice mappings) before anything is read. A disagreement is a
+:class:`DeepSpeedFormatError` naming the file, group and rank: a misread layout would
+silently scramble weights.
 
 Each rank file is parsed once, when the source is opened: its structure is checked against
 the layout and only its tensor records are kept (a few hundred bytes per rank, whatever the
