@@ -317,6 +317,15 @@ def test_every_package_and_top_level_module_has_its_place_in_the_order():
         assert {name for layer in order for name in layer} == subs, package
 
 
+def test_every_package_says_what_it_owns_and_what_it_may_import():
+    silent = []
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        docstring = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+        if "May import:" not in docstring:
+            silent.append(str(init.relative_to(ROOT)))
+    assert not silent, "package docstrings without a 'May import:' paragraph:\n" + "\n".join(silent)
+
+
 # ---- docs/DESIGN.md -----------------------------------------------------------------------
 
 

@@ -1,4 +1,12 @@
-"""zeroshard: ZeRO stage 1/2 data-parallel training with aligned flat buffers and portable checkpoints."""
+"""zeroshard: ZeRO stage 1/2 data-parallel training with aligned flat buffers and portable checkpoints.
+
+The package face: owns ``__version__``, ``CHECKPOINT_FORMATS`` (the checkpoint readers, by
+name) and ``from_deepspeed_config`` / ``DeepSpeedRun``, imported on first use. docs/DESIGN.md
+has the map of the packages below it.
+
+May import: ``zeroshard.lazy_exports`` only; everything else it names by string, so the
+layers that read ``__version__`` or the formats table may import it.
+"""
 
 __version__ = "0.1.0"
 
