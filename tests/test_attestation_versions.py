@@ -15,7 +15,7 @@ from test_moe_checkpoint import moe_layout
 from universal_helpers import save_synthetic
 
 from zeroshard.checkpoint import open_checkpoint, verify_checkpoint
-from zeroshard.checkpoint.io.damage import CheckpointDamagedError
+from zeroshard.io.damage import CheckpointDamagedError
 from zeroshard.cli.main import main
 from zeroshard.layout import ExpertMesh, ExpertStack, ParamSpec, build_layout
 
@@ -145,7 +145,7 @@ def test_a_universal_manifest_downgraded_below_its_shards_is_refused(universal, 
 
 
 def test_universal_shards_name_the_version_of_their_manifest(universal):
-    from zeroshard.checkpoint.io.safetensors_io import read_metadata
+    from zeroshard.io.safetensors_io import read_metadata
 
     version = json.loads((universal / "universal.json").read_text())["version"]
     shards = sorted(universal.glob("universal-*.safetensors"))

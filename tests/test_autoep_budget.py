@@ -31,10 +31,10 @@ from hostile_files import edit_torch_file as edit
 from test_budget_checkpoints import COMMANDS, run_command
 
 from zeroshard.cli.main import main
-from zeroshard.importers import DeepSpeedFormatError, autoep_files, open_deepspeed
-from zeroshard.importers.autoep_experts import _rounds_to, read_expert_files
-from zeroshard.importers.autoep_files import AutoEP, AutoEPLayer
-from zeroshard.importers.deepspeed_pickle import load_checkpoint_file
+from zeroshard.deepspeed.checkpoint import DeepSpeedFormatError, autoep_files, open_deepspeed
+from zeroshard.deepspeed.checkpoint.autoep_experts import _rounds_to, read_expert_files
+from zeroshard.deepspeed.checkpoint.autoep_files import AutoEP, AutoEPLayer
+from zeroshard.deepspeed.checkpoint.pickled import load_checkpoint_file
 
 MODEL = "mp_rank_00_model_states.pt"
 RANK1 = "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"

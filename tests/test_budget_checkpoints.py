@@ -20,7 +20,7 @@ from hostile_files import edit_torch_file as edit
 from hostile_files import measured
 
 from zeroshard.checkpoint import run_ranks, save_sharded
-from zeroshard.checkpoint.io.safetensors_io import read_header
+from zeroshard.io.safetensors_io import read_header
 from zeroshard.checkpoint.native.manifest import read_manifest
 from zeroshard.checkpoint.testing import synthesize_state
 from zeroshard.checkpoint.universal import to_universal
@@ -153,9 +153,9 @@ def test_a_tuple_key_that_doubles_at_each_link_is_refused_by_every_command(tag_d
 def test_real_deepspeed_files_pass_the_cheap_bound_on_hashing(deepspeed_runs, monkeypatch):
     """No file of any fixture run needs the exact count of hashing (Python, slower than
     unpickling): the bound from byte values or the opcode pass clears each."""
-    from zeroshard.importers import pickle_scan
-    from zeroshard.importers.deepspeed_pickle import ALLOWED_GLOBALS
-    from zeroshard.importers.torch_file import load_torch_file
+    from zeroshard.torchfile import pickle_scan
+    from zeroshard.deepspeed.checkpoint.pickled import ALLOWED_GLOBALS
+    from zeroshard.torchfile.torch_file import load_torch_file
 
     counted = []
     monkeypatch.setattr(pickle_scan, "hash_steps", lambda data, limit: counted.append(len(data)))
@@ -220,9 +220,9 @@ def test_what_an_output_repeats_is_charged_to_the_file_it_comes_from(tmp_path):
     shared_params, would make 400 MB of export."""
     from types import SimpleNamespace
 
-    from zeroshard.checkpoint.io.budget import Budget
-    from zeroshard.importers.deepspeed import KEY_BYTES, charge_outputs
-    from zeroshard.importers.deepspeed_pickle import DeepSpeedFormatError
+    from zeroshard.io.budget import Budget
+    from zeroshard.deepspeed.checkpoint.source import KEY_BYTES, charge_outputs
+    from zeroshard.deepspeed.checkpoint.pickled import DeepSpeedFormatError
 
     layout = build_layout([[ParamSpec.of(f"p{i}", (4,), "bf16") for i in range(300)]], 2)
     model = SimpleNamespace(budget=Budget(tmp_path / MODEL, 10_000))

@@ -172,7 +172,7 @@ def assert_opens_with_safetensors(path: Path) -> int:
     there; returns the number of tensors."""
     import torch
 
-    from zeroshard.checkpoint.io.safetensors_io import read_header
+    from zeroshard.io.safetensors_io import read_header
 
     raw = path.read_bytes()
     entries = read_header(path, len(raw))

@@ -154,7 +154,7 @@ def _copy(saved: Path, tmp_path: Path) -> Path:
 
 def _rerecord(tag: Path, name: str, data: bytes) -> None:
     """Replace file ``name`` and its manifest record (a file edited consistently: only its content is wrong)."""
-    from zeroshard.checkpoint.io.checksum import BlockHasher
+    from zeroshard.io.checksum import BlockHasher
 
     (tag / name).write_bytes(data)
     manifest = json.loads((tag / "manifest.json").read_text())

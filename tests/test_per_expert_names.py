@@ -20,8 +20,8 @@ from torch import nn
 
 from zeroshard.checkpoint.engine_io import save_checkpoint
 from zeroshard.checkpoint.export.fp32 import to_fp32
-from zeroshard.checkpoint.io.streaming import OutputTensor, write_shards
-from zeroshard.checkpoint.io.safetensors_io import PlannedTensor
+from zeroshard.io.streaming import OutputTensor, write_shards
+from zeroshard.io.safetensors_io import PlannedTensor
 from zeroshard.checkpoint.native.source import NativeSource
 from zeroshard.checkpoint.universal import to_universal
 from zeroshard.cli.main import main

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .coordinator import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
-from .attest import Attestation
+from .attest.attestation import Attestation
 from .engine_io import LR_SCHEDULER_KEY, load_checkpoint_attested
 from .resume import decided_on_rank0, load_newest, plan_resume
 from .retention import apply_retention, step_tag

@@ -113,7 +113,7 @@ def read_exported(
     slice of a stack (read by global expert id), transposed to [out, in] where the stack
     holds it [in, out], its rows cut to the part. ``check(param, expert, key, values)``, if
     given, sees the values in logical order first, each expert of a stack on its own (a
-    :class:`~.read_digests.ReadChecker` digests them there), once per expert."""
+    :class:`~.attest.read_digests.ReadChecker` digests them there), once per expert."""
     group, slot = source.info.layout.param(param.param)
     if param.expert is None:
         values = read_whole_param(source, param.param, key)

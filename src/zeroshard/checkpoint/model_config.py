@@ -7,7 +7,7 @@ transformers-style ``config`` and ``generation_config``, by duck typing). A chec
 stores them as ``model.config.json`` and ``model.generation_config.json`` (so a tag does not
 pass for a Hugging Face folder), each listed in the manifest with its block checksums like
 every file. Read back they are hostile like any file: at most :data:`MAX_CONFIG_BYTES`,
-checksummed, UTF-8, one JSON object, nested no deeper than :mod:`.io.jsonvalue` allows.
+checksummed, UTF-8, one JSON object, nested no deeper than :mod:`..io.jsonvalue` allows.
 Torch-free.
 """
 
@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..state import CONFIG_FILE, EXPORTED_CONFIGS, GENERATION_CONFIG_FILE
-from .io import jsonvalue
-from .io.budget import quoted
-from .io.checksum import BlockHasher, FileRecord, block_crc
-from .io.damage import CheckpointDamagedError
-from .io.directory import write_file_durably
-from .io.members import member_path, open_member
+from ..io import jsonvalue
+from ..io.budget import quoted
+from ..io.checksum import BlockHasher, FileRecord, block_crc
+from ..io.damage import CheckpointDamagedError
+from .directory import write_file_durably
+from ..io.members import member_path, open_member
 
 __all__ = ["CONFIG_FILE", "EXPORTED_CONFIGS", "GENERATION_CONFIG_FILE"]
 

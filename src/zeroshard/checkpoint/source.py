@@ -20,7 +20,7 @@ from ..state import ParamGroupState
 from .format import state_name_problem
 
 if TYPE_CHECKING:
-    from .digests import StateDigests
+    from .attest.digests import StateDigests
 
 
 @dataclass(frozen=True)

@@ -15,16 +15,16 @@ import os
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from .io.checksum import FileRecord
+from ..io.checksum import FileRecord
 from .model_config import read_config
 from .format import MODEL_FILE
 from .native.handle import Checkpoint
-from .io.members import member_path
+from ..io.members import member_path
 from .experts import exported_params, read_exported
-from .io.safetensors_io import check_entries, read_header, read_metadata, verify_file
+from ..io.safetensors_io import check_entries, read_header, read_metadata, verify_file
 from .native.binding import check_binding
 from .param_groups import param_group_problems
-from .read_digests import ReadChecker
+from .attest.read_digests import ReadChecker
 from .source import ShardSource
 from .universal.format import UniversalManifest, shard_version_problem
 

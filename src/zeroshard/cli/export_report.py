@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Mapping
 
 from ..checkpoint.export.fp32 import DIGESTS_FILE, DIGESTS_FORMAT, INDEX_FILE, SINGLE_FILE
-from ..checkpoint.io.budget import quoted
-from ..checkpoint.io.directory import read_json_file
-from ..checkpoint.io.dtypes import dtype_of_code
-from ..checkpoint.io.members import member_path, open_member
-from ..checkpoint.io.safetensors_io import TensorEntry, read_header
+from ..io.budget import quoted
+from ..checkpoint.directory import read_json_file
+from ..io.dtypes import dtype_of_code
+from ..io.members import member_path, open_member
+from ..io.safetensors_io import TensorEntry, read_header
 from ..checkpoint.model_config import EXPORTED_CONFIGS
 from .inspect_report import file_lines
 

@@ -14,7 +14,7 @@ import argparse
 from pathlib import Path
 
 from ..checkpoint.formats import NATIVE, UnsupportedCheckpointError, open_source, recognise
-from ..checkpoint.io.directory import resolve_checkpoint
+from ..checkpoint.directory import resolve_checkpoint
 from ..checkpoint.native.handle import Checkpoint, open_checkpoint
 from ..checkpoint.native.manifest import read_manifest
 from ..checkpoint.native.source import is_native_checkpoint
@@ -81,7 +81,7 @@ def _describe_deepspeed(path: Path, list_all: bool) -> list[str]:
 
 def _deepspeed_files(source) -> list[Path]:
     """The model-states file, the rank files in rank order, then AutoEP's per-expert files."""
-    from ..importers.deepspeed_paths import model_states_path, rank_file_paths
+    from ..deepspeed.checkpoint.paths import model_states_path, rank_file_paths
 
     raw = getattr(source, "raw", source)
     experts = raw.experts.paths if raw.experts is not None else []

@@ -13,8 +13,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from ..checkpoint.format import MANIFEST_FILE, MODEL_FILE, rank_file_name, scalar_key
-from ..checkpoint.io.block_reader import array_view
-from ..checkpoint.io.safetensors_io import VerifiedRanges, read_header
+from ..io.block_reader import array_view
+from ..io.safetensors_io import VerifiedRanges, read_header
 from ..checkpoint.native.handle import Checkpoint
 from ..checkpoint.universal.format import MANIFEST_FILE as UNIVERSAL_MANIFEST_FILE
 from ..checkpoint.universal.read import UniversalCheckpoint
@@ -130,8 +130,8 @@ def describe_universal(ckpt: UniversalCheckpoint, *, list_all_files: bool = Fals
 
 
 def describe_deepspeed(source: Any, root: Path, files: Sequence[Path], *, list_all_files: bool = False) -> list[str]:
-    """``source`` is an opened DeepSpeed source (:class:`~zeroshard.importers.DeepSpeedSource`,
-    or for an AutoEP run :class:`~zeroshard.importers.AutoEPSource`, described in DeepSpeed's
+    """``source`` is an opened DeepSpeed source (:class:`~zeroshard.deepspeed.checkpoint.DeepSpeedSource`,
+    or for an AutoEP run :class:`~zeroshard.deepspeed.checkpoint.AutoEPSource`, described in DeepSpeed's
     own layout with the model's names beside it); ``files`` its model-states file, then its rank
     files in rank order, then any AutoEP expert files."""
     view, source = source, getattr(source, "raw", source)
@@ -179,7 +179,7 @@ def describe_deepspeed(source: Any, root: Path, files: Sequence[Path], *, list_a
 
 def autoep_lines(view: Any) -> list[str]:
     """How an AutoEP run's tensors read in the transformers model's names (``view``: an
-    :class:`~zeroshard.importers.AutoEPSource`)."""
+    :class:`~zeroshard.deepspeed.checkpoint.AutoEPSource`)."""
     names = view.names
     first = names.stacks[:2]
     def made_of(stack) -> str:

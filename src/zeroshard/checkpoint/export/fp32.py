@@ -12,7 +12,7 @@ orientation (``model.layers.0.mlp.experts.gate_up_proj``, what transformers'
 ``max_shard_size`` is given and exceeded, ``model-00001-of-0000N.safetensors`` shards and a
 ``model.safetensors.index.json``. Streaming and atomic like :func:`to_universal`, and like
 it torch-free: :func:`load_fp32_state_dict` alone hands out torch tensors. Every master read
-is checked against the checkpoint's digests (:mod:`..read_digests`), and ``DIGESTS_FILE``
+is checked against the checkpoint's digests (:mod:`..attest.read_digests`), and ``DIGESTS_FILE``
 records the digest (``zlib.crc32``) of every tensor written.
 """
 
@@ -29,19 +29,19 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from ...layout import canonical_dtype
-from ..io.checksum import block_crc
-from ..io.directory import write_file_durably
-from ..io.dtypes import cast, dtype_info, to_torch
+from ...io.checksum import block_crc
+from ..directory import write_file_durably
+from ...io.dtypes import cast, dtype_info, to_torch
 from ..format import DEFAULT_BLOCK_SIZE, MANIFEST_FILE
 from ..formats import open_source
-from ..io.output_dir import OutputKind, output_path, staged_output
-from ..io.safetensors_io import PlannedTensor
+from ..output_dir import OutputKind, output_path, staged_output
+from ...io.safetensors_io import PlannedTensor
 from ..experts import EXPERT_FORMS, ExportedParam, exported_params, read_exported
-from ..io.digest import ALGORITHM
-from ..read_digests import ReadChecker
+from ...io.digest import ALGORITHM
+from ..attest.read_digests import ReadChecker
 from ..model_config import CONFIG_FILE, EXPORTED_CONFIGS, parse_config
 from ..source import ModelEntry, ShardSource, read_model_configs
-from ..io.streaming import OutputTensor, plan_shards, write_shards
+from ...io.streaming import OutputTensor, plan_shards, write_shards
 from ..universal.read import UniversalCheckpoint
 from ..universal.source import UniversalSource
 

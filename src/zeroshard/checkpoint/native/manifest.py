@@ -3,7 +3,7 @@
 It is written last, so a directory without one is an unfinished save. Reading it checks
 the format name and version, rebuilds the Layout (which re-derives every offset) and
 checks that the file list matches the world size. From format version 2 it also holds the
-digests of the logical state (:mod:`..digests`), one per parameter (per global expert),
+digests of the logical state (:mod:`..attest.digests`), one per parameter (per global expert),
 tensor kind, optimizer scalar and module tensor; version 1 manifests, written before, have
 none and still load. Version 3 (written only then) also lists the model's config files
 (:mod:`..model_config`) with the others; versions 1 and 2 still load.
@@ -19,7 +19,7 @@ from typing import Any
 from ... import __version__
 from ...layout import Layout
 from ...state import ParamGroupState
-from ..digests import StateDigests, logical_keys
+from ..attest.digests import StateDigests, logical_keys
 from ..experts import per_expert_clash
 from ..model_config import config_records
 from ..format import (
@@ -36,11 +36,11 @@ from ..format import (
     state_key,
     state_name_problem,
 )
-from ..io import jsonvalue
-from ..io.budget import quoted
-from ..io.checksum import FileRecord
-from ..io.damage import CheckpointDamagedError
-from ..io.directory import read_json_file
+from ...io import jsonvalue
+from ...io.budget import quoted
+from ...io.checksum import FileRecord
+from ...io.damage import CheckpointDamagedError
+from ..directory import read_json_file
 from .binding import layout_digest
 
 TENSOR_KINDS = ("trainable", "frozen", "buffer", "other")

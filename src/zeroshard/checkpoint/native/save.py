@@ -9,7 +9,7 @@
   are the rank files' fp32 masters, and the model's config files, :mod:`..model_config`),
   hashing while writing, then fsyncs it. The same pass
   digests each fragment of the logical state while its bytes are in the CPU cache
-  (:mod:`..digests`), and each rank file records its binding (:mod:`.binding`);
+  (:mod:`..attest.digests`), and each rank file records its binding (:mod:`.binding`);
 * commit (collective): the block checksums and partial digests are gathered on rank 0 (also
   the barrier that says every rank's files are durable); rank 0 combines the digests (every
   logical tensor must be covered exactly once, and every rank's optimizer scalars must be
@@ -36,12 +36,12 @@ import torch
 
 from ...layout.specs import tensor_name_problem
 from ...state import ShardedState
-from ..digests import PartitionDigester, StateDigests, Terms, digests_from_terms, held_pieces, scalar_digest
-from ..io import jsonvalue
-from ..io.dtypes import itemsize_of
-from ..io.checksum import FileRecord
+from ..attest.digests import PartitionDigester, StateDigests, Terms, digests_from_terms, held_pieces, scalar_digest
+from ...io import jsonvalue
+from ...io.dtypes import itemsize_of
+from ...io.checksum import FileRecord
 from ..coordinator import Coordinator, default_coordinator
-from ..io.directory import TagExistsError, fsync_dir, prepare_staging, publish, root_lock, write_file_durably
+from ..directory import TagExistsError, fsync_dir, prepare_staging, publish, root_lock, write_file_durably
 from ..format import (
     DEFAULT_BLOCK_SIZE,
     FORMAT_NAME,
@@ -57,9 +57,9 @@ from ..format import (
 from .binding import binding_metadata, layout_digest
 from .manifest import GroupRecord, Manifest, ModelTensorRecord, dtype_name, expert_param_names
 from .model_file import save_model_state
-from ..io.safetensors_io import describe_os_error, named_os_error, write_safetensors
+from ...io.safetensors_io import describe_os_error, named_os_error, write_safetensors
 from ..model_config import config_problem, stored_name, write_config
-from ..io.writer_lock import WriterLock, WriterLockedError
+from ...io.writer_lock import WriterLock, WriterLockedError
 
 FaultHook = Callable[[str, int], None]
 """Called as ``fault(point, rank)`` at each point of FAULT_POINTS; raising there simulates a crash."""

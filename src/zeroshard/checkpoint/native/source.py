@@ -16,11 +16,11 @@ import numpy as np
 
 from ..format import LATEST_FILE, MANIFEST_FILE, MODEL_FILE, fp32_key, rank_file_name, scalar_key, state_key
 from ..formats import SourceFormat
-from ..digests import Terms, finished, tensors_digester
-from ..io.block_reader import RangeReader, array_view, observe_bytes
-from ..io.checksum import FileRecord
-from ..io.dtypes import dtype_info, itemsize_of, to_float32
-from ..io.safetensors_io import ReadStats, TensorEntry, check_entries, read_header
+from ..attest.digests import Terms, finished, tensors_digester
+from ...io.block_reader import RangeReader, array_view, observe_bytes
+from ...io.checksum import FileRecord
+from ...io.dtypes import dtype_info, itemsize_of, to_float32
+from ...io.safetensors_io import ReadStats, TensorEntry, check_entries, read_header
 from ..model_config import STORED_NAMES, read_config
 from ..source import ModelEntry, SourceInfo
 from .binding import check_binding
@@ -109,7 +109,7 @@ class NativeSource:
         file are read with one read into one buffer and come back as views of it: one
         buffer per run instead of one per tensor (each its own allocation, page by page).
         ``digests``, if given, receives for each name ``(address, nbytes, digest)``: the digest,
-        from the CRCs the read computes, of the bytes at that address (see :mod:`..attest`)."""
+        from the CRCs the read computes, of the bytes at that address (see :mod:`..attest.attestation`)."""
         header = self._header(MODEL_FILE)
         records = {name: self._model_record(name) for name in names}
 

@@ -7,7 +7,7 @@ its description (:class:`~zeroshard.layout.ExpertStack`) in the manifest's ``exp
 (version 3); a legacy stack (MoEGPT's ``[E, in, out]``, exported per expert) is one tensor
 per expert, named by global id in ``nn.Linear`` orientation (:mod:`..experts`), which the
 manifest's ``experts`` lists in expert order (version 2). From version 4 it carries the
-digests of the run's logical state (``digests``, :mod:`..digests`: in the run's names and
+digests of the run's logical state (``digests``, :mod:`..attest.digests`: in the run's names and
 orientation, stacked experts by global id), as the native manifest records them. A
 checkpoint is written in the lowest version that expresses it: 1 without experts, 2 with
 legacy stacks only, 3 with stored stacks, 4 with digests (what zeroshard writes now), 5
@@ -35,12 +35,12 @@ from ...layout import (
 )
 from ...layout.stacks import check_stack_shape, per_expert_name_clash
 from ..format import state_name_problem
-from ..io import jsonvalue
-from ..io.budget import quoted
-from ..io.checksum import FileRecord
-from ..io.directory import read_json_file
+from ...io import jsonvalue
+from ...io.budget import quoted
+from ...io.checksum import FileRecord
+from ..directory import read_json_file
 from ..model_config import STORED_NAMES
-from ..digests import StateDigests
+from ..attest.digests import StateDigests
 from ..source import ModelEntry
 
 FORMAT_NAME = "zeroshard.universal"

@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 
 from ...layout import Layout, LayoutPolicy, build_layout
-from ..io.block_reader import RangeReader, array_view
-from ..io.damage import CheckpointDamagedError
-from ..io.directory import check_files_present
-from ..io.dtypes import itemsize_of
-from ..io.safetensors_io import ReadStats, TensorEntry, check_entries, read_header
+from ...io.block_reader import RangeReader, array_view
+from ...io.damage import CheckpointDamagedError
+from ..directory import check_files_present
+from ...io.dtypes import itemsize_of
+from ...io.safetensors_io import ReadStats, TensorEntry, check_entries, read_header
 from ..model_config import STORED_NAMES, read_config
 from .format import UniversalManifest, model_key, param_key, read_universal_manifest, shard_version_problem
 

@@ -24,11 +24,11 @@ import numpy as np
 
 from ...layout import Layout, build_layout
 from ...state import ParamGroupState
-from ..io.dtypes import cast
-from ..io.safetensors_io import ReadStats
+from ...io.dtypes import cast
+from ...io.safetensors_io import ReadStats
 from ..formats import SourceFormat
 from ..packed import PACKED_POLICY, PackedPartitions, PackedSource
-from ..digests import StateDigests
+from ..attest.digests import StateDigests
 from ..source import SourceInfo
 from ..experts import stacked_from_exported
 from .format import FORMAT_NAME, UniversalManifest, is_universal_checkpoint

@@ -10,7 +10,7 @@ global tensor ``[E, ...]`` under its own name (its description in the manifest's
 ``expert_stacks``), a legacy one (MoEGPT's) as one tensor per global expert in ``nn.Linear``
 orientation, as before (:mod:`..experts`). Everything read is digested in logical order
 (each expert of a stack on its own) and checked against the source's digests
-(:mod:`..read_digests`); the output carries them, and the model's config files the source
+(:mod:`..attest.read_digests`); the output carries them, and the model's config files the source
 recorded (:mod:`..model_config`).
 """
 
@@ -24,18 +24,18 @@ from pathlib import Path
 import numpy as np
 
 from ...layout import LEGACY_STACK
-from ..io.directory import write_file_durably
-from ..io.dtypes import dtype_of
+from ..directory import write_file_durably
+from ...io.dtypes import dtype_of
 from ..format import DEFAULT_BLOCK_SIZE
 from ..formats import open_source
-from ..io.output_dir import OutputKind, output_path, staged_output
-from ..io.safetensors_io import PlannedTensor
+from ..output_dir import OutputKind, output_path, staged_output
+from ...io.safetensors_io import PlannedTensor
 from ..experts import UNIVERSAL_FORM, exported_params, read_exported
-from ..read_digests import ReadChecker
+from ..attest.read_digests import ReadChecker
 from ..model_config import STORED_NAMES, stored_name, write_config
 from ..param_groups import universal_param_groups
 from ..source import ShardSource, read_model_configs
-from ..io.streaming import OutputTensor, plan_shards, write_shards
+from ...io.streaming import OutputTensor, plan_shards, write_shards
 from .format import (
     DEFAULT_MAX_SHARD_SIZE,
     DIGESTS_VERSION,
