@@ -6,13 +6,15 @@ docs/FORMAT.md describes the format; this module is the one place that spells it
 from __future__ import annotations
 
 FORMAT_NAME = "zeroshard.checkpoint"
-FORMAT_VERSION = 2  # 2: digests of the logical state and rank-file bindings
+FORMAT_VERSION = 3  # 3: resume files (each rank's random state and user states)
+UNRESUMABLE_VERSION = 2  # digests and bindings, no resume files; still written without them, and read
 UNDIGESTED_VERSION = 1  # written before digests; still read
 UNDIGESTED_LAYOUT_VERSION = 2  # the newest layout a version 1 manifest holds (layout version 3 came after version 2)
 
 MANIFEST_FILE = "manifest.json"
 MODEL_FILE = "model.safetensors"
 LATEST_FILE = "latest"
+AUDIT_FILE = "audit.json"  # written into a tag after the save, by the first step that follows it
 LOCK_FILE = ".lock"  # held by the save in progress (writer_lock.py); absent otherwise
 
 # Checksums cover fixed-size blocks of every file, so a rank that reads a byte range checks
@@ -46,6 +48,11 @@ def state_name_problem(name: object) -> str | None:
 def rank_file_name(rank: int, world_size: int) -> str:
     """``rank-00003-of-00008.safetensors``: the file holding one rank's partitions."""
     return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def resume_file_name(rank: int, world_size: int) -> str:
+    """``resume-00003-of-00008.json``: one rank's random state and user states (version 3)."""
+    return f"resume-{rank:05d}-of-{world_size:05d}.json"
 
 
 def fp32_key(group: int) -> str:

@@ -36,11 +36,12 @@ def verify_checkpoint(ckpt: Checkpoint) -> list[str]:
     and its param groups are what a universal checkpoint stores (see :mod:`.param_groups`)."""
     manifest = ckpt.manifest
     rank_tensors = manifest.rank_file_tensors()
-    expected = {name: manifest.model_file_tensors() if name == MODEL_FILE else rank_tensors for name in manifest.files}
+    safetensors = set(manifest.files) - set(manifest.resume_files())
+    expected = {name: manifest.model_file_tensors() if name == MODEL_FILE else rank_tensors for name in safetensors}
     problems = _verify_files(ckpt.directory, manifest.files, expected)
     if problems:
         return problems
-    problems = _binding_problems(ckpt)
+    problems = _binding_problems(ckpt) + _resume_file_problems(ckpt)
     if problems:
         return problems
     from .native.source import NativeSource
@@ -98,6 +99,14 @@ def _binding_problems(ckpt: Checkpoint) -> list[str]:
     return problems
 
 
+def _resume_file_problems(ckpt: Checkpoint) -> list[str]:
+    """Every resume file parsed and checked against where the manifest puts it (version 3)."""
+    from .run_state import resume_file_problems
+
+    ranks = range(len(ckpt.manifest.resume_files()))
+    return [problem for rank in ranks for problem in resume_file_problems(ckpt, rank)]
+
+
 def read_every_tensor(source: ShardSource) -> list[str]:
     """Read every partition of every rank, and every model tensor, through ``source``: one
     line per rank file (or model tensor) that cannot be read; empty when all can."""
@@ -130,7 +139,7 @@ def _verify_files(
         except (OSError, ValueError) as err:
             problems.append(str(err))
             continue
-        if not file_problems:
+        if not file_problems and name in expected:  # a safetensors file (not a resume file)
             file_problems = _header_problems(path, record.size, expected[name])
         problems += file_problems
     problems += [f"{directory / name}: not listed in the manifest" for name in _strays(directory, records)]

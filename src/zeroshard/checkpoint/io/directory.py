@@ -67,10 +67,10 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_file_durably(path: Path, text: str) -> None:
-    """Write and fsync ``path``; an OSError (a full disk) names it."""
+def write_file_durably(path: Path, text: str | bytes) -> None:
+    """Write and fsync ``path`` (text, or bytes as they are); an OSError (a full disk) names it."""
     try:
-        with open(path, "w") as handle:
+        with open(path, "wb" if isinstance(text, bytes) else "w") as handle:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
