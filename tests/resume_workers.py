@@ -187,6 +187,8 @@ def same_world(rank: int, world: int, out: str) -> dict[str, Any]:
         results[f"{kind} resumed"] = resumed(rank, world, out_dir / kind, kind, "none")
     for injection in ("data one batch late", "lr schedule off by one", "exp_avg perturbed"):
         results[injection] = resumed(rank, world, out_dir / "stateful", "stateful", injection)
+    # No data state registered: the audit names the data position by elimination.
+    results["plain data one batch late"] = resumed(rank, world, out_dir / "plain", "plain", "data one batch late")
     results["RNG not restored"] = resumed(rank, world, out_dir / "stateful", "stateful", "none", rng=False)
     results["strict"] = resumed(rank, world, out_dir / "stateful", "stateful", "lr schedule off by one", audit="strict")
     for dropout in (0.0, 0.3):

@@ -50,6 +50,7 @@ def test_2n_losses_straight_equal_n_plus_resume_plus_n_bit_for_bit(same_world, k
     [
         ("RNG not restored", "RNG"),
         ("data one batch late", "data position"),
+        ("plain data one batch late", "data position"),  # no data state registered: by elimination
         ("lr schedule off by one", "lr"),
         ("exp_avg perturbed", "optimizer state (exp_avg)"),
     ],
