@@ -38,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from checkpoint_io import large_specs  # noqa: E402
 from convert import seeds_layout  # noqa: E402
 
-from zeroshard.checkpoint import attest, digests, read_digests, run_ranks, save_sharded  # noqa: E402
+from zeroshard.checkpoint import run_ranks, save_sharded  # noqa: E402
+from zeroshard.checkpoint.attest import attestation, digests, read_digests  # noqa: E402
 from zeroshard.checkpoint.native import model_file, save as native_save  # noqa: E402
 from zeroshard.checkpoint.native.load import load_sharded  # noqa: E402
 from zeroshard.checkpoint.testing import pattern, synthesize_state  # noqa: E402
@@ -91,7 +92,7 @@ class _NoDigest:
         pass
 
 
-_EVIDENCE_INIT = attest.Evidence.__init__
+_EVIDENCE_INIT = attestation.Evidence.__init__
 
 
 def _disabled_evidence(self, enabled: bool = True) -> None:
@@ -100,13 +101,13 @@ def _disabled_evidence(self, enabled: bool = True) -> None:
 
 def digests_off():
     """The save without digests (it writes a version 1 manifest), the load without attestation."""
-    no_verdict = lambda *args, **kwargs: attest.Attestation("", "", 0, 0, 0)  # noqa: E731
+    no_verdict = lambda *args, **kwargs: attestation.Attestation("", "", 0, 0, 0)  # noqa: E731
     return patched(
         (native_save, "PartitionDigester", _NoDigest),
         (native_save, "_combined_digests", lambda *args: None),
         (model_file, "RunningDigest", _NoDigest),
-        (attest.Evidence, "__init__", _disabled_evidence),
-        (attest, "judge", no_verdict),
+        (attestation.Evidence, "__init__", _disabled_evidence),
+        (attestation, "judge", no_verdict),
         (read_digests.ReadChecker, "param", lambda self, *args: None),
         (read_digests.ReadChecker, "model_tensor", lambda self, *args: None),
         (read_digests.ReadChecker, "digests", lambda self, *args: None),
@@ -120,10 +121,10 @@ def digests_timed(clock: DigestClock):
         (digester, "__call__", clock.timed(digester.__call__)),  # where a second CRC pass digests
         (digester, "segment", clock.timed(digester.segment)),  # where the writer's one pass feeds it
         (digester, "cuts", clock.timed(digester.cuts)),
-        (attest, "partition_terms", clock.timed(attest.partition_terms)),
-        (attest, "judge", clock.timed(attest.judge)),
-        (attest.Evidence, "model_tensor", clock.timed(attest.Evidence.model_tensor)),
-        (attest.Evidence, "master", clock.timed(attest.Evidence.master)),
+        (attestation, "partition_terms", clock.timed(attestation.partition_terms)),
+        (attestation, "judge", clock.timed(attestation.judge)),
+        (attestation.Evidence, "model_tensor", clock.timed(attestation.Evidence.model_tensor)),
+        (attestation.Evidence, "master", clock.timed(attestation.Evidence.master)),
         (native_save, "_combined_digests", clock.timed(native_save._combined_digests)),
         (read_digests.ReadChecker, "param", clock.timed(read_digests.ReadChecker.param)),
         (read_digests.ReadChecker, "model_tensor", clock.timed(read_digests.ReadChecker.model_tensor)),

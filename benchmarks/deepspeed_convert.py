@@ -148,7 +148,7 @@ def _run_ds_to_universal(*argv: str) -> None:
 
 
 def _run_zeroshard(*argv: str) -> None:
-    import zeroshard.importers  # noqa: F401  (imported lazily by the CLI; not part of the conversion)
+    import zeroshard.deepspeed.checkpoint  # noqa: F401  (imported lazily by the CLI; not part of the conversion)
     from zeroshard.cli.main import main
 
     started, cpu_started = time.perf_counter(), _cpu_seconds()
@@ -249,7 +249,7 @@ def same_bits(a, b) -> bool:
     import numpy as np
     import torch
 
-    from zeroshard.checkpoint.io.dtypes import to_torch
+    from zeroshard.io.dtypes import to_torch
 
     a, b = (to_torch(x) if isinstance(x, np.ndarray) else x.contiguous() for x in (a, b))
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))

@@ -23,7 +23,7 @@ def expand(source_tag: Path, target_tag: Path, world_size: int) -> None:
     import torch
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    from zeroshard.importers import open_deepspeed
+    from zeroshard.deepspeed.checkpoint import open_deepspeed
 
     with open_deepspeed(source_tag) as source:
         one = source.layout

@@ -25,7 +25,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
-_OPENS = "import sys\nfrom zeroshard.importers import open_deepspeed\nfor _ in range(int(sys.argv[2])):\n    open_deepspeed(sys.argv[1]).close()\n"
+_OPENS = "import sys\nfrom zeroshard.deepspeed.checkpoint import open_deepspeed\nfor _ in range(int(sys.argv[2])):\n    open_deepspeed(sys.argv[1]).close()\n"
 
 
 def instructions(src: Path, tag_dir: Path, opens: int, work: Path) -> int:

@@ -24,7 +24,7 @@ from torch.nn import functional as F
 
 from gpu_check_common import U_BF16, U_FP32, CheckResult, Context, gamma, relative_error
 from zeroshard.buffers import bind_flat_buffer, owns_storage
-from zeroshard.demo_moe import expert_weights
+from zeroshard.demos.moe import expert_weights
 from zeroshard.engine import ZeroOptimizer
 from zeroshard.layout import LayoutPolicy, ParamSpec, build_layout
 from zeroshard.moe import MoEConfig, MoEGPT, moe_param_groups, new_expert_groups

@@ -51,7 +51,7 @@ def _load_functions():
 def _run(kind: str, path: str, world: int) -> None:
     load_sharded, load_universal, load_from_source = _load_functions()
     if kind == "deepspeed":
-        from zeroshard.importers import open_deepspeed
+        from zeroshard.deepspeed.checkpoint import open_deepspeed
 
         source = open_deepspeed(path)
         layout = source.info.layout.with_world_size(world)

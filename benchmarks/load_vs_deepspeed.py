@@ -112,8 +112,8 @@ def _needed_extents(checkpoint_dir: Path, layout, rank: int) -> list[tuple[Path,
     rank file it draws from and every tensor of model.safetensors, adjacent ranges merged."""
     from zeroshard.checkpoint import open_checkpoint, plan_reads
     from zeroshard.checkpoint.format import MODEL_FILE, fp32_key, rank_file_name, state_key
-    from zeroshard.checkpoint.io.dtypes import itemsize_of
-    from zeroshard.checkpoint.io.safetensors_io import read_header
+    from zeroshard.io.dtypes import itemsize_of
+    from zeroshard.io.safetensors_io import read_header
 
     checkpoint = open_checkpoint(checkpoint_dir)
     manifest = checkpoint.manifest

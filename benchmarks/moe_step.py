@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from zeroshard.checkpoint.engine_io import save_checkpoint
 from zeroshard.checkpoint.format import MANIFEST_FILE, MODEL_FILE, rank_file_name
-from zeroshard.checkpoint.io.safetensors_io import read_header
+from zeroshard.io.safetensors_io import read_header
 from zeroshard.engine import ZeroOptimizer
 from zeroshard.launch import spawn
 from zeroshard.moe import MoEConfig, MoEGPT, moe_param_groups, new_expert_groups, per_expert_state_dict

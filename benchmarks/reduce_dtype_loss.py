@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from zeroshard.data import batch_seed, markov_chain, sample_batch
+from zeroshard.demos.data import batch_seed, markov_chain, sample_batch
 from zeroshard.engine import ZeroOptimizer
 from zeroshard.launch import spawn
 from zeroshard.models import TinyGPT, gpt_param_groups

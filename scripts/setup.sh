@@ -30,8 +30,10 @@ else
 fi
 # DeepSpeed (an optional group) builds the DeepSpeed checkpoints the importer tests read;
 # transformers (the hf group) is the MoE model family tests/test_hf_moe.py trains and loads
-# the fp32 exports of transformers models with from_pretrained.
-DS_BUILD_OPS=0 pip_install -e ".[test,deepspeed,hf]"
+# the fp32 exports of transformers models with from_pretrained; the transformers, accelerate
+# and lightning groups are the trainers zeroshard.integrations plugs into (pinned; the torch
+# installed above satisfies theirs, so none pulls a torch of its own).
+DS_BUILD_OPS=0 pip_install -e ".[test,deepspeed,hf,transformers,accelerate,lightning]"
 # DeepSpeed 0.19.8's AutoEP runs with transformers 5.9.0 only (5.24 raises a TypeError in its
 # output recorders). The AutoEP fixture runs (tests/autoep_fixtures.py) put this folder first on
 # their PYTHONPATH; nothing else sees it. The rest of what it needs is the environment's.

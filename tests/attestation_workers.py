@@ -8,7 +8,7 @@ import torch
 from checkpoint_workers import SAVE_POLICY, build, full_state, train
 
 from zeroshard.checkpoint import loader
-from zeroshard.checkpoint.attest import AttestationError
+from zeroshard.checkpoint.attest.attestation import AttestationError
 from zeroshard.checkpoint.engine_io import load_checkpoint, load_checkpoint_attested, save_checkpoint
 
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from zeroshard.checkpoint.engine_io import load_checkpoint, save_checkpoint
-from zeroshard.data import markov_chain, sample_batch
+from zeroshard.demos.data import markov_chain, sample_batch
 from zeroshard.engine import ZeroOptimizer
 from zeroshard.layout import LayoutPolicy
 from zeroshard.models import GPTConfig, TinyGPT, gpt_param_groups

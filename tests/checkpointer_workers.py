@@ -19,7 +19,7 @@ from checkpoint_workers import SAVE_POLICY, build, dump, full_state, train
 
 from zeroshard.checkpoint import CheckpointSaveError, Checkpointer, list_tags
 from zeroshard.checkpoint.native import save as save_module
-from zeroshard.checkpoint.io.directory import read_latest
+from zeroshard.checkpoint.directory import read_latest
 from zeroshard.layout import LayoutPolicy
 
 WRITER_THREAD = "zeroshard-checkpoint-writer"

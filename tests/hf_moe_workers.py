@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.checkpoint.engine_io import load_checkpoint, save_checkpoint
-from zeroshard.demo_moe import expert_weights
+from zeroshard.demos.moe import expert_weights
 from zeroshard.engine import ZeroOptimizer
 from zeroshard.moe import (
     GroupedMMRecorder,

@@ -44,7 +44,7 @@ def demo_phase_then_destroy(rank: int, world_size: int, out_dir: str) -> dict:
 
     import torch.distributed as dist
 
-    from zeroshard.demo import DemoConfig, train_phase
+    from zeroshard.demos.dense import DemoConfig, train_phase
 
     world = weakref.ref(dist.group.WORLD)
     train_phase(rank, world_size, DemoConfig(steps=2, progress=False), out_dir, 0, 1, False)

@@ -23,10 +23,11 @@ import torch
 from test_moe_checkpoint import DENSE, STACKED, assert_state_matches, moe_layout
 from universal_helpers import save_synthetic
 
-from zeroshard.checkpoint import attest, loader, run_ranks
-from zeroshard.checkpoint.attest import AttestationError, UnattestedCheckpointWarning
-from zeroshard.checkpoint.io.damage import CheckpointDamagedError
-from zeroshard.checkpoint.attested import load_attested
+from zeroshard.checkpoint import loader, run_ranks
+from zeroshard.checkpoint.attest import attestation
+from zeroshard.checkpoint.attest.attestation import AttestationError, UnattestedCheckpointWarning
+from zeroshard.io.damage import CheckpointDamagedError
+from zeroshard.checkpoint.attest.attested import load_attested
 from zeroshard.checkpoint.native.load import load_sharded
 from zeroshard.checkpoint.native.source import NativeSource
 from zeroshard.checkpoint.testing import ADAM_STATES, expected_partition, synthesize_state
@@ -79,7 +80,7 @@ def caught(monkeypatch, path, layout, mutate, **options) -> str:
     and that with it every rank refuses the load with one line. That line."""
     mutate(monkeypatch)
     with monkeypatch.context() as unattested:  # what a load did before attestation: no verdict
-        unattested.setattr(attest, "judge", lambda evidences, layout, *args, **kw: attest.Attestation("", "", 0, 0, 0))
+        unattested.setattr(attestation, "judge", lambda evidences, layout, *args, **kw: attestation.Attestation("", "", 0, 0, 0))
         states = load_everywhere(path, layout, **options)
         assert not any(isinstance(s, BaseException) for s in states), states
         assert not all(holds_what_was_saved(s, layout, rank) for rank, s in enumerate(states))
@@ -303,7 +304,7 @@ def test_a_legacy_checkpoint_loads_says_so_once_and_is_attested_against_what_was
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 def test_a_deepspeed_checkpoint_is_digested_as_read_and_compared_after_redistribution(deepspeed_runs, tmp_path, monkeypatch):
-    from zeroshard.importers import open_deepspeed
+    from zeroshard.deepspeed.checkpoint import open_deepspeed
 
     run = deepspeed_runs["w2_s2"]
     with open_deepspeed(run.save_dir) as source:

@@ -14,7 +14,7 @@ from universal_helpers import save_synthetic
 
 from zeroshard.checkpoint import Checkpointer, list_tags, open_checkpoint, verify_checkpoint
 from zeroshard.checkpoint.format import MANIFEST_FILE
-from zeroshard.checkpoint.io.damage import CheckpointDamagedError
+from zeroshard.io.damage import CheckpointDamagedError
 from zeroshard.checkpoint.retention import apply_retention, step_tag, tags_to_delete
 from zeroshard.layout import ParamSpec, build_layout
 

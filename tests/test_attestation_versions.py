@@ -15,7 +15,7 @@ from test_moe_checkpoint import moe_layout
 from universal_helpers import save_synthetic
 
 from zeroshard.checkpoint import open_checkpoint, verify_checkpoint
-from zeroshard.checkpoint.io.damage import CheckpointDamagedError
+from zeroshard.io.damage import CheckpointDamagedError
 from zeroshard.cli.main import main
 from zeroshard.layout import ExpertMesh, ExpertStack, ParamSpec, build_layout
 
@@ -93,3 +93,60 @@ def test_a_version_1_checkpoint_as_version_1_wrote_it_still_verifies_and_convert
     assert main(["inspect", "--verify", str(legacy)]) == 0
     assert "every checksum matches (no digests)" in capsys.readouterr().out
     assert main(["to-fp32", str(legacy), str(tmp_path / "fp32"), "--no-progress"]) == 0
+
+
+# ---- the universal format: the same rule, and shards that say their version ------------------------
+
+
+@pytest.fixture(scope="module")
+def universal(saved, tmp_path_factory) -> Path:
+    from zeroshard.checkpoint.universal import to_universal
+
+    return to_universal(saved, tmp_path_factory.mktemp("universal") / "u", progress=False)
+
+
+def _universal_edited(universal: Path, tmp_path: Path, version: int, *, drop: tuple[str, ...]) -> Path:
+    """A copy whose universal.json claims ``version``, without ``drop``, its legacy expert
+    lists reversed (each stack's experts swapped end for end); shards untouched."""
+    copy = tmp_path / "edited-universal"
+    shutil.copytree(universal, copy)
+    manifest = json.loads((copy / "universal.json").read_text())
+    assert manifest["version"] == 4 and manifest["experts"], manifest.keys()
+    manifest["version"] = version
+    for key in drop:
+        manifest.pop(key)
+    manifest["experts"] = {stack: names[::-1] for stack, names in manifest["experts"].items()}
+    (copy / "universal.json").write_text(json.dumps(manifest))
+    return copy
+
+
+def test_a_universal_manifest_claiming_a_version_before_its_digests_is_refused(universal, tmp_path, capsys):
+    """Version 3 readers skip digests: the swapped experts would have passed."""
+    copy = _universal_edited(universal, tmp_path, 3, drop=())
+    expected = f"{copy / 'universal.json'}: format version 3, but it holds digests, which version 4 added"
+    assert main(["inspect", "--verify", str(copy)]) == 1  # damage, as for a native manifest
+    assert expected in capsys.readouterr().out
+    assert main(["to-fp32", str(copy), str(tmp_path / "fp32"), "--no-progress"]) == 2
+    assert expected in capsys.readouterr().err and not (tmp_path / "fp32").exists()
+
+
+def test_a_universal_manifest_downgraded_below_its_shards_is_refused(universal, tmp_path, capsys):
+    """Digests dropped too, the manifest alone looks like a genuine version 3 one: its shards,
+    written as version 4, say otherwise wherever they are read."""
+    copy = _universal_edited(universal, tmp_path, 3, drop=("digests",))
+    assert main(["inspect", "--verify", str(copy)]) == 1
+    lines = capsys.readouterr().out.strip().splitlines()
+    claim = "written as universal format version '4', but universal.json claims version 3"
+    assert lines and all(claim in line for line in lines if "universal-" in line), lines
+    assert main(["to-fp32", str(copy), str(tmp_path / "fp32"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "written as universal format version '4'" in err, err
+    assert not (tmp_path / "fp32").exists()
+
+
+def test_universal_shards_name_the_version_of_their_manifest(universal):
+    from zeroshard.io.safetensors_io import read_metadata
+
+    version = json.loads((universal / "universal.json").read_text())["version"]
+    shards = sorted(universal.glob("universal-*.safetensors"))
+    assert shards and all(read_metadata(shard).get("version") == str(version) for shard in shards)

@@ -31,8 +31,8 @@ from autoep_workers import STATES, ds_reference
 
 from zeroshard.checkpoint import load_state, open_source
 from zeroshard.checkpoint.source import read_param
-from zeroshard.importers import open_deepspeed
-from zeroshard.importers.deepspeed import DeepSpeedSource
+from zeroshard.deepspeed.checkpoint import open_deepspeed
+from zeroshard.deepspeed.checkpoint.source import DeepSpeedSource
 from zeroshard.layout import ExpertMesh, ExpertStack, LayoutPolicy, ParamSpec, build_layout, global_shape, rank_runs
 
 LAYERS = MODEL_CONFIG["num_hidden_layers"]

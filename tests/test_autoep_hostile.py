@@ -23,7 +23,7 @@ from test_deepspeed_hostile import bomb, edit, fuzz, open_error
 
 from zeroshard.checkpoint.export.fp32 import load_fp32_state_dict
 from zeroshard.checkpoint.source import read_param
-from zeroshard.importers import DeepSpeedFormatError, open_deepspeed
+from zeroshard.deepspeed.checkpoint import DeepSpeedFormatError, open_deepspeed
 
 MODEL = "mp_rank_00_model_states.pt"
 RANK0 = "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
@@ -96,7 +96,7 @@ FIELD_CASES = {
                 e["expert_placement"].update(num_experts=10**12),
             ]
         ),
-        "places experts [[0, 1], [2, 3]]: each of 0..999999999999 must be on exactly one EP rank",
+        "['expert_placement']['ranks'][0]['experts'] lists 2 experts, expected 500000000000 (E / EP)",
     ),
     "placement version": (
         MODEL,

@@ -16,10 +16,10 @@ from safetensors.numpy import load_file
 
 from zeroshard.checkpoint import ReadStats, load_sharded, run_ranks, save_sharded
 from zeroshard.checkpoint.format import MODEL_FILE
-from zeroshard.checkpoint.io import block_reader
-from zeroshard.checkpoint.io.block_reader import RangeReader
-from zeroshard.checkpoint.io.checksum import BlockHasher
-from zeroshard.checkpoint.io.safetensors_io import TensorEntry
+from zeroshard.io import block_reader
+from zeroshard.io.block_reader import RangeReader
+from zeroshard.io.checksum import BlockHasher
+from zeroshard.io.safetensors_io import TensorEntry
 from zeroshard.checkpoint.native.source import NativeSource, _adjacent_runs
 from zeroshard.checkpoint.testing import synthesize_state
 from zeroshard.layout import ParamSpec, build_layout

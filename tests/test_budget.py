@@ -1,4 +1,4 @@
-"""The per-file byte budget (zeroshard.checkpoint.io.budget) on its own, and the torch.save
+"""The per-file byte budget (zeroshard.io.budget) on its own, and the torch.save
 reader charging it: pickles that re-use one memoised object to make the unpickler copy it
 again and again, opcodes that declare more than the pickle holds, hostile names in errors.
 
@@ -29,11 +29,11 @@ from hostile_files import (
     put,
 )
 
-from zeroshard.checkpoint.io.budget import CONSTANT, FACTOR, Budget, BudgetExceeded, quoted
-from zeroshard.importers import torch_unpickler
-from zeroshard.importers.deepspeed_pickle import ALLOWED_GLOBALS
-from zeroshard.importers.torch_file import TorchFileError, load_torch_file
-from zeroshard.importers.torch_records import fills_state
+from zeroshard.io.budget import CONSTANT, FACTOR, Budget, BudgetExceeded, quoted
+from zeroshard.torchfile import torch_unpickler
+from zeroshard.deepspeed.checkpoint.pickled import ALLOWED_GLOBALS
+from zeroshard.torchfile.torch_file import TorchFileError, load_torch_file
+from zeroshard.torchfile.torch_records import fills_state
 
 SLACK = 2 << 20  # what a refused load may allocate besides 64 bytes per byte of its file
 CPU_SECONDS = 2.5  # 10x the costliest refusal here (0.24 CPU seconds, measured untraced)

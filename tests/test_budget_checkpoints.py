@@ -20,7 +20,7 @@ from hostile_files import edit_torch_file as edit
 from hostile_files import measured
 
 from zeroshard.checkpoint import run_ranks, save_sharded
-from zeroshard.checkpoint.io.safetensors_io import read_header
+from zeroshard.io.safetensors_io import read_header
 from zeroshard.checkpoint.native.manifest import read_manifest
 from zeroshard.checkpoint.testing import synthesize_state
 from zeroshard.checkpoint.universal import to_universal
@@ -118,6 +118,27 @@ def test_the_loss_scaler_is_charged_as_any_value_copied_out(tag_dir, tmp_path, c
 
 
 @needs_deepspeed
+def test_a_padding_list_shared_by_many_groups_is_charged_before_it_is_copied(tag_dir, tmp_path, capsys):
+    """param_alignment_paddings: 8,000 references to one list of 4,000 paddings (a 150 KB
+    rank file) were each copied and checked before anything was charged: 256 MB here, and a
+    146 KB file reached 3 GB and exit 3 after 30 s."""
+    shared = [0] * 4000
+    rank1 = tag_dir / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    edit(rank1, lambda raw: raw["optimizer_state_dict"].update(param_alignment_paddings=[shared] * 8000))
+    every_command(capsys, tag_dir, tmp_path, rank1, "copying param_alignment_paddings[")
+
+
+@needs_deepspeed
+def test_a_shape_shared_by_many_parameters_is_charged_before_it_is_copied(tag_dir, tmp_path, capsys):
+    """param_shapes: 2,000 parameters sharing one shape of 16,000 dimensions (a 90 KB
+    model-states file) were each copied twice (a list, a tuple) before the dimensions were
+    charged: 512 MB here, and a 373 KB file reached 3 GB and exit 3 after 30 s."""
+    dims = (1,) * 16_000
+    edit(tag_dir / MODEL, lambda raw: raw.update(param_shapes=[{f"p{i}": dims for i in range(2000)}]))
+    every_command(capsys, tag_dir, tmp_path, tag_dir / MODEL, "copying param_shapes[0]['p")
+
+
+@needs_deepspeed
 def test_a_tuple_key_that_doubles_at_each_link_is_refused_by_every_command(tag_dir, tmp_path, capsys):
     """Each tuple holds the one before twice: 24 links, 2^25 steps to hash (0.3 s here, once,
     to build the dict; each link more doubles it), past the budget of the rank file."""
@@ -132,9 +153,9 @@ def test_a_tuple_key_that_doubles_at_each_link_is_refused_by_every_command(tag_d
 def test_real_deepspeed_files_pass_the_cheap_bound_on_hashing(deepspeed_runs, monkeypatch):
     """No file of any fixture run needs the exact count of hashing (Python, slower than
     unpickling): the bound from byte values or the opcode pass clears each."""
-    from zeroshard.importers import pickle_scan
-    from zeroshard.importers.deepspeed_pickle import ALLOWED_GLOBALS
-    from zeroshard.importers.torch_file import load_torch_file
+    from zeroshard.torchfile import pickle_scan
+    from zeroshard.deepspeed.checkpoint.pickled import ALLOWED_GLOBALS
+    from zeroshard.torchfile.torch_file import load_torch_file
 
     counted = []
     monkeypatch.setattr(pickle_scan, "hash_steps", lambda data, limit: counted.append(len(data)))
@@ -199,9 +220,9 @@ def test_what_an_output_repeats_is_charged_to_the_file_it_comes_from(tmp_path):
     shared_params, would make 400 MB of export."""
     from types import SimpleNamespace
 
-    from zeroshard.checkpoint.io.budget import Budget
-    from zeroshard.importers.deepspeed import KEY_BYTES, charge_outputs
-    from zeroshard.importers.deepspeed_pickle import DeepSpeedFormatError
+    from zeroshard.io.budget import Budget
+    from zeroshard.deepspeed.checkpoint.source import KEY_BYTES, charge_outputs
+    from zeroshard.deepspeed.checkpoint.pickled import DeepSpeedFormatError
 
     layout = build_layout([[ParamSpec.of(f"p{i}", (4,), "bf16") for i in range(300)]], 2)
     model = SimpleNamespace(budget=Budget(tmp_path / MODEL, 10_000))

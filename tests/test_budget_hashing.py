@@ -30,8 +30,8 @@ from hostile_files import (
 )
 from test_budget import expect_refused_within_budget
 
-from zeroshard.importers import pickle_scan
-from zeroshard.importers.torch_file import TorchFileError, load_torch_file
+from zeroshard.torchfile import pickle_scan
+from zeroshard.torchfile.torch_file import TorchFileError, load_torch_file
 
 DEPTH = 26
 
@@ -135,7 +135,7 @@ def test_a_torch_size_of_anything_but_ints_is_refused(tmp_path):
 def test_a_put_after_what_did_not_make_it_takes_the_exact_count(monkeypatch):
     """PROTO, MARK, POP, a get or a put before a put: what is memoised was made earlier, so the
     cheap bound does not hold and the exact count runs; a GLOBAL cut short is still refused."""
-    from zeroshard.importers.torch_records import FileProblem
+    from zeroshard.torchfile.torch_records import FileProblem
 
     counted = []
     monkeypatch.setattr(pickle_scan, "hash_steps", lambda data, limit: counted.append(data))
@@ -231,7 +231,7 @@ def test_thousands_of_keys_of_distinct_hashes_load(tmp_path, case):
 def test_a_state_naming_attributes_by_anything_but_strings_is_refused(tmp_path, qualname):
     """BUILD copies its state into the object's attributes, again for every object a memoised
     state fills: attribute names are strings, whose hashes no file chooses."""
-    from zeroshard.importers.deepspeed_pickle import ALLOWED_GLOBALS
+    from zeroshard.deepspeed.checkpoint.pickled import ALLOWED_GLOBALS
 
     made = b")R" if qualname == "collections.OrderedDict" else b")\x81"
     state = b"}(" + b"".join(long1(k) + b"N" for k in colliding_ints(5)) + b"u"

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from zeroshard.checkpoint import FAULT_POINTS, list_tags, load_sharded, open_checkpoint, run_ranks, save_sharded
-from zeroshard.checkpoint.io.output_dir import OutputKind, staged_output
+from zeroshard.checkpoint.output_dir import OutputKind, staged_output
 from zeroshard.checkpoint.testing import synthesize_state
 from zeroshard.layout import ParamSpec, build_layout
 

@@ -102,8 +102,8 @@ def test_retention_holds_the_lock_so_a_second_writer_cannot_slip_in(tmp_path, mo
 
     from zeroshard.checkpoint import Checkpointer, SingleProcessCoordinator
     from zeroshard.checkpoint import retention as retention_module
-    from zeroshard.checkpoint.io.directory import read_latest
-    from zeroshard.checkpoint.io.writer_lock import WriterLockedError
+    from zeroshard.checkpoint.directory import read_latest
+    from zeroshard.io.writer_lock import WriterLockedError
 
     _, engine = checkpoint_workers.build(seed=0, stage=2)
     second_writer: list[object] = []
@@ -138,7 +138,7 @@ def test_retention_leaves_symlinked_tags_alone_and_reports_only_what_it_deleted(
     import checkpoint_workers
 
     from zeroshard.checkpoint import Checkpointer, list_tags
-    from zeroshard.checkpoint.io.directory import delete_tag
+    from zeroshard.checkpoint.directory import delete_tag
 
     elsewhere = save_synthetic(tmp_path / "elsewhere", LAYOUT, tag="t", block_size=64)
     root = tmp_path / "root"
@@ -252,7 +252,7 @@ def test_a_disk_full_at_the_commit_leaves_nothing_behind_and_names_the_file(tmp_
         assert named in str(error) and victim.strip(".") in str(error), error
     assert _hidden(tmp_path) == []  # no staging directory, no .latest.tmp-*
     from zeroshard.checkpoint import list_tags
-    from zeroshard.checkpoint.io.directory import read_latest
+    from zeroshard.checkpoint.directory import read_latest
 
     assert read_latest(tmp_path) == "step1"
     assert list_tags(tmp_path) == (["step1", "step2"] if published else ["step1"])
@@ -264,7 +264,7 @@ def test_a_disk_full_in_the_model_file_names_that_file_once(tmp_path, monkeypatc
     import errno
     import re
 
-    from zeroshard.checkpoint.io import safetensors_io
+    from zeroshard.io import safetensors_io
 
     real = safetensors_io._write_all
 
@@ -328,7 +328,7 @@ def _open_descriptors() -> int:
 
 
 def test_a_fifo_named_lock_is_refused_and_leaks_no_descriptor(tmp_path, capsys):
-    from zeroshard.checkpoint.io.writer_lock import WriterLock
+    from zeroshard.io.writer_lock import WriterLock
 
     lock = tmp_path / ".lock"
     os.mkfifo(lock)

@@ -206,7 +206,7 @@ def deepspeed_run(deepspeed_runs):
 
 @pytest.mark.parametrize("where", ["root", "tag"])
 def test_deepspeed_summary(deepspeed_run, where, capsys):
-    from zeroshard.importers import open_deepspeed
+    from zeroshard.deepspeed.checkpoint import open_deepspeed
 
     path = deepspeed_run.save_dir if where == "root" else deepspeed_run.tag_dir
     assert main(["inspect", str(path)]) == 0

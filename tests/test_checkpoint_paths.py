@@ -17,7 +17,7 @@ import pytest
 from universal_helpers import save_synthetic
 
 from zeroshard.checkpoint import load_sharded, open_checkpoint, verify_checkpoint
-from zeroshard.checkpoint.io.members import member_path, name_problem
+from zeroshard.io.members import member_path, name_problem
 from zeroshard.checkpoint.native.source import NativeSource
 from zeroshard.checkpoint.universal import load_universal, open_universal, to_universal
 from zeroshard.cli.main import main

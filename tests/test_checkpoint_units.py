@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from zeroshard.checkpoint import RankFailedError, plan_reads, run_ranks
-from zeroshard.checkpoint.io import checksum
-from zeroshard.checkpoint.io.checksum import BlockHasher
-from zeroshard.checkpoint.io.dtypes import to_torch
-from zeroshard.checkpoint.io.jsonvalue import decode, encode
+from zeroshard.io import checksum
+from zeroshard.io.checksum import BlockHasher
+from zeroshard.io.dtypes import to_torch
+from zeroshard.io.jsonvalue import decode, encode
 from zeroshard.checkpoint.reshard import Copy, coalesce
 from zeroshard.layout import LayoutPolicy, ParamSpec, build_layout
 

@@ -33,10 +33,10 @@ from zeroshard.checkpoint import (
     verify_checkpoint,
 )
 from zeroshard.checkpoint.export.fp32 import to_fp32
-from zeroshard.checkpoint.io.output_dir import output_lock
+from zeroshard.checkpoint.output_dir import output_lock
 from zeroshard.checkpoint.testing import synthesize_state
 from zeroshard.checkpoint.universal.write import to_universal
-from zeroshard.checkpoint.io.writer_lock import WriterLock, WriterLockedError
+from zeroshard.io.writer_lock import WriterLock, WriterLockedError
 from zeroshard.cli.main import main
 from zeroshard.layout import ParamSpec, build_layout
 
@@ -86,7 +86,7 @@ def test_a_bounded_wait(tmp_path):
 def test_the_lock_of_a_killed_holder_is_reclaimed(tmp_path):
     path = tmp_path / ".lock"
     script = (
-        "import sys, time; from pathlib import Path; from zeroshard.checkpoint.io.writer_lock import WriterLock; "
+        "import sys, time; from pathlib import Path; from zeroshard.io.writer_lock import WriterLock; "
         f"WriterLock(Path({str(path)!r}), 'saving tag \\'old\\'').acquire(); print('held', flush=True); time.sleep(120)"
     )
     child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=_env())

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from zeroshard.checkpoint import CheckpointSaveError, Checkpointer, list_tags, open_checkpoint, verify_checkpoint
+from zeroshard.checkpoint.directory import read_latest
 from zeroshard.checkpoint.format import AUDIT_FILE
-from zeroshard.checkpoint.io.directory import read_latest
 from zeroshard.checkpoint.retention import step_tag, tag_step, tags_to_delete
 from zeroshard.checkpoint.snapshot import HostSnapshot
 from zeroshard.launch import spawn

@@ -25,7 +25,7 @@ import pytest
 from zeroshard.checkpoint import Checkpointer
 from zeroshard.checkpoint.engine_io import load_checkpoint
 from zeroshard.checkpoint.format import MANIFEST_FILE, MODEL_FILE
-from zeroshard.checkpoint.io.damage import CheckpointDamagedError
+from zeroshard.io.damage import CheckpointDamagedError
 from zeroshard.checkpoint.retention import step_tag
 
 OLDER, NEWEST = step_tag(1), step_tag(2)

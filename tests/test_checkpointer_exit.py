@@ -16,7 +16,7 @@ import pytest
 
 import zeroshard
 from zeroshard.checkpoint import open_checkpoint, verify_checkpoint
-from zeroshard.checkpoint.io.directory import read_latest
+from zeroshard.checkpoint.directory import read_latest
 from zeroshard.launch import spawn
 
 TESTS = Path(__file__).resolve().parent

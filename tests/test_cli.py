@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zeroshard.checkpoint import run_ranks, save_sharded
-from zeroshard.checkpoint.io import jsonvalue
+from zeroshard.io import jsonvalue
 from zeroshard.checkpoint.testing import synthesize_state
 from zeroshard.cli.main import main
 from zeroshard.layout import LayoutPolicy, ParamSpec, build_layout
@@ -103,7 +103,7 @@ def test_manifest_value_nested_deep_enough_to_break_decoding(saved):
 
 
 def test_safetensors_header_nested_too_deeply(tmp_path):
-    from zeroshard.checkpoint.io.safetensors_io import read_header
+    from zeroshard.io.safetensors_io import read_header
 
     path = tmp_path / "deep.safetensors"
     header = _nest(5000).encode()
@@ -168,7 +168,7 @@ def test_conversions_run_with_the_collector_paused_and_set_it_back(saved, monkey
 
 def test_full_disk_names_the_file(saved, monkeypatch, capsys):
     """ENOSPC comes from write(), which knows no path: the error must still say where."""
-    from zeroshard.checkpoint.io import safetensors_io
+    from zeroshard.io import safetensors_io
     from zeroshard.checkpoint.universal import write as universal_write
 
     writes = []

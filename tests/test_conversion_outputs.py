@@ -111,6 +111,46 @@ def test_overwrite_replaces_an_output_of_its_own_kind_only(root, tmp_path, capsy
     assert sorted(p.name for p in hub.iterdir()) == ["model.safetensors"]
 
 
+def test_overwrite_replaces_an_export_beside_the_config_files_it_wrote_and_nothing_else(root, tmp_path, capsys):
+    """An export of a run that recorded its model's config holds config.json and
+    generation_config.json, which its zeroshard.digests.json lists: --overwrite refused them
+    as foreign. A config.json anyone else wrote, or one edited since, is still refused."""
+    from zeroshard.checkpoint.testing import synthesize_state
+
+    states = [synthesize_state(LAYOUT, rank) for rank in range(LAYOUT.world_size)]
+    for state in states:
+        state.model_configs = {"config.json": '{"model_type": "tiny"}', "generation_config.json": "{}"}
+    configured = save_synthetic(tmp_path / "configured", LAYOUT, states=states, block_size=64)
+    fp32 = to_fp32(configured, tmp_path / "fp32", progress=False)
+    universal = to_universal(configured, tmp_path / "u", progress=False)
+    assert sorted(p.name for p in fp32.iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors", "zeroshard.digests.json"
+    ]  # fmt: skip
+    assert _cli(capsys, "to-fp32", configured, fp32, "--overwrite")[0] == 0
+    assert _cli(capsys, "to-fp32", configured, fp32, "--overwrite", "--max-shard-size", "200B")[0] == 0
+    assert _cli(capsys, "to-universal", configured, universal, "--overwrite")[0] == 0
+    # An export of a run without a config, replaced by one with: its files are ours too.
+    assert _cli(capsys, "to-fp32", root, fp32, "--overwrite")[0] == 0 and not (fp32 / "config.json").exists()
+    assert _cli(capsys, "to-fp32", configured, fp32, "--overwrite")[0] == 0 and (fp32 / "config.json").is_file()
+    # Edited since: the user's now.
+    (fp32 / "config.json").write_text('{"model_type": "tiny", "mine": true}')
+    _refused(capsys, "to-fp32", configured, fp32, "--overwrite", expected="(config.json is not the file zeroshard wrote there: it changed since)")
+    # Added by the user beside an export that has none: never ours.
+    plain = to_fp32(root, tmp_path / "plain", progress=False)
+    (plain / "config.json").write_text('{"model_type": "tiny"}')
+    _refused(capsys, "to-fp32", root, plain, "--overwrite", expected="it holds 'config.json', which its zeroshard.digests.json does not list: zeroshard did not write it")
+    (plain / "config.json").unlink()
+    (plain / "tokenizer.json").write_text("{}")
+    _refused(capsys, "to-fp32", root, plain, "--overwrite", expected="it holds 'tokenizer.json', which a model export does not")
+    # A listed name that is a link now, pointing at the file that was written.
+    (plain / "tokenizer.json").unlink()
+    fresh = to_fp32(configured, tmp_path / "fresh", progress=False)
+    os.replace(fresh / "config.json", tmp_path / "config.json")
+    os.symlink(tmp_path / "config.json", fresh / "config.json")
+    _refused(capsys, "to-fp32", configured, fresh, "--overwrite", expected="it holds 'config.json', which is not a regular file")
+    assert (tmp_path / "config.json").is_file()
+
+
 def test_an_output_of_dot_is_the_current_directory(root, tmp_path, capsys, monkeypatch):
     work = tmp_path / "work"
     work.mkdir()
@@ -132,7 +172,7 @@ def assert_opens_with_safetensors(path: Path) -> int:
     there; returns the number of tensors."""
     import torch
 
-    from zeroshard.checkpoint.io.safetensors_io import read_header
+    from zeroshard.io.safetensors_io import read_header
 
     raw = path.read_bytes()
     entries = read_header(path, len(raw))

@@ -1,6 +1,6 @@
 """from_deepspeed_config: every key mapped, accepted as a no-op or refused; the runs it builds.
 
-* The key table in docs/MIGRATING.md is the code's (zeroshard.deepspeed_keys.RULES).
+* The key table in docs/MIGRATING.md is the code's (zeroshard.deepspeed.keys.RULES).
 * Every refused key is refused in one line naming it, before anything is built; its
   harmless values (off, null, 1) are accepted.
 * Batch sizes resolve as DeepSpeed's own DeepSpeedConfig resolves them.
@@ -48,11 +48,11 @@ from deepspeed_fixtures import (
 from test_deepspeed_resume import LOSS_RELATIVE_TOLERANCE
 
 from zeroshard import from_deepspeed_config
-from zeroshard.deepspeed_config import resolve_batch_sizes
-from zeroshard.deepspeed_keys import REFUSED, RULES, rule_for
+from zeroshard.deepspeed.config import resolve_batch_sizes
+from zeroshard.deepspeed.keys import REFUSED, RULES, rule_for
 from zeroshard.engine import DeepSpeedLossScaler, ZeroOptimizer
 from zeroshard.launch import spawn
-from zeroshard.lr_schedules import WarmupCosineLR
+from zeroshard.deepspeed.lr_schedules import WarmupCosineLR
 
 MIGRATING = Path(__file__).resolve().parents[1] / "docs" / "MIGRATING.md"
 FIXTURE = {config.name: config for config in CONFIGS}

@@ -29,7 +29,7 @@ if importlib.util.find_spec("deepspeed") is None:
 from deepspeed_fixtures import CONFIGS, _ds_config, build_model, global_batch, param_groups
 
 from zeroshard import from_deepspeed_config
-from zeroshard.deepspeed_config import resolve_batch_sizes
+from zeroshard.deepspeed.config import resolve_batch_sizes
 
 BASE = _ds_config(next(config for config in CONFIGS if config.name == "w1_s2_align"))
 NAN, INF = float("nan"), float("inf")

@@ -37,7 +37,7 @@ if importlib.util.find_spec("deepspeed") is None:
 from deepspeed_fixtures import CONFIGS, Fixture
 from safetensors.torch import load_file
 
-from zeroshard.checkpoint.io.dtypes import to_torch
+from zeroshard.io.dtypes import to_torch
 from zeroshard.checkpoint.universal import open_universal
 from zeroshard.cli.main import main as zeroshard_cli
 

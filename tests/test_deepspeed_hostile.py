@@ -26,7 +26,7 @@ from hostile_files import edit_torch_file as edit
 
 from zeroshard.checkpoint.export.fp32 import load_fp32_state_dict
 from zeroshard.checkpoint.source import read_param
-from zeroshard.importers import DeepSpeedFormatError, open_deepspeed
+from zeroshard.deepspeed.checkpoint import DeepSpeedFormatError, open_deepspeed
 
 MODEL = "mp_rank_00_model_states.pt"
 RANK1 = "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"

@@ -25,19 +25,19 @@ if importlib.util.find_spec("deepspeed") is None:
 from deepspeed_fixtures import CONFIGS, Fixture
 from safetensors.torch import load_file
 
-from zeroshard.checkpoint.io.dtypes import to_torch
+from zeroshard.io.dtypes import to_torch
 from zeroshard.checkpoint.export.fp32 import to_fp32
 from zeroshard.checkpoint.source import read_param
 from zeroshard.checkpoint.universal.write import to_universal
-from zeroshard.importers import (
+from zeroshard.deepspeed.checkpoint import (
     ALLOWED_GLOBALS,
     DeepSpeedFormatError,
     find_tag_dir,
     is_deepspeed_checkpoint,
     open_deepspeed,
 )
-from zeroshard.importers.deepspeed import TORCH_OPTIMIZERS, check_rank, optimizer_class
-from zeroshard.importers.deepspeed_files import read_rank_shard
+from zeroshard.deepspeed.checkpoint.source import TORCH_OPTIMIZERS, check_rank, optimizer_class
+from zeroshard.deepspeed.checkpoint.files import read_rank_shard
 
 CONFIG_NAMES = [config.name for config in CONFIGS]
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -171,7 +171,7 @@ def test_source_info(run):
 
 def test_each_rank_file_is_parsed_once(deepspeed_runs, monkeypatch, tmp_path):
     """Opening parses every file once; conversions (every parameter, state and rank) parse none again."""
-    from zeroshard.importers import deepspeed_pickle
+    from zeroshard.deepspeed.checkpoint import pickled as deepspeed_pickle
 
     parsed = []
     original = deepspeed_pickle.read_torch_file
@@ -196,7 +196,7 @@ def tensor_place(tensor) -> tuple:
 def test_a_file_with_the_pickle_of_the_one_before_reads_as_when_checked_in_full(deepspeed_runs, name, monkeypatch):
     """A rank file whose pickle is byte for byte that of the file read before it takes that
     file's checked values and only its own tensors: the same shard as a full read gives."""
-    from zeroshard.importers import deepspeed_files
+    from zeroshard.deepspeed.checkpoint import files as deepspeed_files
 
     run = deepspeed_runs[name]
     taken = []
@@ -223,7 +223,7 @@ def test_a_file_with_the_pickle_of_the_one_before_reads_as_when_checked_in_full(
 
 def test_a_copy_of_the_rank_file_before_still_fails_the_layout_check(copy_of, monkeypatch):
     """A file holding the previous rank's pickle skips the field checks, never the layout's."""
-    from zeroshard.importers import deepspeed_files
+    from zeroshard.deepspeed.checkpoint import files as deepspeed_files
 
     taken = []
     original = deepspeed_files._same_pickle_as
@@ -259,7 +259,7 @@ def test_reads_without_deepspeed_or_torch(deepspeed_runs):
     run = deepspeed_runs["w2_s2_align_rr"]
     script = (
         "import sys; sys.modules['deepspeed'] = None; sys.modules['torch'] = None\n"  # importing either fails
-        "from zeroshard.importers import open_deepspeed\n"
+        "from zeroshard.deepspeed.checkpoint import open_deepspeed\n"
         "from zeroshard.checkpoint.source import read_param\n"
         f"source = open_deepspeed({str(run.save_dir)!r})\n"
         "print(float(read_param(source, 'fc1.bias', 'exp_avg_sq').sum()))\n"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zeroshard.demo_moe import MoEDemoConfig
+from zeroshard.demos.moe import MoEDemoConfig
 from zeroshard.moe.recorder import GroupedMMRecorder
 
 BIN = Path(sys.executable).parent

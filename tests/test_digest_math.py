@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zeroshard.checkpoint.digests import (
+from zeroshard.checkpoint.attest.digests import (
     PartitionDigester,
     Terms,
     array_digest,
@@ -21,8 +21,8 @@ from zeroshard.checkpoint.digests import (
     held_pieces,
     partition_terms,
 )
-from zeroshard.checkpoint.io import digest as math_
-from zeroshard.checkpoint.io.safetensors_io import write_safetensors
+from zeroshard.io import digest as math_
+from zeroshard.io.safetensors_io import write_safetensors
 from zeroshard.layout import ExpertMesh, LayoutPolicy, ParamSpec, build_layout, global_shape
 
 SETTINGS = settings(max_examples=60, deadline=None)
@@ -210,8 +210,8 @@ def test_a_piece_missing_or_counted_twice_is_named():
 def test_a_reader_digests_what_it_reads_into_place_in_any_ranges(layout, block_size, draw):
     """What a load does: each rank's partitions read back range by range (in any order, cut
     anywhere) into place, the reader handing each checked segment's CRC to the digester."""
-    from zeroshard.checkpoint.io.block_reader import RangeReader
-    from zeroshard.checkpoint.io.safetensors_io import read_header
+    from zeroshard.io.block_reader import RangeReader
+    from zeroshard.io.safetensors_io import read_header
 
     tensors = logical_tensors(layout, "fp32")
     terms = Terms()

@@ -67,9 +67,9 @@ COLLECTIVE = (
     "zeroshard.moe.model:MoEGPT",
     "zeroshard.moe.model:MoEGPT.forward",
     "zeroshard.moe.parallel:expert_parallel",  # the forward it installs
-    "zeroshard.deepspeed_config:from_deepspeed_config",
-    "zeroshard.deepspeed_config:DeepSpeedRun.step",
-    "zeroshard.deepspeed_config:DeepSpeedRun.checkpointer",
+    "zeroshard.deepspeed.config:from_deepspeed_config",
+    "zeroshard.deepspeed.config:DeepSpeedRun.step",
+    "zeroshard.deepspeed.config:DeepSpeedRun.checkpointer",
     "zeroshard.checkpoint.engine_io:save_checkpoint",
     "zeroshard.checkpoint.engine_io:load_checkpoint",
     "zeroshard.checkpoint.engine_io:load_checkpoint_attested",
@@ -78,9 +78,9 @@ COLLECTIVE = (
     "zeroshard.checkpoint.native.save:commit_save",
     "zeroshard.checkpoint.native.load:load_sharded",  # given a coordinator
     "zeroshard.checkpoint.universal.load:load_universal",  # given a coordinator
-    "zeroshard.checkpoint.attested:load_from",  # given a coordinator
-    "zeroshard.checkpoint.attested:load_attested",
-    "zeroshard.checkpoint.attested:attested_load",
+    "zeroshard.checkpoint.attest.attested:load_from",  # given a coordinator
+    "zeroshard.checkpoint.attest.attested:load_attested",
+    "zeroshard.checkpoint.attest.attested:attested_load",
     "zeroshard.checkpoint.coordinator:Coordinator.barrier",
     "zeroshard.checkpoint.coordinator:Coordinator.broadcast_object",
     "zeroshard.checkpoint.coordinator:Coordinator.all_gather_object",

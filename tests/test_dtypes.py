@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zeroshard.checkpoint.io.dtypes import arrays_to_torch, cast, dtype_info, dtype_of, dtype_of_code, to_numpy, to_torch
+from zeroshard.io.dtypes import arrays_to_torch, cast, dtype_info, dtype_of, dtype_of_code, to_numpy, to_torch
 
 ALL_DTYPES = [
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,

@@ -1,5 +1,5 @@
 """Exact resume (issue 31) in one process: random states as plain data, resume files in the
-format (version 3, verified, damage falls back, old checkpoints load), the audit record
+format (version 4, verified, damage falls back, old checkpoints load), the audit record
 (missing, damaged, strict), load()'s value and the step convention."""
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def _saved_run(root, steps: int = 3, **options) -> tuple[list[float], Counter]:
 def test_a_resume_restores_random_state_and_states_and_the_audit_confirms(tmp_path, caplog):
     after, _ = _saved_run(tmp_path)
     manifest = open_checkpoint(tmp_path / "step-00000002").manifest
-    assert manifest.format_version == 3 and manifest.resume.to_dict() == {"rng": True, "states": {"data": "rank"}}
+    assert manifest.format_version == 4 and manifest.resume.to_dict() == {"rng": True, "states": {"data": "rank"}}
     assert verify_checkpoint(open_checkpoint(tmp_path / "step-00000002")) == []
     report = "\n".join(describe_native(open_checkpoint(tmp_path / "step-00000002")))
     assert "resume: every rank's random state (torch CPU and CUDA, Python, NumPy); states: 'data' (per rank)" in report
@@ -167,19 +167,19 @@ def test_a_resume_file_of_another_rank_is_damage(tmp_path):
     assert problems == [f"{path}: holds rank 1 of 2, but the manifest puts rank 0 of 1 here"]
 
 
-def test_a_version_2_manifest_may_not_list_resume_files(tmp_path):
+def test_a_version_3_manifest_may_not_list_resume_files(tmp_path):
     _saved_run(tmp_path, steps=1)
     manifest_path = tmp_path / "step-00000000" / MANIFEST_FILE
     manifest = json.loads(manifest_path.read_text())
-    manifest_path.write_text(json.dumps({**manifest, "version": 2}))
-    with pytest.raises(CheckpointDamagedError, match="version 2, but it lists resume files, which version 3 added"):
+    manifest_path.write_text(json.dumps({**manifest, "version": 3}))
+    with pytest.raises(CheckpointDamagedError, match="version 3, but it lists resume files, which version 4 added"):
         open_checkpoint(tmp_path / "step-00000000")
 
 
 def test_an_old_checkpoint_without_random_state_loads_and_says_so_once(tmp_path, caplog):
     model, engine = _engine()
     _step(model, engine)
-    save_checkpoint(engine, tmp_path, tag="step-00000000")  # the lower-level save: version 2, no resume files
+    save_checkpoint(engine, tmp_path, tag="step-00000000")  # the lower-level save: no resume files
     assert open_checkpoint(tmp_path / "step-00000000").manifest.format_version == 2
     model, engine = _engine()
     caplog.set_level(logging.WARNING)

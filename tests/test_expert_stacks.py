@@ -279,7 +279,7 @@ def test_converters_check_each_expert_of_a_stack_read_whole_against_its_digest(u
     expert; an edited digest of one expert is refused naming it, and nothing is written."""
     import shutil
 
-    from zeroshard.checkpoint.io.damage import CheckpointDamagedError
+    from zeroshard.io.damage import CheckpointDamagedError
 
     _, _, checkpoint = user_run
     edited = Path(shutil.copytree(checkpoint, tmp_path / "edited"))

@@ -207,6 +207,29 @@ def test_the_per_expert_export_is_what_save_pretrained_writes(saved, tmp_path):
             assert torch.equal(ours.get_tensor(name), theirs.get_tensor(name)), name
 
 
+def test_from_pretrained_loads_the_export_of_a_checkpointer_save_with_no_config_added(tmp_path):
+    """Issue 28 N3: the export had no config.json, so from_pretrained(out) built a default model."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from zeroshard.checkpoint import Checkpointer
+
+    model = qwen3_moe()
+    engine = ZeroOptimizer(model, torch.optim.AdamW, moe_param_groups(model), lr=1e-2, param_dtype=torch.bfloat16)
+    ids = torch.randint(0, CONFIG["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(0))
+    with Checkpointer(engine, tmp_path / "ckpt") as ckpt:  # asynchronous: the host snapshot carries the config
+        engine.backward(model(input_ids=ids, labels=ids).loss)
+        engine.step()
+        ckpt.save(0)
+    out = to_fp32(tmp_path / "ckpt", tmp_path / "fp32", progress=False)
+    assert (out / "config.json").is_file()  # without it from_pretrained builds the default model: 30B parameters
+    loaded, info = Qwen3MoeForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert loaded.dtype == torch.float32 and loaded.config.num_experts == CONFIG["num_experts"]
+    assert loaded.generation_config is not None and (out / "generation_config.json").is_file()
+    for name, param in loaded.named_parameters():
+        assert torch.equal(param, engine.get_full_fp32_param(name)), name
+
+
 # ---- grouped_mm's CUDA rules, checked on the CPU -------------------------------------------------
 
 

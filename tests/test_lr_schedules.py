@@ -1,4 +1,4 @@
-"""zeroshard.lr_schedules against DeepSpeed's own schedulers, value for value, and the
+"""zeroshard.deepspeed.lr_schedules against DeepSpeed's own schedulers, value for value, and the
 DeepSpeedLossScaler against DeepSpeed's DynamicLossScaler, step for step.
 
 Each case runs DeepSpeed's class (deepspeed/runtime/lr_schedules.py, fp16/loss_scaler.py of
@@ -24,7 +24,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 from deepspeed.runtime import lr_schedules as ds_schedules  # noqa: E402
 from deepspeed.runtime.fp16 import loss_scaler as ds_loss_scaler  # noqa: E402
 
-from zeroshard import lr_schedules  # noqa: E402
+from zeroshard.deepspeed import lr_schedules  # noqa: E402
 from zeroshard.engine import DeepSpeedLossScaler, MinimumLossScaleError  # noqa: E402
 
 STEPS = 40  # past the end of every schedule below

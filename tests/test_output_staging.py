@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from universal_helpers import save_synthetic
 
-from zeroshard.checkpoint.io.output_dir import OutputKind, staged_output
+from zeroshard.checkpoint.output_dir import OutputKind, staged_output
 from zeroshard.cli.main import main
 from zeroshard.layout import ParamSpec, build_layout
 

@@ -1,9 +1,10 @@
-"""The torch-free torch.save reader (zeroshard.importers.torch_file), checked against
+"""The torch-free torch.save reader (zeroshard.torchfile.torch_file), checked against
 torch.load(weights_only=True): values bit for bit, views and shared storages, the unpickling
 allowlist, and one-line errors for damaged files."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import enum
 import io
@@ -25,10 +26,10 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from zeroshard.importers import torch_file, torch_unpickler
-from zeroshard.importers.torch_file import StoredTensor, TorchFileError, load_torch_file
-from zeroshard.importers.torch_records import fills_state, refuses_state
-from zeroshard.importers.torch_unpickler import LoadedOrderedDict
+from zeroshard.torchfile import torch_file, torch_unpickler
+from zeroshard.torchfile.torch_file import StoredTensor, TorchFileError, load_torch_file
+from zeroshard.torchfile.torch_records import fills_state, refuses_state
+from zeroshard.torchfile.torch_unpickler import LoadedOrderedDict
 
 DTYPES = ("float32", "bfloat16", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
           "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64")  # fmt: skip
@@ -304,7 +305,7 @@ def test_tensor_bytes_are_read_when_asked_not_at_load(saved):
 
 
 def test_big_reads_are_mapped(saved, monkeypatch):
-    from zeroshard.importers import torch_records
+    from zeroshard.torchfile import torch_records
 
     expected = torch.load(saved, weights_only=True)["a"]
     monkeypatch.setattr(torch_records, "MAP_BYTES", 1000)
@@ -337,7 +338,7 @@ def test_importing_and_loading_does_not_import_torch(tmp_path):
     code = f"""
 import sys
 sys.modules["torch"] = None  # any import of torch fails
-from zeroshard.importers.torch_file import load_torch_file
+from zeroshard.torchfile.torch_file import load_torch_file
 obj = load_torch_file({str(path)!r})
 arrays = [t.numpy() for t in [*obj["dtypes"].values(), *obj["transposed"].values(), *obj["views"]]]
 loaded = sorted(name for name, module in sys.modules.items() if name.split(".")[0] == "torch" and module)
@@ -484,11 +485,27 @@ def test_unexpected_opcodes_and_broken_pickles_are_refused(tmp_path, data, words
 
 def test_missing_file_and_non_zip(tmp_path, read_mode):
     expect_error(tmp_path / "absent.pt", "file is missing")
-    expect_error(tmp_path, "not a file")
+    expect_error(tmp_path, "not a regular file")
     (tmp_path / "text.pt").write_text("hello")
     expect_error(tmp_path / "text.pt", "not a torch.save file")
     (tmp_path / "empty.pt").write_bytes(b"")
     expect_error(tmp_path / "empty.pt", "empty file")
+
+
+def test_a_fifo_is_refused_not_waited_on(tmp_path):
+    """Opening a FIFO with no writer blocked for ever (every DeepSpeed command on a rank or
+    expert file that is one); it is refused at once. Run in a thread: a regression fails."""
+    fifo = tmp_path / "rank.pt"
+    os.mkfifo(fifo)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        outcome = pool.submit(lambda: pytest.raises(TorchFileError, load_torch_file, fifo).value)
+        try:
+            message = str(outcome.result(timeout=30))
+        except concurrent.futures.TimeoutError:
+            with open(fifo, "wb"):  # a writer lets the blocked open return, so the thread ends
+                pass
+            pytest.fail(f"opening {fifo} blocked")
+    assert message == f"{fifo}: not a regular file"
 
 
 def test_legacy_format_is_named(tmp_path):
@@ -592,7 +609,7 @@ def test_the_inline_tensor_check_agrees_at_each_edge(offset, shape, stride):
 
 
 def check_both_ways(dtype, nbytes, offset, shape, stride, requires_grad, metadata) -> None:
-    from zeroshard.importers.torch_records import FileProblem, StorageRecord
+    from zeroshard.torchfile.torch_records import FileProblem, StorageRecord
 
     storage = StorageRecord(Path("x.pt"), "0", 0, nbytes, dtype, "archive/data/0", nbytes, 0)
     arguments = (storage, dtype, offset, shape, stride, requires_grad, metadata)
@@ -626,7 +643,7 @@ def test_one_storage_declared_two_ways_is_refused(tmp_path):
 
 
 def test_every_deepspeed_file_matches_torch_load(deepspeed_runs):
-    from zeroshard.importers.deepspeed_pickle import ALLOWED_GLOBALS
+    from zeroshard.deepspeed.checkpoint.pickled import ALLOWED_GLOBALS
 
     allowed = dict(ALLOWED_GLOBALS)
     files = [path for run in deepspeed_runs.values() for path in sorted(run.tag_dir.glob("*.pt"))]
@@ -719,7 +736,7 @@ def test_a_flipped_bit_in_tensor_data_fails_the_record_crc(saved, tmp_path):
 def test_read_into_fills_the_array_and_checks_the_record(tmp_path, monkeypatch, flip):
     """read_into equals read; over the whole record it checks the CRC on the bytes it read
     (no separate pass), over part of it the record first; a flipped byte fails either way."""
-    from zeroshard.importers import torch_records
+    from zeroshard.torchfile import torch_records
 
     path = tmp_path / "big.pt"
     torch.save({"big": torch.arange(6 << 20, dtype=torch.float32)}, path)  # 24 MiB: many chunks
@@ -745,7 +762,7 @@ def test_read_into_fills_the_array_and_checks_the_record(tmp_path, monkeypatch, 
 
 
 def test_records_are_checked_once_and_with_flat_memory(tmp_path, monkeypatch):
-    from zeroshard.importers import torch_records
+    from zeroshard.torchfile import torch_records
 
     path = tmp_path / "big.pt"
     torch.save({"big": torch.ones(6 << 20)}, path)  # 24 MiB: several CRC chunks
@@ -768,7 +785,7 @@ def test_records_are_checked_once_and_with_flat_memory(tmp_path, monkeypatch):
 @pytest.mark.parametrize("call", [b"\x85R", b"\x85\x81"], ids=["REDUCE", "NEWOBJ"])
 @pytest.mark.parametrize("state", [{"_value_": 3, "_name_": "weights"}, {"evil": 1}], ids=["value", "new"])
 def test_a_file_cannot_change_an_allowed_enum_member(tmp_path, call, state):
-    from zeroshard.importers.deepspeed_pickle import ALLOWED_GLOBALS, ZeroStageEnum
+    from zeroshard.deepspeed.checkpoint.pickled import ALLOWED_GLOBALS, ZeroStageEnum
 
     member = ZeroStageEnum.gradients
     before = dict(vars(member))
@@ -796,7 +813,7 @@ def genops_verdict(data: bytes) -> str:
     (an opcode outside the allow-list, a memo index past the pickle's size) or "corrupt"."""
     import pickletools
 
-    from zeroshard.importers.pickle_scan import ALLOWED_OPCODES, MAX_INT_BYTES
+    from zeroshard.torchfile.pickle_scan import ALLOWED_OPCODES, MAX_INT_BYTES
 
     try:
         for opcode, arg, position in pickletools.genops(data):
@@ -816,8 +833,8 @@ def genops_verdict(data: bytes) -> str:
 
 
 def scan_verdict(data: bytes) -> str:
-    from zeroshard.importers.pickle_scan import check_opcodes
-    from zeroshard.importers.torch_records import FileProblem
+    from zeroshard.torchfile.pickle_scan import check_opcodes
+    from zeroshard.torchfile.torch_records import FileProblem
 
     try:
         check_opcodes(data)
@@ -863,8 +880,8 @@ def test_the_opcode_scan_refuses_a_truncated_pickle(cut):
 def test_a_pickle_that_passed_the_scan_is_not_scanned_again(monkeypatch):
     """Passed pickles are remembered by content (a few, small ones): the same bytes skip the
     scan, any other bytes are scanned, and a refused pickle is never remembered."""
-    from zeroshard.importers import pickle_scan
-    from zeroshard.importers.torch_records import FileProblem
+    from zeroshard.torchfile import pickle_scan
+    from zeroshard.torchfile.torch_records import FileProblem
 
     scanned = []
     original = pickle_scan._scan
@@ -893,7 +910,7 @@ def test_a_pickle_that_passed_the_scan_is_not_scanned_again(monkeypatch):
 
 def test_the_zip_directory_reads_as_zipfile_does(saved, tmp_path, read_mode):
     """read_directory agrees with zipfile on torch.save's layout, and leaves others to it."""
-    from zeroshard.importers.zip_directory import read_directory
+    from zeroshard.torchfile.zip_directory import read_directory
 
     def directory(path: Path):
         data = path.read_bytes()

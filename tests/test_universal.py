@@ -18,7 +18,7 @@ from universal_helpers import (
 )
 
 from zeroshard.checkpoint import ReadStats, load_sharded, open_checkpoint, run_ranks, save_sharded
-from zeroshard.checkpoint.io.dtypes import to_torch, torch_dtype
+from zeroshard.io.dtypes import to_torch, torch_dtype
 from zeroshard.checkpoint.formats import open_source
 from zeroshard.checkpoint.loader import load_state
 from zeroshard.checkpoint.native.source import NativeSource
@@ -368,7 +368,7 @@ def test_bad_checkpoint_one_line_error_and_no_output(small_checkpoint, tmp_path,
     [
         (lambda u: _truncate(_shards(u)[1]), "truncated or altered"),
         (lambda u: _shards(u)[-1].unlink(), "missing; the manifest lists it"),
-        (lambda u: _edit_json(u / "universal.json", version=5), "format version 5 is newer"),
+        (lambda u: _edit_json(u / "universal.json", version=6), "format version 6 is newer"),
         (lambda u: _edit_json(u / "universal.json", format="other"), "not a zeroshard universal checkpoint"),
         (lambda u: _flip_in_tensor(_shards(u)[0], "param/embed/fp32"), "checksum mismatch"),
         (lambda u: _edit_model_tensor(u, "positions", kind="weird"), "module tensor 'positions' has unknown kind 'weird'"),
@@ -462,7 +462,7 @@ def _shards(directory):
 
 
 def _flip_in_tensor(path, key):
-    from zeroshard.checkpoint.io.safetensors_io import read_header
+    from zeroshard.io.safetensors_io import read_header
 
     entry = read_header(path, path.stat().st_size)[key]
     data = bytearray(path.read_bytes())
@@ -489,7 +489,7 @@ def _edit_json(path, **changes):
 def test_streaming_writer_checks_the_plan_and_writes_standard_safetensors(tmp_path):
     from safetensors.torch import load_file
 
-    from zeroshard.checkpoint.io.safetensors_io import PlannedTensor, SafetensorsWriter, write_safetensors
+    from zeroshard.io.safetensors_io import PlannedTensor, SafetensorsWriter, write_safetensors
 
     a, b = torch.arange(6, dtype=torch.float32), torch.ones(2, 2, dtype=torch.bfloat16)
     plan = [PlannedTensor("a", "float32", (2, 3)), PlannedTensor("b", "bfloat16", (2, 2))]
@@ -511,7 +511,7 @@ def test_streaming_writer_checks_the_plan_and_writes_standard_safetensors(tmp_pa
 def test_writer_starts_writeback_as_it_goes(tmp_path, monkeypatch):
     from safetensors.numpy import load_file
 
-    from zeroshard.checkpoint.io import safetensors_io
+    from zeroshard.io import safetensors_io
 
     hinted = []
     monkeypatch.setattr(safetensors_io, "_WRITEBACK_CHUNK", 3 << 20)
@@ -526,7 +526,7 @@ def test_writer_starts_writeback_as_it_goes(tmp_path, monkeypatch):
 
 def write_with_record(path, payload: bytes, block_size: int):
     """Write ``payload`` to ``path``; its FileRecord with ``block_size``-byte blocks."""
-    from zeroshard.checkpoint.io.checksum import BlockHasher
+    from zeroshard.io.checksum import BlockHasher
 
     path.write_bytes(payload)
     hasher = BlockHasher(block_size)
@@ -535,7 +535,7 @@ def write_with_record(path, payload: bytes, block_size: int):
 
 
 def test_range_reader_reads_a_shared_block_once(tmp_path):
-    from zeroshard.checkpoint.io.block_reader import RangeReader
+    from zeroshard.io.block_reader import RangeReader
 
     path, payload = tmp_path / "f", bytes(range(256)) * 4
     record = write_with_record(path, payload, 100)
@@ -553,8 +553,8 @@ def test_range_reader_reads_a_shared_block_once(tmp_path):
 
 def test_range_reader_maps_big_ranges(tmp_path, monkeypatch):
     """Ranges of MAP_BYTES or more come from a mapping: same bytes and checks, no copy."""
-    from zeroshard.checkpoint.io import block_reader
-    from zeroshard.checkpoint.io.block_reader import RangeReader
+    from zeroshard.io import block_reader
+    from zeroshard.io.block_reader import RangeReader
 
     monkeypatch.setattr(block_reader, "MAP_BYTES", 3000)
     path, payload = tmp_path / "f", np.random.default_rng(1).integers(0, 256, 10_000, dtype=np.uint8).tobytes()

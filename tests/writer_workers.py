@@ -33,7 +33,7 @@ def wait_for(go_file: Path) -> None:
 
 def loop(attempt, seconds: float, go_file: Path) -> dict:
     """Call ``attempt(i)`` until time is up; sort its outcomes."""
-    from zeroshard.checkpoint.io.writer_lock import WriterLockedError
+    from zeroshard.io.writer_lock import WriterLockedError
 
     wait_for(go_file)
     done, refused, failed = [], [], []

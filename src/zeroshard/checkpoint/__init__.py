@@ -13,6 +13,19 @@
 * :class:`WriterLockedError`: another process is saving into the same root.
 
 docs/FORMAT.md describes the format.
+
+Owns every checkpoint kind as a ShardSource (:mod:`.source`), the formats registry
+(:mod:`.formats`), the one loader (:mod:`.loader`), the Checkpointer and its resume and
+retention, the atomic-directory protocol of checkpoint roots and conversion outputs
+(:mod:`.directory`, :mod:`.output_dir`, :mod:`.in_place`), verification, and the
+sub-packages :mod:`.attest` (digests and every load's attestation), :mod:`.native`,
+:mod:`.universal` and :mod:`.export`, in that order from the bottom (``native`` and
+``universal`` import not each other).
+
+May import: the engine (through its public methods), ``zeroshard.state``, ``io``,
+``layout`` and the package face (the version, the formats table); not the readers built on
+it (``zeroshard.deepspeed.checkpoint``), which ``zeroshard.CHECKPOINT_FORMATS`` names for
+:mod:`.formats` to import on first use.
 """
 
 from __future__ import annotations
@@ -24,12 +37,12 @@ from ..lazy_exports import lazy_exports
 _EXPORTS = {
     "ParamGroupState": "..state",
     "ShardedState": "..state",
-    "FileRecord": ".io.checksum",
-    "Attestation": ".attest",
-    "AttestationError": ".attest",
-    "UnattestedCheckpointWarning": ".attest",
-    "CheckpointDamagedError": ".io.damage",
-    "StateDigests": ".digests",
+    "FileRecord": "..io.checksum",
+    "Attestation": ".attest.attestation",
+    "AttestationError": ".attest.attestation",
+    "UnattestedCheckpointWarning": ".attest.attestation",
+    "CheckpointDamagedError": "..io.damage",
+    "StateDigests": ".attest.digests",
     "Checkpointer": ".checkpointer",
     "CheckpointSaveError": ".checkpointer",
     "SaveStats": ".checkpointer",
@@ -40,8 +53,8 @@ _EXPORTS = {
     "TorchDistributedCoordinator": ".coordinator",
     "default_coordinator": ".coordinator",
     "run_ranks": ".coordinator",
-    "list_tags": ".io.directory",
-    "resolve_checkpoint": ".io.directory",
+    "list_tags": ".directory",
+    "resolve_checkpoint": ".directory",
     "DEFAULT_BLOCK_SIZE": ".format",
     "FORMAT_NAME": ".format",
     "FORMAT_VERSION": ".format",
@@ -66,13 +79,13 @@ _EXPORTS = {
     "Copy": ".reshard",
     "GroupPlan": ".reshard",
     "plan_reads": ".reshard",
-    "ReadStats": ".io.safetensors_io",
+    "ReadStats": "..io.safetensors_io",
     "FAULT_POINTS": ".native.save",
     "FaultHook": ".native.save",
     "save_sharded": ".native.save",
     "verify_checkpoint": ".verify",
-    "WriterLock": ".io.writer_lock",
-    "WriterLockedError": ".io.writer_lock",
+    "WriterLock": "..io.writer_lock",
+    "WriterLockedError": "..io.writer_lock",
 }
 
 

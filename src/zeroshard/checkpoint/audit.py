@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from .format import AUDIT_FILE
-from .io import jsonvalue
-from .io.checksum import block_crc
-from .io.directory import replace_file_atomically
-from .io.members import read_small_file
+from ..io import jsonvalue
+from ..io.checksum import block_crc
+from .directory import replace_file_atomically
+from ..io.members import read_small_file
 
 AUDIT_FORMAT = "zeroshard.audit"
 AUDIT_VERSION = 1

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import torch
 
 from .audit import UNIT_ROUNDOFF, Expectation, StepRecord, Verdict, compare
-from .digests import Terms, held_pieces, logical_keys, partition_terms, scalar_digest
-from .io.digest import zeros_crc
-from .io.dtypes import as_array, itemsize_of
+from .attest.digests import Terms, held_pieces, logical_keys, partition_terms, scalar_digest
+from ..io.digest import zeros_crc
+from ..io.dtypes import as_array, itemsize_of
 from .rng import capture_rng, rng_fingerprint
 from .run_state import encoded_states
 

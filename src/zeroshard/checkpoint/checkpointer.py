@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from .audit import Verdict
 from .coordinator import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
-from .attest import Attestation
+from .attest.attestation import Attestation
 from .exact_resume import ExactResume, ResumePoint
 from .engine_io import LR_SCHEDULER_KEY, load_checkpoint_attested
 from .resume import decided_on_rank0, load_newest, plan_resume
@@ -77,6 +77,7 @@ class SaveStats:
 
     tag: str
     step: int
+    root: Path | None = None  # where the save goes: the Checkpointer's root unless save() named another
     waited_s: float = 0.0
     snapshot_s: float = 0.0
     stall_s: float = 0.0
@@ -259,23 +260,38 @@ class Checkpointer:
         """The audit's verdict on the first step after :meth:`load` (None until it ran, or
         without a record to compare with): ``.causes`` names what differs, ``.line()`` says it."""
         return self._exact.verdict
-    def save(self, step: int, extra: dict[str, Any] | None = None) -> SaveStats:
+
+    def save(
+        self,
+        step: int,
+        extra: dict[str, Any] | None = None,
+        *,
+        root: str | os.PathLike[str] | None = None,
+        tag: str | None = None,
+    ) -> SaveStats:
         """Collective. Save the run as ``step-<step>``: ``step`` is the training-loop step just
         completed (the state after it), so :meth:`load` returns ``step + 1``, the step to run
         next. A step that does not follow the engine's steps since the last save or load is
-        warned about once (a loop that saves ``step + 1`` resumes a step late). Never over a
+        warned about once (a loop that saves ``step + 1`` resumes a step late; saves with a
+        ``root`` or ``tag`` of their own are not counted). Never over a
         checkpoint: a ``step-<step>`` that exists fails the save on every rank before
         anything is written. Every rank's random state and registered states are taken now.
 
         Waits for the previous save first (raising its error, if any). Asynchronous: returns
         once this rank's state is copied to host memory; :meth:`wait` for the outcome.
         ``extra`` (JSON-able) comes back as :attr:`extra` after :meth:`load`.
+
+        ``root`` and ``tag`` save elsewhere: as ``<root>/<tag>`` with its own ``<root>/latest``
+        (a trainer's ``checkpoint-N/`` folder holding one checkpoint beside the trainer's own
+        files). Retention applies to the Checkpointer's root only, and :meth:`load` reads only that.
         """
         started = time.perf_counter()
         self._check_open()
         self.wait()
-        stats = SaveStats(step_tag(step), step, waited_s=time.perf_counter() - started)
-        self._exact.before_save(step)
+        target = self.root if root is None else Path(root)
+        stats = SaveStats(tag or step_tag(step), step, target, waited_s=time.perf_counter() - started)
+        if root is None and tag is None:  # load() resumes the Checkpointer's own step-* tags only
+            self._exact.before_save(step)
         snapshot_start = time.perf_counter()
         state, problem = self._take_state(step, extra)
         stats.snapshot_s = time.perf_counter() - snapshot_start
@@ -290,7 +306,7 @@ class Checkpointer:
             try:
                 self._run_save(stats, state, problem)
             except (OSError, ValueError) as err:
-                raise CheckpointSaveError(_not_saved(self.root / stats.tag, err)) from err
+                raise CheckpointSaveError(_not_saved(stats.root / stats.tag, err)) from err
         stats.stall_s = time.perf_counter() - started
         return stats
 
@@ -304,7 +320,7 @@ class Checkpointer:
         self._in_flight = self._error = None
         if error is not None:
             assert stats is not None
-            raise CheckpointSaveError(_not_saved(self.root / stats.tag, error)) from error
+            raise CheckpointSaveError(_not_saved(stats.root / stats.tag, error)) from error
         return stats
 
     @property
@@ -395,7 +411,7 @@ class Checkpointer:
     def _run_save(self, stats: SaveStats, state: ShardedState | None, problem: str | None) -> None:
         """Plan, write and commit one save (collective on the gloo group), then retention."""
         started = time.perf_counter()
-        plan = plan_save(self.root, stats.tag, state, self._coord, problem=problem, replace=False)
+        plan = plan_save(stats.root, stats.tag, state, self._coord, problem=problem, replace=False)
         assert state is not None  # plan_save raised on every rank otherwise
 
         def retain() -> None:  # rank 0, still holding the root's lock
@@ -403,7 +419,8 @@ class Checkpointer:
 
         try:
             written = write_rank_files(plan, state, self._buffer_names, self._coord, self._fault)
-            stats.path = commit_save(plan, state, written, self._coord, self._fault, after_publish=retain)
+            after_publish = retain if stats.root == self.root else None
+            stats.path = commit_save(plan, state, written, self._coord, self._fault, after_publish=after_publish)
         finally:
             plan.release()
         stats.write_s = time.perf_counter() - started
@@ -457,7 +474,7 @@ def _finish_at_exit(ref: weakref.ref[Checkpointer]) -> None:
         return
     stats = ckpt._in_flight
     print(
-        f"zeroshard: exiting with a checkpoint save in flight: finishing the save of {ckpt.root / stats.tag} "
+        f"zeroshard: exiting with a checkpoint save in flight: finishing the save of {stats.root / stats.tag} "
         "(call Checkpointer.close() before exiting)",
         file=sys.stderr,
         flush=True,

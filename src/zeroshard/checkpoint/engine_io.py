@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .coordinator import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
-from .attest import Attestation
+from .attest.attestation import Attestation
 from .formats import checkpoint_kind, open_source  # noqa: F401  (checkpoint_kind: re-exported)
-from .attested import load_attested
+from .attest.attested import load_attested
 from .native.save import FaultHook, save_sharded
 
 if TYPE_CHECKING:

@@ -17,13 +17,13 @@ No exported name or shape depends on E's split over ranks, so exports of one sta
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Collection
 
 import numpy as np
 
 from ..layout import LEGACY_STACK, Layout, global_shape
 from ..layout.coordinates import expert_numel
-from ..layout.stacks import ExpertStack, exported_expert_shape, per_expert_tensors
+from ..layout.stacks import ExpertStack, exported_expert_shape, per_expert_name_clash, per_expert_tensors
 from .source import ShardSource, read_param, read_whole_param
 
 EXPERT_FORMS = ("stacked", "per_expert")
@@ -65,6 +65,19 @@ def exported_params(layout: Layout, experts: str | None = None) -> list[Exported
     return exported
 
 
+def per_expert_clash(layout: Layout, others: Collection[str]) -> str | None:
+    """Why a per-expert export of ``layout``'s stacks would write two tensors under one name
+    (:func:`~zeroshard.layout.stacks.per_expert_name_clash`), counting ``others`` (the
+    checkpoint's module tensors and tied names) and the layout's parameters; or None."""
+    stacks = [
+        (slot.name, group.stacks[slot.index], sum(map(len, group.expert_map)))
+        for group in layout.groups
+        if group.is_expert_group
+        for slot in group.params
+    ]
+    return per_expert_name_clash(stacks, {*others, *layout.param_names}) if stacks else None
+
+
 def _form(stack: ExpertStack, experts: str | None) -> str:
     if experts == UNIVERSAL_FORM:
         return "per_expert" if stack == LEGACY_STACK else "stacked"
@@ -100,7 +113,7 @@ def read_exported(
     slice of a stack (read by global expert id), transposed to [out, in] where the stack
     holds it [in, out], its rows cut to the part. ``check(param, expert, key, values)``, if
     given, sees the values in logical order first, each expert of a stack on its own (a
-    :class:`~.read_digests.ReadChecker` digests them there), once per expert."""
+    :class:`~.attest.read_digests.ReadChecker` digests them there), once per expert."""
     group, slot = source.info.layout.param(param.param)
     if param.expert is None:
         values = read_whole_param(source, param.param, key)

@@ -6,8 +6,10 @@ docs/FORMAT.md describes the format; this module is the one place that spells it
 from __future__ import annotations
 
 FORMAT_NAME = "zeroshard.checkpoint"
-FORMAT_VERSION = 3  # 3: resume files (each rank's random state and user states)
-UNRESUMABLE_VERSION = 2  # digests and bindings, no resume files; still written without them, and read
+FORMAT_VERSION = 4  # the newest read; 4: resume files, each rank's random state and states (written only with them)
+RESUME_VERSION = 4  # the first version with resume files
+CONFIG_VERSION = 3  # the model's config files (written only with them, and without resume files)
+DIGESTED_VERSION = 2  # digests of the logical state and rank-file bindings; what a save without either writes
 UNDIGESTED_VERSION = 1  # written before digests; still read
 UNDIGESTED_LAYOUT_VERSION = 2  # the newest layout a version 1 manifest holds (layout version 3 came after version 2)
 
@@ -51,7 +53,7 @@ def rank_file_name(rank: int, world_size: int) -> str:
 
 
 def resume_file_name(rank: int, world_size: int) -> str:
-    """``resume-00003-of-00008.json``: one rank's random state and user states (version 3)."""
+    """``resume-00003-of-00008.json``: one rank's random state and user states (version 4)."""
     return f"resume-{rank:05d}-of-{world_size:05d}.json"
 
 

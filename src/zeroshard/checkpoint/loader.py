@@ -21,7 +21,7 @@ without optimizer state, strict or not, resharded) behaves the same for each:
 The result is built in new tensors and returned only when everything passed, so a failed
 load leaves the caller's state as it was. Every load attests (:mod:`.attest`): the loader
 digests what the rank now holds, and a load that does not hold what was saved is refused.
-Alone, a rank checks what it holds whole; :func:`~.attested.load_attested` with a
+Alone, a rank checks what it holds whole; :func:`~.attest.attested.load_attested` with a
 coordinator checks everything, every rank agreeing.
 """
 
@@ -37,9 +37,9 @@ import torch
 from ..layout import Fragment, GroupLayout, Layout, ParamSlot
 from ..layout.coordinates import ep_rank, expert_numel, shard_rank
 from ..state import ParamGroupState, ShardedState
-from .attest import Evidence, attest_alone
+from .attest.attestation import Evidence, attest_alone
 from .compat import Mismatch, compare_module, compare_params
-from .io.dtypes import arrays_to_torch, cast, dtype_info, dtype_of, to_numpy, to_torch
+from ..io.dtypes import arrays_to_torch, cast, dtype_info, dtype_of, to_numpy, to_torch
 from .reshard import GroupPlan, plan_reads
 from .source import ShardSource, param_group_owners, read_into, read_model_tensors, read_param, read_whole_param
 
@@ -69,7 +69,7 @@ def load_state(
         base: the run's current state on this rank: what the checkpoint lacks keeps its
             values from here (with ``strict=False``) instead of zeros.
         evidence: filled with what the load digests, for the caller to judge with the
-            other ranks' (:func:`~.attested.load_attested`). Without it the rank attests alone: all of
+            other ranks' (:func:`~.attest.attested.load_attested`). Without it the rank attests alone: all of
             the state in a world of one, else what it holds whole (AttestationError).
     """
     alone = evidence is None

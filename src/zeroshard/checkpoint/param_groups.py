@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .read_digests import ReadChecker
+from .attest.read_digests import ReadChecker
 from .source import ShardSource, param_group_owners
 
 

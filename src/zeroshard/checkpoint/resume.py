@@ -36,13 +36,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
-from .attest import Attestation
+from .attest.attestation import Attestation
 from .coordinator import Coordinator
 from .engine_io import load_checkpoint_attested
 from .format import LATEST_FILE, LOCK_FILE, MANIFEST_FILE
-from .io.damage import CheckpointDamagedError
-from .io.directory import fsync_dir, read_latest, resolve_checkpoint
-from .io.writer_lock import WriterLock
+from ..io.damage import CheckpointDamagedError
+from .directory import fsync_dir, read_latest, resolve_checkpoint
+from ..io.writer_lock import WriterLock
 from .retention import tag_step
 
 if TYPE_CHECKING:

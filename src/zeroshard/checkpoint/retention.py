@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Callable, Collection, Mapping
 
-from .io.directory import delete_tag, list_tags, read_latest
+from .directory import delete_tag, list_tags, read_latest
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .io import jsonvalue
+from ..io import jsonvalue
 
 _TORCH_STATE_BYTES = 5056  # torch's CPU generator: mt19937 state, position and cached normals
 _CUDA_STATE_BYTES = 16  # a CUDA (Philox) generator: seed and offset

@@ -1,4 +1,4 @@
-"""Resume files: each rank's random state and the training script's own states (format version 3).
+"""Resume files: each rank's random state and the training script's own states (format version 4).
 
 A Checkpointer save takes, on every rank, its random state (:mod:`.rng`) and the
 ``state_dict()`` of every object the script registered (a data loader, a sampler, its own
@@ -25,11 +25,11 @@ from typing import Any, Mapping
 
 from ..state import ResumeState
 from .format import resume_file_name
-from .io import jsonvalue
-from .io.budget import quoted
-from .io.checksum import BlockHasher, FileRecord, block_crc
-from .io.damage import CheckpointDamagedError
-from .io.members import open_member
+from ..io import jsonvalue
+from ..io.budget import quoted
+from ..io.checksum import BlockHasher, FileRecord, block_crc
+from ..io.damage import CheckpointDamagedError
+from ..io.members import open_member
 from .native.handle import Checkpoint
 from .rng import capture_rng, derived_rng, restore_derived, restore_rng, saved_rank_for
 
@@ -185,7 +185,7 @@ class RestorePlan:
     def apply(self, rng: bool, states: Mapping[str, Any], global_states: Mapping[str, Any]) -> None:
         """Restore the random streams (if ``rng`` and saved) and load every registered state
         the checkpoint holds. A state's own ``load_state_dict`` error passes through."""
-        from .io.dtypes import arrays_to_torch
+        from ..io.dtypes import arrays_to_torch
 
         if rng and self.source.rng is not None:
             if self.derive:

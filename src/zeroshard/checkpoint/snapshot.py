@@ -72,6 +72,7 @@ class HostSnapshot:
             optimizer_class=views.optimizer_class,
             model_state={name: buffers[key] for name, key in model_keys.items()},
             extra=copy.deepcopy(views.extra),
+            model_configs=dict(views.model_configs),
         )
 
 

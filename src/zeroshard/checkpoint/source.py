@@ -20,7 +20,7 @@ from ..state import ParamGroupState
 from .format import state_name_problem
 
 if TYPE_CHECKING:
-    from .digests import StateDigests
+    from .attest.digests import StateDigests
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,15 @@ def read_model_tensors(
     if read_all is not None:
         return read_all(names)
     return {name: source.model_tensor(name) for name in names}
+
+
+def read_model_configs(source: ShardSource) -> dict[str, str]:
+    """The model's config files ``source`` recorded (``config.json``, ``generation_config.json``:
+    name -> JSON text, checked as read), from a source with a ``model_configs()`` method of
+    that signature; empty for one without (a DeepSpeed checkpoint, or a run of a model
+    without a transformers-style config)."""
+    read = getattr(source, "model_configs", None)
+    return read() if read is not None else {}
 
 
 def read_param(source: ShardSource, name: str, key: str, start: int = 0, end: int | None = None) -> np.ndarray:

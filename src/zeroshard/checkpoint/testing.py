@@ -19,7 +19,7 @@ import torch
 from ..layout import Layout, global_shape, rank_runs
 from ..layout.coordinates import ep_rank, expert_numel
 from ..state import ParamGroupState, ShardedState
-from .io.dtypes import torch_dtype
+from ..io.dtypes import torch_dtype
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 _PERIOD = (1 << 23) - 1

@@ -15,17 +15,18 @@ import os
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from .io.checksum import FileRecord
+from ..io.checksum import FileRecord
+from .model_config import read_config
 from .format import MODEL_FILE
 from .native.handle import Checkpoint
-from .io.members import member_path
+from ..io.members import member_path
 from .experts import exported_params, read_exported
-from .io.safetensors_io import check_entries, read_header, verify_file
+from ..io.safetensors_io import check_entries, read_header, read_metadata, verify_file
 from .native.binding import check_binding
 from .param_groups import param_group_problems
-from .read_digests import ReadChecker
+from .attest.read_digests import ReadChecker
 from .source import ShardSource
-from .universal.format import UniversalManifest
+from .universal.format import UniversalManifest, shard_version_problem
 
 Spec = tuple[str, tuple[int, ...]]  # a tensor's dtype name and shape
 _READ_CHUNK = 1 << 24  # elements per read when reading a whole partition (64 MiB of fp32)
@@ -36,9 +37,12 @@ def verify_checkpoint(ckpt: Checkpoint) -> list[str]:
     and its param groups are what a universal checkpoint stores (see :mod:`.param_groups`)."""
     manifest = ckpt.manifest
     rank_tensors = manifest.rank_file_tensors()
-    safetensors = set(manifest.files) - set(manifest.resume_files())
-    expected = {name: manifest.model_file_tensors() if name == MODEL_FILE else rank_tensors for name in safetensors}
-    problems = _verify_files(ckpt.directory, manifest.files, expected)
+    configs = manifest.config_files
+    tensor_files = set(manifest.files) - set(configs) - set(manifest.resume_files())
+    checked = {name: record for name, record in manifest.files.items() if name not in configs}  # resume files too
+    expected = {name: manifest.model_file_tensors() if name == MODEL_FILE else rank_tensors for name in tensor_files}
+    problems = _verify_files(ckpt.directory, checked, expected, listed=manifest.files)
+    problems += config_problems(ckpt.directory, configs)
     if problems:
         return problems
     problems = _binding_problems(ckpt) + _resume_file_problems(ckpt)
@@ -55,7 +59,10 @@ def verify_universal(directory: Path, manifest: UniversalManifest) -> list[str]:
     expected: dict[str, dict[str, Spec]] = {name: {} for name in manifest.shards}
     for key, spec in manifest.tensor_specs().items():
         expected[manifest.weight_map[key]][key] = spec
-    problems = _verify_files(directory, manifest.shards, expected)
+    problems = _verify_files(directory, manifest.shards, expected) + config_problems(directory, manifest.configs)
+    if not problems:
+        versions = (shard_version_problem(directory / name, read_metadata(directory / name), manifest) for name in manifest.shards)
+        problems = [problem for problem in versions if problem]
     if problems:
         return problems
     from .universal.read import UniversalCheckpoint
@@ -128,8 +135,22 @@ def read_every_tensor(source: ShardSource) -> list[str]:
     return problems
 
 
+def config_problems(directory: Path, records: Mapping[str, FileRecord]) -> list[str]:
+    """The model's config files against their records: checksums, size, one JSON object each."""
+    problems = []
+    for name, record in sorted(records.items()):
+        try:
+            read_config(directory, name, record)
+        except (OSError, ValueError) as err:
+            problems.append(str(err))
+    return problems
+
+
 def _verify_files(
-    directory: Path, records: Mapping[str, FileRecord], expected: Mapping[str, Mapping[str, Spec]]
+    directory: Path,
+    records: Mapping[str, FileRecord],
+    expected: Mapping[str, Mapping[str, Spec]],
+    listed: Iterable[str] | None = None,
 ) -> list[str]:
     problems: list[str] = []
     for name, record in sorted(records.items()):
@@ -142,7 +163,8 @@ def _verify_files(
         if not file_problems and name in expected:  # a safetensors file (not a resume file)
             file_problems = _header_problems(path, record.size, expected[name])
         problems += file_problems
-    problems += [f"{directory / name}: not listed in the manifest" for name in _strays(directory, records)]
+    strays = _strays(directory, records if listed is None else listed)
+    problems += [f"{directory / name}: not listed in the manifest" for name in strays]
     return problems
 
 

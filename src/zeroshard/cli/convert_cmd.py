@@ -11,8 +11,10 @@ import re
 import time
 from decimal import Decimal
 from pathlib import Path
+from typing import Callable
 
 from ..checkpoint.export.fp32 import to_fp32
+from ..checkpoint.model_config import CONFIG_FILE
 from ..checkpoint.universal.format import DEFAULT_MAX_SHARD_SIZE
 from ..checkpoint.universal.write import to_universal
 from ..collector import collector_paused
@@ -112,10 +114,21 @@ def run_to_fp32(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             experts=_EXPERT_FORMS[args.experts],
         ),
+        _config_note,
     )
 
 
-def _run(args: argparse.Namespace, convert) -> int:
+def _config_note(out: Path) -> str | None:
+    """What to add for ``from_pretrained(OUT)`` when the checkpoint recorded no model config."""
+    if (out / CONFIG_FILE).exists():
+        return None
+    return (
+        f"note: no {CONFIG_FILE}: the checkpoint records no model config (a DeepSpeed checkpoint, or a model without a "
+        f"transformers config); for from_pretrained({out}) save the model's config there (config.save_pretrained)"
+    )
+
+
+def _run(args: argparse.Namespace, convert, note: Callable[[Path], str | None] | None = None) -> int:
     started = time.perf_counter()
     try:
         # A conversion makes no cycles; at large D the collector would walk its records again and again.
@@ -131,5 +144,8 @@ def _run(args: argparse.Namespace, convert) -> int:
     files = sorted(p for p in out.iterdir() if p.is_file())
     size = sum(p.stat().st_size for p in files)
     print(f"wrote {out}: {len(files)} files, {size:,} bytes in {time.perf_counter() - started:.1f} s")
+    line = note(out) if note is not None else None
+    if line:
+        print(line)
     return 0
 

@@ -16,10 +16,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..demo_moe import LIVE_STATE_FILE, CheckpointPlan, MoEDemoConfig, MoEPhaseResult, moe_train_phase
+from ..demos.report import convert_timed, memory_lines, size_of
+from ..demos.moe import LIVE_STATE_FILE, CheckpointPlan, MoEDemoConfig, MoEPhaseResult, moe_train_phase
 from ..layout import ExpertMesh, Layout
 from ..moe.recorder import GroupedMMCall
-from .demo_cmd import convert_timed, memory_lines, size_of
 from .expert_report import format_ids, shard_group_lines
 
 
@@ -132,7 +132,7 @@ def _convert(checkpoint: Path, out: Path, config: MoEDemoConfig) -> list[tuple[s
     live = load_file(str(out / LIVE_STATE_FILE))  # every parameter, experts by global id
     exact = sum(name in state and torch.equal(state[name], tensor) for name, tensor in live.items())
     if config.hf:
-        from ..demo_hf import from_pretrained_check
+        from ..demos.hf import from_pretrained_check
 
         loaded, total = from_pretrained_check(exported, live)
         stacks = sum(".experts." in name for name in state)
@@ -218,7 +218,7 @@ def _format(
 
 def _model_line(config: MoEDemoConfig) -> str:
     if config.hf:
-        from ..demo_hf import HF_MODEL as hf
+        from ..demos.hf import HF_MODEL as hf
 
         return (
             f"transformers Qwen3MoeForCausalLM (unmodified, experts_implementation={hf['experts_implementation']!r}, "

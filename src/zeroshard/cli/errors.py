@@ -6,7 +6,7 @@ import errno
 import os
 from pathlib import Path
 
-from ..checkpoint.io.safetensors_io import describe_os_error, named_os_error
+from ..io.safetensors_io import describe_os_error, named_os_error
 
 _TRACEBACK = "Traceback (most recent call last):"
 # Errors about the output's disk, not about the input: worth naming the output directory.

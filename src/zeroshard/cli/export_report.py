@@ -4,9 +4,11 @@
 An export is a model state dict in safetensors files (``model.safetensors``, or shards and
 ``model.safetensors.index.json``); it holds weights only, no optimizer state, step, layout or
 block checksums. ``--verify`` checks every header parses, every tensor's bytes match its
-dtype and shape, the index names every tensor and file exactly, and, where the export has
+dtype and shape, no name is held twice (in two files, or twice in one header or the index),
+the index names every tensor and file exactly, and, where the export has
 ``zeroshard.digests.json`` (every export zeroshard writes now), that each tensor's bytes read
-as the CRC-32 recorded there when it was written, and that it records exactly the tensors.
+as the CRC-32 recorded there when it was written, and that it records exactly the tensors,
+and the config files it lists (``config.json``, ``generation_config.json``) each as its CRC-32.
 Torch is not imported.
 """
 
@@ -20,11 +22,12 @@ from pathlib import Path
 from typing import Mapping
 
 from ..checkpoint.export.fp32 import DIGESTS_FILE, DIGESTS_FORMAT, INDEX_FILE, SINGLE_FILE
-from ..checkpoint.io.budget import quoted
-from ..checkpoint.io.directory import read_json_file
-from ..checkpoint.io.dtypes import dtype_of_code
-from ..checkpoint.io.members import member_path, open_member
-from ..checkpoint.io.safetensors_io import TensorEntry, read_header
+from ..io.budget import quoted
+from ..checkpoint.directory import read_json_file
+from ..io.dtypes import dtype_of_code
+from ..io.members import member_path, open_member
+from ..io.safetensors_io import TensorEntry, read_header
+from ..checkpoint.model_config import EXPORTED_CONFIGS
 from .inspect_report import file_lines
 
 LISTED_TENSORS = 8
@@ -59,6 +62,7 @@ def describe_fp32_export(path: Path, *, list_all_files: bool = False) -> list[st
         lines.append(f"  ... {len(names) - len(shown)} more (--files lists them all)")
     sizes = {file: (path / file).stat().st_size for file in files}
     records = {DIGESTS_FILE: (path / DIGESTS_FILE).lstat().st_size} if (path / DIGESTS_FILE).is_file() else {}
+    records.update({name: (path / name).lstat().st_size for name in EXPORTED_CONFIGS if (path / name).is_file()})
     if weight_map is None:
         return lines + file_lines({**sizes, **records}, {}, "shards", list_all_files)
     index = {INDEX_FILE: (path / INDEX_FILE).stat().st_size, **records}
@@ -81,7 +85,8 @@ def verify_fp32_export(path: Path) -> tuple[str, list[str], dict[str, int]]:
             problems.append(str(err))
             continue
         problems += _entry_problems(path / file, entries)
-        held.update({name: file for name in entries})
+        problems += [f"{path / file}: tensor {quoted(name)} is also in {held[name]}" for name in entries if name in held]
+        held.update({name: file for name in entries if name not in held})
         headers[file] = entries
     if weight_map is not None:
         problems += _index_problems(path, weight_map, held)
@@ -95,6 +100,7 @@ def verify_fp32_export(path: Path) -> tuple[str, list[str], dict[str, int]]:
         checked = {INDEX_FILE: (path / INDEX_FILE).stat().st_size, **checked}
     if digested:
         checked[DIGESTS_FILE] = (path / DIGESTS_FILE).lstat().st_size
+        checked.update({name: (path / name).lstat().st_size for name in _listed_files(path) if (path / name).is_file()})
     how = (
         "every header, tensor size, index entry and tensor digest agrees"
         if digested
@@ -123,7 +129,7 @@ def _digest_problems(path: Path, headers: Mapping[str, Mapping[str, TensorEntry]
         return [
             f"{where}: does not record exactly the export's tensors (extra {quoted(extra)}, absent {quoted(absent)})"
         ]
-    problems = []
+    problems = _file_problems(path, record.get("files", {}))
     for file, entries in headers.items():
         fd = open_member(path / file)
         try:
@@ -137,6 +143,41 @@ def _digest_problems(path: Path, headers: Mapping[str, Mapping[str, TensorEntry]
         finally:
             os.close(fd)
     return problems
+
+
+def _file_problems(path: Path, files: object) -> list[str]:
+    """The files the record lists besides the tensors (config.json, generation_config.json):
+    each present, a regular file, reading as the CRC-32 recorded."""
+    where = path / DIGESTS_FILE
+    if not isinstance(files, dict) or not all(type(v) is int and name in EXPORTED_CONFIGS for name, v in files.items()):
+        return [f"{where}: corrupted: 'files' is not an object of {' or '.join(EXPORTED_CONFIGS)} to CRC-32 values"]
+    problems = []
+    for name, recorded in sorted(files.items()):
+        try:
+            fd = open_member(member_path(path, name))
+        except (OSError, ValueError) as err:
+            problems.append(str(err))
+            continue
+        try:
+            found = _crc_of_range(fd, 0, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        if found != recorded:
+            problems.append(
+                f"{path / name}: reads as CRC-32 {found:08x}, {DIGESTS_FILE} recorded {recorded & 0xFFFFFFFF:08x}: "
+                "it is not what was written"
+            )
+    return problems
+
+
+def _listed_files(path: Path) -> list[str]:
+    """The config files the export's record lists (none when it cannot say)."""
+    try:
+        record = read_json_file(path / DIGESTS_FILE, "fp32 export")
+    except (OSError, ValueError):
+        return []
+    files = record.get("files") if isinstance(record, dict) else None
+    return sorted(name for name in files if name in EXPORTED_CONFIGS) if isinstance(files, dict) else []
 
 
 def _crc_of_range(fd: int, begin: int, end: int) -> int:

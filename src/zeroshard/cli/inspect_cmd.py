@@ -14,7 +14,7 @@ import argparse
 from pathlib import Path
 
 from ..checkpoint.formats import NATIVE, UnsupportedCheckpointError, open_source, recognise
-from ..checkpoint.io.directory import resolve_checkpoint
+from ..checkpoint.directory import resolve_checkpoint
 from ..checkpoint.native.handle import Checkpoint, open_checkpoint
 from ..checkpoint.native.manifest import read_manifest
 from ..checkpoint.native.source import is_native_checkpoint
@@ -81,7 +81,7 @@ def _describe_deepspeed(path: Path, list_all: bool) -> list[str]:
 
 def _deepspeed_files(source) -> list[Path]:
     """The model-states file, the rank files in rank order, then AutoEP's per-expert files."""
-    from ..importers.deepspeed_paths import model_states_path, rank_file_paths
+    from ..deepspeed.checkpoint.paths import model_states_path, rank_file_paths
 
     raw = getattr(source, "raw", source)
     experts = raw.experts.paths if raw.experts is not None else []
@@ -123,7 +123,7 @@ def _verify_universal(path: Path) -> Verified:
     how = "every checksum and digest matches" if manifest.digests else "every checksum matches (no digests)"
     summary = f"{path}: OK, universal checkpoint, {shards} shards, {total:,} bytes, {how}"
     checked = {UNIVERSAL_MANIFEST_FILE: (path / UNIVERSAL_MANIFEST_FILE).stat().st_size}
-    checked.update((name, record.size) for name, record in manifest.shards.items())
+    checked.update((name, record.size) for name, record in {**manifest.configs, **manifest.shards}.items())
     return summary, verify_universal(path, manifest), checked
 
 

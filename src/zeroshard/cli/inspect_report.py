@@ -14,8 +14,8 @@ import numpy as np
 
 from ..checkpoint.audit import read_record
 from ..checkpoint.format import MANIFEST_FILE, MODEL_FILE, rank_file_name, scalar_key
-from ..checkpoint.io.block_reader import array_view
-from ..checkpoint.io.safetensors_io import VerifiedRanges, read_header
+from ..io.block_reader import array_view
+from ..io.safetensors_io import VerifiedRanges, read_header
 from ..checkpoint.native.handle import Checkpoint
 from ..checkpoint.universal.format import MANIFEST_FILE as UNIVERSAL_MANIFEST_FILE
 from ..checkpoint.universal.read import UniversalCheckpoint
@@ -77,8 +77,9 @@ def describe_native(ckpt: Checkpoint, *, list_all_files: bool = False) -> list[s
     ]
     manifest_size = ckpt.path(MANIFEST_FILE).stat().st_size
     sizes = {name: record.size for name, record in manifest.files.items()}
+    configs = {name: record.size for name, record in manifest.config_files.items()}
     lines += file_lines(
-        {MANIFEST_FILE: manifest_size, MODEL_FILE: sizes[MODEL_FILE]},
+        {MANIFEST_FILE: manifest_size, MODEL_FILE: sizes[MODEL_FILE], **configs},
         {name: sizes[name] for name in manifest.rank_files()},
         "rank files",
         list_all_files,
@@ -155,13 +156,14 @@ def describe_universal(ckpt: UniversalCheckpoint, *, list_all_files: bool = Fals
         lines.append(_source_padding_line(manifest.param_specs(), source))
     manifest_size = (ckpt.directory / UNIVERSAL_MANIFEST_FILE).stat().st_size
     shards = {name: record.size for name, record in manifest.shards.items()}
-    lines += file_lines({UNIVERSAL_MANIFEST_FILE: manifest_size}, shards, "shards", list_all_files)
+    configs = {name: record.size for name, record in manifest.configs.items()}
+    lines += file_lines({UNIVERSAL_MANIFEST_FILE: manifest_size, **configs}, shards, "shards", list_all_files)
     return lines
 
 
 def describe_deepspeed(source: Any, root: Path, files: Sequence[Path], *, list_all_files: bool = False) -> list[str]:
-    """``source`` is an opened DeepSpeed source (:class:`~zeroshard.importers.DeepSpeedSource`,
-    or for an AutoEP run :class:`~zeroshard.importers.AutoEPSource`, described in DeepSpeed's
+    """``source`` is an opened DeepSpeed source (:class:`~zeroshard.deepspeed.checkpoint.DeepSpeedSource`,
+    or for an AutoEP run :class:`~zeroshard.deepspeed.checkpoint.AutoEPSource`, described in DeepSpeed's
     own layout with the model's names beside it); ``files`` its model-states file, then its rank
     files in rank order, then any AutoEP expert files."""
     view, source = source, getattr(source, "raw", source)
@@ -209,7 +211,7 @@ def describe_deepspeed(source: Any, root: Path, files: Sequence[Path], *, list_a
 
 def autoep_lines(view: Any) -> list[str]:
     """How an AutoEP run's tensors read in the transformers model's names (``view``: an
-    :class:`~zeroshard.importers.AutoEPSource`)."""
+    :class:`~zeroshard.deepspeed.checkpoint.AutoEPSource`)."""
     names = view.names
     first = names.stacks[:2]
     def made_of(stack) -> str:

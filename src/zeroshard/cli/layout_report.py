@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from ..checkpoint.io import jsonvalue
-from ..checkpoint.io.members import read_small_file
+from ..io import jsonvalue
+from ..io.members import read_small_file
 from ..layout import ExpertMesh, GroupSpec, Layout, LayoutPolicy, ParamSpec, build_layout, itemsize
 from .arguments import positive_int
 from .expert_report import group_partitioning, shard_group_lines
@@ -165,7 +165,7 @@ def _moe_demo_groups(dtype: str, ep: int) -> tuple[Callable[[int], list[GroupInp
     over the W / EP ranks that hold them."""
     import torch
 
-    from ..demo_moe import MOE_MODEL
+    from ..demos.moe import MOE_MODEL
     from ..moe import MoEGPT, layout_groups
 
     with torch.device("meta"):

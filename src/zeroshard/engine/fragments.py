@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .optimizer import ZeroOptimizer
+    from .parts import EngineParts as _Engine  # the parts the class mixing it in provides
+else:
+    _Engine = object
 
 
 @dataclass
@@ -36,14 +38,15 @@ class LocalShard:
     values: torch.Tensor  # 1-D, fp32
 
 
-class FragmentAccess:
-    """Mixed into ZeroOptimizer; relies on its layout, masters, optimizer, reducer and comm."""
+class FragmentAccess(_Engine):
+    """Mixed into ZeroOptimizer; relies on its layout, masters, optimizer, reducer and comm
+    (:class:`~.parts.EngineParts`)."""
 
     # ---- full (collective) --------------------------------------------------------------
     # Each checks its arguments on every rank and agrees on the outcome before it moves any
     # data, so a bad call raises the same error on every rank and leaves no rank blocked.
 
-    def get_full_fp32_param(self: ZeroOptimizer, name: str) -> torch.Tensor:
+    def get_full_fp32_param(self, name: str) -> torch.Tensor:
         """Collective: every rank calls it with the same ``name``. The parameter's fp32 master,
         whole, in its own shape, on every rank (a new tensor on the engine's device).
 
@@ -55,7 +58,7 @@ class FragmentAccess:
         self.comm.checked(f"get_full_fp32_param({name!r})", lambda: self.layout.param(name))
         return self._gather(name, self._master_of)
 
-    def set_full_fp32_param(self: ZeroOptimizer, name: str, value: torch.Tensor) -> None:
+    def set_full_fp32_param(self, name: str, value: torch.Tensor) -> None:
         """Collective: every rank calls it with the same ``name`` and ``value``. Sets the
         parameter's fp32 master (each rank keeps its own piece) and the model's parameter, in
         its dtype, in place.
@@ -71,7 +74,7 @@ class FragmentAccess:
         with torch.no_grad():
             self.buffers[group.index].param_view(slot.index).copy_(value.reshape(slot.spec.shape))
 
-    def get_full_grad(self: ZeroOptimizer, name: str) -> torch.Tensor:
+    def get_full_grad(self, name: str) -> torch.Tensor:
         """Collective: every rank calls it with the same ``name``. The gradient the next
         step would use before clipping: reduced over the ranks, unscaled, fp32, whole.
 
@@ -84,7 +87,7 @@ class FragmentAccess:
         self.reducer.reduce()
         return self._gather(name, self._grad_of) / self.scaler.scale
 
-    def set_full_grad(self: ZeroOptimizer, name: str, value: torch.Tensor) -> None:
+    def set_full_grad(self, name: str, value: torch.Tensor) -> None:
         """Collective: every rank calls it with the same ``name`` and ``value``. Replaces the
         reduced gradient the next step uses (unscaled; the loss scale is applied here).
 
@@ -97,7 +100,7 @@ class FragmentAccess:
         self.reducer.reduce()
         self._scatter(name, value * self.scaler.scale, self._grad_of)
 
-    def get_full_optimizer_state(self: ZeroOptimizer, name: str, key: str) -> torch.Tensor:
+    def get_full_optimizer_state(self, name: str, key: str) -> torch.Tensor:
         """Collective: every rank calls it with the same ``name`` and ``key``. Optimizer
         state ``key`` (``"exp_avg"``, ``"exp_avg_sq"``, ...) of the parameter, whole, fp32.
 
@@ -109,7 +112,7 @@ class FragmentAccess:
         self.comm.checked(f"get_full_optimizer_state({name!r}, {key!r})", lambda: self._state_source(name, key))
         return self._gather(name, lambda group_index: self._state_of(group_index, key))
 
-    def set_full_optimizer_state(self: ZeroOptimizer, name: str, key: str, value: torch.Tensor) -> None:
+    def set_full_optimizer_state(self, name: str, key: str, value: torch.Tensor) -> None:
         """Collective: every rank calls it with the same arguments. Sets optimizer state
         ``key`` of the parameter; each rank keeps its own piece.
 
@@ -122,7 +125,7 @@ class FragmentAccess:
         self._check_full_value(call, name, value, lambda: self._state_source(name, key))
         self._scatter(name, value, lambda group_index: self._state_of(group_index, key))
 
-    def _check_full_value(self: ZeroOptimizer, call: str, name: str, value: torch.Tensor, source_check=None) -> None:
+    def _check_full_value(self, call: str, name: str, value: torch.Tensor, source_check=None) -> None:
         """Every rank: the parameter exists, its source does, ``value`` is a tensor of its size."""
 
         def check() -> None:
@@ -137,14 +140,14 @@ class FragmentAccess:
 
         self.comm.checked(call, check)
 
-    def _state_source(self: ZeroOptimizer, name: str, key: str) -> None:
+    def _state_source(self, name: str, key: str) -> None:
         """Raises, on every rank alike, unless optimizer state ``key`` of ``name``'s group is readable."""
         group, _ = self.layout.param(name)
         self._state_of(group.index, key)
 
     # ---- local ----------------------------------------------------------------------------
 
-    def get_local_fp32_param(self: ZeroOptimizer, name: str) -> LocalShard | None:
+    def get_local_fp32_param(self, name: str) -> LocalShard | None:
         """Not collective. This rank's piece of the parameter's fp32 master (a copy), or None
         when this rank holds none of it.
 
@@ -153,7 +156,7 @@ class FragmentAccess:
         """
         return self._local_get(name, self._master_of)
 
-    def set_local_fp32_param(self: ZeroOptimizer, name: str, values: torch.Tensor) -> None:
+    def set_local_fp32_param(self, name: str, values: torch.Tensor) -> None:
         """Not collective. Set this rank's piece of the fp32 master (``values``: as many
         elements as :meth:`get_local_fp32_param` gives); the model's parameter follows at the
         next step or :meth:`sync_params_from_masters`.
@@ -163,7 +166,7 @@ class FragmentAccess:
         """
         self._local_set(name, values, self._master_of)
 
-    def get_local_grad(self: ZeroOptimizer, name: str) -> LocalShard | None:
+    def get_local_grad(self, name: str) -> LocalShard | None:
         """This rank's piece of the reduced, unscaled gradient, or None. Collective when
         gradients are still being reduced (it finishes the reduction): call it on every rank.
 
@@ -176,7 +179,7 @@ class FragmentAccess:
             shard.values.div_(self.scaler.scale)
         return shard
 
-    def set_local_grad(self: ZeroOptimizer, name: str, values: torch.Tensor) -> None:
+    def set_local_grad(self, name: str, values: torch.Tensor) -> None:
         """Set this rank's piece of the reduced gradient (unscaled). Collective when gradients
         are still being reduced (it finishes the reduction): call it on every rank.
 
@@ -186,7 +189,7 @@ class FragmentAccess:
         self.reducer.reduce()
         self._local_set(name, values * self.scaler.scale, self._grad_of)
 
-    def get_local_optimizer_state(self: ZeroOptimizer, name: str, key: str) -> LocalShard | None:
+    def get_local_optimizer_state(self, name: str, key: str) -> LocalShard | None:
         """Not collective. This rank's piece of optimizer state ``key`` of the parameter, or None.
 
         Raises:
@@ -194,7 +197,7 @@ class FragmentAccess:
         """
         return self._local_get(name, lambda group_index: self._state_of(group_index, key))
 
-    def set_local_optimizer_state(self: ZeroOptimizer, name: str, key: str, values: torch.Tensor) -> None:
+    def set_local_optimizer_state(self, name: str, key: str, values: torch.Tensor) -> None:
         """Not collective. Set this rank's piece of optimizer state ``key`` of the parameter.
 
         Raises:
@@ -204,13 +207,13 @@ class FragmentAccess:
 
     # ---- sources --------------------------------------------------------------------------
 
-    def _master_of(self: ZeroOptimizer, group_index: int) -> torch.Tensor:
+    def _master_of(self, group_index: int) -> torch.Tensor:
         return self.masters[group_index].data
 
-    def _grad_of(self: ZeroOptimizer, group_index: int) -> torch.Tensor:
+    def _grad_of(self, group_index: int) -> torch.Tensor:
         return self.reducer.partition_grads[group_index]
 
-    def _state_of(self: ZeroOptimizer, group_index: int, key: str) -> torch.Tensor:
+    def _state_of(self, group_index: int, key: str) -> torch.Tensor:
         state = self.optimizer.state.get(self.masters[group_index], {})
         tensor = state.get(key)
         if tensor is None:
@@ -221,7 +224,7 @@ class FragmentAccess:
 
     # ---- mechanics ------------------------------------------------------------------------
 
-    def _gather(self: ZeroOptimizer, name: str, source) -> torch.Tensor:
+    def _gather(self, name: str, source) -> torch.Tensor:
         group, slot = self.layout.param(name)
         full = torch.empty(slot.numel, dtype=torch.float32, device=self.device)
         comm = self.group_comms[group.index]
@@ -233,27 +236,27 @@ class FragmentAccess:
             comm.broadcast_(target, src=piece.rank)
         return full.view(slot.spec.shape)
 
-    def _scatter(self: ZeroOptimizer, name: str, value: torch.Tensor, source) -> None:
+    def _scatter(self, name: str, value: torch.Tensor, source) -> None:
         """This rank keeps its piece of ``value`` (checked by ``_check_full_value``)."""
         group, piece = self._own_piece(name)
         if piece is not None:
             flat = value.detach().reshape(-1)[piece.param_start : piece.param_start + piece.length]
             source(group.index)[piece.partition_start : piece.partition_start + piece.length].copy_(flat)
 
-    def _own_piece(self: ZeroOptimizer, name: str):
+    def _own_piece(self, name: str):
         """This rank's run of the parameter (at most one), or None."""
         group, slot = self.layout.param(name)
         rank = self.rank_in(group)
         return group, next((p for p in group.pieces(slot.index) if p.rank == rank), None)
 
-    def _local_get(self: ZeroOptimizer, name: str, source) -> LocalShard | None:
+    def _local_get(self, name: str, source) -> LocalShard | None:
         group, piece = self._own_piece(name)
         if piece is None:
             return None
         values = source(group.index)[piece.partition_start : piece.partition_start + piece.length]
         return LocalShard(piece.param_start, values.clone())
 
-    def _local_set(self: ZeroOptimizer, name: str, values: torch.Tensor, source) -> None:
+    def _local_set(self, name: str, values: torch.Tensor, source) -> None:
         group, piece = self._own_piece(name)
         length = 0 if piece is None else piece.length
         if values.numel() != length:

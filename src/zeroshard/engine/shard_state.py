@@ -9,19 +9,17 @@ everything else is refused, pointing to ``zeroshard.checkpoint``, which reshards
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from .parts import EngineParts
 from .state_io import optimizer_class_name
-
-if TYPE_CHECKING:
-    from .optimizer import ZeroOptimizer
 
 ZERO_KEY = "zero"
 
 
-def shard_state_dict(engine: ZeroOptimizer) -> dict[str, Any]:
+def shard_state_dict(engine: EngineParts) -> dict[str, Any]:
     """This rank's shard; the tensors are the live ones, as in torch's state_dict."""
     state_dict = engine.optimizer.state_dict()
     state_dict[ZERO_KEY] = {
@@ -36,7 +34,7 @@ def shard_state_dict(engine: ZeroOptimizer) -> dict[str, Any]:
     return state_dict
 
 
-def shard_mismatch(engine: ZeroOptimizer, state_dict: Any) -> str | None:
+def shard_mismatch(engine: EngineParts, state_dict: Any) -> str | None:
     """Why ``state_dict`` cannot be loaded into this rank of ``engine``, or None. Never raises."""
     if not isinstance(state_dict, dict) or not isinstance(state_dict.get(ZERO_KEY), dict):
         return "not a ZeroOptimizer state_dict (it has no 'zero' entry)"
@@ -54,7 +52,7 @@ def shard_mismatch(engine: ZeroOptimizer, state_dict: Any) -> str | None:
     return _partitions_mismatch(engine, zero) or _torch_part_mismatch(engine, state_dict)
 
 
-def load_shard(engine: ZeroOptimizer, state_dict: dict[str, Any]) -> None:
+def load_shard(engine: EngineParts, state_dict: dict[str, Any]) -> None:
     """Load a shard ``shard_mismatch`` accepted; the caller re-gathers the parameters."""
     zero = state_dict[ZERO_KEY]
     engine.optimizer.load_state_dict({key: value for key, value in state_dict.items() if key != ZERO_KEY})
@@ -65,7 +63,7 @@ def load_shard(engine: ZeroOptimizer, state_dict: dict[str, Any]) -> None:
     engine.scaler.load_state_dict(zero["loss_scaler"])
 
 
-def _partitions_mismatch(engine: ZeroOptimizer, zero: dict[str, Any]) -> str | None:
+def _partitions_mismatch(engine: EngineParts, zero: dict[str, Any]) -> str | None:
     partitions = zero.get("fp32_partitions")
     if not isinstance(partitions, (list, tuple)) or len(partitions) != len(engine.masters):
         return f"'fp32_partitions' must be a list of {len(engine.masters)} tensors"
@@ -81,7 +79,7 @@ def _partitions_mismatch(engine: ZeroOptimizer, zero: dict[str, Any]) -> str | N
     return None
 
 
-def _torch_part_mismatch(engine: ZeroOptimizer, state_dict: dict[str, Any]) -> str | None:
+def _torch_part_mismatch(engine: EngineParts, state_dict: dict[str, Any]) -> str | None:
     groups, state = state_dict.get("param_groups"), state_dict.get("state")
     well_formed = isinstance(groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
     if not well_formed:

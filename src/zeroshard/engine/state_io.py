@@ -8,14 +8,12 @@ anything changes.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from ..state import ParamGroupState, ShardedState
-
-if TYPE_CHECKING:
-    from .optimizer import ZeroOptimizer
+from ..state import ParamGroupState, ShardedState, model_config_files
+from .parts import EngineParts
 
 
 def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
@@ -24,7 +22,7 @@ def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def state_views(engine: ZeroOptimizer) -> ShardedState:
+def state_views(engine: EngineParts) -> ShardedState:
     """Not collective. This rank's share as views of the live tensors (on the engine's
     devices), no copies.
 
@@ -57,10 +55,11 @@ def state_views(engine: ZeroOptimizer) -> ShardedState:
         optimizer_class=optimizer_class_name(engine.optimizer),
         model_state=engine.model.state_dict(),
         extra={"global_steps": engine.global_steps, "loss_scaler": engine.scaler.state_dict()},
+        model_configs=model_config_files(engine.model),
     )
 
 
-def export_state(engine: ZeroOptimizer) -> ShardedState:
+def export_state(engine: EngineParts) -> ShardedState:
     """Not collective. A CPU copy of this rank's share: masters, optimizer state, model, counters."""
     views = state_views(engine)
     views.fp32_partitions = [t.cpu().clone() for t in views.fp32_partitions]
@@ -83,7 +82,7 @@ def _cpu_copy_keeping_ties(state: dict[str, torch.Tensor]) -> dict[str, torch.Te
 
 
 def import_state(
-    engine: ZeroOptimizer,
+    engine: EngineParts,
     state: ShardedState,
     *,
     load_optimizer_states: bool = True,
@@ -133,7 +132,7 @@ def import_state(
     engine.sync_params_from_masters()
 
 
-def _validate(engine: ZeroOptimizer, state: ShardedState, full: bool, strict: bool) -> None:
+def _validate(engine: EngineParts, state: ShardedState, full: bool, strict: bool) -> None:
     if state.layout != engine.layout:
         raise ValueError("the state's layout differs from the engine's; load it through zeroshard.checkpoint to reshard")
     if state.rank != engine.rank:
@@ -174,13 +173,13 @@ def _cast_like(current: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]
     return {k: v.to(current[k].dtype) if k in current and v.is_floating_point() else v for k, v in loaded.items()}
 
 
-def _rebuild_masters_from_params(engine: ZeroOptimizer) -> None:
+def _rebuild_masters_from_params(engine: EngineParts) -> None:
     for master, buffer in zip(engine.masters, engine.buffers):
         parts = [buffer.data[begin:end] for begin, end in buffer.group.partition_ranges(engine.rank_in(buffer.group))]
         master.data.copy_(torch.cat(parts).float() if parts else master.data)
 
 
-def _torch_optimizer_state(engine: ZeroOptimizer, state: ShardedState, take: bool) -> dict[str, Any]:
+def _torch_optimizer_state(engine: EngineParts, state: ShardedState, take: bool) -> dict[str, Any]:
     """The state in torch.optim's own state_dict form, so the optimizer casts it its way."""
     index_of = {id(master): i for i, master in enumerate(engine.masters)}
     per_param = {}

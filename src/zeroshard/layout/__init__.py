@@ -4,6 +4,8 @@ No torch, no process group, no allocation: parameter specs, a world size and a p
 a frozen, comparable, JSON-serialisable :class:`Layout` out. Each group is partitioned over
 its own shard group (all ranks, or the ranks holding the same experts); :mod:`.experts`
 holds the rank arithmetic of expert parallelism.
+
+May import: nothing of zeroshard (it is the bottom layer every other builds on), and no torch.
 """
 
 from .dtypes import canonical_dtype, itemsize

@@ -21,7 +21,7 @@ from .dtypes import itemsize
 from .group import Bucket, GroupLayout, ParamSlot
 from .policy import LayoutPolicy
 from .specs import DENSE_SHARD_GROUP, GroupSpec, ParamSpec
-from .stacks import LEGACY_STACK, ExpertStack, check_expert_map, check_stack_shape
+from .stacks import LEGACY_STACK, ExpertStack, check_expert_map, check_stack_shape, per_expert_name_clash
 
 FORMAT_NAME = "zeroshard.layout"
 FORMAT_VERSION = 3  # the newest written; versions 1 (dense) and 2 (legacy stacks) are still written and read
@@ -230,6 +230,7 @@ def build_layout(groups: Sequence[GroupInput], world_size: int, policy: LayoutPo
         raise ValueError(f"world size must be an integer >= 1, got {world_size!r}")
     checked = [_check_group(index, group, world_size, policy) for index, group in enumerate(groups)]
     _check_unique_names([group.params for group in checked])
+    _check_per_expert_names(checked)
     _check_shard_group_sizes(checked)
     return Layout(world_size, policy, tuple(_lay_out_group(i, group, policy) for i, group in enumerate(checked)))
 
@@ -345,6 +346,15 @@ def _check_unique_names(groups: list[tuple[ParamSpec, ...]]) -> None:
         if spec.name in seen:
             raise ValueError(f"parameter {spec.name!r} appears more than once")
         seen.add(spec.name)
+
+
+def _check_per_expert_names(groups: list[GroupSpec]) -> None:
+    """Every stack's per-expert tensors have names of their own (exports write them)."""
+    experts = [sum(map(len, group.expert_map)) for group in groups]
+    stacks = [(spec.name, stack, e) for g, e in zip(groups, experts) for spec, stack in zip(g.params, g.stacks)]
+    problem = per_expert_name_clash(stacks, [spec.name for group in groups for spec in group.params])
+    if problem:
+        raise ValueError(f"{problem}; a per-expert export would write two tensors under it")
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -13,7 +13,7 @@ Pure and torch-free, like the rest of the layout.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Collection, Iterable, Sequence
 
 ORIENTATIONS = ("out_in", "in_out", "none")
 EXPORTS = ("stacked", "per_expert")
@@ -134,20 +134,44 @@ def per_expert_tensors(name: str, stack: ExpertStack, expert_id: int, expert_sha
     Raises:
         ValueError: the rows do not split evenly into the stack's parts.
     """
+    names = per_expert_names(name, stack, expert_id)
+    rows = _exported_shape(stack, expert_shape)[0] if expert_shape else 1
+    if rows % len(names):
+        raise ValueError(f"expert stack {name!r}: {rows} output rows do not split evenly into parts {list(stack.parts)}")
+    share = rows // len(names)
+    return [PerExpertTensor(tensor, i * share, (i + 1) * share) for i, tensor in enumerate(names)]
+
+
+def per_expert_names(name: str, stack: ExpertStack, expert_id: int) -> list[str]:
+    """The names of :func:`per_expert_tensors` (one per part, in order), which depend on
+    neither the expert's shape nor the number of experts."""
     prefix, _, leaf = name.rpartition(".")
     base = f"{prefix}.{expert_id}" if prefix else str(expert_id)
-    rows = _exported_shape(stack, expert_shape)[0] if expert_shape else 1
     if stack.parts:
-        if rows % len(stack.parts):
-            raise ValueError(
-                f"expert stack {name!r}: {rows} output rows do not split evenly into parts {list(stack.parts)}"
-            )
-        share = rows // len(stack.parts)
-        return [PerExpertTensor(f"{base}.{part}.weight", i * share, (i + 1) * share) for i, part in enumerate(stack.parts)]
+        return [f"{base}.{part}.weight" for part in stack.parts]
     if leaf in ("weight", "bias"):
-        return [PerExpertTensor(f"{base}.{leaf}", 0, rows)]
+        return [f"{base}.{leaf}"]
     suffix = ".weight" if stack.is_matrix else ""
-    return [PerExpertTensor(f"{base}.{leaf}{suffix}", 0, rows)]
+    return [f"{base}.{leaf}{suffix}"]
+
+
+def per_expert_name_clash(stacks: Iterable[tuple[str, ExpertStack, int]], others: Collection[str] = ()) -> str | None:
+    """Why a per-expert export of ``stacks`` ((name, description, number of experts) each)
+    would write two tensors under one name, or None: two stacks name one per-expert tensor
+    (a ``parts`` typo), or one names a tensor of ``others`` (the export's other names). One
+    line naming both and the name. A stack is checked in this form whatever its ``export``:
+    ``--experts per-expert`` forces it on every stack."""
+    others = set(others)
+    owner: dict[str, str] = {}
+    for name, stack, experts in stacks:
+        for expert_id in range(experts):
+            for tensor in per_expert_names(name, stack, expert_id):
+                if tensor in others:
+                    return f"expert stack {name!r} names per-expert tensor {tensor!r}, the name of another tensor of the model"
+                first = owner.setdefault(tensor, name)
+                if first != name:
+                    return f"expert stacks {first!r} and {name!r} both name per-expert tensor {tensor!r}"
+    return None
 
 
 def exported_expert_shape(stack: ExpertStack, expert_shape: Sequence[int]) -> tuple[int, ...]:

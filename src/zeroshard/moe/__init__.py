@@ -8,6 +8,10 @@ on any device (:mod:`.recorder`).
 The rank arithmetic (:class:`~zeroshard.layout.ExpertMesh`) and the stack descriptions
 (:class:`~zeroshard.layout.ExpertStack`) are pure and live with the layout; this package
 holds the torch side.
+
+May import: ``zeroshard.layout``, ``zeroshard.io`` (pretrained weights are files read as
+hostile) and ``zeroshard.models`` (MoEGPT builds on TinyGPT's attention); not the engine,
+which trains an expert-parallel model through its param groups, nor the checkpoint layer.
 """
 
 from ..layout import ExpertMesh, contiguous_expert_map

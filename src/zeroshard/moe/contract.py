@@ -18,6 +18,7 @@ from typing import Mapping, Sequence
 from torch import nn
 
 from ..layout import ExpertStack, check_expert_map, contiguous_expert_map
+from ..layout.stacks import per_expert_name_clash
 
 _ATTRIBUTE = "_zeroshard_experts"
 
@@ -81,7 +82,8 @@ def declare_experts(
         ValueError: naming the parameter for anything that does not fit (no stack declared,
             a name that is not one of the module's own parameters, a malformed expert map
             or ``ep_rank``, a dimension 0 that is not this rank's expert count, an oriented
-            stack that is not 3-d).
+            stack that is not 3-d, two stacks naming one per-expert tensor or one naming
+            another tensor of the module: per-expert exports write each name once).
     """
     described = {name: ExpertStack(stack) if isinstance(stack, str) else stack for name, stack in stacks.items()}
     if not described:
@@ -107,6 +109,14 @@ def declare_experts(
             )
         if stack.is_matrix and params[name].dim() != 3:
             raise ValueError(f"expert stack {name!r} has shape {list(params[name].shape)}: {stack.orientation} needs [experts, rows, columns]")
+    experts = sum(map(len, placement))
+    stacked = [(name, stack, experts) for name, stack in described.items()]
+    clash = per_expert_name_clash(stacked, module.state_dict(keep_vars=True))
+    if clash:
+        raise ValueError(
+            f"{type(module).__name__}: {clash} (names relative to the module); "
+            "a per-expert export would write two tensors under it"
+        )
     declaration = ExpertModule(dict(described), placement, ep_rank)
     setattr(module, _ATTRIBUTE, declaration)
     return declaration

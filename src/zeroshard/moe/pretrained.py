@@ -29,8 +29,8 @@ from typing import Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..checkpoint.io import jsonvalue
-from ..checkpoint.io.members import name_problem, open_member, read_small_file
+from ..io import jsonvalue
+from ..io.members import name_problem, open_member, read_small_file
 from ..layout.stacks import ExpertStack, exported_expert_shape, per_expert_tensors
 from .contract import ExpertModule, expert_stacks
 

@@ -12,7 +12,7 @@ orientation (``model.layers.0.mlp.experts.gate_up_proj``, what transformers'
 ``max_shard_size`` is given and exceeded, ``model-00001-of-0000N.safetensors`` shards and a
 ``model.safetensors.index.json``. Streaming and atomic like :func:`to_universal`, and like
 it torch-free: :func:`load_fp32_state_dict` alone hands out torch tensors. Every master read
-is checked against the checkpoint's digests (:mod:`..read_digests`), and ``DIGESTS_FILE``
+is checked against the checkpoint's digests (:mod:`..attest.read_digests`), and ``DIGESTS_FILE``
 records the digest (``zlib.crc32``) of every tensor written.
 """
 
@@ -29,17 +29,19 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from ...layout import canonical_dtype
-from ..io.directory import write_file_durably
-from ..io.dtypes import cast, dtype_info, to_torch
+from ...io.checksum import block_crc
+from ..directory import write_file_durably
+from ...io.dtypes import cast, dtype_info, to_torch
 from ..format import DEFAULT_BLOCK_SIZE, MANIFEST_FILE
 from ..formats import open_source
-from ..io.output_dir import OutputKind, output_path, staged_output
-from ..io.safetensors_io import PlannedTensor
-from ..experts import EXPERT_FORMS, exported_params, read_exported
-from ..io.digest import ALGORITHM
-from ..read_digests import ReadChecker
-from ..source import ModelEntry, ShardSource
-from ..io.streaming import OutputTensor, plan_shards, write_shards
+from ..output_dir import OutputKind, output_path, staged_output
+from ...io.safetensors_io import PlannedTensor
+from ..experts import EXPERT_FORMS, ExportedParam, exported_params, read_exported
+from ...io.digest import ALGORITHM
+from ..attest.read_digests import ReadChecker
+from ..model_config import CONFIG_FILE, EXPORTED_CONFIGS, parse_config
+from ..source import ModelEntry, ShardSource, read_model_configs
+from ...io.streaming import OutputTensor, plan_shards, write_shards
 from ..universal.read import UniversalCheckpoint
 from ..universal.source import UniversalSource
 
@@ -55,6 +57,8 @@ OUTPUT_KIND = OutputKind(
     r"model\.safetensors(\.index\.json)?|model-\d{5,}-of-\d{5,}\.safetensors|" + re.escape(DIGESTS_FILE),
     (SINGLE_FILE, INDEX_FILE),
     METADATA,
+    DIGESTS_FILE,  # its "files": the config.json and generation_config.json written with the export
+    "|".join(map(re.escape, EXPORTED_CONFIGS)),
 )
 if TYPE_CHECKING:
     import torch
@@ -87,6 +91,7 @@ class _ModelView:
     model_tensor: Callable[[str], np.ndarray]
     close: Callable[[], None]
     origin: Path  # the checkpoint directory read
+    configs: Callable[[], dict[str, str]]  # the model's config files the checkpoint recorded
 
 
 def to_fp32(
@@ -110,6 +115,7 @@ def to_fp32(
     inputs = (path, view.origin) if isinstance(path, (str, os.PathLike)) else (view.origin,)
     try:
         tensors = _outputs(view, dtype)
+        configs = {name: exported_config(name, text, dtype) for name, text in view.configs().items()}
         sizes = [t.planned.nbytes for t in tensors]
         shards = plan_shards(sizes, max_shard_size)
         names = [SINGLE_FILE] if len(shards) == 1 else [shard_file_name(i, len(shards)) for i in range(len(shards))]
@@ -128,6 +134,8 @@ def to_fp32(
             )
             record = {"format": DIGESTS_FORMAT, "version": 1, "algorithm": ALGORITHM, "dtype": dtype}
             record["tensors"] = digests
+            if configs:
+                record["files"] = {name: _write_config(staging / name, text) for name, text in configs.items()}
             write_file_durably(staging / DIGESTS_FILE, json.dumps(record, indent=1) + "\n")
             if len(shards) > 1:
                 weight_map = {tensors[i].planned.key: name for shard, name in zip(shards, names) for i in shard}
@@ -181,6 +189,26 @@ def _outputs(view: _ModelView, dtype: str) -> list[OutputTensor]:
     return tensors
 
 
+def exported_config(name: str, text: str, dtype: str) -> str:
+    """Config file ``name`` as an export writes it: ``config.json`` says the weights' ``dtype``
+    (``from_pretrained`` loads in it by default), the rest as recorded."""
+    if name != CONFIG_FILE:
+        return text
+    value = parse_config(text, name)
+    value["dtype"] = dtype
+    if "torch_dtype" in value:  # what transformers before v5 read
+        value["torch_dtype"] = dtype
+    return json.dumps(value, indent=2, sort_keys=True) + "\n"
+
+
+def _write_config(path: Path, text: str) -> int:
+    """Write a config file; the CRC-32 of its bytes, which the digests record lists so that
+    ``--overwrite`` knows it for ours."""
+    data = text.encode("utf-8")
+    write_file_durably(path, data)
+    return block_crc(data)
+
+
 def _cast(read: Callable[[str], np.ndarray], name: str, dtype: str) -> np.ndarray:
     return cast(read(name), dtype)
 
@@ -201,7 +229,9 @@ def _open(path: Input, experts: str | None) -> _ModelView:
 
 
 def _source_view(source: ShardSource, experts: str | None, *, close: bool) -> _ModelView:
-    exported = {param.name: param for param in exported_params(source.info.layout, experts)}
+    params = exported_params(source.info.layout, experts)
+    _check_names_unique(source, params)
+    exported = {param.name: param for param in params}
     checker = ReadChecker(source)  # every master and module tensor read, against the saved digests
 
     def model_tensor(name: str) -> np.ndarray:
@@ -217,7 +247,24 @@ def _source_view(source: ShardSource, experts: str | None, *, close: bool) -> _M
         model_tensor=model_tensor,
         close=source.close if close else _nothing,
         origin=source.path,
+        configs=lambda: read_model_configs(source),
     )
+
+
+def _check_names_unique(source: ShardSource, params: list[ExportedParam]) -> None:
+    """ValueError naming the checkpoint when two tensors of the export would have one name
+    (two expert stacks' per-expert tensors, or one and a module tensor): the last line of
+    defence behind the layout's and the manifests' checks, which refuse such stacks."""
+    owner: dict[str, str] = {}
+    named = [(param.name, param.param) for param in params]
+    named += [(entry.name, entry.name) for entry in source.info.model_entries]
+    named += [(alias, f"{target} (tied)") for alias, target in source.info.aliases.items()]
+    for name, origin in named:
+        if name in owner:
+            raise ValueError(
+                f"{source.path}: cannot export: {owner[name]!r} and {origin!r} would both be written as tensor {name!r}"
+            )
+        owner[name] = origin
 
 
 def _nothing() -> None:

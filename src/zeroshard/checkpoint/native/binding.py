@@ -22,8 +22,8 @@ from typing import Any, Mapping
 
 from ...layout import Layout
 from ...layout.coordinates import ep_rank, shard_rank
-from ..io import jsonvalue
-from ..io.damage import CheckpointDamagedError
+from ...io import jsonvalue
+from ...io.damage import CheckpointDamagedError
 
 BINDING_KEY = "zeroshard.binding"  # the safetensors metadata key of a rank file's binding
 

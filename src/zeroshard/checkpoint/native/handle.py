@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..io.directory import check_files_present, resolve_checkpoint
+from ..directory import check_files_present, resolve_checkpoint
 from .manifest import Manifest, read_manifest
 
 

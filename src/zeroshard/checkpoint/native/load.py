@@ -26,9 +26,9 @@ from ...layout import Layout
 from ...state import ShardedState
 from ..coordinator import Coordinator
 from .handle import Checkpoint
-from ..attested import load_from
+from ..attest.attested import load_from
 from .source import NativeSource
-from ..io.safetensors_io import ReadStats
+from ...io.safetensors_io import ReadStats
 
 
 def load_sharded(

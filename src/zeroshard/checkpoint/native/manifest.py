@@ -3,11 +3,13 @@
 It is written last, so a directory without one is an unfinished save. Reading it checks
 the format name and version, rebuilds the Layout (which re-derives every offset) and
 checks that the file list matches the world size. From format version 2 it also holds the
-digests of the logical state (:mod:`..digests`), one per parameter (per global expert),
+digests of the logical state (:mod:`..attest.digests`), one per parameter (per global expert),
 tensor kind, optimizer scalar and module tensor; version 1 manifests, written before, have
-none and still load. From version 3 it may list one resume file per rank (each rank's random
-state and the training script's own states, :class:`ResumeRecord`); a checkpoint saved
-without them is written as version 2, as before.
+none and still load. Version 3 (written only then) also lists the model's config files
+(:mod:`..model_config`) with the others; version 4 (written only then) one resume file per
+rank (each rank's random state and the training script's own states, :class:`ResumeRecord`).
+A checkpoint saved without them is written as the version its fields need, as before, and
+every older version still loads.
 """
 
 from __future__ import annotations
@@ -20,13 +22,17 @@ from typing import Any
 from ... import __version__
 from ...layout import Layout
 from ...state import ParamGroupState
-from ..digests import StateDigests, logical_keys
+from ..attest.digests import StateDigests, logical_keys
+from ..experts import per_expert_clash
+from ..model_config import config_records
 from ..format import (
+    DIGESTED_VERSION,
     FORMAT_NAME,
     FORMAT_VERSION,
     UNDIGESTED_LAYOUT_VERSION,
     UNDIGESTED_VERSION,
-    UNRESUMABLE_VERSION,
+    CONFIG_VERSION,
+    RESUME_VERSION,
     MANIFEST_FILE,
     MODEL_FILE,
     fp32_key,
@@ -36,11 +42,11 @@ from ..format import (
     state_key,
     state_name_problem,
 )
-from ..io import jsonvalue
-from ..io.budget import quoted
-from ..io.checksum import FileRecord
-from ..io.damage import CheckpointDamagedError
-from ..io.directory import read_json_file
+from ...io import jsonvalue
+from ...io.budget import quoted
+from ...io.checksum import FileRecord
+from ...io.damage import CheckpointDamagedError
+from ..directory import read_json_file
 from .binding import layout_digest
 
 TENSOR_KINDS = ("trainable", "frozen", "buffer", "other")
@@ -81,7 +87,7 @@ class GroupRecord:
 
 @dataclass(frozen=True)
 class ResumeRecord:
-    """What a checkpoint's resume files hold (format version 3): every rank's random state
+    """What a checkpoint's resume files hold (format version 4): every rank's random state
     (``rng``), and the training script's states by name, each "rank" (every rank saved its
     own) or "global" (the same on every rank; a load takes rank 0's)."""
 
@@ -135,13 +141,20 @@ class Manifest:
 
     @property
     def format_version(self) -> int:
-        """The version read, or for a new manifest the one its fields need (3 with resume files,
-        2 with digests, 1 without)."""
+        """The version read, or for a new manifest the one its fields need (4 with resume files,
+        3 with config files, 2 with digests, 1 without)."""
         if self.version is not None:
             return self.version
         if self.resume is not None:
-            return FORMAT_VERSION
-        return UNRESUMABLE_VERSION if self.digests is not None else UNDIGESTED_VERSION
+            return RESUME_VERSION
+        if self.config_files:
+            return CONFIG_VERSION
+        return DIGESTED_VERSION if self.digests is not None else UNDIGESTED_VERSION
+
+    @property
+    def config_files(self) -> dict[str, FileRecord]:
+        """The model's config files the checkpoint stores (``model.config.json``, ...), by stored name."""
+        return config_records(self.files)
 
     @property
     def layout_digest(self) -> str:
@@ -306,22 +319,26 @@ class Manifest:
             )
         if len(self.groups) != len(self.layout.groups):
             raise ValueError(f"{source}: {len(self.groups)} group records for {len(self.layout.groups)} layout groups")
+        configs = self.config_files
         per_rank = 2 if self.resume is not None else 1
         # Compared first: the world size is what the file declares.
-        if len(self.files) != self.world_size * per_rank + 1:
+        if len(self.files) - len(configs) != self.world_size * per_rank + 1:
             kinds = "a rank file and a resume file" if self.resume is not None else "one"
+            expected = f"{self.world_size * per_rank + 1:,} expected (the model file and {kinds} per rank"
             raise ValueError(
                 f"{source}: file list does not match world size {self.world_size}: {len(self.files)} files listed, "
-                f"{self.world_size * per_rank + 1:,} expected (the model file and {kinds} per rank)"
+                f"{expected}, besides config files)"
             )
+        if configs and self.format_version < CONFIG_VERSION:
+            raise ValueError(f"{source}: format version {self.format_version} lists config files {sorted(configs)}")
         for index, record in enumerate(self.groups):
             problem = next(filter(None, map(state_name_problem, record.states)), None)
             if problem:
                 raise ValueError(f"{source}: group {index}: {problem}")
         expected = {MODEL_FILE, *self.rank_files(), *self.resume_files()}
-        if set(self.files) != expected:
+        if set(self.files) - set(configs) != expected:
             missing = sorted(expected - set(self.files))[:3]
-            unknown = sorted(set(self.files) - expected)[:3]
+            unknown = sorted(set(self.files) - expected - set(configs))[:3]
             raise ValueError(
                 f"{source}: file list does not match world size {self.world_size} "
                 f"(missing {quoted(missing)}, unknown {quoted(unknown)})"
@@ -332,6 +349,7 @@ class Manifest:
         problem = _model_tensor_kind_problem(
             self.model_tensors, set(self.layout.param_names) - expert_param_names(self.layout), expert_param_names(self.layout)
         )
+        problem = problem or per_expert_clash(self.layout, [*self.model_tensors, *self.aliases])
         if problem:
             raise ValueError(f"{source}: {problem}")
         problem = self._digests_problem()
@@ -359,8 +377,8 @@ class Manifest:
 def _newer_than_claimed(data: dict[str, Any]) -> str | None:
     """What a manifest holds that only versions after the one it claims write (its layout
     already read, so its version is a valid one)."""
-    if data["version"] <= UNRESUMABLE_VERSION and "resume" in data:
-        return "it lists resume files, which version 3 added"
+    if data["version"] < RESUME_VERSION and "resume" in data:
+        return f"it lists resume files, which version {RESUME_VERSION} added"
     if data["version"] != UNDIGESTED_VERSION:
         return None
     if "digests" in data:

@@ -14,11 +14,11 @@ from typing import Collection, Mapping
 
 import torch
 
-from ..io.digest import RunningDigest
-from ..io.checksum import FileRecord
-from ..io.dtypes import dtype_of_code, torch_dtype
+from ...io.digest import RunningDigest
+from ...io.checksum import FileRecord
+from ...io.dtypes import dtype_of_code, torch_dtype
 from .manifest import ModelTensorRecord, dtype_name
-from ..io.safetensors_io import ReadStats, VerifiedRanges, check_entries, read_header, write_safetensors
+from ...io.safetensors_io import ReadStats, VerifiedRanges, check_entries, read_header, write_safetensors
 
 
 @dataclass(frozen=True)

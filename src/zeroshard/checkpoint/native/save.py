@@ -6,10 +6,11 @@
   staging directory ``<root>/.<tag>.tmp-<id>``; the result is a :class:`SavePlan`;
 * write (local, the bulk of the time): every rank writes ``rank-RRRRR-of-DDDDD.safetensors``
   (rank 0 also ``model.safetensors``, without expert weights: those differ per EP rank and
-  are the rank files' fp32 masters), hashing while writing, then fsyncs it; with a
-  :class:`~zeroshard.state.ResumeState` also ``resume-RRRRR-of-DDDDD.json`` (:mod:`..run_state`). The same pass
+  are the rank files' fp32 masters, and the model's config files, :mod:`..model_config`),
+  hashing while writing, then fsyncs it; with a :class:`~zeroshard.state.ResumeState` also
+  ``resume-RRRRR-of-DDDDD.json`` (:mod:`..run_state`). The same pass
   digests each fragment of the logical state while its bytes are in the CPU cache
-  (:mod:`..digests`), and each rank file records its binding (:mod:`.binding`);
+  (:mod:`..attest.digests`), and each rank file records its binding (:mod:`.binding`);
 * commit (collective): the block checksums and partial digests are gathered on rank 0 (also
   the barrier that says every rank's files are durable); rank 0 combines the digests (every
   logical tensor must be covered exactly once, and every rank's optimizer scalars must be
@@ -36,12 +37,12 @@ import torch
 
 from ...layout.specs import tensor_name_problem
 from ...state import ShardedState
-from ..digests import PartitionDigester, StateDigests, Terms, digests_from_terms, held_pieces, scalar_digest
-from ..io import jsonvalue
-from ..io.dtypes import itemsize_of
-from ..io.checksum import FileRecord
+from ..attest.digests import PartitionDigester, StateDigests, Terms, digests_from_terms, held_pieces, scalar_digest
+from ...io import jsonvalue
+from ...io.dtypes import itemsize_of
+from ...io.checksum import FileRecord
 from ..coordinator import Coordinator, default_coordinator
-from ..io.directory import TagExistsError, fsync_dir, prepare_staging, publish, root_lock, write_file_durably
+from ..directory import TagExistsError, fsync_dir, prepare_staging, publish, root_lock, write_file_durably
 from ..format import (
     DEFAULT_BLOCK_SIZE,
     FORMAT_NAME,
@@ -59,8 +60,9 @@ from .binding import binding_metadata, layout_digest
 from .manifest import GroupRecord, Manifest, ModelTensorRecord, ResumeRecord, dtype_name, expert_param_names
 from .. import run_state
 from .model_file import save_model_state
-from ..io.safetensors_io import describe_os_error, named_os_error, write_safetensors
-from ..io.writer_lock import WriterLock, WriterLockedError
+from ...io.safetensors_io import describe_os_error, named_os_error, write_safetensors
+from ..model_config import config_problem, stored_name, write_config
+from ...io.writer_lock import WriterLock, WriterLockedError
 
 FaultHook = Callable[[str, int], None]
 """Called as ``fault(point, rank)`` at each point of FAULT_POINTS; raising there simulates a crash."""
@@ -339,6 +341,10 @@ def _problem_with(state: ShardedState, coord: Coordinator) -> str | None:
             problem = tensor_name_problem(name) if isinstance(name, str) else "is not a string"
             if problem:
                 return f"model state name {name!r} {problem}; no safetensors file can hold it"
+        for name, text in state.model_configs.items():
+            problem = config_problem(name, text)
+            if problem:
+                return problem
         values = [(state.extra, "extra")]
         values += [(group.hyperparameters, f"param_groups[{i}]") for i, group in enumerate(state.param_groups)]
         for value, where in values:
@@ -384,6 +390,8 @@ def _write_own_files(plan: SavePlan, state: ShardedState, buffer_names: Collecti
         trainable = set(state.layout.param_names) - experts
         model = save_model_state(plan.staging / MODEL_FILE, module_state, trainable, buffer_names, plan.block_size)
         files[MODEL_FILE] = model.record
+        for config, text in state.model_configs.items():
+            files[stored_name(config)] = write_config(plan.staging, stored_name(config), text, plan.block_size)
         return WrittenFiles(files, terms, scalars, (model.tensors, model.aliases, model.digests))
     except OSError as err:  # a full disk: the path of the one file it was writing, once
         return f"rank {state.rank}: {describe_os_error(named_os_error(err, plan.staging / writing))}"

@@ -16,11 +16,12 @@ import numpy as np
 
 from ..format import LATEST_FILE, MANIFEST_FILE, MODEL_FILE, fp32_key, rank_file_name, scalar_key, state_key
 from ..formats import SourceFormat
-from ..digests import Terms, finished, tensors_digester
-from ..io.block_reader import RangeReader, array_view, observe_bytes
-from ..io.checksum import FileRecord
-from ..io.dtypes import dtype_info, itemsize_of, to_float32
-from ..io.safetensors_io import ReadStats, TensorEntry, check_entries, read_header
+from ..attest.digests import Terms, finished, tensors_digester
+from ...io.block_reader import RangeReader, array_view, observe_bytes
+from ...io.checksum import FileRecord
+from ...io.dtypes import dtype_info, itemsize_of, to_float32
+from ...io.safetensors_io import ReadStats, TensorEntry, check_entries, read_header
+from ..model_config import STORED_NAMES, read_config
 from ..source import ModelEntry, SourceInfo
 from .binding import check_binding
 from .handle import Checkpoint, open_checkpoint
@@ -108,7 +109,7 @@ class NativeSource:
         file are read with one read into one buffer and come back as views of it: one
         buffer per run instead of one per tensor (each its own allocation, page by page).
         ``digests``, if given, receives for each name ``(address, nbytes, digest)``: the digest,
-        from the CRCs the read computes, of the bytes at that address (see :mod:`..attest`)."""
+        from the CRCs the read computes, of the bytes at that address (see :mod:`..attest.attestation`)."""
         header = self._header(MODEL_FILE)
         records = {name: self._model_record(name) for name in names}
 
@@ -140,6 +141,12 @@ class NativeSource:
         if record is None:
             raise KeyError(f"{self.path / MODEL_FILE}: no module tensor {name!r}")
         return stored, record
+
+    def model_configs(self) -> dict[str, str]:
+        """The model's config files the checkpoint stores, checked: file name to write them
+        under (``config.json``, ...) -> JSON text. Empty for a checkpoint without them."""
+        configs = self.checkpoint.manifest.config_files
+        return {STORED_NAMES[name]: read_config(self.path, name, record) for name, record in sorted(configs.items())}
 
     def close(self) -> None:
         """Drop the cached edge blocks and file headers (no file is held open between reads)."""

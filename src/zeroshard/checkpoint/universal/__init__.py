@@ -9,6 +9,10 @@ no padding, no ranks; any world size, policy or bucket size loads one by range r
   :func:`load_from_source` does the same from any opened ShardSource.
 
 docs/FORMAT.md describes the format.
+
+May import: the checkpoint layer's hub (source, formats, loader, directory, ...) and
+:mod:`..attest`, ``zeroshard.io``, ``layout`` and ``state``; not :mod:`..native` nor
+:mod:`..export`.
 """
 
 from __future__ import annotations

@@ -7,12 +7,13 @@ its description (:class:`~zeroshard.layout.ExpertStack`) in the manifest's ``exp
 (version 3); a legacy stack (MoEGPT's ``[E, in, out]``, exported per expert) is one tensor
 per expert, named by global id in ``nn.Linear`` orientation (:mod:`..experts`), which the
 manifest's ``experts`` lists in expert order (version 2). From version 4 it carries the
-digests of the run's logical state (``digests``, :mod:`..digests`: in the run's names and
+digests of the run's logical state (``digests``, :mod:`..attest.digests`: in the run's names and
 orientation, stacked experts by global id), as the native manifest records them. A
 checkpoint is written in the lowest version that expresses it: 1 without experts, 2 with
-legacy stacks only, 3 with stored stacks, 4 with digests (what zeroshard writes now);
-every older version still loads. docs/FORMAT.md describes it; this module spells its names
-and parses its manifest.
+legacy stacks only, 3 with stored stacks, 4 with digests (what zeroshard writes now), 5
+with the model's config files, carried from the source (``model_configs``: each file's
+record, :mod:`..model_config`); every older version still loads. docs/FORMAT.md describes
+it; this module spells its names and parses its manifest.
 """
 
 from __future__ import annotations
@@ -32,23 +33,51 @@ from ...layout import (
     canonical_dtype,
     contiguous_expert_map,
 )
-from ...layout.stacks import check_stack_shape
+from ...layout.stacks import check_stack_shape, per_expert_name_clash
 from ..format import state_name_problem
-from ..io import jsonvalue
-from ..io.budget import quoted
-from ..io.checksum import FileRecord
-from ..io.directory import read_json_file
-from ..digests import StateDigests
+from ...io import jsonvalue
+from ...io.budget import quoted
+from ...io.checksum import FileRecord
+from ..directory import read_json_file
+from ..model_config import STORED_NAMES
+from ..attest.digests import StateDigests
 from ..source import ModelEntry
 
 FORMAT_NAME = "zeroshard.universal"
-FORMAT_VERSION = 4  # the newest read and written: with digests; see the module docstring for the older ones
+FORMAT_VERSION = 5  # the newest read: with the model's config files; see the module docstring for the older ones
 _WITHOUT_EXPERTS_VERSION = 1
 _LEGACY_EXPERTS_VERSION = 2
 _STACKS_VERSION = 3  # stored expert stacks, no digests
+DIGESTS_VERSION = 4  # with digests: what a conversion of a run without config files writes (public: the writer)
 MANIFEST_FILE = "universal.json"
+# Each manifest field a later version added, with that version: an older reader ignores it.
+_ADDED_IN = (
+    ("experts", _LEGACY_EXPERTS_VERSION),
+    ("expert_stacks", _STACKS_VERSION),
+    ("digests", DIGESTS_VERSION),
+    ("model_configs", FORMAT_VERSION),
+)
 DEFAULT_MAX_SHARD_SIZE = 2**31
 MODEL_ENTRY_KINDS = ("buffer", "frozen", "other")  # "other": written by a run that did not tell them apart
+
+
+def shard_metadata(version: int) -> dict[str, str]:
+    """The safetensors metadata of every shard of a universal checkpoint of format ``version``:
+    the shards tell which manifest version they belong to, so a manifest edited to claim an
+    older version (whose reader skips the digests) is caught when a shard is read."""
+    return {"format": FORMAT_NAME, "version": str(version)}
+
+
+def shard_version_problem(path: Path, metadata: dict[str, Any], manifest: UniversalManifest) -> str | None:
+    """What is wrong when shard ``path``'s ``metadata`` names another format version than
+    ``manifest`` (shards written before version 5 name none), or None."""
+    written = metadata.get("version")
+    if written is None or written == str(manifest.format_version):
+        return None
+    return (
+        f"{path}: written as universal format version {quoted(written)}, but {MANIFEST_FILE} claims version "
+        f"{manifest.format_version}: a manifest may not claim another version than its shards"
+    )
 
 
 def shard_file_name(index: int, count: int) -> str:
@@ -117,6 +146,8 @@ class UniversalManifest:
     expert_stacks: dict[str, ExpertStack] = field(default_factory=dict)
     # digests of the run's logical state: params by the run's names (scalars per param group)
     digests: StateDigests | None = None
+    # the model's config files (``model.config.json``, ...: :mod:`..model_config`) -> their records
+    configs: dict[str, FileRecord] = field(default_factory=dict)
     version: int | None = None  # None: the lowest version that expresses the manifest
     created_by: str = f"zeroshard {__version__}"
 
@@ -125,8 +156,10 @@ class UniversalManifest:
         """The version read, or for a new manifest the lowest that expresses it (see the module docstring)."""
         if self.version is not None:
             return self.version
-        if self.digests is not None:
+        if self.configs:
             return FORMAT_VERSION
+        if self.digests is not None:
+            return DIGESTS_VERSION
         if self.expert_stacks:
             return _STACKS_VERSION
         return _LEGACY_EXPERTS_VERSION if self.experts else _WITHOUT_EXPERTS_VERSION
@@ -211,6 +244,7 @@ class UniversalManifest:
         if self.expert_stacks:
             stacks["expert_stacks"] = {name: stack.to_dict() for name, stack in self.expert_stacks.items()}
         digests = {} if self.digests is None else {"digests": self.digests.to_dict()}
+        configs = {"model_configs": {name: r.to_dict() for name, r in self.configs.items()}} if self.configs else {}
         return {
             "format": FORMAT_NAME,
             "version": self.format_version,
@@ -243,6 +277,7 @@ class UniversalManifest:
             "weight_map": dict(self.weight_map),
             **stacks,
             **digests,
+            **configs,
         }
 
     def to_json(self) -> str:
@@ -261,6 +296,12 @@ class UniversalManifest:
         if version > FORMAT_VERSION:
             raise ValueError(
                 f"{where}: format version {version} is newer than this zeroshard reads ({FORMAT_VERSION}); upgrade zeroshard"
+            )
+        newer = next((f"{key}, which version {since} added" for key, since in _ADDED_IN if version < since and data.get(key)), None)
+        if newer:  # read as the older version, it would be ignored: digests dropped, expert lists unchecked
+            raise ValueError(
+                f"{where}: format version {version}, but it holds {newer}: "
+                "a manifest may not claim an older version than it holds"
             )
         try:
             manifest = _fields_from_dict(data)
@@ -304,6 +345,9 @@ class UniversalManifest:
         unlisted = sorted(set(self.weight_map.values()) - set(self.shards))
         if unlisted:
             return f"weight_map names shards not in the shard list: {quoted(unlisted[:3])}"
+        unknown = sorted(set(self.configs) - set(STORED_NAMES))
+        if unknown:
+            return f"model_configs names {quoted(unknown[:3])}, not a model config file ({', '.join(STORED_NAMES)})"
         return self._experts_inconsistency() or self._digests_inconsistency()
 
     def _digests_inconsistency(self) -> str | None:
@@ -347,7 +391,14 @@ class UniversalManifest:
                 check_stack_shape(name, stack, self.params[name].shape)
             except ValueError as err:
                 return str(err)
-        return None
+        return self._per_expert_clash(listed)
+
+    def _per_expert_clash(self, listed: set[str]) -> str | None:
+        """A per-expert export (of the run's stacks, legacy ones included) names each tensor once."""
+        stacks = [(name, stack, self.params[name].shape[0]) for name, stack in self.expert_stacks.items()]
+        stacks += [(name, LEGACY_STACK, len(names)) for name, names in self.experts.items()]
+        others = {*(set(self.params) - listed), *self.experts, *self.model_entries, *self.aliases}
+        return per_expert_name_clash(stacks, others)
 
 
 def _fields_from_dict(data: dict[str, Any]) -> UniversalManifest:
@@ -394,7 +445,11 @@ def _fields_from_dict(data: dict[str, Any]) -> UniversalManifest:
             str(name): ExpertStack.from_dict(stack)
             for name, stack in (data.get("expert_stacks", {}) if data["version"] >= _STACKS_VERSION else {}).items()
         },
-        digests=StateDigests.from_dict(data["digests"]) if data["version"] >= FORMAT_VERSION else None,
+        digests=StateDigests.from_dict(data["digests"]) if data["version"] >= DIGESTS_VERSION else None,
+        configs={
+            str(name): FileRecord.from_dict(record)
+            for name, record in (data["model_configs"] if data["version"] >= FORMAT_VERSION else {}).items()
+        },
         version=int(data["version"]),
         created_by=str(data.get("created_by", "")),
     )

@@ -14,7 +14,7 @@ import torch
 from ...layout import Layout
 from ...state import ShardedState
 from ..coordinator import Coordinator
-from ..attested import load_from
+from ..attest.attested import load_from
 from ..loader import load_state
 from .read import UniversalCheckpoint
 from .source import UniversalSource

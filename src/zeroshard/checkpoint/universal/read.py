@@ -15,11 +15,13 @@ from typing import Any
 import numpy as np
 
 from ...layout import Layout, LayoutPolicy, build_layout
-from ..io.block_reader import RangeReader, array_view
-from ..io.directory import check_files_present
-from ..io.dtypes import itemsize_of
-from ..io.safetensors_io import ReadStats, TensorEntry, check_entries, read_header
-from .format import UniversalManifest, model_key, param_key, read_universal_manifest
+from ...io.block_reader import RangeReader, array_view
+from ...io.damage import CheckpointDamagedError
+from ..directory import check_files_present
+from ...io.dtypes import itemsize_of
+from ...io.safetensors_io import ReadStats, TensorEntry, check_entries, read_header
+from ..model_config import STORED_NAMES, read_config
+from .format import UniversalManifest, model_key, param_key, read_universal_manifest, shard_version_problem
 
 
 class UniversalCheckpoint:
@@ -66,6 +68,12 @@ class UniversalCheckpoint:
             for name, value in self.manifest.param_groups[group].scalars.items()
         }
 
+    def model_configs(self) -> dict[str, str]:
+        """The model's config files it carries, checked: file name to write them under
+        (``config.json``, ...) -> JSON text. Empty for a checkpoint without them."""
+        configs = sorted(self.manifest.configs.items())
+        return {STORED_NAMES[name]: read_config(self.directory, name, record) for name, record in configs}
+
     def build_layout(self, world_size: int, policy: LayoutPolicy | None = None, *, ep_size: int = 1) -> Layout:
         """The layout a run of these parameters would have at ``world_size`` under ``policy``
         (expert weights stacked, over ``ep_size`` expert-parallel ranks)."""
@@ -93,7 +101,11 @@ class UniversalCheckpoint:
         header = self._headers.get(shard)
         if header is None:
             path = self.directory / shard
-            header = read_header(path, self.manifest.shards[shard].size, self._stats)
+            metadata: dict[str, Any] = {}
+            header = read_header(path, self.manifest.shards[shard].size, self._stats, metadata)
+            problem = shard_version_problem(path, metadata, self.manifest)
+            if problem:
+                raise CheckpointDamagedError(problem)
             expected = {
                 key: spec
                 for key, spec in self._specs.items()
@@ -116,5 +128,5 @@ def open_universal(path: str | os.PathLike[str] | UniversalCheckpoint, *, stats:
     if not directory.is_dir():
         raise FileNotFoundError(f"{directory}: no such directory")
     manifest = read_universal_manifest(directory)
-    check_files_present(directory, manifest.shards)
+    check_files_present(directory, {**manifest.shards, **manifest.configs})
     return UniversalCheckpoint(directory, manifest, stats=stats)

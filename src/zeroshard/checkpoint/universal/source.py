@@ -24,11 +24,11 @@ import numpy as np
 
 from ...layout import Layout, build_layout
 from ...state import ParamGroupState
-from ..io.dtypes import cast
-from ..io.safetensors_io import ReadStats
+from ...io.dtypes import cast
+from ...io.safetensors_io import ReadStats
 from ..formats import SourceFormat
 from ..packed import PACKED_POLICY, PackedPartitions, PackedSource
-from ..digests import StateDigests
+from ..attest.digests import StateDigests
 from ..source import SourceInfo
 from ..experts import stacked_from_exported
 from .format import FORMAT_NAME, UniversalManifest, is_universal_checkpoint
@@ -105,6 +105,10 @@ class UniversalSource(PackedSource):
         if param is None:
             return self.checkpoint.model_tensor(name)
         return cast(self.checkpoint.read_param(name, "fp32"), param.dtype).reshape(param.shape)
+
+    def model_configs(self) -> dict[str, str]:
+        """The model's config files the checkpoint carries (file name -> JSON text), checked."""
+        return self.checkpoint.model_configs()
 
     def close(self) -> None:
         """Drop the cached expert tensors and close the checkpoint's reader caches."""

@@ -10,7 +10,8 @@ global tensor ``[E, ...]`` under its own name (its description in the manifest's
 ``expert_stacks``), a legacy one (MoEGPT's) as one tensor per global expert in ``nn.Linear``
 orientation, as before (:mod:`..experts`). Everything read is digested in logical order
 (each expert of a stack on its own) and checked against the source's digests
-(:mod:`..read_digests`); the output carries them.
+(:mod:`..attest.read_digests`); the output carries them, and the model's config files the source
+recorded (:mod:`..model_config`).
 """
 
 from __future__ import annotations
@@ -18,24 +19,28 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 from pathlib import Path
 import numpy as np
 
 from ...layout import LEGACY_STACK
-from ..io.directory import write_file_durably
-from ..io.dtypes import dtype_of
+from ..directory import write_file_durably
+from ...io.dtypes import dtype_of
 from ..format import DEFAULT_BLOCK_SIZE
 from ..formats import open_source
-from ..io.output_dir import OutputKind, output_path, staged_output
-from ..io.safetensors_io import PlannedTensor
+from ..output_dir import OutputKind, output_path, staged_output
+from ...io.safetensors_io import PlannedTensor
 from ..experts import UNIVERSAL_FORM, exported_params, read_exported
-from ..read_digests import ReadChecker
+from ..attest.read_digests import ReadChecker
+from ..model_config import STORED_NAMES, stored_name, write_config
 from ..param_groups import universal_param_groups
-from ..source import ShardSource
-from ..io.streaming import OutputTensor, plan_shards, write_shards
+from ..source import ShardSource, read_model_configs
+from ...io.streaming import OutputTensor, plan_shards, write_shards
 from .format import (
     DEFAULT_MAX_SHARD_SIZE,
+    DIGESTS_VERSION,
     FORMAT_NAME,
+    FORMAT_VERSION,
     MANIFEST_FILE,
     UniversalManifest,
     UniversalParam,
@@ -43,11 +48,12 @@ from .format import (
     model_key,
     param_key,
     shard_file_name,
+    shard_metadata,
 )
 
 OUTPUT_KIND = OutputKind(
     "universal checkpoint",
-    r"universal\.json|universal-\d{5,}-of-\d{5,}\.safetensors",
+    r"universal\.json|universal-\d{5,}-of-\d{5,}\.safetensors|" + "|".join(map(re.escape, STORED_NAMES)),
     (MANIFEST_FILE,),
     {"format": FORMAT_NAME},
 )
@@ -93,6 +99,8 @@ def _convert(
     checker = ReadChecker(source)
     manifest = describe(source, checker)
     tensors = output_tensors(source, manifest, checker)
+    configs = read_model_configs(source)
+    version = FORMAT_VERSION if configs else DIGESTS_VERSION  # what the complete manifest will say
     shards = plan_shards([t.planned.nbytes for t in tensors], max_shard_size)
     names = [shard_file_name(i, len(shards)) for i in range(len(shards))]
     with staged_output(out_dir, kind=OUTPUT_KIND, overwrite=overwrite, inputs=inputs) as staging:
@@ -102,13 +110,16 @@ def _convert(
             shards,
             names,
             block_size=block_size,
-            metadata={"format": FORMAT_NAME},
+            metadata=shard_metadata(version),
             progress=progress,
             description="to-universal",
         )
         weight_map = {tensors[i].planned.key: name for shard, name in zip(shards, names) for i in shard}
         digests = checker.digests(len(manifest.param_groups), list(manifest.model_entries))
-        complete = dataclasses.replace(manifest, shards=records, weight_map=weight_map, digests=digests)
+        stored = {stored_name(name): text for name, text in configs.items()}
+        stored = {name: write_config(staging, name, text, block_size) for name, text in stored.items()}
+        complete = dataclasses.replace(manifest, shards=records, weight_map=weight_map, digests=digests, configs=stored)
+        assert complete.format_version == version, (complete.format_version, version)
         write_file_durably(staging / MANIFEST_FILE, complete.to_json())
     return out_dir
 

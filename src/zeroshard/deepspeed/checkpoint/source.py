@@ -1,0 +1,457 @@
+"""DeepSpeed ZeRO stage 1/2 checkpoints as a :class:`~zeroshard.checkpoint.source.ShardSource`.
+
+:class:`DeepSpeedSource`, given the tag folder (:func:`~.opener.open_deepspeed` finds it),
+reads the model-states file, rebuilds the flat layout with the layout module's ``deepspeed``
+policy from ``param_shapes``, and checks it against what every rank's optimizer file says
+(partition sizes, paddings, slice mappings) before anything is read. A disagreement is a
+:class:`DeepSpeedFormatError` naming the file, group and rank: a misread layout would
+silently scramble weights.
+
+Each rank file is parsed once, when the source is opened: its structure is checked against
+the layout and only its tensor records are kept (a few hundred bytes per rank, whatever the
+checkpoint's size), so a conversion reads every file's pickle once, not once per parameter
+it holds a piece of. Tensor bytes are read range by range when asked for (with ``pread``, or
+through a mapping of just that range when it is 8 MiB or more; no file is held mapped, so a
+conversion's resident memory is what it holds, not what it has read). Neither torch nor
+DeepSpeed is imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...checkpoint.format import state_name_problem
+from ...io.budget import BudgetExceeded, quoted
+from ...io.dtypes import to_float32
+from ...checkpoint.source import ModelEntry, SourceInfo
+from ...collector import collector_paused
+from ...layout import GroupLayout, GroupSpec, Layout, LayoutPolicy, ParamSpec, build_layout, canonical_dtype
+from ...layout.coordinates import shard_rank
+from ...state import ParamGroupState
+from .autoep_experts import ExpertWeights, check_placement, expert_file_names, read_expert_files
+from .autoep_layout import expert_group_spec, group_kind
+from .files import ModelStates, RankShard, read_model_states, read_rank_shard, read_scalars
+from .paths import MODEL_STATES_FILE, model_states_path, rank_file_paths, refuse_unsupported
+from .pickled import DeepSpeedFormatError
+from ...torchfile.torch_file import StoredTensor, TorchFileError
+from ...torchfile.torch_records import one_line
+
+@dataclass(frozen=True, slots=True)
+class RankTensors:
+    """What reading needs of one rank's file: its tensors, per layout group."""
+
+    fp32: list[StoredTensor]
+    states: list[dict[str, StoredTensor]]
+
+
+class DeepSpeedSource:
+    """A DeepSpeed ZeRO-1/2 checkpoint read range by range (the ShardSource protocol)."""
+
+    def __init__(self, tag_dir: Path) -> None:
+        self.path = tag_dir
+        refuse_unsupported(tag_dir)
+        self._model = read_model_states(model_states_path(tag_dir))
+        if self._model.autoep is None and expert_file_names(tag_dir):
+            raise DeepSpeedFormatError(
+                f"{tag_dir}: MoE checkpoints are not supported (only AutoEP's; found {expert_file_names(tag_dir)[0]}, "
+                f"and {MODEL_STATES_FILE} has no ds_autoep_layers)"
+            )
+        rank_paths = rank_file_paths(tag_dir)
+        first = read_rank_shard(rank_paths[0], 0)
+        layout = rebuild_layout(self._model, first, world_size=len(rank_paths))
+        self._ranks: list[RankTensors] = []
+        checks = RankChecks(layout)
+        shard = first
+        with collector_paused():
+            for rank, path in enumerate(rank_paths):
+                shard = first if rank == 0 else read_rank_shard(path, rank, like=first, after=shard)
+                checks.check(shard)
+                self._ranks.append(RankTensors(shard.fp32, shard.states))
+        problem = next(filter(None, (state_name_problem(name) for group in first.states for name in group)), None)
+        if problem:  # an optimizer state no reader could tell from the fp32 masters
+            raise DeepSpeedFormatError(f"{rank_paths[0]}: {problem}")
+        self.info = _source_info(layout, self._model, first)
+        charge_outputs(layout, self._model, first, self.info.aliases)
+        self._partition_numels = [group.partition_numel for group in layout.groups]
+        self._scalars = [read_scalars(group) for group in first.scalars]
+        self.autoep = self._model.autoep  # None unless DeepSpeed AutoEP made the run
+        self.experts = self._read_expert_files() if self.autoep is not None else None
+
+    def _read_expert_files(self) -> ExpertWeights:
+        group = next(group for group in self.layout.groups if group.is_expert_group)
+        shapes = {slot.name: slot.spec.shape[1:] for slot in group.params}
+        experts = read_expert_files(self.path, self.autoep, shapes, group.dtype)
+        fp32 = [shard.fp32[group.index] for shard in self._ranks]
+        check_placement(experts, self.autoep, self.layout, fp32, self._model.path)
+        return experts
+
+    @property
+    def layout(self) -> Layout:
+        """The layout of the run that saved it, rebuilt from its files (``info.layout``)."""
+        return self.info.layout
+
+    def read(self, rank: int, group: int, key: str, start: int, end: int) -> np.ndarray:
+        """Elements [start, end) of ``rank``'s partition of ``key`` ("fp32" or an optimizer
+        state name) in layout group ``group``, as an fp32 array the caller may keep (read-only
+        when big: a view of a mapping)."""
+        saved = self._saved(rank, group, key, start, end)
+        try:  # as _named_errors, without a context manager's cost on every piece
+            if key == "fp32":
+                return _read_zero_extended(saved, start, end)
+            return to_float32(saved.read(start, end))
+        except TorchFileError as err:
+            raise DeepSpeedFormatError(str(err)) from None
+
+    def read_into(self, rank: int, group: int, key: str, start: int, out: np.ndarray) -> None:
+        """:meth:`read` into the 1-D array ``out``: an fp32 partition read straight into its
+        memory (the record's CRC-32 checked on the bytes as they arrive when it covers the
+        record), without the mapping and the copy out of it that :meth:`read` costs."""
+        end = start + out.size
+        saved = self._saved(rank, group, key, start, end)
+        if out.dtype != np.float32 or saved.dtype != "float32" or not saved.is_contiguous():
+            out[...] = self.read(rank, group, key, start, end)
+            return
+        stop = max(start, min(end, saved.numel())) if key == "fp32" else end  # fp32: saved without tail padding
+        with _named_errors():
+            saved.read_into(start, out[: stop - start])
+        out[stop - start :] = 0
+
+    def _saved(self, rank: int, group: int, key: str, start: int, end: int) -> StoredTensor:
+        self._group(group)
+        partition_numel = self._partition_numels[group]
+        if not 0 <= start <= end <= partition_numel:
+            raise ValueError(
+                f"range [{start}, {end}) is outside group {group}'s partition of {partition_numel} elements"
+            )
+        shard = self._rank(rank)
+        if key == "fp32":
+            return shard.fp32[group]
+        if key not in shard.states[group]:
+            states = quoted(sorted(shard.states[group]))
+            raise KeyError(f"group {group} has no optimizer state {key!r} (it has {states})")
+        return shard.states[group][key]
+
+    def scalars(self, group: int) -> dict[str, Any]:
+        """Non-partitioned optimizer state of ``group`` (``step``), as saved by rank 0."""
+        self._group(group)
+        return {key: value.copy() if isinstance(value, np.ndarray) else value for key, value in self._scalars[group].items()}
+
+    def model_tensor(self, name: str) -> np.ndarray:
+        """A tensor of the module state_dict (bf16/fp16 weights, buffers, frozen params)."""
+        name = self.info.aliases.get(name, name)
+        if name not in self._model.module:
+            raise KeyError(f"{self._model.path.name} has no module tensor {name!r}")
+        with _named_errors():
+            return self._model.module[name].numpy()
+
+    def close(self) -> None:
+        """Drop the rank files' tensors; the source cannot be read after."""
+        self._ranks = []
+
+    def __enter__(self) -> DeepSpeedSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _group(self, group: int) -> GroupLayout:
+        if not 0 <= group < len(self.info.layout.groups):
+            raise ValueError(f"group {group} does not exist (the checkpoint has {len(self.info.layout.groups)})")
+        return self.info.layout.groups[group]
+
+    def _rank(self, rank: int) -> RankTensors:
+        if not 0 <= rank < len(self._ranks):
+            raise ValueError(f"rank {rank} is outside world size {len(self._ranks)}")
+        return self._ranks[rank]
+
+
+@contextlib.contextmanager
+def _named_errors() -> Iterator[None]:
+    """Bytes found damaged when read (a CRC mismatch, a file cut short since it was opened)
+    are a DeepSpeedFormatError too; the message already names the file and the record."""
+    try:
+        yield
+    except TorchFileError as err:
+        raise DeepSpeedFormatError(str(err)) from None
+
+
+# ---- the layout and its check ------------------------------------------------------------
+
+
+def rebuild_layout(model: ModelStates, first: RankShard, world_size: int) -> Layout:
+    """The layout DeepSpeed used: groups from ``param_shapes`` (already in flat-buffer order,
+    round-robin reordering included), dtypes from the module, alignment from the paddings.
+    An AutoEP run's expert group is partitioned over its W / EP expert-data-parallel ranks."""
+    where = f"{first.path}, rank 0"
+    if model.autoep is None and set(first.partition_count) != {world_size}:  # named first: the likeliest damage
+        raise DeepSpeedFormatError(
+            f"{where}: partition_count {quoted(first.partition_count)}, but there are {world_size} rank files"
+        )
+    saved_world = model.counters.get("dp_world_size")  # an int: read_model_states checked it
+    if saved_world is not None and saved_world != world_size:
+        raise DeepSpeedFormatError(
+            f"{model.path}: dp_world_size is {quoted(saved_world)}, "
+            f"but there are {world_size} rank files in {model.path.parent}"
+        )
+    for what, count in (("fp32 partitions", len(first.fp32)), ("optimizer groups", len(first.param_groups))):
+        if len(model.param_shapes) != count:
+            raise DeepSpeedFormatError(
+                f"{where}: {count} {what}, but {model.path.name} lists {len(model.param_shapes)} groups"
+            )
+    fallback_dtype = _config_dtype(model.ds_config, first.path)
+    groups: list[GroupSpec | list[ParamSpec]] = []
+    for index, shapes in enumerate(model.param_shapes):
+        if group_kind(model.autoep, list(shapes), first.param_groups[index], f"{where}, group {index}"):
+            spec = expert_group_spec(model.autoep, shapes, fallback_dtype, world_size, model.path, model.budget)
+            groups.append(spec)
+        else:
+            dtypes = {name: _param_dtype(model, name, shape, fallback_dtype) for name, shape in shapes.items()}
+            groups.append([ParamSpec.of(name, shape, dtypes[name]) for name, shape in shapes.items()])
+    counts = [group.world_size if isinstance(group, GroupSpec) else world_size for group in groups]
+    if first.partition_count != counts:
+        raise DeepSpeedFormatError(
+            f"{where}: partition_count {quoted(first.partition_count)}, but {world_size} rank files at EP "
+            f"{model.autoep.ep_size if model.autoep else 1} give {counts}"
+        )
+    policy = LayoutPolicy.deepspeed(parameter_alignment=_uses_parameter_alignment(first, model.ds_config))
+    try:
+        return build_layout(groups, world_size, policy)
+    except ValueError as err:
+        raise DeepSpeedFormatError(f"{model.path}: param_shapes do not give a layout: {one_line(err)}") from None
+
+
+def check_rank(layout: Layout, shard: RankShard) -> None:
+    """Compare everything ``shard``'s file says about the layout with ``layout``."""
+    RankChecks(layout).check(shard)
+
+
+class RankChecks:
+    """:func:`check_rank` for every rank file of one layout: what the checks expect of every
+    rank alike (partition sizes, alignment paddings) is worked out once, not once per file."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self._partition_numels = [group.partition_numel for group in layout.groups]
+        self._paddings = [[slot.padding for slot in group.params] for group in layout.groups]
+
+    def check(self, shard: RankShard) -> None:
+        """Compare everything ``shard``'s file says about the layout (partition counts and sizes,
+        paddings, slice mappings, state sizes) with the layout; DeepSpeedFormatError naming
+        the file, group and rank at the first difference."""
+        group_count = len(self.layout.groups)
+        per_group = {
+            "fp32 partitions": shard.fp32,
+            "optimizer groups": shard.param_groups,
+            "group_paddings": shard.group_paddings,
+            "partition_count entries": shard.partition_count,
+            "param_slice_mappings": shard.slice_mappings,
+        }
+        if shard.param_alignment_paddings is not None:  # None: written before DeepSpeed had the key
+            per_group["param_alignment_paddings"] = shard.param_alignment_paddings
+        for what, values in per_group.items():
+            if len(values) != group_count:
+                raise DeepSpeedFormatError(
+                    f"{shard.path}, rank {shard.rank}: {len(values)} {what}, the layout has {group_count} groups"
+                )
+        for group in self.layout.groups:
+            self._check_group(group, shard)
+
+    def _check_group(self, group: GroupLayout, shard: RankShard) -> None:
+        rank, index = shard.rank, group.index
+        partition_numel = self._partition_numels[index]
+
+        def mismatch(message: str) -> DeepSpeedFormatError:
+            return DeepSpeedFormatError(f"{shard.path}, group {index}, rank {rank}: {message}")
+
+        if shard.partition_count[index] != group.world_size:
+            raise mismatch(f"partition_count {quoted(shard.partition_count[index])}, expected {group.world_size}")
+        place = shard_rank(group, rank)  # the rank's place in the group's shard group (an expert group's: rank // EP)
+        # DeepSpeed saves the fp32 partition without the group's tail padding.
+        stored = sum(piece.length for piece in group.logical_ranges(place))
+        tail = partition_numel - stored
+        fp32 = shard.fp32[index]
+        if fp32.numel() != stored:
+            raise mismatch(f"saved fp32 partition has {fp32.numel()} elements, the layout gives {stored}")
+        if fp32.dtype != "float32":
+            raise mismatch(f"saved fp32 partition is {fp32.dtype}, not float32")
+        if shard.group_paddings[index] != tail:
+            raise mismatch(f"group_paddings says {quoted(shard.group_paddings[index])}, the layout gives {tail}")
+        for key, tensor in shard.states[index].items():
+            if tensor.numel() != partition_numel:
+                raise mismatch(
+                    f"optimizer state {quoted(key)} has {tensor.numel()} elements, the partition has {partition_numel}"
+                )
+        expected_pads = self._paddings[index]
+        if shard.param_alignment_paddings is not None and shard.param_alignment_paddings[index] != expected_pads:
+            raise mismatch(
+                f"param_alignment_paddings {quoted(shard.param_alignment_paddings[index])}, "
+                f"the layout gives {quoted(expected_pads)}"
+            )
+        expected = {f.name: (f.length, f.partition_start) for f in group.fragments(place)}
+        found = shard.slice_mappings[index]
+        if found != expected:
+            name = next(n for n in sorted(set(found) | set(expected)) if found.get(n) != expected.get(n))
+            raise mismatch(
+                f"param_slice_mappings[{quoted(name)}] (numel, start) is {quoted(found.get(name))}, "
+                f"the layout gives {expected.get(name)}"
+            )
+
+
+def _uses_parameter_alignment(first: RankShard, ds_config: dict[str, Any]) -> bool:
+    if first.param_alignment_paddings is None:
+        return False  # written before DeepSpeed had the option
+    if any(pad for group in first.param_alignment_paddings for pad in group):
+        return True
+    # All zero: both policies give the same offsets; follow the config for the record.
+    zero = ds_config.get("zero_optimization")  # a dict, or DeepSpeed's legacy bool
+    return isinstance(zero, dict) and bool(zero.get("parameter_alignment", False))
+
+
+def _param_dtype(model: ModelStates, name: str, shape: tuple[int, ...], fallback: str) -> str:
+    tensor = model.module.get(name)
+    if tensor is None:
+        if model.module:
+            raise DeepSpeedFormatError(
+                f"{model.path}: param_shapes lists {quoted(name)}, the module has no such tensor"
+            )
+        return fallback
+    if tuple(tensor.shape) != shape:
+        raise DeepSpeedFormatError(
+            f"{model.path}: {quoted(name)} is {list(tensor.shape)} in the module, {quoted(list(shape))} in param_shapes"
+        )
+    return canonical_dtype(tensor.dtype)
+
+
+def _config_dtype(ds_config: dict[str, Any], rank_file: Path) -> str:
+    for key, dtype in (("bf16", "bfloat16"), ("bfloat16", "bfloat16"), ("fp16", "float16")):
+        if (ds_config.get(key) or {}).get("enabled"):
+            return dtype
+    return "bfloat16" if rank_file.name.startswith("bf16_") else "float32"
+
+
+def _read_zero_extended(saved: StoredTensor, start: int, end: int) -> np.ndarray:
+    """[start, end) of a partition saved without its tail padding; the tail reads as zeros."""
+    stop = min(end, saved.numel())
+    if stop >= end:
+        return to_float32(saved.read(start, end))
+    out = np.zeros(end - start, dtype=np.float32)
+    if start < stop:
+        out[: stop - start] = saved.read(start, stop)
+    return out
+
+
+KEY_BYTES = 64  # what naming one tensor in an output costs besides its name (a header entry)
+
+
+def charge_outputs(layout: Layout, model: ModelStates, first: RankShard, aliases: dict[str, str]) -> None:
+    """Charge what a conversion repeats from these files, in files of their own size's order:
+    every parameter's name once for each tensor an output holds for it (fp32 and each state
+    rank 0's file names) and every state's name once per parameter, to rank 0's file; every
+    tied alias's copy of its target (an fp32 export writes the tensor again under each name),
+    to the model-states file."""
+    named = 0
+    for group, states in zip(layout.groups, first.states):
+        name_bytes = sum(len(slot.name) + KEY_BYTES for slot in group.params)
+        named += name_bytes * (1 + len(states)) + sum(map(len, states)) * len(group.params)
+    tied = sum(len(alias) + KEY_BYTES + 4 * layout.param(target)[1].numel for alias, target in aliases.items())
+    try:
+        if first.budget is not None:
+            first.budget.charge(named, "naming every parameter's optimizer states in an output")
+        if model.budget is not None:
+            model.budget.charge(tied, "copying {:,} tied parameters into an export", len(aliases))
+    except BudgetExceeded as err:
+        raise DeepSpeedFormatError(str(err)) from None
+
+
+# ---- SourceInfo ----------------------------------------------------------------------------------
+
+
+def _source_info(layout: Layout, model: ModelStates, first: RankShard) -> SourceInfo:
+    trained = set(layout.param_names)
+    aliases = {alias: target for alias, target in model.shared_params.items() if target in trained}
+    return SourceInfo(
+        layout=layout,
+        optimizer_class=optimizer_class(model.ds_config, first.param_groups),
+        param_groups=[ParamGroupState(dict(hyper), [index]) for index, hyper in enumerate(first.param_groups)],
+        state_keys=[list(states) for states in first.states],
+        model_entries=_model_entries(model, trained | set(aliases)),
+        aliases=aliases,
+        extra={
+            "source": "deepspeed",
+            "deepspeed_version": first.ds_version or model.ds_version,
+            "zero_stage": first.zero_stage,
+            **model.counters,
+            "lr_scheduler": model.lr_scheduler,
+            "loss_scaler": first.loss_scaler,
+            "clip_grad": first.clip_grad,
+            "deepspeed_optimizer": deepspeed_optimizer(model.ds_config),
+        },
+    )
+
+
+def _model_entries(model: ModelStates, trained: set[str]) -> list[ModelEntry]:
+    """Buffers, and every module tensor DeepSpeed did not optimize (frozen or empty params).
+
+    Frozen params come from ``module``: stage 1 saves no frozen_param_shapes."""
+    buffers = set(model.buffer_names)
+    entries = []
+    for name, tensor in model.module.items():
+        if name in trained:
+            continue
+        kind = "buffer" if name in buffers else "frozen"
+        entries.append(ModelEntry(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), kind))
+    return entries
+
+
+def deepspeed_optimizer(ds_config: dict[str, Any]) -> dict[str, Any]:
+    """What DeepSpeed built from the config's ``optimizer`` section (engine.py,
+    ``_configure_basic_optimizer``): the type, whether torch's Adam(W) ran, decoupled decay."""
+    section = ds_config.get("optimizer") or {}
+    params = section.get("params") or {}
+    kind = str(section.get("type", "")).lower()
+    info: dict[str, Any] = {"type": section.get("type"), "torch_adam": bool(params.get("torch_adam", False))}
+    if kind in ("adam", "adamw"):
+        # DeepSpeed's "Adam" decouples weight decay too unless adam_w_mode is false.
+        info["adam_w_mode"] = kind == "adamw" or bool(params.get("adam_w_mode", True))
+        info["implementation"] = (
+            ("torch.optim.adamw.AdamW" if info["adam_w_mode"] else "torch.optim.adam.Adam")
+            if info["torch_adam"]
+            else "deepspeed FusedAdam / DeepSpeedCPUAdam"
+        )
+    return info
+
+
+def optimizer_class(ds_config: dict[str, Any], param_groups: list[dict[str, Any]]) -> str:
+    """The torch optimizer class whose update the saved run used, by its import path, or
+    ``"deepspeed:<type>"`` for DeepSpeed's own optimizers (Lamb, Lion, Muon, ...)."""
+    ds = deepspeed_optimizer(ds_config)
+    if "adam_w_mode" in ds:
+        return "torch.optim.adamw.AdamW" if ds["adam_w_mode"] else "torch.optim.adam.Adam"
+    name = ds["type"]
+    if name is None:
+        # A client optimizer: torch (>= 2.6) records decoupled_weight_decay in Adam's groups.
+        decoupled = param_groups[0].get("decoupled_weight_decay") if param_groups else None
+        if decoupled is not None and "betas" in param_groups[0]:
+            return "torch.optim.adamw.AdamW" if decoupled else "torch.optim.adam.Adam"
+        return "deepspeed:client optimizer"
+    # Names DeepSpeed has no optimizer of its own for are torch.optim's.
+    return TORCH_OPTIMIZERS.get(str(name), f"deepspeed:{name}")
+
+
+# torch.optim's optimizers (torch 2.13) by name, as import paths, so that reading a
+# checkpoint needs no torch import. Muon is left out: DeepSpeed has a Muon of its own.
+TORCH_OPTIMIZERS = {
+    name: f"torch.optim.{module}{name}"
+    for name, module in (
+        ("ASGD", "asgd."), ("Adadelta", "adadelta."), ("Adafactor", ""), ("Adagrad", "adagrad."),
+        ("Adam", "adam."), ("AdamW", "adamw."), ("Adamax", "adamax."), ("LBFGS", "lbfgs."), ("NAdam", "nadam."),
+        ("RAdam", "radam."), ("RMSprop", "rmsprop."), ("Rprop", "rprop."), ("SGD", "sgd."),
+        ("SparseAdam", "sparse_adam."),
+    )
+}

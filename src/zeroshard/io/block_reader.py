@@ -1,0 +1,272 @@
+"""Checked byte ranges of checkpoint files, for readers that walk many small ranges.
+
+Converters read a parameter piece by piece, and consecutive pieces usually share a
+checksum block: the one where the previous piece ended. :class:`RangeReader` reads whole
+blocks, checks each against the file's :class:`FileRecord`, and keeps the partly used
+blocks at the ends of each range in a small cache shared by all files, so a block under two
+neighbouring ranges is read and checked once. Interior blocks are used whole and never
+cached, so the cache stays a few blocks big whatever the range sizes.
+
+Big ranges (whole tensors of a large model) are memory-mapped instead of read: the checksum
+is computed on the file's cached pages and a converter writes them out from there, so the
+bytes are copied once (into the output) rather than twice.
+
+A loader, which keeps what it reads, uses :meth:`RangeReader.read_into` instead: the blocks
+wholly inside the range are read straight into the caller's array, a few at a time, and each
+is checked there right after its read, while it is still in the CPU cache. That is one copy
+(the kernel's, from the page cache) and a checksum pass on hot memory: about the cost of
+reading the bytes once. Given an observer (a digester: ``cuts`` and ``segment``, see
+:mod:`..checkpoint.attest.digests`), it also hands over the CRC of every segment it checks, cut at the
+observer's boundaries too, so a load digests what it read with no pass of its own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+
+from typing import Any
+
+from .checksum import FileRecord
+from .damage import CheckpointDamagedError
+from .digest import FUSED, combine, crc32
+from .dtypes import from_bytes
+from .members import open_member
+from .safetensors_io import ReadStats, check_blocks, map_range, pread_into
+
+DEFAULT_CACHE_BYTES = 32 << 20
+MAP_BYTES = 8 << 20  # spans at least this big are memory-mapped, not copied in
+READ_CHUNK = 1 << 20  # read_into reads whole blocks in preads of about this much, then checks them
+
+
+class RangeReader:
+    """Reads verified byte ranges of any number of files; one cache of edge blocks for all."""
+
+    def __init__(self, stats: ReadStats | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+        self.stats = stats
+        self._cache: OrderedDict[tuple[str, int], bytes | memoryview] = OrderedDict()
+        self._cache_bytes = cache_bytes
+        self._cached = 0
+
+    def read(self, path: Path, record: FileRecord, begin: int, end: int) -> memoryview:
+        """Bytes [begin, end) of ``path``, every block under them checked against ``record``.
+
+        The view is the caller's to keep: of a new buffer; or read-only, of a cached block
+        when the range lies within one, or, for a range of at least MAP_BYTES, of a private
+        mapping of the file, so that small and big reads cost no copy (the mapping goes when
+        the last view of it does)."""
+        if not 0 <= begin <= end <= record.size:
+            raise ValueError(f"{path}: byte range [{begin}, {end}) is outside its {record.size} bytes")
+        blocks = record.blocks_covering(begin, end)
+        if not blocks:
+            return memoryview(b"")
+        first, last = blocks[0], blocks[-1]
+        span_start, span_end = record.block_range(first)[0], record.block_range(last)[1]
+        key = str(path)
+        cached = self._cache.get((key, first)) if first == last else None
+        if cached is not None:  # within one block read before: a view of it, no copy
+            self._cache.move_to_end((key, first))
+            return memoryview(cached)[begin - span_start : end - span_start]
+        if span_end - span_start >= MAP_BYTES:
+            view = self._map(path, record, first, last, span_start, span_end)
+        else:
+            view = self._copy(path, record, first, last, span_start, span_end)
+        if begin > span_start or (first == last and end < span_end):
+            self._keep(key, first, record, view, span_start)
+        if last != first and end < span_end:
+            self._keep(key, last, record, view, span_start)
+        return view[begin - span_start : end - span_start]
+
+    def read_into(self, path: Path, record: FileRecord, begin: int, out: memoryview, observe: Any = None) -> None:
+        """Fill ``out`` (writable bytes) with bytes [begin, begin + len(out)) of ``path``, every
+        block under them checked against ``record`` before this returns.
+
+        Blocks wholly inside the range are read into ``out`` itself and checked there as
+        they arrive; a block the range holds only part of comes from the edge cache, or is
+        read whole into a buffer of its own, checked and kept there for the neighbouring
+        range, and its part copied. On a mismatch or a short file, ValueError naming
+        ``path``; ``out`` is then partly written and the caller must drop it. ``observe``
+        (offsets from ``out``'s start) gets the CRC of every segment of ``out``."""
+        end = begin + len(out)
+        if not 0 <= begin <= end <= record.size:
+            raise ValueError(f"{path}: byte range [{begin}, {end}) is outside its {record.size} bytes")
+        blocks = record.blocks_covering(begin, end)
+        if not blocks:
+            return
+        first, last = blocks[0], blocks[-1]
+        if not _inside(record, first, begin, end):
+            self._copy_edge(path, record, first, begin, out, observe)
+            first += 1
+        if first <= last and not _inside(record, last, begin, end):
+            self._copy_edge(path, record, last, begin, out, observe)
+            last -= 1
+        if first <= last:
+            start = record.block_range(first)[0]
+            self._read_checked(path, record, first, last, out[start - begin :], observe, start - begin)
+
+    def _copy_edge(self, path: Path, record: FileRecord, index: int, begin: int, out: memoryview, observe: Any = None) -> None:
+        """Copy the part of block ``index`` that ``out`` (bytes from ``begin``) holds."""
+        block_start, block_end = record.block_range(index)
+        lo, hi = max(begin, block_start), min(begin + len(out), block_end)
+        out[lo - begin : hi - begin] = self._edge_block(path, record, index)[lo - block_start : hi - block_start]
+        if observe is not None:
+            observe_bytes(out, lo - begin, hi - begin, observe)
+
+    def _read_checked(
+        self, path: Path, record: FileRecord, first: int, last: int, out: memoryview, observe: Any = None, at: int = 0
+    ) -> None:
+        """Read blocks first..last into ``out`` (which starts at block ``first``, and at
+        ``observe``'s offset ``at``), checking each chunk of them right after its pread."""
+        per_chunk = max(1, READ_CHUNK // record.block_size)
+        origin = record.block_range(first)[0]
+        fd = open_member(path)
+        try:
+            for chunk_first in range(first, last + 1, per_chunk):
+                chunk_last = min(chunk_first + per_chunk - 1, last)
+                begin, end = record.block_range(chunk_first)[0], record.block_range(chunk_last)[1]
+                target = out[begin - origin : end - origin]
+                pread_into(fd, target, begin, path)
+                if observe is None or not FUSED:
+                    check_blocks(path, record, chunk_first, chunk_last, begin, target)
+                    if observe is not None:
+                        observe_bytes(target, 0, len(target), observe, at + begin - origin)
+                else:
+                    _check_observed(path, record, chunk_first, chunk_last, begin, target, observe, at + begin - origin)
+                if self.stats is not None:
+                    self.stats.add(path.name, end - begin)
+        finally:
+            os.close(fd)
+
+    def _edge_block(self, path: Path, record: FileRecord, index: int) -> memoryview:
+        """Block ``index`` of ``path``, checked: from the cache, or read and kept there."""
+        key = (str(path), index)
+        cached = self._cache.get(key)
+        if cached is not None:
+            self._cache.move_to_end(key)
+            return memoryview(cached)
+        begin, end = record.block_range(index)
+        block = memoryview(np.empty(end - begin, dtype=np.uint8))
+        self._read_checked(path, record, index, index, block)
+        block = block.toreadonly()
+        self._store(key, block)
+        return block
+
+    def _copy(self, path: Path, record: FileRecord, first: int, last: int, span_start: int, span_end: int) -> memoryview:
+        """Blocks first..last of ``path`` read into a new buffer and checked, the edge
+        blocks taken from the cache where they are."""
+        # np.empty, not bytearray: no zero-filling of memory the read overwrites anyway.
+        view = memoryview(np.empty(span_end - span_start, dtype=np.uint8))
+        key = str(path)
+        head = self._take(key, first, record, view, span_start)
+        tail = last != first and self._take(key, last, record, view, span_start)
+        read_first = first + 1 if head else first
+        read_last = last - 1 if tail else last
+        if read_first <= read_last:
+            self._read_blocks(path, record, read_first, read_last, view, span_start)
+        return view
+
+    def _read_blocks(
+        self, path: Path, record: FileRecord, first: int, last: int, view: memoryview, span_start: int
+    ) -> None:
+        begin, end = record.block_range(first)[0], record.block_range(last)[1]
+        target = view[begin - span_start : end - span_start]
+        fd = open_member(path)
+        try:
+            pread_into(fd, target, begin, path)
+        finally:
+            os.close(fd)
+        if self.stats is not None:
+            self.stats.add(path.name, end - begin)
+        check_blocks(path, record, first, last, begin, target)
+
+    def _map(self, path: Path, record: FileRecord, first: int, last: int, span_start: int, span_end: int) -> memoryview:
+        """Blocks first..last of ``path``, mapped and checked (those in the edge cache were
+        checked when they were read)."""
+        with open(open_member(path), "rb", buffering=0) as file:
+            view = map_range(file.fileno(), span_start, span_end)
+            if view is None:
+                size = os.fstat(file.fileno()).st_size
+                raise CheckpointDamagedError(f"{path}: truncated: expected {span_end} bytes, the file ends at {size}")
+        key = str(path)
+        for index in range(first, last + 1):
+            if (key, index) in self._cache:
+                continue
+            begin, end = record.block_range(index)
+            check_blocks(path, record, index, index, span_start, view[: end - span_start])
+            if self.stats is not None:
+                self.stats.add(path.name, end - begin)
+        return view
+
+    def _take(self, key: str, index: int, record: FileRecord, view: memoryview, span_start: int) -> bool:
+        data = self._cache.get((key, index))
+        if data is None:
+            return False
+        self._cache.move_to_end((key, index))
+        begin, end = record.block_range(index)
+        view[begin - span_start : end - span_start] = data
+        return True
+
+    def _keep(self, key: str, index: int, record: FileRecord, view: memoryview, span_start: int) -> None:
+        if (key, index) in self._cache:
+            return
+        begin, end = record.block_range(index)
+        self._store((key, index), bytes(view[begin - span_start : end - span_start]))
+
+    def _store(self, key: tuple[str, int], data: bytes | memoryview) -> None:
+        self._cache[key] = data
+        self._cached += len(data)
+        while self._cached > self._cache_bytes and len(self._cache) > 1:
+            _, dropped = self._cache.popitem(last=False)
+            self._cached -= len(dropped)
+
+    def clear(self) -> None:
+        """Drop every cached edge block."""
+        self._cache.clear()
+        self._cached = 0
+
+
+def observe_bytes(view: memoryview, lo: int, hi: int, observe: Any, at: int = 0) -> None:
+    """Hand ``observe`` the CRC of each segment of ``view[lo:hi]`` (its offsets: ``at`` + the
+    offset in ``view``), cut where it asks."""
+    position = lo
+    for cut in [*observe.cuts(lo + at, hi + at), hi + at]:
+        stop = min(cut - at, hi)
+        if stop > position:
+            observe.segment(position + at, stop - position, crc32(view[position:stop]))
+            position = stop
+
+
+def _check_observed(
+    path: Path, record: FileRecord, first: int, last: int, run_start: int, data: memoryview, observe: Any, at: int
+) -> None:
+    """check_blocks, with each block cut where ``observe`` asks: one CRC per segment, joined
+    for the block's check and handed to ``observe`` (offsets from ``at``)."""
+    for index in range(first, last + 1):
+        begin, end = (offset - run_start for offset in record.block_range(index))
+        block_crc = None
+        position = begin
+        for cut in [*observe.cuts(begin + at, end + at), end + at]:
+            stop = cut - at
+            crc = crc32(data[position:stop])
+            block_crc = crc if block_crc is None else combine(block_crc, crc, stop - position)
+            observe.segment(position + at, stop - position, crc)
+            position = stop
+        if (block_crc if block_crc is not None else crc32(b"")) != record.crc32[index]:
+            start = begin + run_start
+            raise CheckpointDamagedError(
+                f"{path}: checksum mismatch in block {index} (bytes {start}-{end + run_start}): the file is corrupted"
+            )
+
+
+def _inside(record: FileRecord, index: int, begin: int, end: int) -> bool:
+    block_start, block_end = record.block_range(index)
+    return begin <= block_start and block_end <= end
+
+
+def array_view(data: memoryview, dtype: str) -> np.ndarray:
+    """A 1-D array of dtype ``dtype`` over ``data`` (shared when aligned for it, else a copy)."""
+    array = from_bytes(data, dtype)
+    return array if array.flags.aligned else array.copy()
