@@ -12,8 +12,9 @@ and what they share, which imports no framework: :mod:`.building` (an engine fro
 framework's settings, the checks every framework makes) and :mod:`.saves` (sharded saves
 into a framework's checkpoint folder, resume checks, an fp32 model export).
 
-Layering: this package may import everything below it (the engine, the checkpoint layer, the
-DeepSpeed config mapping, the MoE package); nothing in zeroshard imports it, and nothing here
-runs on ``import zeroshard``, so the frameworks stay optional extras (``zeroshard[transformers]``,
-``zeroshard[accelerate]``, ``zeroshard[lightning]``). docs/INTEGRATIONS.md is the user's guide.
+May import: everything below it (the engine, the checkpoint layer, ``zeroshard.deepspeed``'s
+config mapping, the MoE package, ``zeroshard.io``); only the demos and the CLI sit above it,
+and neither imports it. Nothing here runs on ``import zeroshard``, so the frameworks stay
+optional extras (``zeroshard[transformers]``, ``zeroshard[accelerate]``,
+``zeroshard[lightning]``). docs/INTEGRATIONS.md is the user's guide.
 """

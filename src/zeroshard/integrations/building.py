@@ -2,7 +2,7 @@
 built), its settings, and an optional DeepSpeed-style config; and the checks every framework
 makes first. No framework is imported here.
 
-A DeepSpeed-style config goes through :func:`~zeroshard.deepspeed_config.from_deepspeed_config`,
+A DeepSpeed-style config goes through :func:`~zeroshard.deepspeed.config.from_deepspeed_config`,
 as ``deepspeed.initialize`` would take it, after :func:`reconcile` has filled its ``"auto"``
 values from the framework (as transformers' Trainer does for DeepSpeed) and refused, in one
 line, the values that contradict it. The framework divides the loss for gradient
@@ -20,9 +20,9 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..deepspeed_config import from_deepspeed_config
-from ..deepspeed_plan import read_config
-from ..deepspeed_values import short
+from ..deepspeed.config import from_deepspeed_config
+from ..deepspeed.plan import read_config
+from ..deepspeed.values import short
 from ..engine import ZeroOptimizer
 
 AUTO = "auto"

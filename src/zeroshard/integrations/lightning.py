@@ -280,7 +280,7 @@ def _module_state(tag: Path, like: Mapping[str, torch.Tensor]) -> dict[str, torc
     """The module's state_dict from a sharded checkpoint's module file (rank 0 wrote it), tied
     names included, for a run that has no engine (validate, test, predict)."""
     from ..checkpoint import open_source
-    from ..checkpoint.io.dtypes import to_torch
+    from ..io.dtypes import to_torch
 
     with open_source(tag) as source:
         arrays = source.model_tensors(list(like))

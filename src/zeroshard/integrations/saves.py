@@ -18,18 +18,16 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
+from ..checkpoint.attest.attestation import Attestation
 from ..checkpoint.checkpointer import USER_EXTRA_KEY, Checkpointer, SaveStats
 from ..checkpoint.engine_io import load_checkpoint_attested, save_checkpoint
 from ..checkpoint.export.fp32 import to_fp32
 from ..checkpoint.format import LATEST_FILE, MANIFEST_FILE
-from ..checkpoint.io.directory import read_latest
+from ..checkpoint.directory import read_latest
 from ..comm import Collectives
-
-if TYPE_CHECKING:
-    from ..checkpoint.attest import Attestation
-    from ..engine import ZeroOptimizer
+from ..engine import ZeroOptimizer
 
 log = logging.getLogger(__name__)
 
