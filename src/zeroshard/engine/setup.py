@@ -235,8 +235,10 @@ def optimizer_classes(grouping: Grouping, optimizer_class: type) -> list[type]:
 
 
 def check_optimizer_options(grouping: Grouping, optimizer_class: type, defaults: dict[str, Any]) -> None:
-    """Build each optimizer class over stand-in matrices with its param groups' options, so
-    options it refuses are found before anything changes. Not collective.
+    """Build each optimizer class over stand-in matrices with its param groups' options and
+    step it once on zero gradients, so options it refuses, when built or only when it steps
+    (``torch.optim.Muon``'s ``ns_steps`` and ``ns_coefficients``), are found on every rank
+    before anything changes, not at a step on the ranks that own a matrix. Not collective.
 
     Raises:
         ValueError: naming the class and what it refused; or ``defaults`` are given for
@@ -244,7 +246,8 @@ def check_optimizer_options(grouping: Grouping, optimizer_class: type, defaults:
     """
     by_class: dict[type, list[dict[str, Any]]] = {}
     for user, cls in zip(grouping.user_groups, optimizer_classes(grouping, optimizer_class)):
-        stand_in = torch.zeros(1, 1, requires_grad=True)
+        stand_in = torch.zeros(2, 2, requires_grad=True)
+        stand_in.grad = torch.zeros_like(stand_in)
         by_class.setdefault(cls, []).append({**user.options, "params": [stand_in]})
     if defaults and optimizer_class not in by_class:
         raise ValueError(
@@ -252,6 +255,6 @@ def check_optimizer_options(grouping: Grouping, optimizer_class: type, defaults:
         )
     for cls, groups in by_class.items():
         try:
-            cls(groups, **(defaults if cls is optimizer_class else {}))
+            cls(groups, **(defaults if cls is optimizer_class else {})).step()
         except (ValueError, TypeError) as err:
             raise ValueError(f"{class_name(cls)} refuses its options: {err}") from None
