@@ -97,9 +97,11 @@ def _load(
     if base is not None and (base.layout != layout or base.rank != rank):
         raise ValueError("base must be this rank's state under the layout being loaded")
     loadable = _check_match(source, layout, module_state, strict)
-    param_groups = _map_param_groups(source, layout, loadable)
-    plans = plan_reads(info.layout, layout, rank, loadable)
     full = load_optimizer_states and not load_module_only
+    # A module-only load reads the weights alone, into any grouping (an AdamW run's
+    # checkpoint into a Muon run's owner groups, and the reverse): no param group to map.
+    param_groups = [] if load_module_only else _map_param_groups(source, layout, loadable)
+    plans = plan_reads(info.layout, layout, rank, loadable)
     evidence.begin(source, layout, rank, loadable, full)
     # Weights cast from whole fp32 masters: their fragments also fill the rank's fp32
     # partitions, so no master byte is read twice.
@@ -124,7 +126,7 @@ def _load(
         fp32_partitions=[to_torch(array) for array in fp32],
         optimizer_states=[{name: to_torch(array) for name, array in group.items()} for group in states],
         optimizer_scalars=scalars,
-        param_groups=[] if load_module_only else param_groups,
+        param_groups=param_groups,
         optimizer_class="" if load_module_only else info.optimizer_class,
         model_state=_to_torch_keeping_ties(weights, info.aliases),
         extra={} if load_module_only else arrays_to_torch(dict(info.extra)),
@@ -357,6 +359,13 @@ def _map_param_groups(source: ShardSource, layout: Layout, loadable: set[str]) -
     owners: list[int | None] = []
     for group in layout.groups:
         found = {owner_of_param[slot.name] for slot in group.params if slot.name in loadable}
+        trained_by = {info.param_groups[owner].optimizer or info.optimizer_class for owner in found if owner >= 0}
+        if len(trained_by) > 1:
+            raise ValueError(
+                f"layout group {group.index} holds parameters that the checkpoint's optimizers {sorted(trained_by)} "
+                "trained; its optimizer state loads only into a run that trains them as it did (load_module_only=True "
+                "loads the weights alone)"
+            )
         if len(found) > 1 or -1 in found:
             raise ValueError(
                 f"layout group {group.index} holds parameters of saved param groups {sorted(found)}; "
@@ -364,7 +373,11 @@ def _map_param_groups(source: ShardSource, layout: Layout, loadable: set[str]) -
             )
         owners.append(found.pop() if found else None)
     states = [
-        ParamGroupState(arrays_to_torch(dict(saved.hyperparameters)), [g for g, owner in enumerate(owners) if owner == index])
+        ParamGroupState(
+            arrays_to_torch(dict(saved.hyperparameters)),
+            [g for g, owner in enumerate(owners) if owner == index],
+            saved.optimizer,
+        )
         for index, saved in enumerate(info.param_groups)
     ]
     return [state for state in states if state.layout_groups]

@@ -177,6 +177,9 @@ def _validate(engine: EngineParts, state: ShardedState, full: bool, strict: bool
         raise ValueError(
             f"the checkpoint has {len(state.param_groups)} param groups, this run has {len(engine.optimizer.param_groups)}"
         )
+    for index, (saved, live) in enumerate(zip(state.param_groups, group_classes(engine.optimizer))):
+        if saved.optimizer and saved.optimizer != live:
+            raise ValueError(f"param group {index}: the checkpoint's optimizer is {saved.optimizer}, this run's is {live}")
     for group_index, (values, master) in enumerate(zip(state.fp32_partitions, engine.masters)):
         if values.shape != master.shape:
             raise ValueError(f"group {group_index}: fp32 partition has shape {tuple(values.shape)}, expected {tuple(master.shape)}")
