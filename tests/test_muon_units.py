@@ -1,0 +1,37 @@
+"""ZeroOptimizer with torch.optim.Muon in one process (issue 32): the issue's reproduction."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from zeroshard.engine import ZeroOptimizer
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 640, bias=False), nn.ReLU(), nn.Linear(640, 64, bias=False))
+
+
+def test_muon_alone_on_an_all_matrix_model_needs_no_other_argument_and_is_torchs_muon():
+    """The engine handed Muon 1-D partitions (``ValueError: Muon only supports 2D
+    parameters``); now it picks owner groups itself, and at D = 1 its steps are torch's
+    Muon's on the same model bit for bit (the same operations on the same fp32 tensors)."""
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    engine = ZeroOptimizer(model, torch.optim.Muon, model.parameters(), stage=2, lr=0.02)
+    torch_muon = torch.optim.Muon(reference.parameters(), lr=0.02)
+    assert [group.owner for group in engine.layout.groups] == [True]
+    for step in range(3):
+        x = torch.randn(4, 64, generator=torch.Generator().manual_seed(step))
+        engine.backward(model(x).pow(2).mean())
+        engine.step()
+        engine.zero_grad()
+        reference(x).pow(2).mean().backward()
+        torch_muon.step()
+        torch_muon.zero_grad()
+    for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(param.detach(), expected.detach()), name
+        assert torch.equal(engine.get_full_optimizer_state(name, "momentum_buffer"), torch_muon.state[expected]["momentum_buffer"])
