@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
@@ -35,3 +36,32 @@ def test_muon_alone_on_an_all_matrix_model_needs_no_other_argument_and_is_torchs
     for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(param.detach(), expected.detach()), name
         assert torch.equal(engine.get_full_optimizer_state(name, "momentum_buffer"), torch_muon.state[expected]["momentum_buffer"])
+
+
+def _three_groups(last_class: type) -> tuple[nn.Module, ZeroOptimizer]:
+    """Muon for the first matrix, AdamW for the bias, ``last_class`` for the last matrix:
+    the run's classes are "Muon+AdamW" either way."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 4))
+    groups = [
+        {"params": [model[0].weight]},
+        {"params": [model[1].bias], "optimizer": torch.optim.AdamW, "lr": 1e-3},
+        {"params": [model[1].weight], **({} if last_class is torch.optim.Muon else {"optimizer": last_class, "lr": 1e-3})},
+    ]
+    return model, ZeroOptimizer(model, torch.optim.Muon, groups, lr=0.02)
+
+
+def test_a_param_group_trained_by_another_optimizer_is_refused_and_nothing_changes(tmp_path):
+    from zeroshard.checkpoint.engine_io import load_checkpoint, save_checkpoint
+
+    model, engine = _three_groups(torch.optim.Muon)
+    engine.backward(model(torch.ones(2, 8)).sum())
+    engine.step()
+    saved = save_checkpoint(engine, tmp_path)
+    other_model, other = _three_groups(torch.optim.AdamW)
+    before = [master.detach().clone() for master in other.masters]
+    with pytest.raises(ValueError, match=r"param group 2: the checkpoint's optimizer is torch\.optim\.Muon, this run's is torch\.optim\.adamw\.AdamW"):
+        load_checkpoint(other, saved)
+    assert all(torch.equal(a, b) for a, b in zip(before, other.masters))
+    load_checkpoint(other, saved, load_module_only=True)
+    assert torch.equal(other_model[1].weight.detach(), model[1].weight.detach())
