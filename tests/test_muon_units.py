@@ -65,3 +65,60 @@ def test_a_param_group_trained_by_another_optimizer_is_refused_and_nothing_chang
     assert all(torch.equal(a, b) for a, b in zip(before, other.masters))
     load_checkpoint(other, saved, load_module_only=True)
     assert torch.equal(other_model[1].weight.detach(), model[1].weight.detach())
+
+
+def test_an_lr_scheduler_reaches_both_optimizers_and_offload_keeps_the_step():
+    """The usual param-group API on a Muon + AdamW engine: a scheduler's lr reaches the inner
+    torch optimizers; with the masters offloaded the steps are still torch's Muon's."""
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    matrices, rest = [model[0].weight], [model[2].weight]
+    groups = [{"params": matrices}, {"params": rest, "optimizer": torch.optim.AdamW, "lr": 1e-3}]
+    engine = ZeroOptimizer(model, torch.optim.Muon, groups, stage=1, lr=0.02, offload=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(engine, lambda step: 0.5**step)
+    torch_muon = torch.optim.Muon([reference[0].weight], lr=0.02)
+    torch_adamw = torch.optim.AdamW([reference[2].weight], lr=1e-3)
+    reference_scheduler = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 0.5**step) for o in (torch_muon, torch_adamw)]
+    for step in range(3):
+        x = torch.randn(4, 64, generator=torch.Generator().manual_seed(step))
+        engine.backward(model(x).pow(2).mean())
+        engine.step()
+        engine.zero_grad()
+        scheduler.step()
+        reference(x).pow(2).mean().backward()
+        for optimizer, schedule in zip((torch_muon, torch_adamw), reference_scheduler):
+            optimizer.step()
+            optimizer.zero_grad()
+            schedule.step()
+    inner = [group["lr"] for optimizer in engine.optimizer.optimizers for group in optimizer.param_groups]
+    assert inner == [0.02 * 0.125, 1e-3 * 0.125]
+    for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(param.detach(), expected.detach()), name
+
+
+def test_a_rank_shard_state_dict_round_trips_a_muon_and_adamw_engine():
+    """``state_dict()`` / ``load_state_dict()`` (this rank's shard) of a Muon + AdamW engine:
+    a fresh engine that loads it takes the same next step as the one that saved it."""
+
+    def build():
+        model = _mlp()
+        groups = [{"params": [model[0].weight]}, {"params": [model[2].weight], "optimizer": torch.optim.AdamW, "lr": 1e-3}]
+        return model, ZeroOptimizer(model, torch.optim.Muon, groups, stage=2, lr=0.02)
+
+    def train(model, engine, step):
+        x = torch.randn(4, 64, generator=torch.Generator().manual_seed(step))
+        engine.backward(model(x).pow(2).mean())
+        engine.step()
+        engine.zero_grad()
+
+    model, engine = build()
+    for step in range(2):
+        train(model, engine, step)
+    shard = copy.deepcopy(engine.state_dict())
+    other_model, other = build()
+    other.load_state_dict(shard)
+    assert torch.equal(other.get_full_optimizer_state("0.weight", "momentum_buffer"), engine.get_full_optimizer_state("0.weight", "momentum_buffer"))
+    train(model, engine, 2)
+    train(other_model, other, 2)
+    for (name, param), loaded in zip(model.named_parameters(), other_model.parameters()):
+        assert torch.equal(param.detach(), loaded.detach()), name
