@@ -122,3 +122,40 @@ def test_a_rank_shard_state_dict_round_trips_a_muon_and_adamw_engine():
     train(other_model, other, 2)
     for (name, param), loaded in zip(model.named_parameters(), other_model.parameters()):
         assert torch.equal(param.detach(), loaded.detach()), name
+
+
+def test_an_asynchronous_checkpointer_resumes_a_muon_run_exactly(tmp_path):
+    """The Checkpointer's snapshot reads the owner groups' momentum buffers like AdamW's
+    states: a run resumed from its save takes the saving run's next steps bit for bit, and
+    the audit of the first resumed step finds nothing different."""
+    from zeroshard.checkpoint import Checkpointer
+
+    def build():
+        model = _mlp()
+        groups = [{"params": [model[0].weight]}, {"params": [model[2].weight], "optimizer": torch.optim.AdamW, "lr": 1e-3}]
+        return model, ZeroOptimizer(model, torch.optim.Muon, groups, stage=2, lr=0.02)
+
+    def train(model, engine, step):
+        x = torch.randn(4, 64, generator=torch.Generator().manual_seed(step))
+        engine.backward(model(x).pow(2).mean())
+        engine.step()
+        engine.zero_grad()
+
+    model, engine = build()
+    with Checkpointer(engine, tmp_path) as checkpointer:
+        for step in range(2):
+            train(model, engine, step)
+        checkpointer.save(1)
+        checkpointer.wait()
+        for step in range(2, 4):
+            train(model, engine, step)
+    resumed_model, resumed = build()
+    with Checkpointer(resumed, tmp_path) as checkpointer:
+        start = checkpointer.load()
+        assert start == 2
+        for step in range(start, 4):
+            train(resumed_model, resumed, step)
+        verdict = checkpointer.audit_verdict
+        assert verdict is not None and not verdict.causes, verdict
+    for (name, param), loaded in zip(model.named_parameters(), resumed_model.parameters()):
+        assert torch.equal(param.detach(), loaded.detach()), name
