@@ -21,6 +21,7 @@ rank's share has the same states.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +96,13 @@ class MatrixStates:
         self.flat: list[dict[str, torch.Tensor]] = [{} for _ in views]  # per layout group: name -> partition
         self.scalars: list[dict[str, torch.Tensor]] = [{} for _ in views]
         self.agreed = False  # whether every rank holds every state of every group (see complete)
+
+    @classmethod
+    def of(cls, masters: list[nn.Parameter], groups: Sequence[GroupLayout], rank_in: Callable[[GroupLayout], int]) -> MatrixStates:
+        """The matrices of every owner group among ``groups`` that this rank owns (``rank_in``:
+        its rank in a group's shard group), as views of its ``masters``; no state yet."""
+        views = [matrix_views(master, group, rank_in(group)) if group.owner else None for master, group in zip(masters, groups)]
+        return cls(views, [group.partition_numel for group in groups])
 
     def adopt(self, state: Any) -> None:
         """Make each matrix's state tensors views of the flat ones (copying what the

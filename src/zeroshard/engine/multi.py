@@ -146,3 +146,25 @@ class MultiOptimizer(torch.optim.Optimizer):
         for optimizer, part in zip(self.optimizers, parts):
             optimizer.load_state_dict(part)
         self._sync_groups()
+
+
+def build_optimizer(
+    groups: list[dict[str, Any]], classes: list[type], default_class: type, defaults: dict[str, Any]
+) -> torch.optim.Optimizer:
+    """One torch optimizer per class over the param groups it trains (``classes[i]`` trains
+    ``groups[i]``; ``defaults`` go to ``default_class``), in the order the groups first name
+    the classes; several are stepped as one :class:`MultiOptimizer`."""
+    distinct = list(dict.fromkeys(classes))
+    optimizers = [
+        cls([group for group, own in zip(groups, classes) if own is cls], **(defaults if cls is default_class else {}))
+        for cls in distinct
+    ]
+    if len(optimizers) == 1:
+        return optimizers[0]
+    counters = [0] * len(distinct)
+    order = []
+    for cls in classes:
+        which = distinct.index(cls)
+        order.append((which, counters[which]))
+        counters[which] += 1
+    return MultiOptimizer(optimizers, order)

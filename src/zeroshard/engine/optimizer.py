@@ -40,8 +40,8 @@ from . import setup, state_io
 from .fragments import FragmentAccess
 from .gradients import GradientReducer
 from .grouping import Grouping, resolve_groups
-from .matrices import MatrixStates, matrix_views, needs_whole_matrices
-from .multi import MultiOptimizer
+from .matrices import MatrixStates
+from .multi import build_optimizer
 from .scaler import LossScaler
 from .shard_state import load_shard, shard_mismatch, shard_state_dict
 
@@ -160,13 +160,7 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         self.offload = offload
         self.comm = Collectives(process_group)
         self.grouping: Grouping = resolve_groups(model, param_groups, param_dtype)
-        owners = [
-            needs_whole_matrices(self.grouping.optimizer_of(index, optimizer_class))
-            for index in range(len(self.grouping.layout_specs))
-        ]
-        setup.check_matrices(self.grouping, owners)
-        if any(owners) or len(set(setup.optimizer_classes(self.grouping, optimizer_class))) > 1:
-            setup.check_optimizer_options(self.grouping, optimizer_class, defaults)
+        owners = setup.owner_groups(self.grouping, optimizer_class, defaults)
         self.comms = setup.shard_group_collectives(self.comm, self.grouping, expert_process_group)
         self.layout = setup.resolve_layout(self.grouping, self.comms, stage, layout, policy, owners)
         self.layout_digest = setup.check_same_layout_on_every_rank(self.layout, self.comms)
@@ -187,14 +181,9 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
             buffer.data.copy_(values)  # every rank now holds rank 0's values
         del initial
 
-        self.matrices = MatrixStates(
-            [
-                matrix_views(master, group, self.rank_in(group)) if group.owner else None
-                for master, group in zip(self.masters, self.layout.groups)
-            ],
-            [group.partition_numel for group in self.layout.groups],
-        )
-        self.optimizer = self._build_optimizer(optimizer_class, defaults)
+        self.matrices = MatrixStates.of(self.masters, self.layout.groups, self.rank_in)
+        classes = setup.optimizer_classes(self.grouping, optimizer_class)
+        self.optimizer = build_optimizer(self._torch_param_groups(), classes, optimizer_class, defaults)
         # torch's own set-up (hooks, profiling, the param-group checks) over the wrapped
         # optimizer's groups; param_groups, state and defaults write through to it.
         self._groups_fixed = False
@@ -464,26 +453,6 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
     def _updated(self, group_index: int) -> list[nn.Parameter]:
         views = self.matrices.views[group_index]
         return [self.masters[group_index]] if views is None else [view.param for view in views]
-
-    def _build_optimizer(self, optimizer_class: type, defaults: dict[str, Any]) -> torch.optim.Optimizer:
-        """One torch optimizer per optimizer class, in the order the param groups name them;
-        several are stepped as one (``MultiOptimizer``)."""
-        groups = self._torch_param_groups()
-        classes = setup.optimizer_classes(self.grouping, optimizer_class)
-        distinct = list(dict.fromkeys(classes))
-        optimizers = [
-            cls([group for group, own in zip(groups, classes) if own is cls], **(defaults if cls is optimizer_class else {}))
-            for cls in distinct
-        ]
-        if len(optimizers) == 1:
-            return optimizers[0]
-        counters = [0] * len(distinct)
-        order = []
-        for cls in classes:
-            which = distinct.index(cls)
-            order.append((which, counters[which]))
-            counters[which] += 1
-        return MultiOptimizer(optimizers, order)
 
     def _raise_if_any_rank_failed(self, problem: str | None) -> None:
         """Collective: raise the same ValueError on every rank if any rank has a problem."""

@@ -26,7 +26,7 @@ from ..layout import (
 )
 from ..layout.coordinates import shard_rank
 from .grouping import Grouping
-from .matrices import matrix_problem
+from .matrices import matrix_problem, needs_whole_matrices
 from .multi import class_name
 
 DEFAULT_STAGE2_BUCKET_NUMEL = 1 << 25  # 128 MiB of fp32 gradient per bucket in flight
@@ -209,6 +209,23 @@ def gather_partition(flat: torch.Tensor, group: GroupLayout, rank_in_group: int)
         partition[position : position + end - begin] = flat[begin:end]
         position += end - begin
     return partition
+
+
+def owner_groups(grouping: Grouping, optimizer_class: type, defaults: dict[str, Any]) -> list[bool]:
+    """Whether each layout group is an owner group (its optimizer updates whole matrices,
+    ``matrices.needs_whole_matrices``), after checking that its parameters are matrices and
+    that every optimizer class takes its options. Not collective.
+
+    Raises:
+        ValueError: as :func:`check_matrices` and :func:`check_optimizer_options`.
+    """
+    owners = [
+        needs_whole_matrices(grouping.optimizer_of(index, optimizer_class)) for index in range(len(grouping.layout_specs))
+    ]
+    check_matrices(grouping, owners)
+    if any(owners) or len(set(optimizer_classes(grouping, optimizer_class))) > 1:
+        check_optimizer_options(grouping, optimizer_class, defaults)
+    return owners
 
 
 def check_matrices(grouping: Grouping, owners: list[bool]) -> None:
