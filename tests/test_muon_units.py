@@ -159,3 +159,31 @@ def test_an_asynchronous_checkpointer_resumes_a_muon_run_exactly(tmp_path):
         assert verdict is not None and not verdict.causes, verdict
     for (name, param), loaded in zip(model.named_parameters(), resumed_model.parameters()):
         assert torch.equal(param.detach(), loaded.detach()), name
+
+
+@pytest.mark.parametrize("kind", ["native", "universal"])
+@pytest.mark.parametrize("recorded", ["torch.optim.Muon\nInjected line", 7, "x" * 5000], ids=["newline", "number", "too-long"])
+def test_a_recorded_optimizer_that_is_no_class_name_is_refused_in_one_line(tmp_path, kind, recorded):
+    import json
+
+    from zeroshard.checkpoint import open_checkpoint
+    from zeroshard.checkpoint.engine_io import load_checkpoint, save_checkpoint
+    from zeroshard.checkpoint.universal import open_universal, to_universal
+
+    model, engine = _three_groups(torch.optim.Muon)
+    engine.backward(model(torch.ones(2, 8)).sum())
+    engine.step()
+    path = save_checkpoint(engine, tmp_path / "native")
+    if kind == "universal":
+        path = to_universal(path, tmp_path / "universal", progress=False)
+    manifest = path / ("manifest.json" if kind == "native" else "universal.json")
+    data = json.loads(manifest.read_text())
+    assert data["optimizer"]["param_groups"][1]["optimizer"] == "torch.optim.adamw.AdamW"
+    data["optimizer"]["param_groups"][1]["optimizer"] = recorded
+    manifest.write_text(json.dumps(data))
+    with pytest.raises(ValueError) as refused:
+        (open_checkpoint if kind == "native" else open_universal)(path)
+    message = str(refused.value)
+    assert "\n" not in message and "param group 1's optimizer" in message and len(message) < 1000, message
+    with pytest.raises(ValueError):
+        load_checkpoint(engine, path)

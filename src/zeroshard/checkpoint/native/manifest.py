@@ -291,7 +291,7 @@ class Manifest:
                 ParamGroupState(
                     jsonvalue.decode(g["hyperparameters"]),
                     [jsonvalue.read_int(i, "param group {} has a layout group that", n) for i in g["layout_groups"]],
-                    str(g.get("optimizer", "")),
+                    jsonvalue.read_class_name(g["optimizer"], f"param group {n}'s optimizer") if "optimizer" in g else "",
                 )
                 for n, g in enumerate(optimizer["param_groups"])
             ],

@@ -414,9 +414,9 @@ def _fields_from_dict(data: dict[str, Any]) -> UniversalManifest:
                 hyperparameters=jsonvalue.decode(group["hyperparameters"]),
                 params=tuple(str(name) for name in group["params"]),
                 scalars=jsonvalue.decode(group["scalars"]),
-                optimizer=str(group.get("optimizer", "")),
+                optimizer=jsonvalue.read_class_name(group["optimizer"], f"param group {n}'s optimizer") if "optimizer" in group else "",
             )
-            for group in optimizer["param_groups"]
+            for n, group in enumerate(optimizer["param_groups"])
         ],
         params={
             str(name): UniversalParam(
