@@ -92,16 +92,15 @@ def build(model: tuple[list, list, list], world_size: int, ep: int, owner: bool)
     return build_layout(groups, world_size, LayoutPolicy.native())
 
 
-def whole_matrix_bound(model: tuple[list, list, list], world_size: int, ep: int) -> float:
-    """A lower bound on the imbalance of any assignment of whole matrices to ranks: the
-    largest of the mean, the largest matrix, and the two smallest of the D + 1 largest (two
-    of them share a rank), over the mean. Experts count on their expert-DP group (D / EP
-    ranks), each rank of it carrying the dense matrices' mean too."""
-    from zeroshard.layout import newton_schulz_cost
-
+def whole_matrix_bound(model: tuple[list, list, list], world_size: int, ep: int, measure) -> float:
+    """A lower bound on the imbalance of ``measure`` (a matrix shape's Newton-Schulz cost, or
+    its elements) under any assignment of whole matrices to ranks: the largest of the mean,
+    the largest matrix, and the two smallest of the D + 1 largest (two of them share a rank),
+    over the mean. Experts count on their expert-DP group (D / EP ranks), each rank of it
+    carrying the dense matrices' mean too."""
     matrices, stacks, _ = model
-    dense = sorted((newton_schulz_cost(spec.shape) for spec in matrices), reverse=True)
-    expert = [newton_schulz_cost(spec.shape[1:]) for spec in stacks for _ in range(spec.shape[0])]
+    dense = sorted((measure(spec.shape) for spec in matrices), reverse=True)
+    expert = [measure(spec.shape[1:]) for spec in stacks for _ in range(spec.shape[0])]
     mean = sum(dense) / world_size + sum(expert) / (world_size // ep)
     costs = sorted(dense + expert, reverse=True) if ep == 1 else dense
     pair = costs[world_size - 1] + costs[world_size] if len(costs) > world_size else 0
@@ -110,9 +109,13 @@ def whole_matrix_bound(model: tuple[list, list, list], world_size: int, ep: int)
 
 def layout_report() -> None:
     print("(a) owner layouts, bf16, native policy (16-byte alignment)")
+    import math
+
+    from zeroshard.layout import newton_schulz_cost
+
     header = (
         f"{'model':<16}{'D':>4}{'EP':>4}{'NS max/mean':>13}{'bound':>8}{'owner padding':>15}"
-        f"{'layout padding':>16}{'even layout':>13}"
+        f"{'bound':>8}{'layout padding':>16}{'even layout':>13}"
     )
     print(header)
     print("-" * len(header))
@@ -125,7 +128,8 @@ def layout_report() -> None:
             even = build(model, world_size, ep, owner=False)
             print(
                 f"{label:<16}{world_size:>4}{ep:>4}{layout.owner_balance().imbalance:>13.3f}"
-                f"{whole_matrix_bound(model, world_size, ep):>8.3f}{owner_padding / owner_numel:>15.2%}"
+                f"{whole_matrix_bound(model, world_size, ep, newton_schulz_cost):>8.3f}"
+                f"{owner_padding / owner_numel:>15.2%}{whole_matrix_bound(model, world_size, ep, math.prod) - 1:>8.2%}"
                 f"{layout.padding().fraction:>16.2%}{even.padding().fraction:>13.2%}"
             )
 
