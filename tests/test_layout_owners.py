@@ -213,12 +213,31 @@ def test_experts_not_ending_aligned_stay_together():
     assert matrix_units(laid, 4).ends == (12, 24)
 
 
-def test_json_names_the_owner_groups_and_refuses_other_bounds():
+def test_json_names_the_owner_groups_and_reads_any_cut_between_matrices():
+    """Recorded bounds are read as recorded when they cut between whole matrices (another
+    balancing, an older or newer zeroshard, may have chosen them): its checkpoints still
+    open. Bounds inside a matrix, unaligned, decreasing or of another count are refused."""
     layout = build_layout([GroupSpec((ParamSpec("a", (4, 4), "float32"), ParamSpec("b", (4, 4), "float32")), owner=True)], 2)
     data = json.loads(layout.to_json())
     assert data["version"] == 4 and data["groups"][0]["owner"] is True and data["groups"][0]["bounds"] == [0, 16, 32]
     data["groups"][0]["bounds"] = [0, 32, 32]
-    with pytest.raises(ValueError, match="layout JSON is inconsistent"):
+    data["groups"][0]["partition_numel"] = 32
+    other = Layout.from_dict(data)
+    assert other.groups[0].bounds == (0, 32, 32) and other.groups[0].partition_ranges(1) == ()
+    assert [f.name for f in other.groups[0].fragments(0)] == ["a", "b"]
+    for bounds, problem in (
+        ([0, 8, 32], "falls inside a matrix"),
+        ([0, 32, 16], "do not rise from 0"),
+        ([0, 16, 30], "do not rise from 0"),
+        ([0, 32], "not a list of 3 integers"),
+        ([0, 32.0, 32], "not a list of 3 integers"),
+    ):
+        data["groups"][0]["bounds"] = bounds
+        with pytest.raises(ValueError, match=f"layout JSON is inconsistent: owner group 0: .*{problem}"):
+            Layout.from_dict(data)
+    data["groups"][0]["bounds"] = [0, 32, 32]
+    data["groups"][0]["partition_numel"] = 16  # what the recorded bounds do not give
+    with pytest.raises(ValueError, match="layout JSON is inconsistent: its offsets and sizes"):
         Layout.from_dict(data)
     even = build_layout([[ParamSpec("a", (4, 4), "float32")]], 2)
     assert json.loads(even.to_json())["version"] == 1 and "owner" not in even.to_json()

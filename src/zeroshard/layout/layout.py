@@ -21,7 +21,7 @@ from typing import Any, Iterable, Sequence
 
 from .dtypes import itemsize
 from .group import Bucket, GroupLayout, ParamSlot
-from .owners import OwnerBalance, owner_balance, owner_bounds
+from .owners import OwnerBalance, bounds_problem, owner_balance, owner_bounds
 from .policy import LayoutPolicy
 from .specs import DENSE_SHARD_GROUP, GroupSpec, ParamSpec
 from .stacks import LEGACY_STACK, ExpertStack, check_expert_map, check_stack_shape, per_expert_name_clash
@@ -210,6 +210,7 @@ class Layout:
         try:
             groups = [_group_from_dict(group, version) for group in data["groups"]]
             layout = build_layout(groups, data["world_size"], LayoutPolicy.from_dict(data["policy"]))
+            layout = _with_recorded_bounds(layout, data["groups"])
         except (KeyError, TypeError) as err:
             raise ValueError(f"layout JSON is malformed: {type(err).__name__}: {err}") from None
         if not _same_json(layout._to_dict(version), data):
@@ -451,6 +452,26 @@ def _lay_out_group(index: int, group: GroupSpec, policy: LayoutPolicy) -> GroupL
     return GroupLayout(
         index, dtype, world_size, tuple(slots), tuple(buckets), group.shard_group, group.expert_map, group.stacks
     )
+
+
+def _with_recorded_bounds(layout: Layout, groups: list[dict[str, Any]]) -> Layout:
+    """``layout`` with each owner group's bounds as the JSON records them: any cut between
+    whole matrices is a valid layout, so a layout written under another balancing (an older
+    or newer zeroshard) still reads; other offsets are still checked against the parameters.
+
+    Raises:
+        ValueError: recorded bounds that are no such cut (:func:`~.owners.bounds_problem`).
+    """
+    rebuilt = list(layout.groups)
+    for index, group in enumerate(layout.groups):
+        recorded = groups[index].get("bounds") if group.owner else None
+        if recorded is None or recorded == list(group.bounds):
+            continue
+        problem = bounds_problem(group, recorded, layout.policy.partition_alignment(group.dtype))
+        if problem:
+            raise ValueError(f"layout JSON is inconsistent: owner group {index}: {problem}")
+        rebuilt[index] = dataclasses.replace(group, bounds=tuple(recorded))
+    return Layout(layout.world_size, layout.policy, tuple(rebuilt))
 
 
 def _group_from_dict(data: dict[str, Any], version: int) -> GroupSpec:

@@ -88,6 +88,23 @@ def matrix_units(group: GroupLayout, alignment: int) -> MatrixUnits:
     return MatrixUnits(tuple(ends), tuple(costs))
 
 
+def bounds_problem(group: GroupLayout, bounds: object, alignment: int) -> str | None:
+    """Why ``bounds`` (as a layout JSON records them) are not a cut of owner group ``group``
+    into its ranks' runs between whole matrices, or None: ``world_size + 1`` integers from 0
+    to the buffer's end, never decreasing, each where a matrix ends (:func:`matrix_units`).
+    Any such cut is a valid layout, whichever balancing chose it."""
+    count = group.world_size + 1
+    if type(bounds) is not list or len(bounds) != count or any(type(b) is not int for b in bounds):
+        return f"its bounds are not a list of {count} integers"
+    if bounds[0] != 0 or bounds[-1] != group.numel or any(a > b for a, b in zip(bounds, bounds[1:])):
+        return f"its bounds do not rise from 0 to the end of its buffer ({group.numel})"
+    ends = set(matrix_units(group, alignment).ends)
+    inside = next((b for b in bounds[1:-1] if b and b not in ends), None)
+    if inside is not None:
+        return f"its bound {inside} falls inside a matrix (or at an unaligned offset)"
+    return None
+
+
 def balanced_bounds(units: MatrixUnits, world_size: int, prefill: Sequence[int]) -> tuple[int, ...]:
     """The flat offsets where each of ``world_size`` ranks' partitions begin (and the end):
     the cut of ``units`` into contiguous runs that gives the smallest largest cost (rank
