@@ -156,8 +156,11 @@ def owner_bounds(
     """The bounds of each group of ``groups`` that ``owners`` flags (laid out, its bounds
     not yet set; the others get ``()``), over a layout of ``world_size`` ranks, balancing
     the Newton-Schulz cost of every rank across the groups (see the module doc);
-    ``alignments[g]``: elements a partition start of group ``g`` is aligned to."""
-    load = [0] * world_size  # per global rank
+    ``alignments[g]``: elements a partition start of group ``g`` is aligned to. A layout
+    without owner groups costs nothing here: no per-rank list at any world size."""
+    if not any(owners):
+        return [()] * len(groups)
+    load = [0] * world_size  # per global rank: an owner group's bounds are a list over the ranks anyway
     found: list[tuple[int, ...]] = []
     for group, owner, alignment in zip(groups, owners, alignments):
         if not owner:
