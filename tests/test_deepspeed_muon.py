@@ -185,3 +185,85 @@ def test_loads_at_another_world_size_hold_deepspeeds_state(deepspeed_muon_runs, 
     for rank, (state, attestation) in enumerate(run_ranks(world_size, one_rank)):
         assert attestation.ok, attestation.line()
         assert_holds(state, new, rank, expected)
+
+
+# ---- bad input: one line naming the file, group and parameter or state ------------------------------
+
+
+@pytest.fixture
+def muon_copy(deepspeed_muon_runs, tmp_path) -> Path:
+    target = tmp_path / "muon_w2_s2"
+    shutil.copytree(deepspeed_muon_runs["muon_w2_s2"].tag_dir, target)
+    return target
+
+
+def rank_file(tag_dir: Path, rank: int) -> Path:
+    return tag_dir / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def set_flag(group: int, value):
+    def mutate(state):
+        state["base_optimizer_state"]["param_groups"][group]["use_muon"] = value
+
+    return mutate
+
+
+def edit_group_state(group: int, edit):
+    def mutate(state):
+        edit(state["base_optimizer_state"]["state"][group])
+
+    return mutate
+
+
+def refused(tag_dir: Path, rank: int, mutate) -> str:
+    rewrite_rank_file(rank_file(tag_dir, rank), mutate)
+    with pytest.raises(DeepSpeedFormatError) as caught:
+        open_deepspeed(tag_dir)
+    message = str(caught.value)
+    assert "\n" not in message and str(rank_file(tag_dir, rank)) in message
+    return message
+
+
+BAD_MUON_FILES = {
+    "flag not a bool": (0, set_flag(0, "yes"), "group 0: use_muon is 'yes', expected true or false"),
+    "Adam group flagged Muon": (
+        0,
+        set_flag(1, True),
+        "group 1: use_muon is true, but parameter 'fc1.bias' of shape [5] is not a matrix (Muon updates matrices only)",
+    ),
+    "Muon group flagged Adam": (
+        0,
+        set_flag(0, False),
+        "group 0: use_muon is false, but the group holds Muon's 'momentum_buffer'",
+    ),
+    "another rank's flag differs": (1, set_flag(0, False), "group 0, rank 1: use_muon is false, rank 0's file says true"),
+    "momentum cut short": (
+        1,
+        edit_group_state(0, lambda s: s.update(momentum_buffer=s["momentum_buffer"][:-1].clone())),
+        "group 0, rank 1: 'momentum_buffer' has 71 elements, but the 2 matrices with a piece in the partition have 72",
+    ),
+    "momentum missing on a rank": (
+        1,
+        edit_group_state(0, lambda s: s.pop("momentum_buffer")),
+        "group 0, rank 1: 'momentum_buffer' is missing, but the 2 matrices with a piece in the partition have 72",
+    ),
+    "Adam state in the Muon group": (
+        1,
+        edit_group_state(0, lambda s: s.update(exp_avg=torch.zeros(54))),
+        "group 0, rank 1: use_muon is true, but the group holds optimizer state ['exp_avg'] besides 'momentum_buffer'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_MUON_FILES))
+def test_a_bad_muon_file_is_one_line_naming_what_is_wrong(muon_copy, case):
+    rank, mutate, expected = BAD_MUON_FILES[case]
+    assert expected in refused(muon_copy, rank, mutate)
+
+
+def test_cli_refuses_a_bad_muon_file_with_exit_code_2(muon_copy, tmp_path, capsys):
+    rewrite_rank_file(rank_file(muon_copy, 0), set_flag(1, True))
+    assert zeroshard_cli(["to-universal", str(muon_copy), str(tmp_path / "out"), "--no-progress"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and "parameter 'fc1.bias' of shape [5] is not a matrix" in error
+    assert not (tmp_path / "out").exists()

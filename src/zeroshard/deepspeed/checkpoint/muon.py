@@ -49,7 +49,7 @@ def muon_groups(layout: Layout, param_groups: list[dict[str, Any]], states: list
         if flag is None:
             continue
         if type(flag) is not bool:
-            raise DeepSpeedFormatError(f"{where}: use_muon is {quoted(flag)}, expected true or false")
+            raise DeepSpeedFormatError(f"{where}: use_muon is {flag_text(flag)}, expected true or false")
         if not flag:
             if MOMENTUM in group_states:
                 raise DeepSpeedFormatError(f"{where}: use_muon is false, but the group holds Muon's {MOMENTUM!r}")
@@ -120,19 +120,24 @@ class PartitionMomentum:
 
 
 def partition_states(
-    layout: Layout, states: list[dict[str, StoredTensor]], rank: int, muon: set[int], path: Path
+    layout: Layout, states: list[dict[str, StoredTensor]], param_groups: list[dict[str, Any]], rank: int,
+    muon: set[int], path: Path,
 ) -> list[dict[str, Any]]:
     """Rank ``rank``'s per-group states (from its file ``path``), each Muon group's momentum
-    as a :class:`PartitionMomentum`. A rank whose partition holds no piece of a Muon group's
-    matrices may hold no momentum for it: it reads as zeros."""
-    if not muon:
-        return list(states)
+    as a :class:`PartitionMomentum`, after checking that the file's ``use_muon`` flags are
+    rank 0's. A rank whose partition holds no piece of a Muon group's matrices may hold no
+    momentum for it: it reads as zeros."""
     found: list[dict[str, Any]] = []
-    for group, group_states in zip(layout.groups, states):
-        if group.index not in muon:
+    for group, group_states, hyper in zip(layout.groups, states, param_groups):
+        where = f"{path}, group {group.index}, rank {rank}"
+        is_muon = group.index in muon
+        if (hyper.get(USE_MUON) is True) != is_muon:
+            raise DeepSpeedFormatError(
+                f"{where}: use_muon is {flag_text(hyper.get(USE_MUON))}, rank 0's file says {flag_text(is_muon)}"
+            )
+        if not is_muon:
             found.append(group_states)
             continue
-        where = f"{path}, group {group.index}, rank {rank}"
         others = sorted(set(group_states) - {MOMENTUM})
         if others:
             raise DeepSpeedFormatError(
@@ -140,3 +145,8 @@ def partition_states(
             )
         found.append({MOMENTUM: PartitionMomentum(group_states.get(MOMENTUM), group, rank, where)})
     return found
+
+
+def flag_text(value: Any) -> str:
+    """A ``use_muon`` value for a message: true / false as in the config, anything else quoted."""
+    return str(value).lower() if type(value) is bool else quoted(value)

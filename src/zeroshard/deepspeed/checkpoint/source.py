@@ -74,7 +74,8 @@ class DeepSpeedSource:
             for rank, path in enumerate(rank_paths):
                 shard = first if rank == 0 else read_rank_shard(path, rank, like=first, after=shard)
                 checks.check(shard)
-                self._ranks.append(RankTensors(shard.fp32, partition_states(layout, shard.states, rank, muon, path)))
+                states = partition_states(layout, shard.states, shard.param_groups, rank, muon, path)
+                self._ranks.append(RankTensors(shard.fp32, states))
         problem = next(filter(None, (state_name_problem(name) for group in first.states for name in group)), None)
         if problem:  # an optimizer state no reader could tell from the fp32 masters
             raise DeepSpeedFormatError(f"{rank_paths[0]}: {problem}")
