@@ -36,11 +36,13 @@ MOMENTUM = "momentum_buffer"
 USE_MUON = "use_muon"
 
 
-def muon_groups(layout: Layout, param_groups: list[dict[str, Any]], states: list[dict[str, Any]], path: Path) -> set[int]:
+def muon_groups(
+    layout: Layout, param_groups: list[dict[str, Any]], states: list[dict[str, Any]], path: Path
+) -> set[int]:
     """The indices of the groups rank 0's file ``path`` says are Muon's (``use_muon`` true),
     after checking that their flags agree with their parameters and states: a Muon group
-    holds only matrices and no state but ``momentum_buffer``, a group saying
-    ``use_muon: false`` holds no ``momentum_buffer``. A disagreement is a one-line
+    holds only matrices, a group saying ``use_muon: false`` holds no ``momentum_buffer``
+    (:func:`partition_states` checks each rank's Muon states). A disagreement is a one-line
     DeepSpeedFormatError naming the group and the parameter or state."""
     found = set()
     for group, hyper, group_states in zip(layout.groups, param_groups, states):
@@ -58,13 +60,8 @@ def muon_groups(layout: Layout, param_groups: list[dict[str, Any]], states: list
             if len(slot.spec.shape) < 2:
                 raise DeepSpeedFormatError(
                     f"{where}: use_muon is true, but parameter {quoted(slot.name)} of shape "
-                    f"{list(slot.spec.shape)} is not a matrix (Muon updates matrices only)"
+                    f"{quoted(list(slot.spec.shape))} is not a matrix (Muon updates matrices only)"
                 )
-        others = sorted(set(group_states) - {MOMENTUM})
-        if others:
-            raise DeepSpeedFormatError(
-                f"{where}: use_muon is true, but the group holds optimizer state {quoted(others)} besides {MOMENTUM!r}"
-            )
         found.add(group.index)
     return found
 
