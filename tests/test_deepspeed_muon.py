@@ -273,3 +273,19 @@ def test_cli_refuses_a_bad_muon_file_with_exit_code_2(muon_copy, tmp_path, capsy
     error = capsys.readouterr().err.strip()
     assert "\n" not in error and "parameter 'fc1.bias' of shape [5] is not a matrix" in error
     assert not (tmp_path / "out").exists()
+
+
+def test_a_rank_holding_no_piece_of_a_muon_group_may_hold_no_momentum():
+    """DeepSpeed sizes a rank's momentum by the matrices with a piece in its partition: a rank
+    past the group's last element has none to hold. Its partition (padding) reads as zeros;
+    a rank with a piece and no momentum is refused."""
+    from zeroshard.deepspeed.checkpoint.muon import PartitionMomentum
+    from zeroshard.layout import LayoutPolicy, ParamSpec, build_layout
+
+    layout = build_layout([[ParamSpec.of("w", (3, 2), "bfloat16")]], 8, LayoutPolicy.deepspeed())
+    group = layout.groups[0]
+    assert [len(group.fragments(rank)) for rank in range(8)] == [1, 1, 1, 0, 0, 0, 0, 0]
+    empty = PartitionMomentum(None, group, 5, "rank 5's file")
+    assert empty.numel() == group.partition_numel and not empty.read(0, group.partition_numel).any()
+    with pytest.raises(DeepSpeedFormatError, match="rank 2's file: 'momentum_buffer' is missing, but the 1 matrices"):
+        PartitionMomentum(None, group, 2, "rank 2's file")
