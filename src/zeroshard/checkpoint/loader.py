@@ -98,10 +98,11 @@ def _load(
     if base is not None and (base.layout != layout or base.rank != rank):
         raise ValueError("base must be this rank's state under the layout being loaded")
     loadable = _check_match(source, layout, module_state, strict)
-    # Module only: no optimizer state, so the run may group its parameters its own way.
+    full = load_optimizer_states and not load_module_only
+    # A module-only load reads the weights alone, into any grouping (an AdamW run's
+    # checkpoint into a Muon run's owner groups, and the reverse): no param group to map.
     param_groups = [] if load_module_only else _map_param_groups(source, layout, loadable)
     plans = plan_reads(info.layout, layout, rank, loadable)
-    full = load_optimizer_states and not load_module_only
     evidence.begin(source, layout, rank, loadable, full)
     # Weights cast from whole fp32 masters: their fragments also fill the rank's fp32
     # partitions, so no master byte is read twice.
@@ -126,7 +127,7 @@ def _load(
         fp32_partitions=[to_torch(array) for array in fp32],
         optimizer_states=[{name: to_torch(array) for name, array in group.items()} for group in states],
         optimizer_scalars=scalars,
-        param_groups=[] if load_module_only else param_groups,
+        param_groups=param_groups,
         optimizer_class="" if load_module_only else info.optimizer_class,
         model_state=_to_torch_keeping_ties(weights, info.aliases),
         extra={} if load_module_only else arrays_to_torch(dict(info.extra)),
