@@ -39,6 +39,7 @@ from ..layout.coordinates import ep_rank, expert_numel, shard_rank
 from ..state import ParamGroupState, ShardedState
 from .attest.attestation import Evidence, attest_alone
 from .compat import Mismatch, compare_module, compare_params
+from ..io.budget import quoted
 from ..io.dtypes import arrays_to_torch, cast, dtype_info, dtype_of, to_numpy, to_torch
 from .reshard import GroupPlan, plan_reads
 from .source import ShardSource, param_group_owners, read_into, read_model_tensors, read_param, read_whole_param
@@ -97,9 +98,11 @@ def _load(
     if base is not None and (base.layout != layout or base.rank != rank):
         raise ValueError("base must be this rank's state under the layout being loaded")
     loadable = _check_match(source, layout, module_state, strict)
-    param_groups = _map_param_groups(source, layout, loadable)
-    plans = plan_reads(info.layout, layout, rank, loadable)
     full = load_optimizer_states and not load_module_only
+    # A module-only load reads the weights alone, into any grouping (an AdamW run's
+    # checkpoint into a Muon run's owner groups, and the reverse): no param group to map.
+    param_groups = [] if load_module_only else _map_param_groups(source, layout, loadable)
+    plans = plan_reads(info.layout, layout, rank, loadable)
     evidence.begin(source, layout, rank, loadable, full)
     # Weights cast from whole fp32 masters: their fragments also fill the rank's fp32
     # partitions, so no master byte is read twice.
@@ -124,7 +127,7 @@ def _load(
         fp32_partitions=[to_torch(array) for array in fp32],
         optimizer_states=[{name: to_torch(array) for name, array in group.items()} for group in states],
         optimizer_scalars=scalars,
-        param_groups=[] if load_module_only else param_groups,
+        param_groups=param_groups,
         optimizer_class="" if load_module_only else info.optimizer_class,
         model_state=_to_torch_keeping_ties(weights, info.aliases),
         extra={} if load_module_only else arrays_to_torch(dict(info.extra)),
@@ -358,13 +361,41 @@ def _map_param_groups(source: ShardSource, layout: Layout, loadable: set[str]) -
     for group in layout.groups:
         found = {owner_of_param[slot.name] for slot in group.params if slot.name in loadable}
         if len(found) > 1 or -1 in found:
-            raise ValueError(
-                f"layout group {group.index} holds parameters of saved param groups {sorted(found)}; "
-                "group the run's parameters as the checkpoint does"
-            )
+            raise ValueError(_mixed_groups_message(source, group, loadable, owner_of_param))
         owners.append(found.pop() if found else None)
     states = [
         ParamGroupState(arrays_to_torch(dict(saved.hyperparameters)), [g for g, owner in enumerate(owners) if owner == index])
         for index, saved in enumerate(info.param_groups)
     ]
     return [state for state in states if state.layout_groups]
+
+
+SHOWN_GROUPS = 3  # saved param groups a mixed-groups error describes (a hostile file may have thousands)
+
+
+def _mixed_groups_message(
+    source: ShardSource, group: GroupLayout, loadable: set[str], owner_of_param: Mapping[str, int]
+) -> str:
+    """Names the first parameter of each saved param group that ``group`` draws from, with what
+    that group trained it with (its optimizer states, and DeepSpeed's ``use_muon`` flag when
+    it has one): a Muon matrix grouped with AdamW's parameters is found here."""
+    first_of: dict[int, str] = {}
+    for slot in group.params:
+        if slot.name in loadable:
+            first_of.setdefault(owner_of_param[slot.name], slot.name)
+    described = []
+    for owner, name in sorted(first_of.items())[:SHOWN_GROUPS]:
+        if owner == -1:
+            described.append(f"{quoted(name)} (in no saved param group)")
+            continue
+        saved = source.info.param_groups[owner]
+        states = sorted({key for g in saved.layout_groups for key in source.info.state_keys[g]})
+        flag = saved.hyperparameters.get("use_muon")
+        flag_text = f"use_muon {str(flag).lower()}, " if isinstance(flag, bool) else ""
+        described.append(f"{quoted(name)} of saved param group {owner} ({flag_text}states {quoted(states)})")
+    if len(first_of) > SHOWN_GROUPS:
+        described.append(f"{len(first_of) - SHOWN_GROUPS} more")
+    return (
+        f"layout group {group.index} holds parameters of saved param groups {quoted(sorted(first_of))}: "
+        f"{'; '.join(described)}; group the run's parameters as the checkpoint does, or load with load_module_only"
+    )
