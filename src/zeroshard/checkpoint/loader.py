@@ -39,6 +39,7 @@ from ..layout.coordinates import ep_rank, expert_numel, shard_rank
 from ..state import ParamGroupState, ShardedState
 from .attest.attestation import Evidence, attest_alone
 from .compat import Mismatch, compare_module, compare_params
+from ..io.budget import quoted
 from ..io.dtypes import arrays_to_torch, cast, dtype_info, dtype_of, to_numpy, to_torch
 from .reshard import GroupPlan, plan_reads
 from .source import ShardSource, param_group_owners, read_into, read_model_tensors, read_param, read_whole_param
@@ -367,10 +368,7 @@ def _map_param_groups(source: ShardSource, layout: Layout, loadable: set[str]) -
                 "loads the weights alone)"
             )
         if len(found) > 1 or -1 in found:
-            raise ValueError(
-                f"layout group {group.index} holds parameters of saved param groups {sorted(found)}; "
-                "group the run's parameters as the checkpoint does"
-            )
+            raise ValueError(_mixed_groups_message(source, group, loadable, owner_of_param))
         owners.append(found.pop() if found else None)
     states = [
         ParamGroupState(
@@ -381,3 +379,34 @@ def _map_param_groups(source: ShardSource, layout: Layout, loadable: set[str]) -
         for index, saved in enumerate(info.param_groups)
     ]
     return [state for state in states if state.layout_groups]
+
+
+SHOWN_GROUPS = 3  # saved param groups a mixed-groups error describes (a hostile file may have thousands)
+
+
+def _mixed_groups_message(
+    source: ShardSource, group: GroupLayout, loadable: set[str], owner_of_param: Mapping[str, int]
+) -> str:
+    """Names the first parameter of each saved param group that ``group`` draws from, with what
+    that group trained it with (its optimizer states, and DeepSpeed's ``use_muon`` flag when
+    it has one): a Muon matrix grouped with AdamW's parameters is found here."""
+    first_of: dict[int, str] = {}
+    for slot in group.params:
+        if slot.name in loadable:
+            first_of.setdefault(owner_of_param[slot.name], slot.name)
+    described = []
+    for owner, name in sorted(first_of.items())[:SHOWN_GROUPS]:
+        if owner == -1:
+            described.append(f"{quoted(name)} (in no saved param group)")
+            continue
+        saved = source.info.param_groups[owner]
+        states = sorted({key for g in saved.layout_groups for key in source.info.state_keys[g]})
+        flag = saved.hyperparameters.get("use_muon")
+        flag_text = f"use_muon {str(flag).lower()}, " if isinstance(flag, bool) else ""
+        described.append(f"{quoted(name)} of saved param group {owner} ({flag_text}states {quoted(states)})")
+    if len(first_of) > SHOWN_GROUPS:
+        described.append(f"{len(first_of) - SHOWN_GROUPS} more")
+    return (
+        f"layout group {group.index} holds parameters of saved param groups {quoted(sorted(first_of))}: "
+        f"{'; '.join(described)}; group the run's parameters as the checkpoint does, or load with load_module_only"
+    )
