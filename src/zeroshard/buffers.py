@@ -38,8 +38,9 @@ class FlatParamBuffer:
         return self.data[bucket.start : bucket.end]
 
     def rank_slice(self, bucket_index: int, rank: int) -> torch.Tensor:
-        """The slice of the bucket that ``rank`` (of the group's shard group) owns (a view)."""
-        begin, end = self.group.buckets[bucket_index].rank_range(rank)
+        """The slice of the bucket that ``rank`` (of the group's shard group) owns (a view;
+        in an owner group, of the rank's own length, possibly empty)."""
+        begin, end, _ = self.group.bucket_slice(bucket_index, rank)
         return self.data[begin:end]
 
     def param_view(self, param_index: int) -> torch.Tensor:

@@ -5,6 +5,10 @@ initialised process group it acts as a world of one, so the engine also runs in 
 single process. The byte counts record each call's payload (the reduce-scatter input, the
 all-gather output, the all-reduced tensor) so benchmarks can check what a step moves.
 
+The partitioning collectives take ``sizes``, each rank's share of the input (reduce-scatter)
+or output (all-gather) in rank order, for partitions of different sizes (an owner group's
+buckets, ``zeroshard.layout.owners``); None means equal shares.
+
 ``agree`` and ``checked`` make a collective method fail on every rank or on none: each rank
 runs its checks, then one small all-reduce tells every rank whether any rank failed or was
 called with other arguments, and if so every rank raises the same error.
@@ -61,6 +65,19 @@ class _Done:
         return True
 
 
+class _AllDone:
+    """Handle of several collectives: waits for each."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self._works = works
+
+    def wait(self) -> bool:
+        for work in self._works:
+            work.wait()
+        self._works = []
+        return True
+
+
 class _Widening:
     """Handle of ``reduce_scatter_widened``: on wait, output <- the float32 sum of ``parts``
     (every rank's part in rank order, or one already summed), in that order."""
@@ -112,18 +129,28 @@ class Collectives:
         """The group's backend ("gloo", "nccl", ...), or "local" without torch.distributed."""
         return dist.get_backend(self.group) if self.distributed else "local"
 
-    def reduce_scatter_sum(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+    def reduce_scatter_sum(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, sizes: list[int] | None = None
+    ):
         """Collective over ``group``: output (one partition) <- the sum over ranks of this
-        rank's partition of input. Returns a handle to ``wait()`` on (done at once unless
-        ``async_op``)."""
+        rank's partition of input (``sizes``: the partitions' lengths, in rank order; None:
+        equal). Returns a handle to ``wait()`` on (done at once unless ``async_op``)."""
         self.bytes_moved["reduce_scatter"] += input.numel() * input.element_size()
         if self.world_size == 1:
             output.copy_(input)
             return _Done()
+        if sizes is not None:  # gloo and NCCL both take unequal parts in the list form
+            parts = list(input.split(list(sizes)))
+            return dist.reduce_scatter(output, parts, group=self.group, async_op=async_op) or _Done()
         return _reduce_scatter(output, input, group=self.group, async_op=async_op) or _Done()
 
     def reduce_scatter_widened(
-        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, scratch: torch.Tensor | None = None
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        async_op: bool = False,
+        scratch: torch.Tensor | None = None,
+        sizes: list[int] | None = None,
     ):
         """Collective over ``group``: output (float32, one partition) <- the sum over ranks of
         this rank's partition of input. Returns a handle; ``output`` is complete once it is
@@ -135,16 +162,19 @@ class Collectives:
         rank order, once the handle is waited on (two ranks send each other only the
         other's half; a rank's own part is read where it is). Other backends reduce-scatter
         in input's dtype (summing in it) and the result is widened on wait. ``scratch``, if
-        given, is the receive buffer: ``widening_scratch_numel(input.numel())`` elements of
-        input's dtype, free once the handle is waited on; else one is allocated.
+        given, is the receive buffer: ``widening_scratch_numel(input.numel(), sizes)`` elements
+        of input's dtype, free once the handle is waited on; else one is allocated. ``sizes``:
+        the partitions' lengths, in rank order (None: equal).
         """
         self.bytes_moved["reduce_scatter"] += input.numel() * input.element_size()
         if self.world_size == 1:
             output.copy_(input)
             return _Done()
         if scratch is None:
-            scratch = torch.empty(self.widening_scratch_numel(input.numel()), dtype=input.dtype, device=input.device)
-        if self.backend == "gloo" and self.world_size == 2:
+            scratch = torch.empty(self.widening_scratch_numel(input.numel(), sizes), dtype=input.dtype, device=input.device)
+        if sizes is not None:
+            work, parts = self._reduce_uneven_parts(scratch, input, list(sizes))
+        elif self.backend == "gloo" and self.world_size == 2:
             halves = input.view(2, -1)
             work = self._swap_with_peer(scratch, halves[1 - self.rank], async_op=True)
             parts = [halves[0], scratch] if self.rank == 0 else [scratch, halves[1]]
@@ -160,24 +190,49 @@ class Collectives:
             return _Done()
         return handle
 
-    def widening_scratch_numel(self, input_numel: int) -> int:
+    def _reduce_uneven_parts(self, scratch: torch.Tensor, input: torch.Tensor, sizes: list[int]):
+        """Start moving every rank's part of this rank's partition (of ``sizes``) into
+        ``scratch``: on gloo all of them (an all-to-all), else their sum (a reduce-scatter
+        in input's dtype). Returns the work and the parts to sum on wait."""
+        mine = sizes[self.rank]
+        if self.backend == "gloo":
+            received = scratch[: self.world_size * mine]
+            work = dist.all_to_all_single(
+                received, input, output_split_sizes=[mine] * self.world_size, input_split_sizes=sizes, group=self.group, async_op=True
+            )
+            return work, list(received.view(self.world_size, mine))
+        work = dist.reduce_scatter(scratch[:mine], list(input.split(sizes)), group=self.group, async_op=True)
+        return work, [scratch[:mine]]
+
+    def widening_scratch_numel(self, input_numel: int, sizes: list[int] | None = None) -> int:
         """Elements of the receive buffer ``reduce_scatter_widened`` needs for an input of
         ``input_numel``: all of it on gloo (every rank's part), one partition for two gloo
-        ranks (the peer's part) and on other backends (the sum)."""
+        ranks (the peer's part) and on other backends (the sum). With ``sizes``: every
+        rank's part of this rank's partition on gloo, the partition elsewhere."""
         if self.world_size == 1:
             return 0
+        if sizes is not None:
+            mine = sizes[self.rank]
+            return mine * self.world_size if self.backend == "gloo" else mine
         if self.backend == "gloo" and self.world_size > 2:
             return input_numel
         return input_numel // self.world_size
 
-    def all_gather_into(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+    def all_gather_into(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, sizes: list[int] | None = None
+    ):
         """Collective over ``group``: output <- the concatenation of every rank's input (input
-        may be this rank's slice of output). Returns a handle to ``wait()`` on.
+        may be this rank's slice of output; ``sizes``: every rank's input length, in rank
+        order; None: equal). Returns a handle to ``wait()`` on.
 
         Two gloo ranks swap their inputs with one all-to-all that sends nothing to itself:
         the same bytes on the wire as gloo's all-gather, at about half its time and CPU on
-        loopback (benchmarks/README.md, engine_phases.py)."""
+        loopback (benchmarks/README.md, engine_phases.py). Unequal inputs: gloo broadcasts
+        each rank's nonempty input into its place in output; other backends take the list
+        form of all-gather, which sizes each rank's part."""
         self.bytes_moved["all_gather"] += output.numel() * output.element_size()
+        if sizes is not None:
+            return self._all_gather_uneven(output, input, list(sizes), async_op)
         own = output.view(self.world_size, -1)[self.rank]
         swap = self.world_size == 2 and self.backend == "gloo"
         if (self.world_size == 1 or swap) and input.data_ptr() != own.data_ptr():
@@ -187,6 +242,26 @@ class Collectives:
         if swap:
             return self._swap_with_peer(output.view(2, -1)[1 - self.rank], own, async_op) or _Done()
         return _all_gather(output, input, group=self.group, async_op=async_op) or _Done()
+
+    def _all_gather_uneven(self, output: torch.Tensor, input: torch.Tensor, sizes: list[int], async_op: bool):
+        parts = list(output.split(sizes))
+        own = parts[self.rank]
+        if input.data_ptr() != own.data_ptr() or input.numel() != own.numel():
+            own.copy_(input)
+        if self.world_size == 1:
+            return _Done()
+        if self.backend != "gloo":
+            return dist.all_gather(parts, own, group=self.group, async_op=async_op) or _Done()
+        works = [
+            dist.broadcast(part, src=self._global_rank(rank), group=self.group, async_op=True)
+            for rank, part in enumerate(parts)
+            if part.numel()
+        ]
+        handle = _AllDone(works)
+        if not async_op:
+            handle.wait()
+            return _Done()
+        return handle
 
     def _swap_with_peer(self, received: torch.Tensor, sent: torch.Tensor, async_op: bool):
         """Of two ranks: send ``sent`` to the peer and receive what it sends into ``received``

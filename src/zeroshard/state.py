@@ -33,6 +33,7 @@ class ParamGroupState:
 
     hyperparameters: dict[str, Any]  # lr, betas, weight_decay, ... (JSON-able)
     layout_groups: list[int]  # indices into Layout.groups (one per dtype in the group)
+    optimizer: str = ""  # the group's optimizer class ("torch.optim._muon.Muon"); "": not recorded
 
 
 @dataclass

@@ -360,11 +360,22 @@ def _map_param_groups(source: ShardSource, layout: Layout, loadable: set[str]) -
     owners: list[int | None] = []
     for group in layout.groups:
         found = {owner_of_param[slot.name] for slot in group.params if slot.name in loadable}
+        trained_by = {info.param_groups[owner].optimizer or info.optimizer_class for owner in found if owner >= 0}
+        if len(trained_by) > 1:
+            raise ValueError(
+                f"layout group {group.index} holds parameters that the checkpoint's optimizers {sorted(trained_by)} "
+                "trained; its optimizer state loads only into a run that trains them as it did (load_module_only=True "
+                "loads the weights alone)"
+            )
         if len(found) > 1 or -1 in found:
             raise ValueError(_mixed_groups_message(source, group, loadable, owner_of_param))
         owners.append(found.pop() if found else None)
     states = [
-        ParamGroupState(arrays_to_torch(dict(saved.hyperparameters)), [g for g, owner in enumerate(owners) if owner == index])
+        ParamGroupState(
+            arrays_to_torch(dict(saved.hyperparameters)),
+            [g for g, owner in enumerate(owners) if owner == index],
+            saved.optimizer,
+        )
         for index, saved in enumerate(info.param_groups)
     ]
     return [state for state in states if state.layout_groups]

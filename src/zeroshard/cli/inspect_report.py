@@ -20,6 +20,7 @@ from ..checkpoint.native.handle import Checkpoint
 from ..checkpoint.universal.format import MANIFEST_FILE as UNIVERSAL_MANIFEST_FILE
 from ..checkpoint.universal.read import UniversalCheckpoint
 from ..layout import Layout, LayoutPolicy, build_layout
+from ..state import ParamGroupState
 from .expert_report import every_expert_numel, group_partitioning, shard_group_lines, universal_expert_lines
 
 OPTIMIZER_STEP_KEYS = ("global_steps", "global_step")  # counted by the engine / DeepSpeed: optimizer steps taken
@@ -64,6 +65,7 @@ def describe_native(ckpt: Checkpoint, *, list_all_files: bool = False) -> list[s
             len(manifest.param_groups),
             [list(record.states) for record in manifest.groups],
             [list(record.scalars) for record in manifest.groups],
+            _group_optimizers(manifest.param_groups, len(manifest.layout.groups)),
         ),
     ]
     frozen = sum(1 for t in manifest.model_tensors.values() if t.kind != "trainable")
@@ -142,7 +144,7 @@ def describe_universal(ckpt: UniversalCheckpoint, *, list_all_files: bool = Fals
         lines.append(
             f"  group {index}: {len(params)} parameters, {sum(p.numel for p in params):,} elements "
             f"(trained in {', '.join(dtypes) or '-'}); state {', '.join(states) or '-'}; "
-            f"scalars {', '.join(group.scalars) or '-'}"
+            f"scalars {', '.join(group.scalars) or '-'}" + (f"; optimizer {group.optimizer}" if group.optimizer else "")
         )
     lines.append(
         f"parameters: {len(manifest.params)} trainable ({sum(p.numel for p in manifest.params.values()):,} elements); "
@@ -237,8 +239,10 @@ def _layout_lines(
     param_group_count: int,
     states: Sequence[Sequence[str]],
     scalars: Sequence[Sequence[str]],
+    optimizers: Sequence[str] = (),
 ) -> list[str]:
-    """Policy, optimizer, and one line per layout group."""
+    """Policy, optimizer, and one line per layout group (``optimizers``: each one's optimizer
+    class where the run's optimizer is several; an owner group says it keeps whole matrices)."""
     lines = [
         f"layout policy: {layout.policy.describe()}",
         f"optimizer: {optimizer_class or '-'}, {param_group_count} param group(s)",
@@ -247,13 +251,27 @@ def _layout_lines(
     for group in layout.groups:
         padding = group.inter_param_padding + group.tail_padding
         partitioning = group_partitioning(layout, group)
+        if group.owner:
+            partitioning = ", ".join(filter(None, (partitioning, "whole matrices per rank")))
+        trained_by = f"; optimizer {optimizers[group.index]}" if optimizers and optimizers[group.index] else ""
         lines.append(
             f"  group {group.index} ({group.dtype}{', ' + partitioning if partitioning else ''}): "
             f"{len(group.params)} parameters, {group.param_numel:,} elements, "
             f"{len(group.buckets)} bucket(s), {group.partition_numel:,} elements per rank, {padding:,} padding; "
-            f"state {', '.join(states[group.index]) or '-'}; scalars {', '.join(scalars[group.index]) or '-'}"
+            f"state {', '.join(states[group.index]) or '-'}; scalars {', '.join(scalars[group.index]) or '-'}{trained_by}"
         )
     return lines + shard_group_lines(layout)
+
+
+def _group_optimizers(param_groups: Sequence[ParamGroupState], group_count: int) -> list[str]:
+    """Each layout group's optimizer class as its param group records it ("" where none does:
+    the run's one class)."""
+    found = [""] * group_count
+    for param_group in param_groups:
+        for index in param_group.layout_groups:
+            if 0 <= index < group_count:
+                found[index] = param_group.optimizer
+    return found
 
 
 def _trainable(layout: Layout) -> str:

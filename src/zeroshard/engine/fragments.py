@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .state_io import partition_state
+
 if TYPE_CHECKING:
     from .parts import EngineParts as _Engine  # the parts the class mixing it in provides
 else:
@@ -214,12 +216,13 @@ class FragmentAccess(_Engine):
         return self.reducer.partition_grads[group_index]
 
     def _state_of(self, group_index: int, key: str) -> torch.Tensor:
-        state = self.optimizer.state.get(self.masters[group_index], {})
-        tensor = state.get(key)
+        states, scalars = partition_state(self, group_index)
+        tensor = states.get(key)
+        if tensor is None and key in scalars:
+            shape = tuple(scalars[key].shape)
+            raise KeyError(f"optimizer state {key!r} is not partition-shaped (shape {shape}); read it from engine.optimizer.state")
         if tensor is None:
-            raise KeyError(f"optimizer has no state {key!r} (yet) for group {group_index}; it has {sorted(state)}")
-        if tensor.dim() != 1 or tensor.numel() != self.masters[group_index].numel():
-            raise KeyError(f"optimizer state {key!r} is not partition-shaped (shape {tuple(tensor.shape)}); read it from engine.optimizer.state")
+            raise KeyError(f"optimizer has no state {key!r} (yet) for group {group_index}; it has {sorted({**states, **scalars})}")
         return tensor
 
     # ---- mechanics ------------------------------------------------------------------------

@@ -39,6 +39,10 @@ or the widening's output is the partition slice itself), saving a temporary and 
 pass per bucket. Reading ``partition_grads`` from outside zero-fills what is still
 stale first, so every reader and writer sees the gradient so far.
 
+An owner group's buckets (``zeroshard.layout.owners``) are cut into slices of different
+lengths, rank by rank, each holding whole matrices: each bucket is still one reduce-scatter,
+whose parts are those lengths (``sizes``), so each matrix's gradient reaches its owner alone.
+
 Buckets are reduced in a fixed order on every rank, so the collectives match even when
 hooks fire in another order: the order backward usually completes them, latest-registered
 parameters first. At most ``MAX_IN_FLIGHT`` bucket reductions are outstanding; launching
@@ -96,6 +100,8 @@ class GradientReducer:
             self.group_comms = [self.comm] * len(self.buffers)
         self._divisor = self.comm.world_size  # W, for expert groups too (see the module doc)
         self._widened = [dtype != torch.float32 for dtype in self.reduce_dtypes]
+        self._slices = {key: self._slice_of(*key) for key in self._all_buckets()}  # (partition start, length)
+        self._sizes = {key: self._sizes_of(*key) for key in self._all_buckets()}  # None: equal parts
         self._grads = [torch.zeros(b.group.partition_numel, dtype=torch.float32, device=device) for b in self.buffers]
         self._stale: set[tuple[int, int]] = set()  # buckets whose partition slice is stale, to be taken as zero
         # Stage 1: persistent full-size accumulators. Stage 2: bucket buffers made on demand.
@@ -126,8 +132,27 @@ class GradientReducer:
         return self._grads
 
     def _partition_slice(self, group_index: int, bucket_index: int) -> torch.Tensor:
-        bucket = self.buffers[group_index].group.buckets[bucket_index]
-        return self._grads[group_index][bucket.partition_start : bucket.partition_start + bucket.partition_numel]
+        start, length = self._slices[(group_index, bucket_index)]
+        return self._grads[group_index][start : start + length]
+
+    def bucket_sizes(self, group_index: int, bucket_index: int) -> list[int] | None:
+        """Every rank's slice length of an owner group's bucket, in rank order; None for an
+        even group's (equal slices)."""
+        return self._sizes[(group_index, bucket_index)]
+
+    def _slice_of(self, group_index: int, bucket_index: int) -> tuple[int, int]:
+        """(partition offset, length) of this rank's slice of the bucket."""
+        rank = self.group_comms[group_index].rank
+        begin, end, start = self.buffers[group_index].group.bucket_slice(bucket_index, rank)
+        return start, end - begin
+
+    def _sizes_of(self, group_index: int, bucket_index: int) -> list[int] | None:
+        """Every rank's slice length of an owner group's bucket; None for an even group's."""
+        group = self.buffers[group_index].group
+        if not group.owner:
+            return None
+        slices = (group.bucket_slice(bucket_index, rank) for rank in range(group.world_size))
+        return [end - begin for begin, end, _ in slices]
 
     def _reduction_order(self) -> list[tuple[int, int]]:
         """Buckets by the latest-registered parameter they hold, latest first: backward
@@ -152,8 +177,9 @@ class GradientReducer:
             itemsize = self.reduce_dtypes[group_index].itemsize
             comm = self.group_comms[group_index]
             for bucket in buffer.group.buckets:
-                scratch = comm.widening_scratch_numel(bucket.numel) if self._widened[group_index] else 0
-                largest = max(largest, itemsize * (bucket.numel + scratch) + 4 * bucket.partition_numel)
+                key = (group_index, bucket.index)
+                scratch = comm.widening_scratch_numel(bucket.numel, self._sizes[key]) if self._widened[group_index] else 0
+                largest = max(largest, itemsize * (bucket.numel + scratch) + 4 * self._slices[key][1])
         return (MAX_IN_FLIGHT + 1) * largest
 
     def _gaps_of(self, group_index: int, bucket_index: int) -> list[tuple[int, int]]:
@@ -260,12 +286,13 @@ class GradientReducer:
         else:
             output = self._temporary(self._partition_slice(*key).numel(), torch.float32, pooled)
         borrowed = [payload] + ([] if in_place else [output])
+        sizes = self._sizes[key]
         if self._widened[group_index]:
-            scratch = self._temporary(comm.widening_scratch_numel(payload.numel()), payload.dtype, pooled)
+            scratch = self._temporary(comm.widening_scratch_numel(payload.numel(), sizes), payload.dtype, pooled)
             borrowed.append(scratch)
-            handle = comm.reduce_scatter_widened(output, payload, async_op=True, scratch=scratch)
+            handle = comm.reduce_scatter_widened(output, payload, async_op=True, scratch=scratch, sizes=sizes)
         else:
-            handle = comm.reduce_scatter_sum(output, payload, async_op=True)
+            handle = comm.reduce_scatter_sum(output, payload, async_op=True, sizes=sizes)
         return _BucketReduction(payload, output, handle, in_place, borrowed if pooled else [])
 
     def _temporary(self, numel: int, dtype: torch.dtype, pooled: bool) -> torch.Tensor:

@@ -11,6 +11,9 @@ expert-data-parallel group instead of all ranks. Two optional keys describe them
 experts on EP ranks (default: contiguous), and ``"expert_stacks"``, parameter name ->
 :class:`~zeroshard.layout.ExpertStack` (default: ``UNDECLARED_STACK``). None of the three
 keys is passed to the optimizer.
+
+A dict group may name its own torch optimizer class under ``"optimizer"`` (say
+``torch.optim.AdamW`` beside a ``torch.optim.Muon`` engine); it is not passed on either.
 """
 
 from __future__ import annotations
@@ -24,14 +27,16 @@ from torch import nn
 from ..layout import UNDECLARED_STACK, ExpertStack, ParamSpec, check_expert_map
 
 EXPERT_KEYS = ("expert", "expert_map", "expert_stacks")
+OPTIMIZER_KEY = "optimizer"  # a group's own torch optimizer class
 
 
 @dataclass
 class UserGroup:
     """A torch-style param group after resolution."""
 
-    options: dict[str, Any]  # everything but "params" and the EXPERT_KEYS
+    options: dict[str, Any]  # everything but "params", the EXPERT_KEYS and OPTIMIZER_KEY
     expert: bool = False
+    optimizer_class: type | None = None  # the group's own optimizer class; None: the engine's
     layout_groups: list[int] = field(default_factory=list)
     expert_map: tuple[tuple[int, ...], ...] | None = None  # None: contiguous
     expert_stacks: dict[str, ExpertStack] = field(default_factory=dict)  # by parameter name
@@ -53,6 +58,11 @@ class Grouping:
     def user_group_of(self, layout_group: int) -> UserGroup:
         """The (resolved) param group layout group ``layout_group`` comes from."""
         return self.user_groups[self.layout_user_group[layout_group]]
+
+    def optimizer_of(self, layout_group: int, default: type) -> type:
+        """The optimizer class that trains layout group ``layout_group`` (its param group's
+        own, else ``default``)."""
+        return self.user_group_of(layout_group).optimizer_class or default
 
     def stacks(self, layout_group: int) -> tuple[ExpertStack, ...]:
         """The stack of each parameter of an expert layout group (UNDECLARED_STACK where
@@ -116,7 +126,14 @@ def _user_group(index: int, group: dict[str, Any]) -> UserGroup:
     expert = group.get("expert", False)
     if not isinstance(expert, bool):
         raise ValueError(f"param group {index}: 'expert' must be True or False, got {expert!r}")
-    options = {k: v for k, v in group.items() if k not in ("params", *EXPERT_KEYS)}
+    options = {k: v for k, v in group.items() if k not in ("params", OPTIMIZER_KEY, *EXPERT_KEYS)}
+    optimizer_class = group.get(OPTIMIZER_KEY)
+    if optimizer_class is not None and not (
+        isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)
+    ):
+        raise ValueError(
+            f"param group {index}: {OPTIMIZER_KEY!r} must be a torch.optim.Optimizer class, got {type(optimizer_class).__name__}"
+        )
     placement, stacks = group.get("expert_map"), group.get("expert_stacks") or {}
     if not expert and (placement is not None or stacks):
         raise ValueError(f"param group {index}: 'expert_map' and 'expert_stacks' describe expert groups only")
@@ -127,7 +144,7 @@ def _user_group(index: int, group: dict[str, Any]) -> UserGroup:
             raise ValueError(f"param group {index}: {err}") from None
     if not isinstance(stacks, dict) or not all(isinstance(v, ExpertStack) for v in stacks.values()):
         raise ValueError(f"param group {index}: 'expert_stacks' must map parameter names to ExpertStack")
-    return UserGroup(options, expert, expert_map=placement, expert_stacks=dict(stacks))
+    return UserGroup(options, expert, optimizer_class, expert_map=placement, expert_stacks=dict(stacks))
 
 
 def _check_described(index: int, user: UserGroup, result: Grouping) -> None:

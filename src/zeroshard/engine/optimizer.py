@@ -8,6 +8,12 @@ A step: finish the gradient reduction, unscale (fp16), skip on overflow (decided
 ranks together), clip by the global norm, let the torch optimizer update the partitions,
 then write them back in the parameter dtype and all-gather the flat buffers in place.
 
+Optimizers of whole matrices (``torch.optim.Muon``; see ``matrices``): the layout groups they
+train are owner groups, every matrix whole in one rank's partition, and the optimizer gets
+each matrix the rank owns as a 2-D view of its master partition. A param group may name its
+own optimizer class (``"optimizer": torch.optim.AdamW`` for what is not a matrix); the
+optimizers of several classes are stepped as one (``multi.MultiOptimizer``).
+
 Mixture of experts: param groups flagged ``"expert": True`` hold stacked expert weights
 (different on each expert-parallel rank). Their layout groups are partitioned over the
 expert-data-parallel process group (``expert_process_group``, W / EP ranks) and reduced,
@@ -34,6 +40,8 @@ from . import setup, state_io
 from .fragments import FragmentAccess
 from .gradients import GradientReducer
 from .grouping import Grouping, resolve_groups
+from .matrices import MatrixStates
+from .multi import build_optimizer
 from .scaler import LossScaler
 from .shard_state import load_shard, shard_mismatch, shard_state_dict
 
@@ -73,7 +81,12 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         param_groups: as for torch optimizers: an iterable of parameters or of dicts with
             "params" and per-group options. None means all trainable parameters. A dict
             with ``"expert": True`` holds expert parameters (``zeroshard.moe.moe_param_groups``):
-            stacked weights whose first dimension is this rank's E / EP local experts.
+            stacked weights whose first dimension is this rank's E / EP local experts. A
+            dict may name its own optimizer class under ``"optimizer"`` (with its own
+            options in the dict; ``**defaults`` are ``optimizer_class``'s): Muon for the
+            matrices and ``{"params": rest, "optimizer": torch.optim.AdamW, "lr": ...}``.
+            An optimizer of whole matrices (``torch.optim.Muon``, or a class with
+            ``zeroshard_whole_matrices = True``) gets each matrix whole, on one rank.
         stage: 1 (shard master weights and optimizer state) or 2 (also gradients).
         param_dtype: cast floating-point parameters to this dtype (bf16, fp16); the fp32
             master weights start from the values before the cast. None keeps their dtypes.
@@ -110,8 +123,10 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
             parameters or with one not in the model, a parameter that is not contiguous or
             not floating-point, parameters on several devices, an expert group without
             ``expert_process_group``, a ``layout`` that does not fit, an unknown
-            ``reduce_dtype``); or, on every rank, when the ranks' layouts differ or the
-            expert process group is not the expert mesh's (``zeroshard.moe.new_expert_groups``).
+            ``reduce_dtype``, a parameter that is not a matrix in a group of an optimizer
+            of whole matrices, options such an optimizer refuses); or, on every rank, when
+            the ranks' layouts differ or the expert process group is not the expert
+            mesh's (``zeroshard.moe.new_expert_groups``).
     """
 
     def __init__(
@@ -145,8 +160,9 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         self.offload = offload
         self.comm = Collectives(process_group)
         self.grouping: Grouping = resolve_groups(model, param_groups, param_dtype)
+        owners = setup.owner_groups(self.grouping, optimizer_class, defaults)
         self.comms = setup.shard_group_collectives(self.comm, self.grouping, expert_process_group)
-        self.layout = setup.resolve_layout(self.grouping, self.comms, stage, layout, policy)
+        self.layout = setup.resolve_layout(self.grouping, self.comms, stage, layout, policy, owners)
         self.layout_digest = setup.check_same_layout_on_every_rank(self.layout, self.comms)
 
         self.device = self.grouping.layout_params[0][0].device
@@ -165,7 +181,9 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
             buffer.data.copy_(values)  # every rank now holds rank 0's values
         del initial
 
-        self.optimizer = optimizer_class(self._torch_param_groups(), **defaults)
+        self.matrices = MatrixStates.of(self.masters, self.layout.groups, self.rank_in)
+        classes = setup.optimizer_classes(self.grouping, optimizer_class)
+        self.optimizer = build_optimizer(self._torch_param_groups(), classes, optimizer_class, defaults)
         # torch's own set-up (hooks, profiling, the param-group checks) over the wrapped
         # optimizer's groups; param_groups, state and defaults write through to it.
         self._groups_fixed = False
@@ -258,6 +276,9 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
             problem = shard_mismatch(self, state_dict)
         self._raise_if_any_rank_failed(problem)
         load_shard(self, state_dict)
+        self.matrices.clear()
+        self.matrices.adopt(self.optimizer.state)
+        self.matrices.agree(self.comm, self.master_device)
         self.reducer.zero_grad()
         self._write_back_and_gather()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
@@ -331,11 +352,19 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
             self.reducer.zero_grad()
             return False
         self.last_grad_norm = float(self._clip(grads))
-        for master, grad in zip(self.masters, grads):
-            master.grad = grad.to(self.master_device, copy=self.offload)
+        for master, grad, views in zip(self.masters, grads, self.matrices.views):
+            grad = grad.to(self.master_device, copy=self.offload)
+            if views is None:
+                master.grad = grad
+            for view in views or ():
+                view.param.grad = view.of(grad)
         self.optimizer.step()
-        for master in self.masters:
+        for master, views in zip(self.masters, self.matrices.views):
             master.grad = None
+            for view in views or ():
+                view.param.grad = None
+        self.matrices.adopt(self.optimizer.state)
+        self.matrices.agree(self.comm, self.master_device)  # collective, once: the first step with state
         self._write_back_and_gather()
         self.scaler.update(overflow=False)
         self.global_steps += 1
@@ -352,9 +381,8 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         master = sum(m.numel() * m.element_size() for m in self.masters)
         state = sum(
             t.numel() * t.element_size()
-            for m in self.masters
-            for t in self.optimizer.state.get(m, {}).values()
-            if torch.is_tensor(t) and t.dim() > 0
+            for index in range(len(self.masters))
+            for t in state_io.partition_state(self, index)[0].values()
         )
         pool = self.reducer.pool_bytes
         grads = sum(t.numel() * t.element_size() for t in self.reducer.held_tensors()) - pool
@@ -415,10 +443,16 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
     # ---- internals ----------------------------------------------------------------------------
 
     def _torch_param_groups(self) -> list[dict[str, Any]]:
+        """Per param group: its options and what its optimizer updates, the fp32 master
+        partition of each of its layout groups, or the matrices of an owner group."""
         return [
-            {**user.options, "params": [self.masters[g] for g in user.layout_groups]}
+            {**user.options, "params": [p for g in user.layout_groups for p in self._updated(g)]}
             for user in self.grouping.user_groups
         ]
+
+    def _updated(self, group_index: int) -> list[nn.Parameter]:
+        views = self.matrices.views[group_index]
+        return [self.masters[group_index]] if views is None else [view.param for view in views]
 
     def _raise_if_any_rank_failed(self, problem: str | None) -> None:
         """Collective: raise the same ValueError on every rank if any rank has a problem."""
@@ -464,9 +498,12 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
     def _write_back_and_gather(self) -> None:
         handles = []
         for buffer, master, comm in zip(self.buffers, self.masters, self.group_comms):
-            for bucket in buffer.group.buckets:
-                own = buffer.rank_slice(bucket.index, comm.rank)
-                own.copy_(master.detach()[bucket.partition_start : bucket.partition_start + bucket.partition_numel])
-                handles.append(comm.all_gather_into(buffer.bucket_view(bucket.index), own, async_op=True))
+            group = buffer.group
+            for bucket in group.buckets:
+                begin, end, start = group.bucket_slice(bucket.index, comm.rank)
+                own = buffer.data[begin:end]
+                own.copy_(master.detach()[start : start + end - begin])
+                sizes = self.reducer.bucket_sizes(group.index, bucket.index)  # None: equal slices
+                handles.append(comm.all_gather_into(buffer.bucket_view(bucket.index), own, async_op=True, sizes=sizes))
         for handle in handles:
             handle.wait()

@@ -18,6 +18,7 @@ from ..comm import Collectives
 from ..layout import GroupLayout, Layout
 from .gradients import GradientReducer
 from .grouping import Grouping
+from .matrices import MatrixStates
 from .scaler import LossScaler
 
 
@@ -34,6 +35,7 @@ class EngineParts(Protocol):
     device: torch.device
     buffers: list[FlatParamBuffer]
     masters: list[nn.Parameter]
+    matrices: MatrixStates  # an owner group's matrices and their flat optimizer state
     optimizer: torch.optim.Optimizer
     reducer: GradientReducer
     scaler: LossScaler

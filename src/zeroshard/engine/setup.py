@@ -26,6 +26,8 @@ from ..layout import (
 )
 from ..layout.coordinates import shard_rank
 from .grouping import Grouping
+from .matrices import matrix_problem, needs_whole_matrices
+from .multi import class_name
 
 DEFAULT_STAGE2_BUCKET_NUMEL = 1 << 25  # 128 MiB of fp32 gradient per bucket in flight
 REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -51,10 +53,16 @@ def shard_group_collectives(comm: Collectives, grouping: Grouping, expert_proces
 
 
 def resolve_layout(
-    grouping: Grouping, comms: dict[str, Collectives], stage: int, layout: Layout | None, policy: LayoutPolicy | None
+    grouping: Grouping,
+    comms: dict[str, Collectives],
+    stage: int,
+    layout: Layout | None,
+    policy: LayoutPolicy | None,
+    owners: list[bool] | None = None,
 ) -> Layout:
     """The given layout, checked against the parameters and shard groups, or a new one.
-    Not collective.
+    ``owners[g]``: layout group ``g`` is an owner group (its optimizer updates whole
+    matrices; default none). Not collective.
 
     Raises:
         ValueError: ``layout`` is for another world size, parameters or shard groups; the
@@ -62,7 +70,7 @@ def resolve_layout(
             stack different numbers of local experts; or the layout cannot be built.
     """
     world_size = comms[DENSE_SHARD_GROUP].world_size
-    inputs = _layout_inputs(grouping, comms, world_size)
+    inputs = _layout_inputs(grouping, comms, world_size, owners or [False] * len(grouping.layout_specs))
     if layout is not None:
         if layout.world_size != world_size:
             raise ValueError(
@@ -72,7 +80,8 @@ def resolve_layout(
             raise ValueError("the layout's parameters differ from the model's (names, shapes, dtypes or grouping)")
         if layout.group_specs() != build_layout(inputs, world_size, layout.policy).group_specs():
             raise ValueError(
-                "the layout's shard groups differ from the param groups' (expert flags or expert parallelism)"
+                "the layout's shard groups differ from the param groups' (expert flags, expert parallelism, or owner "
+                "groups for an optimizer of whole matrices)"
             )
         return layout
     if policy is None:
@@ -80,11 +89,15 @@ def resolve_layout(
     return build_layout(inputs, world_size, policy)
 
 
-def _layout_inputs(grouping: Grouping, comms: dict[str, Collectives], world_size: int) -> list[list | GroupSpec]:
-    """The layout's input: dense groups as plain lists, expert groups as GroupSpecs over
-    the expert-DP group, with their param group's placement (default contiguous) and stacks."""
+def _layout_inputs(
+    grouping: Grouping, comms: dict[str, Collectives], world_size: int, owners: list[bool]
+) -> list[list | GroupSpec]:
+    """The layout's input: dense groups as plain lists (owner groups as GroupSpecs), expert
+    groups as GroupSpecs over the expert-DP group, with their param group's placement
+    (default contiguous) and stacks."""
+    dense = [GroupSpec(tuple(specs), owner=True) if owner else specs for specs, owner in zip(grouping.layout_specs, owners)]
     if EXPERT_SHARD_GROUP not in comms:
-        return list(grouping.layout_specs)
+        return dense
     expert_dp_size = comms[EXPERT_SHARD_GROUP].world_size
     if world_size % expert_dp_size:
         raise ValueError(
@@ -94,7 +107,7 @@ def _layout_inputs(grouping: Grouping, comms: dict[str, Collectives], world_size
     inputs: list[list | GroupSpec] = []
     for index, specs in enumerate(grouping.layout_specs):
         if not grouping.is_expert(index):
-            inputs.append(specs)
+            inputs.append(dense[index])
             continue
         local = {spec.shape[0] if spec.shape else 0 for spec in specs}
         if len(local) != 1 or 0 in local:
@@ -105,7 +118,11 @@ def _layout_inputs(grouping: Grouping, comms: dict[str, Collectives], world_size
         user = grouping.user_group_of(index)
         try:
             group = mesh.expert_group(
-                specs, local.pop() * mesh.ep_size, expert_map=user.expert_map, stacks=grouping.stacks(index)
+                specs,
+                local.pop() * mesh.ep_size,
+                expert_map=user.expert_map,
+                stacks=grouping.stacks(index),
+                owner=owners[index],
             )
         except ValueError as err:
             raise ValueError(f"param group {grouping.layout_user_group[index]}: {err}") from None
@@ -180,6 +197,81 @@ def master_partition(
     values: torch.Tensor, group: GroupLayout, rank_in_group: int, device: torch.device
 ) -> nn.Parameter:
     """This rank's fp32 master partition of ``group``, copied out of its flat ``values``."""
-    parts = [values[begin:end] for begin, end in group.partition_ranges(rank_in_group)]
-    master = torch.cat(parts) if parts else values.new_zeros(0)
-    return nn.Parameter(master.to(device, copy=True))
+    return nn.Parameter(gather_partition(values, group, rank_in_group).float().to(device, copy=True))
+
+
+def gather_partition(flat: torch.Tensor, group: GroupLayout, rank_in_group: int) -> torch.Tensor:
+    """A new tensor of ``partition_numel`` elements: this rank's runs of the flat buffer
+    ``flat`` one after the other, zeros after them (an owner group's shorter runs)."""
+    partition = flat.new_zeros(group.partition_numel)
+    position = 0
+    for begin, end in group.partition_ranges(rank_in_group):
+        partition[position : position + end - begin] = flat[begin:end]
+        position += end - begin
+    return partition
+
+
+def owner_groups(grouping: Grouping, optimizer_class: type, defaults: dict[str, Any]) -> list[bool]:
+    """Whether each layout group is an owner group (its optimizer updates whole matrices,
+    ``matrices.needs_whole_matrices``), after checking that its parameters are matrices and
+    that every optimizer class takes its options. Not collective.
+
+    Raises:
+        ValueError: as :func:`check_matrices` and :func:`check_optimizer_options`.
+    """
+    owners = [
+        needs_whole_matrices(grouping.optimizer_of(index, optimizer_class)) for index in range(len(grouping.layout_specs))
+    ]
+    check_matrices(grouping, owners)
+    if any(owners) or len(set(optimizer_classes(grouping, optimizer_class))) > 1:
+        check_optimizer_options(grouping, optimizer_class, defaults)
+    return owners
+
+
+def check_matrices(grouping: Grouping, owners: list[bool]) -> None:
+    """Every parameter of an owner group is a matrix (or a stack of them). Not collective.
+
+    Raises:
+        ValueError: naming the param group and the parameter.
+    """
+    for index, specs in enumerate(grouping.layout_specs):
+        if not owners[index]:
+            continue
+        for spec in specs:
+            problem = matrix_problem(spec, grouping.is_expert(index))
+            if problem:
+                raise ValueError(
+                    f"param group {grouping.layout_user_group[index]}: {problem}; give such parameters a param group "
+                    "with an elementwise optimizer (\"optimizer\": torch.optim.AdamW)"
+                )
+
+
+def optimizer_classes(grouping: Grouping, optimizer_class: type) -> list[type]:
+    """The optimizer class of each param group, in order (its own, else ``optimizer_class``)."""
+    return [user.optimizer_class or optimizer_class for user in grouping.user_groups]
+
+
+def check_optimizer_options(grouping: Grouping, optimizer_class: type, defaults: dict[str, Any]) -> None:
+    """Build each optimizer class over stand-in matrices with its param groups' options and
+    step it once on zero gradients, so options it refuses, when built or only when it steps
+    (``torch.optim.Muon``'s ``ns_steps`` and ``ns_coefficients``), are found on every rank
+    before anything changes, not at a step on the ranks that own a matrix. Not collective.
+
+    Raises:
+        ValueError: naming the class and what it refused; or ``defaults`` are given for
+            ``optimizer_class`` while every param group names another class.
+    """
+    by_class: dict[type, list[dict[str, Any]]] = {}
+    for user, cls in zip(grouping.user_groups, optimizer_classes(grouping, optimizer_class)):
+        stand_in = torch.zeros(2, 2, requires_grad=True)
+        stand_in.grad = torch.zeros_like(stand_in)
+        by_class.setdefault(cls, []).append({**user.options, "params": [stand_in]})
+    if defaults and optimizer_class not in by_class:
+        raise ValueError(
+            f"options {sorted(defaults)} are for {class_name(optimizer_class)}, but every param group names its own optimizer"
+        )
+    for cls, groups in by_class.items():
+        try:
+            cls(groups, **(defaults if cls is optimizer_class else {})).step()
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{class_name(cls)} refuses its options: {err}") from None

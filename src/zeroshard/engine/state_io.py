@@ -13,13 +13,40 @@ from typing import Any
 import torch
 
 from ..state import ParamGroupState, ShardedState, model_config_files
+from .multi import MultiOptimizer, class_name
 from .parts import EngineParts
+from .setup import gather_partition
 
 
 def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
-    """The optimizer's class as ``module.QualName``, as shards and checkpoints record it."""
-    cls = type(optimizer)
-    return f"{cls.__module__}.{cls.__qualname__}"
+    """The optimizer's class as ``module.QualName``, as shards and checkpoints record it; for
+    a ``MultiOptimizer`` its classes in the order the param groups first name them, joined
+    by ``+`` (``torch.optim._muon.Muon+torch.optim.adamw.AdamW``)."""
+    if isinstance(optimizer, MultiOptimizer):
+        return "+".join(dict.fromkeys(optimizer.classes))
+    return class_name(type(optimizer))
+
+
+def group_classes(optimizer: torch.optim.Optimizer) -> list[str]:
+    """The optimizer class of each param group, in order."""
+    if isinstance(optimizer, MultiOptimizer):
+        return optimizer.classes
+    return [class_name(type(optimizer))] * len(optimizer.param_groups)
+
+
+def partition_state(engine: EngineParts, group_index: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(partition-shaped optimizer states, the other states) of layout group
+    ``group_index`` on this rank, live tensors: the wrapped optimizer's over the group's
+    master partition, or an owner group's flat states (``matrices.MatrixStates``)."""
+    if engine.matrices.views[group_index] is not None:
+        return engine.matrices.partition_state(group_index)
+    master = engine.masters[group_index]
+    partitioned, scalar = {}, {}
+    for key, value in engine.optimizer.state.get(master, {}).items():
+        tensor = value.detach() if torch.is_tensor(value) else torch.tensor(value)
+        is_partition = tensor.dim() == 1 and tensor.numel() == master.numel()
+        (partitioned if is_partition else scalar)[key] = tensor
+    return partitioned, scalar
 
 
 def state_views(engine: EngineParts) -> ShardedState:
@@ -30,20 +57,19 @@ def state_views(engine: EngineParts) -> ShardedState:
     as :func:`export_state` and the Checkpointer's host snapshot do.
     """
     states, scalars = [], []
-    for master in engine.masters:
-        partitioned, scalar = {}, {}
-        for key, value in engine.optimizer.state.get(master, {}).items():
-            tensor = value.detach() if torch.is_tensor(value) else torch.tensor(value)
-            is_partition = tensor.dim() == 1 and tensor.numel() == master.numel()
-            (partitioned if is_partition else scalar)[key] = tensor
-        states.append(partitioned)
-        scalars.append(scalar)
+    for group_index in range(len(engine.masters)):
+        partitioned, scalar = partition_state(engine, group_index)
+        states.append(dict(partitioned))
+        scalars.append(dict(scalar))
     groups = [
         ParamGroupState(
             hyperparameters={k: v for k, v in group.items() if k != "params"},
             layout_groups=list(user.layout_groups),
+            optimizer=cls,
         )
-        for group, user in zip(engine.optimizer.param_groups, engine.grouping.user_groups)
+        for group, user, cls in zip(
+            engine.optimizer.param_groups, engine.grouping.user_groups, group_classes(engine.optimizer)
+        )
     ]
     return ShardedState(
         layout=engine.layout,
@@ -123,10 +149,14 @@ def import_state(
         _rebuild_masters_from_params(engine)
         if not load_module_only:
             engine.optimizer.state.clear()
+            engine.matrices.clear()
         return
     for master, values in zip(engine.masters, state.fp32_partitions):
         master.data.copy_(values)
     engine.optimizer.load_state_dict(_torch_optimizer_state(engine, state, take))
+    engine.matrices.adopt(engine.optimizer.state)
+    engine.matrices.agreed = False
+    engine.matrices.agree(engine.comm, engine.masters[0].device if engine.masters else engine.device)
     engine.global_steps = int(state.extra.get("global_steps", 0))
     engine.scaler.load_state_dict(state.extra.get("loss_scaler", engine.scaler.state_dict()))
     engine.sync_params_from_masters()
@@ -147,6 +177,9 @@ def _validate(engine: EngineParts, state: ShardedState, full: bool, strict: bool
         raise ValueError(
             f"the checkpoint has {len(state.param_groups)} param groups, this run has {len(engine.optimizer.param_groups)}"
         )
+    for index, (saved, live) in enumerate(zip(state.param_groups, group_classes(engine.optimizer))):
+        if saved.optimizer and saved.optimizer != live:
+            raise ValueError(f"param group {index}: the checkpoint's optimizer is {saved.optimizer}, this run's is {live}")
     for group_index, (values, master) in enumerate(zip(state.fp32_partitions, engine.masters)):
         if values.shape != master.shape:
             raise ValueError(f"group {group_index}: fp32 partition has shape {tuple(values.shape)}, expected {tuple(master.shape)}")
@@ -175,21 +208,28 @@ def _cast_like(current: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]
 
 def _rebuild_masters_from_params(engine: EngineParts) -> None:
     for master, buffer in zip(engine.masters, engine.buffers):
-        parts = [buffer.data[begin:end] for begin, end in buffer.group.partition_ranges(engine.rank_in(buffer.group))]
-        master.data.copy_(torch.cat(parts).float() if parts else master.data)
+        master.data.copy_(gather_partition(buffer.data, buffer.group, engine.rank_in(buffer.group)))
 
 
 def _torch_optimizer_state(engine: EngineParts, state: ShardedState, take: bool) -> dict[str, Any]:
-    """The state in torch.optim's own state_dict form, so the optimizer casts it its way."""
-    index_of = {id(master): i for i, master in enumerate(engine.masters)}
+    """The state in torch.optim's own state_dict form, so the optimizer casts it its way: per
+    master partition, or per matrix of an owner group (views of the group's states)."""
+    ordered = [param for group in engine.optimizer.param_groups for param in group["params"]]
+    index_of = {id(param): i for i, param in enumerate(ordered)}
     per_param = {}
     for group_index, master in enumerate(engine.masters):
         # Unless taken, clones: torch keeps tensors it needs no cast for, and would update
         # the caller's in place.
-        saved = {**state.optimizer_scalars[group_index], **state.optimizer_states[group_index]}
-        entry = {key: value if take else value.clone() for key, value in saved.items()}
-        if entry:
-            per_param[index_of[id(master)]] = entry
+        states = {key: value if take else value.clone() for key, value in state.optimizer_states[group_index].items()}
+        scalars = {key: value if take else value.clone() for key, value in state.optimizer_scalars[group_index].items()}
+        views = engine.matrices.views[group_index]
+        if views is None:
+            if states or scalars:
+                per_param[index_of[id(master)]] = {**scalars, **states}
+            continue
+        if states or scalars:
+            for view, entry in zip(views, engine.matrices.torch_entries(group_index, states, scalars)):
+                per_param[index_of[id(view.param)]] = entry
     groups = []
     for live, saved in zip(engine.optimizer.param_groups, state.param_groups):
         params = [index_of[id(p)] for p in live["params"]]

@@ -83,6 +83,20 @@ def read_shape(value: Any, what: str, name: Any = None) -> tuple[int, ...]:
     return tuple(value)
 
 
+_CLASS_NAMES = re.compile(r"[A-Za-z_][\w.]*(\+[A-Za-z_][\w.]*)*")
+CLASS_NAME_LIMIT = 1000  # characters: a few qualified class names
+
+
+def read_class_name(value: Any, what: str) -> str:
+    """A recorded optimizer class: ``module.QualName``, or several joined by ``+``, at most
+    ``CLASS_NAME_LIMIT`` characters (what a message may repeat on one line); else ValueError
+    saying what ``what`` is."""
+    if type(value) is not str or len(value) > CLASS_NAME_LIMIT or not _CLASS_NAMES.fullmatch(value):
+        shown = quoted(value[:80] + "..." if type(value) is str and len(value) > 80 else value)
+        raise ValueError(f"{what} is {shown}, expected a class name (module.QualName)")
+    return value
+
+
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 _NOT_BRACKET = re.compile(rb"[^\[\]{}]+")
 

@@ -12,6 +12,7 @@ from .dtypes import canonical_dtype, itemsize
 from .group import Bucket, Fragment, GroupLayout, LogicalPiece, LogicalRange, ParamSlot, Piece
 from .layout import FORMAT_VERSION, Layout, PaddingStats, build_layout
 from .policy import LayoutPolicy
+from .owners import OwnerBalance, newton_schulz_cost
 from .experts import ExpertMesh, contiguous_expert_map
 from .coordinates import GlobalRun, global_shape, locate_global, rank_runs
 from .specs import DENSE_SHARD_GROUP, EXPERT_SHARD_GROUP, GroupSpec, ParamSpec
@@ -34,6 +35,8 @@ __all__ = [
     "GroupSpec",
     "Layout",
     "LayoutPolicy",
+    "OwnerBalance",
+    "newton_schulz_cost",
     "LogicalPiece",
     "LogicalRange",
     "PaddingStats",

@@ -92,11 +92,13 @@ class ExpertMesh:
         *,
         expert_map: Sequence[Sequence[int]] | None = None,
         stacks: Sequence[ExpertStack] = (),
+        owner: bool = False,
     ) -> GroupSpec:
         """A layout group of stacked expert weights (first dimension E / EP), partitioned
         over the expert-data-parallel group. ``expert_map``: the placement (default the
         contiguous one), checked to spread ``num_experts`` over this mesh's EP ranks;
-        ``stacks``: one description per parameter (default ``LEGACY_STACK``).
+        ``stacks``: one description per parameter (default ``LEGACY_STACK``); ``owner``:
+        every expert matrix whole in one rank's partition (:mod:`~.owners`).
 
         Raises:
             ValueError: the placement is malformed or does not fit the mesh and ``num_experts``.
@@ -111,7 +113,7 @@ class ExpertMesh:
                     f"the expert map places {held} experts on {len(placement)} expert-parallel ranks; "
                     f"this mesh has {num_experts} experts on {self.ep_size}"
                 )
-        return GroupSpec(tuple(params), shard_group, self.expert_dp_size, placement, tuple(stacks))
+        return GroupSpec(tuple(params), shard_group, self.expert_dp_size, placement, tuple(stacks), owner)
 
     def _check_rank(self, rank: int) -> None:
         if not (isinstance(rank, int) and 0 <= rank < self.world_size):

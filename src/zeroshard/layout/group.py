@@ -8,6 +8,13 @@ Coordinates used throughout:
 * logical offset: position with the world-size-dependent tail paddings removed. It does not
   depend on the world size, so state laid out in logical order reshards by range reads.
 
+An *even* group (the default) cuts every bucket into ``world_size`` equal slices, its tail
+padded to make them so. An *owner* group (:mod:`.owners`) has no tail padding: its flat
+buffer is its logical buffer, and ``bounds[r]`` is where rank ``r``'s partition begins, so a
+rank's partition is one run of the flat buffer, possibly empty, padded at its end to the
+group's ``partition_numel`` (the longest); its buckets' slices differ in size from rank to
+rank (:meth:`GroupLayout.bucket_slice`).
+
 Everything here is integer arithmetic on frozen values. Per-rank queries cost
 O(log P + answer size), so listing one rank's fragments at world size 4096 never walks all
 parameters or all ranks.
@@ -60,9 +67,10 @@ class Bucket:
     start: int  # flat offset
     content_numel: int  # parameters and the padding between them
     tail_padding: int  # makes the bucket divide into world_size equal partitions
-    partition_numel: int  # elements of this bucket on each rank
-    partition_start: int  # where this bucket's slice begins in every rank's partition
+    partition_numel: int  # elements of this bucket on each rank (0 in an owner group: see bucket_slice)
+    partition_start: int  # where this bucket's slice begins in every rank's partition (even groups)
     logical_start: int
+    uneven: bool = False  # an owner group's: its slices differ from rank to rank
 
     @property
     def numel(self) -> int:
@@ -75,7 +83,14 @@ class Bucket:
         return self.start + self.numel
 
     def rank_range(self, rank: int) -> tuple[int, int]:
-        """Flat [start, end) of this bucket's slice owned by ``rank``."""
+        """Flat [start, end) of this bucket's slice owned by ``rank`` (even groups).
+
+        Raises:
+            ValueError: the bucket is an owner group's, whose slices only the group knows
+                (:meth:`GroupLayout.bucket_slice`).
+        """
+        if self.uneven:
+            raise ValueError("an owner group's bucket slices differ by rank: use GroupLayout.bucket_slice")
         begin = self.start + rank * self.partition_numel
         return begin, begin + self.partition_numel
 
@@ -130,6 +145,8 @@ class GroupLayout:
     experts of one expert-parallel rank; ``expert_map[e]`` names the global expert ids that
     expert-parallel rank ``e`` holds, in the order of the stacked weights' first dimension,
     and ``stacks[i]`` describes parameter ``i``'s stack (orientation, export form).
+    ``bounds``: an owner group's partition starts (``world_size + 1`` flat offsets, see the
+    module doc); empty for an even group.
     """
 
     index: int
@@ -140,15 +157,24 @@ class GroupLayout:
     shard_group: str = DENSE_SHARD_GROUP
     expert_map: tuple[tuple[int, ...], ...] = ()
     stacks: tuple[ExpertStack, ...] = ()
+    bounds: tuple[int, ...] = ()
+
+    @property
+    def owner(self) -> bool:
+        """Whether every matrix lies whole in one rank's partition (:mod:`.owners`)."""
+        return bool(self.bounds)
 
     @property
     def numel(self) -> int:
         """Elements of the flat buffer, padding included."""
         return self.buckets[-1].end if self.buckets else 0
 
-    @property
+    @functools.cached_property
     def partition_numel(self) -> int:
-        """Elements of each rank's partition (the same on every rank)."""
+        """Elements of each rank's partition (the same on every rank; an owner group's
+        shorter runs are padded at their end to its longest)."""
+        if self.owner:
+            return max(self.bounds[r + 1] - self.bounds[r] for r in range(self.world_size))
         return sum(bucket.partition_numel for bucket in self.buckets)
 
     @property
@@ -173,26 +199,57 @@ class GroupLayout:
 
     @property
     def tail_padding(self) -> int:
-        """Padding elements at the buckets' tails, which depend on the world size."""
-        return self.numel - self.logical_numel
+        """Padding elements at the buckets' tails (an owner group: at its partitions'
+        tails), summed over the ranks; they depend on the world size."""
+        return self.world_size * self.partition_numel - self.logical_numel
 
     # ---- per rank -------------------------------------------------------------------
 
     def partition_ranges(self, rank: int) -> tuple[tuple[int, int], ...]:
-        """Flat [start, end) of each bucket slice that makes up ``rank``'s partition.
+        """Flat [start, end) runs that, concatenated, make up ``rank``'s partition: each
+        bucket's slice (an owner group: one run, none when empty); what they leave of
+        ``partition_numel`` is padding at the end.
 
         Raises:
             ValueError: ``rank`` is outside the group's world size (as every per-rank query).
         """
         self._check_rank(rank)
+        if self.owner:
+            begin, end = self.bounds[rank], self.bounds[rank + 1]
+            return ((begin, end),) if end > begin else ()
         return tuple(bucket.rank_range(rank) for bucket in self.buckets)
+
+    def bucket_slice(self, bucket_index: int, rank: int) -> tuple[int, int, int]:
+        """(flat start, flat end, partition offset) of ``rank``'s slice of a bucket: the
+        bucket's equal slice in an even group, its overlap with the rank's run in an owner
+        group (possibly empty)."""
+        self._check_rank(rank)
+        bucket = self.buckets[bucket_index]
+        if not self.owner:
+            begin, end = bucket.rank_range(rank)
+            return begin, end, bucket.partition_start
+        run_start = self.bounds[rank]
+        begin = min(max(run_start, bucket.start), bucket.end)
+        end = max(min(self.bounds[rank + 1], bucket.end), begin)
+        return begin, end, begin - run_start
+
+    def _bucket_indices(self, rank: int) -> range:
+        """The buckets holding elements of ``rank``'s partition (all of them in an even group)."""
+        if not self.owner:
+            return range(len(self.buckets))
+        begin, end = self.bounds[rank], self.bounds[rank + 1]
+        if end == begin:
+            return range(0)
+        first = bisect.bisect_right(self._bucket_starts, begin) - 1
+        return range(first, bisect.bisect_left(self._bucket_starts, end))
 
     def fragments(self, rank: int) -> tuple[Fragment, ...]:
         """The parameter runs in ``rank``'s partition, in partition order."""
         self._check_rank(rank)
         found: list[Fragment] = []
-        for bucket in self.buckets:
-            begin, end = bucket.rank_range(rank)
+        for bucket_index in self._bucket_indices(rank):
+            bucket = self.buckets[bucket_index]
+            begin, end, partition_start = self.bucket_slice(bucket_index, rank)
             for slot in self._slots_overlapping(bucket, begin, end):
                 first, last = max(slot.offset, begin), min(slot.end, end)
                 found.append(
@@ -200,7 +257,7 @@ class GroupLayout:
                         param_index=slot.index,
                         name=slot.name,
                         param_start=first - slot.offset,
-                        partition_start=bucket.partition_start + first - begin,
+                        partition_start=partition_start + first - begin,
                         length=last - first,
                     )
                 )
@@ -222,13 +279,14 @@ class GroupLayout:
         """Runs of ``rank``'s partition that lie in the logical buffer (tail padding left out)."""
         self._check_rank(rank)
         ranges: list[LogicalRange] = []
-        for bucket in self.buckets:
-            begin, end = bucket.rank_range(rank)
+        for bucket_index in self._bucket_indices(rank):
+            bucket = self.buckets[bucket_index]
+            begin, end, partition_start = self.bucket_slice(bucket_index, rank)
             content_end = bucket.start + bucket.content_numel
-            if begin < content_end:
+            if begin < min(end, content_end):
                 ranges.append(
                     LogicalRange(
-                        partition_start=bucket.partition_start,
+                        partition_start=partition_start,
                         logical_start=bucket.logical_start + begin - bucket.start,
                         length=min(end, content_end) - begin,
                     )
@@ -243,6 +301,8 @@ class GroupLayout:
         """(ranks whose partition holds padding, ranks whose partition is all padding), as
         :meth:`padding_per_rank` would count them, in O(buckets x parameters): no loop over
         the ranks, so any world size answers at once."""
+        if self.owner:
+            return self._owner_padded_rank_counts()
         touched: list[tuple[int, int]] = []  # inclusive rank intervals
         whole: list[tuple[int, int]] | None = None
         for bucket in self.buckets:
@@ -256,11 +316,22 @@ class GroupLayout:
         only = 0 if whole is None or self.partition_numel == 0 else sum(hi - lo + 1 for lo, hi in whole)
         return sum(hi - lo + 1 for lo, hi in _merged(touched)), only
 
+    def _owner_padded_rank_counts(self) -> tuple[int, int]:
+        """:meth:`padded_rank_counts` of an owner group, O(world_size x log P): its bounds
+        are a list over the ranks already."""
+        real = [self._real_at(self.bounds[rank + 1]) - self._real_at(self.bounds[rank]) for rank in range(self.world_size)]
+        return sum(1 for n in real if n < self.partition_numel), sum(1 for n in real if self.partition_numel and n == 0)
+
     # ---- per parameter ----------------------------------------------------------------
 
     def pieces(self, param_index: int) -> tuple[Piece, ...]:
         """The runs, rank by rank, that reassemble parameter ``param_index``."""
         slot = self.params[param_index]
+        if self.owner:
+            return tuple(
+                Piece(rank, partition_start, position - slot.offset, length)
+                for rank, partition_start, position, length in self._owner_runs(slot.offset, slot.numel)
+            )
         bucket = self.buckets[slot.bucket]
         found: list[Piece] = []
         position = slot.offset
@@ -282,6 +353,8 @@ class GroupLayout:
                 f"logical range [{logical_start}, {logical_start + length}) is outside "
                 f"group {self.index}'s {self.logical_numel} logical elements"
             )
+        if self.owner:  # its logical buffer is its flat buffer
+            return tuple(LogicalPiece(*run) for run in self._owner_runs(logical_start, length))
         found: list[LogicalPiece] = []
         position, end = logical_start, logical_start + length
         while position < end:
@@ -294,7 +367,25 @@ class GroupLayout:
             position += run
         return tuple(found)
 
+    def _owner_runs(self, flat_start: int, length: int) -> list[tuple[int, int, int, int]]:
+        """(rank, partition offset, flat offset, length) of the runs of an owner group's
+        flat elements [flat_start, +length), rank by rank: O(log D + answer)."""
+        found = []
+        position, end = flat_start, flat_start + length
+        while position < end:
+            # The last rank starting at or before `position`: never an empty one, since an
+            # empty rank shares its start with the rank after it.
+            rank = bisect.bisect_right(self.bounds, position) - 1
+            run = min(self.bounds[rank + 1], end) - position
+            found.append((rank, position - self.bounds[rank], position, run))
+            position += run
+        return found
+
     # ---- helpers ----------------------------------------------------------------------
+
+    @functools.cached_property
+    def _bucket_starts(self) -> list[int]:
+        return [bucket.start for bucket in self.buckets]
 
     @functools.cached_property
     def _bucket_logical_starts(self) -> list[int]:

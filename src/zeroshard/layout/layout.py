@@ -7,11 +7,13 @@ W ranks, expert groups over the W / EP ranks that hold the same experts. JSON is
 the lowest version that expresses the layout: version 1 when every group is dense (byte for
 byte as before shard groups existed), version 2 when the expert groups' stacks are all
 ``LEGACY_STACK`` (as before stacks were described), version 3 otherwise (each expert
-parameter's ``stack``). Older readers refuse a newer version.
+parameter's ``stack``), version 4 when a group is an owner group (:mod:`.owners`: its
+``owner`` flag and ``bounds``). Older readers refuse a newer version.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass
@@ -19,14 +21,17 @@ from typing import Any, Iterable, Sequence
 
 from .dtypes import itemsize
 from .group import Bucket, GroupLayout, ParamSlot
+from .owners import OwnerBalance, bounds_problem, owner_balance, owner_bounds
 from .policy import LayoutPolicy
 from .specs import DENSE_SHARD_GROUP, GroupSpec, ParamSpec
 from .stacks import LEGACY_STACK, ExpertStack, check_expert_map, check_stack_shape, per_expert_name_clash
 
 FORMAT_NAME = "zeroshard.layout"
-FORMAT_VERSION = 3  # the newest written; versions 1 (dense) and 2 (legacy stacks) are still written and read
+FORMAT_VERSION = 4  # the newest written; versions 1 (dense), 2 (legacy stacks) and 3 are still written and read
 _DENSE_ONLY_VERSION = 1
 _LEGACY_STACKS_VERSION = 2
+_STACKS_VERSION = 3  # expert stacks described
+_OWNER_VERSION = 4  # owner groups
 
 GroupInput = GroupSpec | Sequence[ParamSpec | tuple[str, Sequence[int], object]]
 
@@ -82,6 +87,12 @@ class Layout:
         """Every parameter's name, group by group, in buffer order."""
         return tuple(slot.name for group in self.groups for slot in group.params)
 
+    def owner_balance(self) -> OwnerBalance:
+        """The Newton-Schulz cost of one iteration over the matrices each global rank owns
+        in the owner groups (:mod:`.owners`), and its imbalance."""
+        alignments = [self.policy.partition_alignment(group.dtype) for group in self.groups]
+        return owner_balance(self.groups, self.world_size, alignments)
+
     def padding(self) -> PaddingStats:
         """The layout's padding, summed over its groups."""
         param_numel = sum(group.param_numel for group in self.groups)
@@ -111,7 +122,12 @@ class Layout:
         """The inputs this layout was built from, shard groups included."""
         return [
             GroupSpec(
-                tuple(slot.spec for slot in group.params), group.shard_group, group.world_size, group.expert_map, group.stacks
+                tuple(slot.spec for slot in group.params),
+                group.shard_group,
+                group.world_size,
+                group.expert_map,
+                group.stacks,
+                group.owner,
             )
             for group in self.groups
         ]
@@ -154,10 +170,12 @@ class Layout:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready; the lowest version that can express the layout."""
+        if any(group.owner for group in self.groups):
+            return self._to_dict(_OWNER_VERSION)
         if self.is_dense:
             return self._to_dict(_DENSE_ONLY_VERSION)
         legacy = all(stack == LEGACY_STACK for group in self.groups for stack in group.stacks)
-        return self._to_dict(_LEGACY_STACKS_VERSION if legacy else FORMAT_VERSION)
+        return self._to_dict(_LEGACY_STACKS_VERSION if legacy else _STACKS_VERSION)
 
     def _to_dict(self, version: int) -> dict[str, Any]:
         return {
@@ -184,7 +202,7 @@ class Layout:
         if data.get("format") != FORMAT_NAME:
             raise ValueError(f"not a zeroshard layout (format {data.get('format')!r})")
         version = data.get("version")
-        if not _is_int(version) or version not in (_DENSE_ONLY_VERSION, _LEGACY_STACKS_VERSION, FORMAT_VERSION):
+        if not _is_int(version) or version not in range(_DENSE_ONLY_VERSION, FORMAT_VERSION + 1):
             raise ValueError(
                 f"layout format version {version!r} is not supported (this zeroshard reads versions "
                 f"{_DENSE_ONLY_VERSION} to {FORMAT_VERSION})"
@@ -192,6 +210,7 @@ class Layout:
         try:
             groups = [_group_from_dict(group, version) for group in data["groups"]]
             layout = build_layout(groups, data["world_size"], LayoutPolicy.from_dict(data["policy"]))
+            layout = _with_recorded_bounds(layout, data["groups"])
         except (KeyError, TypeError) as err:
             raise ValueError(f"layout JSON is malformed: {type(err).__name__}: {err}") from None
         if not _same_json(layout._to_dict(version), data):
@@ -232,7 +251,13 @@ def build_layout(groups: Sequence[GroupInput], world_size: int, policy: LayoutPo
     _check_unique_names([group.params for group in checked])
     _check_per_expert_names(checked)
     _check_shard_group_sizes(checked)
-    return Layout(world_size, policy, tuple(_lay_out_group(i, group, policy) for i, group in enumerate(checked)))
+    laid_out = [_lay_out_group(i, group, policy) for i, group in enumerate(checked)]
+    alignments = [policy.partition_alignment(group.dtype) for group in laid_out]
+    owners = [group.owner for group in checked]
+    for index, bounds in enumerate(owner_bounds(laid_out, owners, world_size, alignments)):
+        if bounds:
+            laid_out[index] = dataclasses.replace(laid_out[index], bounds=bounds)
+    return Layout(world_size, policy, tuple(laid_out))
 
 
 def _check_group(index: int, group: GroupInput, world_size: int, policy: LayoutPolicy) -> GroupSpec:
@@ -248,7 +273,14 @@ def _check_group(index: int, group: GroupInput, world_size: int, policy: LayoutP
     problem = policy.check_dtype(dtype)
     if problem:
         raise ValueError(f"parameter {specs[0].name!r} (group {index}): {problem}")
-    return _check_shard(index, specs, shard, world_size)
+    if type(shard.owner) is not bool:
+        raise ValueError(f"group {index}: 'owner' must be true or false, got {shard.owner!r}")
+    if shard.owner and (policy.kind != "native" or policy.compact):
+        raise ValueError(
+            f"group {index} is an owner group (whole matrices per rank), which needs the native policy with aligned "
+            f"parameters; the policy is {policy.describe()}"
+        )
+    return dataclasses.replace(_check_shard(index, specs, shard, world_size), owner=shard.owner)
 
 
 def _check_shard(index: int, specs: list[ParamSpec], shard: GroupSpec, world_size: int) -> GroupSpec:
@@ -383,7 +415,8 @@ def _lay_out_group(index: int, group: GroupSpec, policy: LayoutPolicy) -> GroupL
     assert world_size is not None  # filled in by _check_shard
     dtype = specs[0].dtype
     param_align = policy.param_alignment(dtype)
-    tail_multiple = world_size * policy.partition_alignment(dtype)
+    # An owner group has no tail padding: its ranks' runs are cut by bounds (owners.py).
+    tail_multiple = 1 if group.owner else world_size * policy.partition_alignment(dtype)
     slots: list[ParamSlot] = []
     buckets: list[Bucket] = []
     flat = logical = partition = 0
@@ -407,9 +440,10 @@ def _lay_out_group(index: int, group: GroupSpec, policy: LayoutPolicy) -> GroupL
             start=bucket_start,
             content_numel=content,
             tail_padding=padded - content,
-            partition_numel=padded // world_size,
-            partition_start=partition,
+            partition_numel=0 if group.owner else padded // world_size,
+            partition_start=0 if group.owner else partition,
             logical_start=logical_start,
+            uneven=group.owner,
         )
         buckets.append(bucket)
         flat = bucket.end
@@ -420,15 +454,36 @@ def _lay_out_group(index: int, group: GroupSpec, policy: LayoutPolicy) -> GroupL
     )
 
 
+def _with_recorded_bounds(layout: Layout, groups: list[dict[str, Any]]) -> Layout:
+    """``layout`` with each owner group's bounds as the JSON records them: any cut between
+    whole matrices is a valid layout, so a layout written under another balancing (an older
+    or newer zeroshard) still reads; other offsets are still checked against the parameters.
+
+    Raises:
+        ValueError: recorded bounds that are no such cut (:func:`~.owners.bounds_problem`).
+    """
+    rebuilt = list(layout.groups)
+    for index, group in enumerate(layout.groups):
+        recorded = groups[index].get("bounds") if group.owner else None
+        if recorded is None or recorded == list(group.bounds):
+            continue
+        problem = bounds_problem(group, recorded, layout.policy.partition_alignment(group.dtype))
+        if problem:
+            raise ValueError(f"layout JSON is inconsistent: owner group {index}: {problem}")
+        rebuilt[index] = dataclasses.replace(group, bounds=tuple(recorded))
+    return Layout(layout.world_size, layout.policy, tuple(rebuilt))
+
+
 def _group_from_dict(data: dict[str, Any], version: int) -> GroupSpec:
     params = tuple(ParamSpec.of(param["name"], param["shape"], data["dtype"]) for param in data["params"])
     if version == _DENSE_ONLY_VERSION:
         return GroupSpec(params)
     expert_map = data.get("expert_map", ())
     stacks = ()
-    if expert_map and version >= FORMAT_VERSION:
+    if expert_map and version >= _STACKS_VERSION:
         stacks = tuple(ExpertStack.from_dict(param["stack"]) for param in data["params"])
-    return GroupSpec(params, data["shard_group"], data["world_size"], expert_map, stacks)
+    owner = data.get("owner", False) if version >= _OWNER_VERSION else False
+    return GroupSpec(params, data["shard_group"], data["world_size"], expert_map, stacks, owner)
 
 
 def _group_to_dict(group: GroupLayout, version: int) -> dict[str, Any]:
@@ -437,7 +492,9 @@ def _group_to_dict(group: GroupLayout, version: int) -> dict[str, Any]:
         shard = {"shard_group": group.shard_group, "world_size": group.world_size}
         if group.expert_map:
             shard["expert_map"] = [list(experts) for experts in group.expert_map]
-    with_stacks = version >= FORMAT_VERSION and bool(group.expert_map)
+    with_stacks = version >= _STACKS_VERSION and bool(group.expert_map)
+    if group.owner:
+        shard.update(owner=True, bounds=list(group.bounds))
     return {
         **shard,
         "dtype": group.dtype,

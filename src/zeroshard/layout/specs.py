@@ -89,6 +89,10 @@ class GroupSpec:
     that expert-parallel rank ``e`` holds, in local order. Its parameters are stacked expert
     weights whose first dimension counts the local experts; ``stacks`` describes each
     (:class:`~.stacks.ExpertStack`, one per parameter, in order; empty: ``LEGACY_STACK``).
+
+    ``owner``: every matrix of the group (a parameter, or one expert of a stack) lies whole
+    in one rank's partition, for optimizers that update whole matrices (Muon); see
+    :mod:`~.owners`. False: the group is cut into equal partitions anywhere.
     """
 
     params: tuple[ParamSpec, ...]
@@ -96,3 +100,4 @@ class GroupSpec:
     world_size: int | None = None  # None: all ranks of the layout
     expert_map: tuple[tuple[int, ...], ...] = ()
     stacks: tuple[ExpertStack, ...] = ()
+    owner: bool = False

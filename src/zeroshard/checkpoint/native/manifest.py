@@ -213,6 +213,7 @@ class Manifest:
                     {
                         "hyperparameters": jsonvalue.encode(g.hyperparameters, f"param_groups[{i}]"),
                         "layout_groups": list(g.layout_groups),
+                        **_group_optimizer(g.optimizer, self.optimizer_class),
                     }
                     for i, g in enumerate(self.param_groups)
                 ],
@@ -290,6 +291,7 @@ class Manifest:
                 ParamGroupState(
                     jsonvalue.decode(g["hyperparameters"]),
                     [jsonvalue.read_int(i, "param group {} has a layout group that", n) for i in g["layout_groups"]],
+                    jsonvalue.read_class_name(g["optimizer"], f"param group {n}'s optimizer") if "optimizer" in g else "",
                 )
                 for n, g in enumerate(optimizer["param_groups"])
             ],
@@ -421,3 +423,10 @@ def read_manifest(directory: Path) -> Manifest:
     """
     path = directory / MANIFEST_FILE
     return Manifest.from_dict(read_json_file(path, "checkpoint"), str(path))
+
+
+def _group_optimizer(group_class: str, run_class: str) -> dict[str, str]:
+    """A param group's ``optimizer`` entry: its class where the run's optimizer is several
+    (``torch.optim.Muon+torch.optim.adamw.AdamW``), none where it is the run's one class, so
+    the manifests of one-class runs are as before."""
+    return {"optimizer": group_class} if group_class and group_class != run_class else {}

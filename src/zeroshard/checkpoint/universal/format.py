@@ -125,6 +125,7 @@ class UniversalParamGroup:
     hyperparameters: dict[str, Any]
     params: tuple[str, ...]
     scalars: dict[str, Any]  # "step" and the like, usually 0-d tensors
+    optimizer: str = ""  # the group's optimizer class where the run's is several; "": the run's
 
 
 @dataclass(frozen=True)
@@ -257,6 +258,7 @@ class UniversalManifest:
                         "hyperparameters": jsonvalue.encode(group.hyperparameters, f"param_groups[{index}]"),
                         "params": list(group.params),
                         "scalars": jsonvalue.encode(group.scalars, f"param_groups[{index}].scalars"),
+                        **({"optimizer": group.optimizer} if group.optimizer else {}),
                     }
                     for index, group in enumerate(self.param_groups)
                 ],
@@ -412,8 +414,9 @@ def _fields_from_dict(data: dict[str, Any]) -> UniversalManifest:
                 hyperparameters=jsonvalue.decode(group["hyperparameters"]),
                 params=tuple(str(name) for name in group["params"]),
                 scalars=jsonvalue.decode(group["scalars"]),
+                optimizer=jsonvalue.read_class_name(group["optimizer"], f"param group {n}'s optimizer") if "optimizer" in group else "",
             )
-            for group in optimizer["param_groups"]
+            for n, group in enumerate(optimizer["param_groups"])
         ],
         params={
             str(name): UniversalParam(

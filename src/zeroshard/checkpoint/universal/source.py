@@ -50,7 +50,11 @@ class UniversalSource(PackedSource):
             layout=layout,
             optimizer_class=manifest.optimizer_class,
             param_groups=[
-                ParamGroupState(dict(group.hyperparameters), [g for g, owner in enumerate(self._owner) if owner == index])
+                ParamGroupState(
+                    dict(group.hyperparameters),
+                    [g for g, owner in enumerate(self._owner) if owner == index],
+                    group.optimizer,
+                )
                 for index, group in enumerate(manifest.param_groups)
             ],
             state_keys=[_state_keys(layout, g, manifest) for g in range(len(layout.groups))],

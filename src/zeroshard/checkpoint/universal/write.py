@@ -145,6 +145,7 @@ def describe(source: ShardSource, checker: ReadChecker | None = None) -> Univers
             hyperparameters=dict(state.hyperparameters),
             params=tuple(name for g in state.layout_groups for slot in layout.groups[g].params for name in exported[slot.name]),
             scalars=scalars[index],
+            optimizer=state.optimizer if state.optimizer != info.optimizer_class else "",
         )
         for index, state in enumerate(info.param_groups)
     ]
