@@ -17,14 +17,15 @@ import dataclasses
 import functools
 import json
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 from .dtypes import itemsize
 from .group import Bucket, GroupLayout, ParamSlot
+from .inputs import GroupInput, checked_groups, is_int
 from .owners import OwnerBalance, bounds_problem, owner_balance, owner_bounds
 from .policy import LayoutPolicy
 from .specs import DENSE_SHARD_GROUP, GroupSpec, ParamSpec
-from .stacks import LEGACY_STACK, ExpertStack, check_expert_map, check_stack_shape, per_expert_name_clash
+from .stacks import LEGACY_STACK, ExpertStack
 
 FORMAT_NAME = "zeroshard.layout"
 FORMAT_VERSION = 4  # the newest written; versions 1 (dense), 2 (legacy stacks) and 3 are still written and read
@@ -32,9 +33,6 @@ _DENSE_ONLY_VERSION = 1
 _LEGACY_STACKS_VERSION = 2
 _STACKS_VERSION = 3  # expert stacks described
 _OWNER_VERSION = 4  # owner groups
-
-GroupInput = GroupSpec | Sequence[ParamSpec | tuple[str, Sequence[int], object]]
-
 
 @dataclass(frozen=True)
 class PaddingStats:
@@ -202,7 +200,7 @@ class Layout:
         if data.get("format") != FORMAT_NAME:
             raise ValueError(f"not a zeroshard layout (format {data.get('format')!r})")
         version = data.get("version")
-        if not _is_int(version) or version not in range(_DENSE_ONLY_VERSION, FORMAT_VERSION + 1):
+        if not is_int(version) or version not in range(_DENSE_ONLY_VERSION, FORMAT_VERSION + 1):
             raise ValueError(
                 f"layout format version {version!r} is not supported (this zeroshard reads versions "
                 f"{_DENSE_ONLY_VERSION} to {FORMAT_VERSION})"
@@ -245,12 +243,7 @@ def build_layout(groups: Sequence[GroupInput], world_size: int, policy: LayoutPo
     (or group) and the problem for any bad input.
     """
     policy = policy or LayoutPolicy()
-    if not _is_int(world_size) or world_size < 1:
-        raise ValueError(f"world size must be an integer >= 1, got {world_size!r}")
-    checked = [_check_group(index, group, world_size, policy) for index, group in enumerate(groups)]
-    _check_unique_names([group.params for group in checked])
-    _check_per_expert_names(checked)
-    _check_shard_group_sizes(checked)
+    checked = checked_groups(groups, world_size, policy)
     laid_out = [_lay_out_group(i, group, policy) for i, group in enumerate(checked)]
     alignments = [policy.partition_alignment(group.dtype) for group in laid_out]
     owners = [group.owner for group in checked]
@@ -258,107 +251,6 @@ def build_layout(groups: Sequence[GroupInput], world_size: int, policy: LayoutPo
         if bounds:
             laid_out[index] = dataclasses.replace(laid_out[index], bounds=bounds)
     return Layout(world_size, policy, tuple(laid_out))
-
-
-def _check_group(index: int, group: GroupInput, world_size: int, policy: LayoutPolicy) -> GroupSpec:
-    shard = group if isinstance(group, GroupSpec) else GroupSpec(())
-    params: Iterable[Any] = group.params if isinstance(group, GroupSpec) else group
-    specs = [param if isinstance(param, ParamSpec) else ParamSpec.of(*param) for param in params]
-    if not specs:
-        raise ValueError(f"group {index} has no parameters")
-    dtype = specs[0].dtype
-    for spec in specs:
-        if spec.dtype != dtype:
-            raise ValueError(f"parameter {spec.name!r} is {spec.dtype} but group {index} is {dtype}; one dtype per group")
-    problem = policy.check_dtype(dtype)
-    if problem:
-        raise ValueError(f"parameter {specs[0].name!r} (group {index}): {problem}")
-    if type(shard.owner) is not bool:
-        raise ValueError(f"group {index}: 'owner' must be true or false, got {shard.owner!r}")
-    if shard.owner and (policy.kind != "native" or policy.compact):
-        raise ValueError(
-            f"group {index} is an owner group (whole matrices per rank), which needs the native policy with aligned "
-            f"parameters; the policy is {policy.describe()}"
-        )
-    return dataclasses.replace(_check_shard(index, specs, shard, world_size), owner=shard.owner)
-
-
-def _check_shard(index: int, specs: list[ParamSpec], shard: GroupSpec, world_size: int) -> GroupSpec:
-    """The group with its shard group checked and its world size filled in."""
-    name = shard.shard_group
-    try:
-        expert_map = tuple(tuple(experts) for experts in shard.expert_map)
-    except TypeError:
-        raise ValueError(f"group {index}: the expert map must be a list of lists of expert ids") from None
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"group {index}: shard group name must be a non-empty string, got {name!r}")
-    parallel = len(expert_map) or 1
-    size = shard.world_size if shard.world_size is not None else world_size // parallel
-    if not _is_int(size) or size < 1 or world_size % size:
-        raise ValueError(f"group {index}: shard group {name!r} of {size!r} ranks does not divide the world size {world_size}")
-    if name == DENSE_SHARD_GROUP and (size != world_size or expert_map):
-        raise ValueError(f"group {index}: shard group {name!r} is all {world_size} ranks, without experts")
-    if not expert_map:
-        if shard.stacks:
-            raise ValueError(f"group {index}: expert stacks are described for a group without experts")
-        return GroupSpec(tuple(specs), name, size)
-    _check_expert_map(index, specs, expert_map, size, world_size)
-    return GroupSpec(tuple(specs), name, size, expert_map, _checked_stacks(index, specs, shard.stacks))
-
-
-def _checked_stacks(index: int, specs: list[ParamSpec], stacks: Any) -> tuple[ExpertStack, ...]:
-    """One ExpertStack per parameter, each checked against its shape; LEGACY_STACK for each
-    when none are given (a legacy stack's shape is checked where it matters, at export, as
-    before stacks were described)."""
-    if not stacks:
-        return (LEGACY_STACK,) * len(specs)
-    stacks = tuple(stacks)
-    if len(stacks) != len(specs) or not all(isinstance(stack, ExpertStack) for stack in stacks):
-        raise ValueError(f"group {index}: expert stacks must be one ExpertStack per parameter ({len(specs)})")
-    for spec, stack in zip(specs, stacks):
-        if stack == LEGACY_STACK:
-            continue  # as when none are given
-        try:
-            check_stack_shape(spec.name, stack, spec.shape)
-        except ValueError as err:
-            raise ValueError(f"group {index}: {err}") from None
-    return stacks
-
-
-def _check_expert_map(
-    index: int, specs: list[ParamSpec], expert_map: tuple[tuple[int, ...], ...], size: int, world_size: int
-) -> None:
-    try:
-        check_expert_map(expert_map)
-    except ValueError as err:
-        raise ValueError(f"group {index}: {err}") from None
-    local = len(expert_map[0])
-    if size * len(expert_map) != world_size:
-        raise ValueError(
-            f"group {index}: {len(expert_map)} expert-parallel ranks x {size} ranks per shard group "
-            f"is not the world size {world_size}"
-        )
-    for spec in specs:
-        if not spec.shape or spec.shape[0] != local:
-            raise ValueError(
-                f"parameter {spec.name!r} (group {index}): expert weights stack {local} local experts "
-                f"in their first dimension, got shape {list(spec.shape)}"
-            )
-
-
-def _check_shard_group_sizes(groups: list[GroupSpec]) -> None:
-    sizes: dict[str, int] = {}
-    for index, group in enumerate(groups):
-        size = sizes.setdefault(group.shard_group, group.world_size)
-        if size != group.world_size:
-            raise ValueError(
-                f"group {index}: shard group {group.shard_group!r} has {group.world_size} ranks here "
-                f"but {size} in an earlier group"
-            )
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _same_json(a: object, b: object) -> bool:
@@ -370,23 +262,6 @@ def _same_json(a: object, b: object) -> bool:
     if isinstance(a, list):
         return len(a) == len(b) and all(map(_same_json, a, b))  # type: ignore[arg-type]
     return a == b
-
-
-def _check_unique_names(groups: list[tuple[ParamSpec, ...]]) -> None:
-    seen: set[str] = set()
-    for spec in (spec for group in groups for spec in group):
-        if spec.name in seen:
-            raise ValueError(f"parameter {spec.name!r} appears more than once")
-        seen.add(spec.name)
-
-
-def _check_per_expert_names(groups: list[GroupSpec]) -> None:
-    """Every stack's per-expert tensors have names of their own (exports write them)."""
-    experts = [sum(map(len, group.expert_map)) for group in groups]
-    stacks = [(spec.name, stack, e) for g, e in zip(groups, experts) for spec, stack in zip(g.params, g.stacks)]
-    problem = per_expert_name_clash(stacks, [spec.name for group in groups for spec in group.params])
-    if problem:
-        raise ValueError(f"{problem}; a per-expert export would write two tensors under it")
 
 
 def _round_up(value: int, multiple: int) -> int:
