@@ -206,3 +206,23 @@ def test_a_deepspeed_adamw_checkpoint_into_the_muon_engine_is_refused_on_every_r
         "the checkpoint's optimizer is torch.optim.adamw.AdamW, this run uses torch.optim.Muon+torch.optim.adamw.AdamW"
     ) in message
     assert all(outcome["adamw_refusal"][1] for outcome in outcomes[world_size]), "the model is as it was"
+
+
+def test_the_run_may_list_adamw_first(deepspeed_muon_runs):
+    """The run's groups pair with the checkpoint's by the parameters they hold: AdamW's group
+    listed first (the engine's class names read "AdamW+Muon") loads as well, each group with
+    its own hyperparameters and state (D = 1)."""
+    fixture = deepspeed_muon_runs["muon_w2_s2"]
+    model = bf16(build_model())
+    named = dict(model.named_parameters())
+    groups = [
+        {"params": [named[name] for name in ADAM_PARAMS]},
+        {"params": [named[name] for name in MUON_PARAMS], "optimizer": torch.optim.Muon},
+    ]
+    engine = ZeroOptimizer(model, torch.optim.AdamW, groups, stage=2)
+    load_checkpoint(engine, fixture.save_dir)
+    adam, muon = engine.param_groups
+    assert (adam["lr"], adam["use_muon"], muon["lr"], muon["use_muon"]) == (ADAM_LR, False, MUON_LR, True)
+    expected = load_file(str(fixture.accessors))
+    for key, value in full_state(engine).items():
+        assert torch.equal(value.view(torch.int32), expected[key].float().reshape(value.shape).view(torch.int32)), key
