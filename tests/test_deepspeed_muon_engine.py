@@ -100,8 +100,8 @@ def test_a_full_load_into_adamw_is_refused_in_one_line_on_every_rank(outcomes, d
     assert f"checkpoint {path} not loaded (nothing changed)" in one_group
     assert (
         "layout group 0 holds parameters of saved param groups [0, 1]: "
-        "'fc1.weight' of saved param group 0 (torch.optim.Muon, use_muon true, states ['momentum_buffer']); "
-        "'embed.weight' of saved param group 1 (torch.optim.adamw.AdamW, use_muon false, states ['exp_avg', 'exp_avg_sq']); "
+        "'fc1.weight' of saved param group 0 (optimizer torch.optim.Muon, use_muon true, states ['momentum_buffer']); "
+        "'embed.weight' of saved param group 1 (optimizer torch.optim.adamw.AdamW, use_muon false, states ['exp_avg', 'exp_avg_sq']); "
         "group the run's parameters as the checkpoint does, or load with load_module_only"
     ) in one_group
 

@@ -381,8 +381,8 @@ def _mixed_groups_message(
     source: ShardSource, group: GroupLayout, loadable: set[str], owner_of_param: Mapping[str, int]
 ) -> str:
     """Names the first parameter of each saved param group that ``group`` draws from, with what
-    that group trained it with (its optimizer class where recorded, its states, DeepSpeed's ``use_muon`` flag when
-    it has one): a Muon matrix grouped with AdamW's parameters is found here."""
+    that group trained it with (its optimizer class where recorded, its states, DeepSpeed's
+    ``use_muon`` flag when it has one): a Muon matrix grouped with AdamW's parameters is found here."""
     first_of: dict[int, str] = {}
     for slot in group.params:
         if slot.name in loadable:
@@ -396,8 +396,9 @@ def _mixed_groups_message(
         states = sorted({key for g in saved.layout_groups for key in source.info.state_keys[g]})
         flag = saved.hyperparameters.get("use_muon")
         flag_text = f"use_muon {str(flag).lower()}, " if isinstance(flag, bool) else ""
-        trained_by = f"{saved.optimizer}, " if saved.optimizer else ""
-        described.append(f"{quoted(name)} of saved param group {owner} ({trained_by}{flag_text}states {quoted(states)})")
+        trained_by = f"optimizer {saved.optimizer}, " if saved.optimizer else ""
+        what = f"{trained_by}{flag_text}states {quoted(states)}"
+        described.append(f"{quoted(name)} of saved param group {owner} ({what})")
     if len(first_of) > SHOWN_GROUPS:
         described.append(f"{len(first_of) - SHOWN_GROUPS} more")
     return (
