@@ -228,3 +228,20 @@ def test_the_run_may_list_adamw_first(deepspeed_muon_runs):
     for key, value in full_state(engine).items():
         saved = expected[key].float().reshape(value.shape)
         assert torch.equal(value.view(torch.int32), saved.view(torch.int32)), key
+
+
+def test_through_universal_too(deepspeed_muon_runs, tmp_path):
+    """Converted to universal first (the per-group optimizers travel with it), the checkpoint
+    loads into the Muon engine with the same values (D = 1)."""
+    from zeroshard.checkpoint.universal import to_universal
+
+    fixture = deepspeed_muon_runs["muon_w2_s2"]
+    universal = to_universal(fixture.save_dir, tmp_path / "universal", progress=False)
+    model = bf16(build_model())
+    engine = muon_engine(model, MUON_PARAMS, ADAM_PARAMS)
+    load_checkpoint(engine, universal)
+    assert [group["lr"] for group in engine.param_groups] == [MUON_LR, ADAM_LR]
+    expected = load_file(str(fixture.accessors))
+    for key, value in full_state(engine).items():
+        saved = expected[key].float().reshape(value.shape)
+        assert torch.equal(value.view(torch.int32), saved.view(torch.int32)), key
