@@ -36,6 +36,7 @@ from zeroshard.deepspeed.checkpoint import (
     is_deepspeed_checkpoint,
     open_deepspeed,
 )
+from zeroshard.deepspeed.checkpoint.optimizers import ADAM, ADAMW, MUON, group_optimizers
 from zeroshard.deepspeed.checkpoint.source import TORCH_OPTIMIZERS, check_rank, optimizer_class
 from zeroshard.deepspeed.checkpoint.files import read_rank_shard
 
@@ -585,11 +586,28 @@ def test_allowed_globals_are_just_deepspeeds_four():
         ({"type": "Lamb", "params": {}}, [], "deepspeed:Lamb"),
         (None, [{"betas": (0.9, 0.99), "decoupled_weight_decay": True}], "torch.optim.adamw.AdamW"),
         (None, [{"momentum": 0.9}], "deepspeed:client optimizer"),
+        # MuonWithAuxAdam: torch's Muon on the use_muon groups, its Adam's class on the rest, in group order
+        ({"type": "Muon", "params": {}}, [{"use_muon": True}, {"use_muon": False}], f"{MUON}+{ADAMW}"),
+        ({"type": "muon", "params": {"adam_w_mode": False}}, [{"use_muon": False}, {"use_muon": True}], f"{ADAM}+{MUON}"),
+        ({"type": "Muon", "params": {}}, [{"use_muon": True}], MUON),  # every parameter a matrix
     ],
 )
 def test_optimizer_class_from_config(optimizer, groups, expected):
     config = {"optimizer": optimizer} if optimizer else {}
     assert optimizer_class(config, groups) == expected
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "groups", "expected"),
+    [
+        ({"type": "Muon", "params": {}}, [{"use_muon": True}, {"use_muon": False}], [MUON, ADAMW]),
+        ({"type": "Muon", "params": {"adam_w_mode": False}}, [{"use_muon": False}, {"use_muon": True}], [ADAM, MUON]),
+        ({"type": "Muon", "params": {}}, [{"use_muon": True}, {"use_muon": True}], ["", ""]),  # one class: the run's
+        ({"type": "AdamW", "params": {}}, [{}, {}], ["", ""]),
+    ],
+)
+def test_group_optimizers_are_recorded_where_the_run_has_several(optimizer, groups, expected):
+    assert group_optimizers({"optimizer": optimizer}, groups) == expected
 
 
 def test_torch_optimizer_table_is_torch_optim():
@@ -598,5 +616,5 @@ def test_torch_optimizer_table_is_torch_optim():
         for name, cls in vars(torch.optim).items()
         if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer
     }
-    found.pop("Muon", None)
+    assert MUON == found.pop("Muon")  # DeepSpeed's Muon is MuonWithAuxAdam: its groups name torch's
     assert TORCH_OPTIMIZERS == found

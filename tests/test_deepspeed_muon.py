@@ -100,7 +100,9 @@ def test_source_info_names_muon_and_adam_groups(run):
     with open_deepspeed(run.save_dir) as source:
         info = source.info
         assert [group.hyperparameters["use_muon"] for group in info.param_groups] == [True, False]
-        assert info.optimizer_class == "deepspeed:Muon"
+        # DeepSpeed's Muon and the torch AdamW beside it (torch_adam), named per group as zeroshard's own runs are
+        assert info.optimizer_class == "torch.optim.Muon+torch.optim.adamw.AdamW"
+        assert [group.optimizer for group in info.param_groups] == ["torch.optim.Muon", "torch.optim.adamw.AdamW"]
         assert source.scalars(0) == {} and float(source.scalars(1)["step"]) == STEPS
         assert info.aliases == {"head.weight": "embed.weight"}
 

@@ -92,14 +92,16 @@ def test_a_full_load_into_adamw_is_refused_in_one_line_on_every_rank(outcomes, d
         assert all(outcome[grouping][1] for outcome in outcomes[world_size]), "the model is as it was"
     # Grouped as saved, the state reads; the engine's import_state then refuses the optimizer.
     as_saved = outcomes[world_size][0]["as_saved"][0]
-    assert "the checkpoint's optimizer is deepspeed:Muon, this run uses torch.optim.adamw.AdamW" in as_saved
+    assert (
+        "the checkpoint's optimizer is torch.optim.Muon+torch.optim.adamw.AdamW, this run uses torch.optim.adamw.AdamW"
+    ) in as_saved
     # Grouped otherwise, the loader refuses before anything is read, naming a Muon matrix.
     one_group = outcomes[world_size][0]["one_group"][0]
     assert f"checkpoint {path} not loaded (nothing changed)" in one_group
     assert (
         "layout group 0 holds parameters of saved param groups [0, 1]: "
-        "'fc1.weight' of saved param group 0 (use_muon true, states ['momentum_buffer']); "
-        "'embed.weight' of saved param group 1 (use_muon false, states ['exp_avg', 'exp_avg_sq']); "
+        "'fc1.weight' of saved param group 0 (optimizer torch.optim.Muon, use_muon true, states ['momentum_buffer']); "
+        "'embed.weight' of saved param group 1 (optimizer torch.optim.adamw.AdamW, use_muon false, states ['exp_avg', 'exp_avg_sq']); "
         "group the run's parameters as the checkpoint does, or load with load_module_only"
     ) in one_group
 

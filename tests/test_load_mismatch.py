@@ -171,3 +171,25 @@ def test_non_strict_module_only_and_weights_only_loads_keep_the_runs_values(chec
         assert torch.equal(after[f"fp32/{EXTRA}"], before[f"weight/{EXTRA}"].float()), options
         name = "fc2.weight"
         assert torch.equal(after[f"weight/{name}"], reference[kind][f"weight/{name}"]), options
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_run_listing_its_param_groups_in_another_order_gets_each_groups_own_hyperparameters(checkpoints, reference, kind):
+    """The checkpoint's param groups pair with the run's by the parameters they hold, not by
+    position: listed the other way round, the no-decay group keeps its weight decay of 0."""
+    from deepspeed_fixtures import param_groups
+
+    def hyperparameters(engine: ZeroOptimizer) -> list[dict]:
+        return [{key: value for key, value in group.items() if key != "params"} for group in engine.param_groups]
+
+    in_order = make_engine(fixture_model())
+    load_checkpoint(in_order, checkpoints[kind])
+    decay, no_decay = hyperparameters(in_order)
+    assert decay["weight_decay"] != no_decay["weight_decay"], "groups that differ, so that a swap shows"
+    model = fixture_model()
+    reordered = ZeroOptimizer(model, torch.optim.AdamW, param_groups(model)[::-1], stage=2, lr=LR, betas=BETAS)
+    load_checkpoint(reordered, checkpoints[kind])
+    assert hyperparameters(reordered) == [no_decay, decay]
+    after = snapshot(reordered)
+    assert after.keys() == reference[kind].keys()
+    assert all(torch.equal(after[key], reference[kind][key]) for key in after), kind

@@ -360,14 +360,7 @@ def _map_param_groups(source: ShardSource, layout: Layout, loadable: set[str]) -
     owners: list[int | None] = []
     for group in layout.groups:
         found = {owner_of_param[slot.name] for slot in group.params if slot.name in loadable}
-        trained_by = {info.param_groups[owner].optimizer or info.optimizer_class for owner in found if owner >= 0}
-        if len(trained_by) > 1:
-            raise ValueError(
-                f"layout group {group.index} holds parameters that the checkpoint's optimizers {sorted(trained_by)} "
-                "trained; its optimizer state loads only into a run that trains them as it did (load_module_only=True "
-                "loads the weights alone)"
-            )
-        if len(found) > 1 or -1 in found:
+        if len(found) > 1 or -1 in found:  # the message names each group's optimizer where recorded
             raise ValueError(_mixed_groups_message(source, group, loadable, owner_of_param))
         owners.append(found.pop() if found else None)
     states = [
@@ -388,8 +381,8 @@ def _mixed_groups_message(
     source: ShardSource, group: GroupLayout, loadable: set[str], owner_of_param: Mapping[str, int]
 ) -> str:
     """Names the first parameter of each saved param group that ``group`` draws from, with what
-    that group trained it with (its optimizer states, and DeepSpeed's ``use_muon`` flag when
-    it has one): a Muon matrix grouped with AdamW's parameters is found here."""
+    that group trained it with (its optimizer class where recorded, its states, DeepSpeed's
+    ``use_muon`` flag when it has one): a Muon matrix grouped with AdamW's parameters is found here."""
     first_of: dict[int, str] = {}
     for slot in group.params:
         if slot.name in loadable:
@@ -403,7 +396,9 @@ def _mixed_groups_message(
         states = sorted({key for g in saved.layout_groups for key in source.info.state_keys[g]})
         flag = saved.hyperparameters.get("use_muon")
         flag_text = f"use_muon {str(flag).lower()}, " if isinstance(flag, bool) else ""
-        described.append(f"{quoted(name)} of saved param group {owner} ({flag_text}states {quoted(states)})")
+        trained_by = f"optimizer {saved.optimizer}, " if saved.optimizer else ""
+        what = f"{trained_by}{flag_text}states {quoted(states)}"
+        described.append(f"{quoted(name)} of saved param group {owner} ({what})")
     if len(first_of) > SHOWN_GROUPS:
         described.append(f"{len(first_of) - SHOWN_GROUPS} more")
     return (

@@ -112,7 +112,9 @@ def from_deepspeed_config(
             are cast to the bf16 / fp16 dtype the config enables, buffers keep theirs.
         config: a DeepSpeed config dict, or the path of its JSON file.
         param_groups: DeepSpeed's ``model_parameters`` (param groups with per-group options);
-            None: every trainable parameter.
+            None: every trainable parameter. With ``"optimizer": {"type": "Muon"}`` each is
+            split as DeepSpeed splits it (:mod:`zeroshard.deepspeed.muon`): its matrices on
+            ``torch.optim.Muon``, the rest on torch's AdamW.
         optimizer_class: a torch optimizer class for a config without an ``optimizer``
             section (DeepSpeed's client optimizer); its options come from ``engine_options``.
         process_group, expert_process_group: as for :class:`~zeroshard.engine.ZeroOptimizer`.
@@ -141,6 +143,8 @@ def from_deepspeed_config(
     _check_expert_parallel(plan.values, comm.world_size, expert_process_group)
     _place(model, plan.dtype, device)
     options = {**plan.engine_options, **engine_options}
+    if plan.muon is not None:  # DeepSpeed's Muon: its groups, split by the parameters' shapes and names
+        param_groups = plan.muon.param_groups(model, param_groups)
     engine = ZeroOptimizer(
         model,
         plan.optimizer_class,

@@ -264,7 +264,7 @@ RULES: tuple[KeyRule, ...] = (
     # ---- optimizer and scheduler ---------------------------------------------------------------
     _mapped(
         "optimizer.type",
-        "the torch optimizer class: Adam/AdamW -> torch.optim.Adam/AdamW, any torch.optim name; DeepSpeed's own (Lamb, Lion, OneBitAdam, Muon, ...) refused",
+        "the torch optimizer class: Adam/AdamW -> torch.optim.Adam/AdamW, Muon -> torch.optim.Muon on the matrices DeepSpeed tags and torch.optim.AdamW on the rest, any torch.optim name; DeepSpeed's own (Lamb, Lion, OneBitAdam, ...) refused",
     ),
     _mapped(
         "optimizer.params",

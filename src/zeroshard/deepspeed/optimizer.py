@@ -5,7 +5,8 @@ DeepSpeed's "Adam" and "AdamW" become torch's Adam or AdamW by DeepSpeed's own r
 importer follows). Without ``torch_adam`` DeepSpeed ran its FusedAdam or DeepSpeedCPUAdam:
 the same update, rounded differently, whose default ``weight_decay`` is 0 (torch's AdamW
 has 0.01), so that default is carried over. Any other name is torch.optim's, as in
-DeepSpeed; DeepSpeed's own optimizers (Lamb, Lion, Muon, 1-bit, MuP) are refused.
+DeepSpeed; DeepSpeed's own optimizers (Lamb, Lion, 1-bit, MuP) are refused. Its Muon
+(``MuonWithAuxAdam``) is torch's Muon beside torch's AdamW: :mod:`.muon`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from .values import arguments, flag, refusal, required_arguments, setting
 
 # DeepSpeed's optimizers of its own, by the lower-case name DeepSpeed matches.
-DEEPSPEED_OWN = ("lamb", "lion", "muon", "muadam", "muadamw", "musgd", "onebitadam", "zerooneadam", "onebitlamb")
+DEEPSPEED_OWN = ("lamb", "lion", "muadam", "muadamw", "musgd", "onebitadam", "zerooneadam", "onebitlamb")
 # torch optimizers whose step refuses dense gradients, the only ones ZeroOptimizer has.
 SPARSE_ONLY = ("sparseadam",)
 

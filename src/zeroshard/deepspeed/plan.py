@@ -15,6 +15,7 @@ import torch
 from ..io import jsonvalue
 from ..io.members import read_small_file
 from .keys import classify
+from .muon import MuonHalves, is_muon, muon_halves
 from .optimizer import optimizer_from_config
 from .values import arguments, flag, integer, number, positive, refusal, required_arguments, setting
 from ..engine.scaler import DeepSpeedLossScaler, LossScaler
@@ -50,6 +51,7 @@ class Plan:
     notes: list[str]
     schedule: type[torch.optim.lr_scheduler.LRScheduler] | None
     schedule_params: dict[str, Any]
+    muon: MuonHalves | None = None  # DeepSpeed's Muon: the param groups are built from the model
 
 
 def plan_run(config: Any, world_size: int, client_optimizer: Any) -> Plan:
@@ -74,7 +76,11 @@ def plan_run(config: Any, world_size: int, client_optimizer: Any) -> Plan:
             "DeepSpeed config refused: zero_optimization.compute_grad_norm = False with gradient_clipping > 0: "
             "zeroshard clips by the norm it computes; drop one of the two"
         )
-    optimizer_class, optimizer_options, notes = optimizer_from_config(raw.get("optimizer"), client_optimizer)
+    muon = _muon(raw.get("optimizer"), client_optimizer, clip)
+    if muon is not None:
+        optimizer_class, optimizer_options, notes = torch.optim.Muon, {}, list(muon.notes)
+    else:
+        optimizer_class, optimizer_options, notes = optimizer_from_config(raw.get("optimizer"), client_optimizer)
     batch = resolve_batch_sizes(values, world_size)
     options: dict[str, Any] = {
         "stage": stage,
@@ -93,7 +99,23 @@ def plan_run(config: Any, world_size: int, client_optimizer: Any) -> Plan:
         options["policy"] = LayoutPolicy.native(bucket_numel=bucket)
     _expert_parallel(values)
     schedule, schedule_params = _schedule(values)
-    return Plan(values, classified.noops, batch, dtype, optimizer_class, options, notes, schedule, schedule_params)
+    return Plan(
+        values, classified.noops, batch, dtype, optimizer_class, options, notes, schedule, schedule_params, muon
+    )
+
+
+def _muon(section: Any, client_optimizer: Any, clip: float) -> MuonHalves | None:
+    """DeepSpeed's Muon and the Adam beside it, when the section names it; else None."""
+    if not is_muon(section):
+        return None
+    if client_optimizer is not None:
+        raise ValueError("DeepSpeed config refused: optimizer: the config names one and optimizer_class= gives another")
+    params = section.get("params")
+    if params is None:
+        params = {}
+    if not isinstance(params, Mapping):
+        raise refusal("optimizer.params", params, "must be a JSON object of the optimizer's arguments")
+    return muon_halves(params, clip)
 
 
 def read_config(config: Any) -> dict[str, Any]:

@@ -170,22 +170,49 @@ def _validate(engine: EngineParts, state: ShardedState, full: bool, strict: bool
     _validate_model_state(engine.model.state_dict(), state.model_state, strict)
     if not full:
         return
-    expected = optimizer_class_name(engine.optimizer)
-    if state.optimizer_class != expected:
+    live_classes = group_classes(engine.optimizer)
+    saved_classes = [saved.optimizer or state.optimizer_class for saved in state.param_groups]
+    if set(saved_classes or [state.optimizer_class]) != set(live_classes):
+        expected = optimizer_class_name(engine.optimizer)
         raise ValueError(f"the checkpoint's optimizer is {state.optimizer_class}, this run uses {expected}")
     if len(state.param_groups) != len(engine.optimizer.param_groups):
         raise ValueError(
             f"the checkpoint has {len(state.param_groups)} param groups, this run has {len(engine.optimizer.param_groups)}"
         )
-    for index, (saved, live) in enumerate(zip(state.param_groups, group_classes(engine.optimizer))):
-        if saved.optimizer and saved.optimizer != live:
-            raise ValueError(f"param group {index}: the checkpoint's optimizer is {saved.optimizer}, this run's is {live}")
+    # Per group, each saved group beside the run's group holding its parameters: the run-level
+    # name joins the classes in group order, which says nothing of which group ran which.
+    saved_classes = [saved.optimizer or state.optimizer_class for saved in saved_in_run_order(engine, state)]
+    for index, (saved, live) in enumerate(zip(saved_classes, live_classes)):
+        if saved != live:
+            raise ValueError(f"param group {index}: the checkpoint's optimizer is {saved}, this run's is {live}")
     for group_index, (values, master) in enumerate(zip(state.fp32_partitions, engine.masters)):
         if values.shape != master.shape:
             raise ValueError(f"group {group_index}: fp32 partition has shape {tuple(values.shape)}, expected {tuple(master.shape)}")
         for key, tensor in state.optimizer_states[group_index].items():
             if tensor.shape != master.shape:
                 raise ValueError(f"group {group_index}: optimizer state {key!r} has shape {tuple(tensor.shape)}")
+
+
+def saved_in_run_order(engine: EngineParts, state: ShardedState) -> list[ParamGroupState]:
+    """The state's param groups in the order of the run's: each beside the run's group that
+    holds its layout groups (a run may list its groups in another order than the checkpoint's).
+
+    Raises:
+        ValueError: a run's group holds the layout groups of none, or of several, saved groups.
+    """
+    run_group_of = {g: index for index, user in enumerate(engine.grouping.user_groups) for g in user.layout_groups}
+    ordered: list[list[ParamGroupState]] = [[] for _ in engine.grouping.user_groups]
+    for saved in state.param_groups:
+        holders = {run_group_of.get(g) for g in saved.layout_groups}
+        if len(holders) == 1 and None not in holders:
+            ordered[holders.pop()].append(saved)
+    for index, found in enumerate(ordered):
+        if len(found) != 1:
+            raise ValueError(
+                f"param group {index} holds the parameters of {len(found)} of the checkpoint's param groups, not one; "
+                "group the run's parameters as the checkpoint does"
+            )
+    return [found[0] for found in ordered]
 
 
 def _validate_model_state(current: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor], strict: bool) -> None:
@@ -231,7 +258,7 @@ def _torch_optimizer_state(engine: EngineParts, state: ShardedState, take: bool)
             for view, entry in zip(views, engine.matrices.torch_entries(group_index, states, scalars)):
                 per_param[index_of[id(view.param)]] = entry
     groups = []
-    for live, saved in zip(engine.optimizer.param_groups, state.param_groups):
+    for live, saved in zip(engine.optimizer.param_groups, saved_in_run_order(engine, state)):
         params = [index_of[id(p)] for p in live["params"]]
         groups.append({**live, **saved.hyperparameters, "params": params})
     return {"state": per_param, "param_groups": groups}

@@ -37,6 +37,7 @@ from ...state import ParamGroupState
 from .autoep_experts import ExpertWeights, check_placement, expert_file_names, read_expert_files
 from .autoep_layout import expert_group_spec, group_kind
 from .muon import PartitionMomentum, muon_groups, partition_states
+from .optimizers import TORCH_OPTIMIZERS, deepspeed_optimizer, group_optimizers, optimizer_class  # noqa: F401
 from .files import ModelStates, RankShard, read_model_states, read_rank_shard, read_scalars
 from .paths import MODEL_STATES_FILE, model_states_path, rank_file_paths, refuse_unsupported
 from .pickled import DeepSpeedFormatError
@@ -379,10 +380,14 @@ def charge_outputs(layout: Layout, model: ModelStates, first: RankShard, aliases
 def _source_info(layout: Layout, model: ModelStates, first: RankShard) -> SourceInfo:
     trained = set(layout.param_names)
     aliases = {alias: target for alias, target in model.shared_params.items() if target in trained}
+    optimizers = group_optimizers(model.ds_config, first.param_groups)  # MuonWithAuxAdam's two, per group
     return SourceInfo(
         layout=layout,
         optimizer_class=optimizer_class(model.ds_config, first.param_groups),
-        param_groups=[ParamGroupState(dict(hyper), [index]) for index, hyper in enumerate(first.param_groups)],
+        param_groups=[
+            ParamGroupState(dict(hyper), [index], optimizer)
+            for index, (hyper, optimizer) in enumerate(zip(first.param_groups, optimizers))
+        ],
         state_keys=[list(states) for states in first.states],
         model_entries=_model_entries(model, trained | set(aliases)),
         aliases=aliases,
@@ -411,51 +416,3 @@ def _model_entries(model: ModelStates, trained: set[str]) -> list[ModelEntry]:
         kind = "buffer" if name in buffers else "frozen"
         entries.append(ModelEntry(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), kind))
     return entries
-
-
-def deepspeed_optimizer(ds_config: dict[str, Any]) -> dict[str, Any]:
-    """What DeepSpeed built from the config's ``optimizer`` section (engine.py,
-    ``_configure_basic_optimizer``): the type, whether torch's Adam(W) ran, decoupled decay."""
-    section = ds_config.get("optimizer") or {}
-    params = section.get("params") or {}
-    kind = str(section.get("type", "")).lower()
-    info: dict[str, Any] = {"type": section.get("type"), "torch_adam": bool(params.get("torch_adam", False))}
-    if kind in ("adam", "adamw"):
-        # DeepSpeed's "Adam" decouples weight decay too unless adam_w_mode is false.
-        info["adam_w_mode"] = kind == "adamw" or bool(params.get("adam_w_mode", True))
-        info["implementation"] = (
-            ("torch.optim.adamw.AdamW" if info["adam_w_mode"] else "torch.optim.adam.Adam")
-            if info["torch_adam"]
-            else "deepspeed FusedAdam / DeepSpeedCPUAdam"
-        )
-    return info
-
-
-def optimizer_class(ds_config: dict[str, Any], param_groups: list[dict[str, Any]]) -> str:
-    """The torch optimizer class whose update the saved run used, by its import path, or
-    ``"deepspeed:<type>"`` for DeepSpeed's own optimizers (Lamb, Lion, Muon, ...)."""
-    ds = deepspeed_optimizer(ds_config)
-    if "adam_w_mode" in ds:
-        return "torch.optim.adamw.AdamW" if ds["adam_w_mode"] else "torch.optim.adam.Adam"
-    name = ds["type"]
-    if name is None:
-        # A client optimizer: torch (>= 2.6) records decoupled_weight_decay in Adam's groups.
-        decoupled = param_groups[0].get("decoupled_weight_decay") if param_groups else None
-        if decoupled is not None and "betas" in param_groups[0]:
-            return "torch.optim.adamw.AdamW" if decoupled else "torch.optim.adam.Adam"
-        return "deepspeed:client optimizer"
-    # Names DeepSpeed has no optimizer of its own for are torch.optim's.
-    return TORCH_OPTIMIZERS.get(str(name), f"deepspeed:{name}")
-
-
-# torch.optim's optimizers (torch 2.13) by name, as import paths, so that reading a
-# checkpoint needs no torch import. Muon is left out: DeepSpeed has a Muon of its own.
-TORCH_OPTIMIZERS = {
-    name: f"torch.optim.{module}{name}"
-    for name, module in (
-        ("ASGD", "asgd."), ("Adadelta", "adadelta."), ("Adafactor", ""), ("Adagrad", "adagrad."),
-        ("Adam", "adam."), ("AdamW", "adamw."), ("Adamax", "adamax."), ("LBFGS", "lbfgs."), ("NAdam", "nadam."),
-        ("RAdam", "radam."), ("RMSprop", "rmsprop."), ("Rprop", "rprop."), ("SGD", "sgd."),
-        ("SparseAdam", "sparse_adam."),
-    )
-}
