@@ -51,6 +51,18 @@ def _three_groups(last_class: type) -> tuple[nn.Module, ZeroOptimizer]:
     return model, ZeroOptimizer(model, torch.optim.Muon, groups, lr=0.02)
 
 
+def test_each_param_group_holds_its_own_optimizers_options_only():
+    """Each group's dict holds the options its class takes, as torch's own optimizer of that
+    class would: an AdamW group got Muon's ``momentum``, ``nesterov`` and ``ns_*`` from the
+    first class's defaults, and kept them in every checkpoint."""
+    _, engine = _three_groups(torch.optim.AdamW)
+    for group, cls in zip(engine.param_groups, (torch.optim.Muon, torch.optim.AdamW, torch.optim.AdamW)):
+        tensor = torch.zeros(2, 2, requires_grad=True)
+        expected = set(cls([tensor]).param_groups[0]) - {"optimizer"}
+        assert set(group) - {"optimizer"} == expected, cls.__name__
+    assert set(engine.defaults) == set(torch.optim.Muon([torch.zeros(2, 2, requires_grad=True)]).defaults)
+
+
 def test_a_param_group_trained_by_another_optimizer_is_refused_and_nothing_changes(tmp_path):
     from zeroshard.checkpoint.engine_io import load_checkpoint, save_checkpoint
 

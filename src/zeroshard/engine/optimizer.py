@@ -185,9 +185,13 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         classes = setup.optimizer_classes(self.grouping, optimizer_class)
         self.optimizer = build_optimizer(self._torch_param_groups(), classes, optimizer_class, defaults)
         # torch's own set-up (hooks, profiling, the param-group checks) over the wrapped
-        # optimizer's groups; param_groups, state and defaults write through to it.
+        # optimizer's groups; param_groups, state and defaults write through to it. No
+        # defaults here: each group already holds its own class's, and torch would write the
+        # first class's into the groups of the others (Muon's ns_steps into AdamW's).
         self._groups_fixed = False
-        torch.optim.Optimizer.__init__(self, list(self.optimizer.param_groups), self.optimizer.defaults)
+        inner_defaults = self.optimizer.defaults
+        torch.optim.Optimizer.__init__(self, list(self.optimizer.param_groups), {})
+        self.defaults = inner_defaults  # torch's __init__ wrote {} through the setter
         self._groups_fixed = True
         positions = {name: index for index, (name, _) in enumerate(model.named_parameters())}
         self.reduce_dtypes = setup.resolve_reduce_dtypes(self.layout, reduce_dtype)
