@@ -24,6 +24,7 @@ import numpy as np
 
 from ..io.budget import DICT_ITEM_BYTES, named
 from ..io.dtypes import dtype_info
+from ..io.read_stats import count_read
 from ..io.safetensors_io import map_range
 
 try:
@@ -305,6 +306,7 @@ def _read_into(storage: StorageRecord, begin: int, out: np.ndarray) -> None:
             if not whole_record:
                 verify_record(storage, fd)
             value = 0
+            count_read(None, storage.path.name, len(buffer))
             for done in range(0, len(buffer), _HOT_CHUNK):
                 chunk = buffer[done : done + _HOT_CHUNK]
                 if _pread_full(fd, chunk, storage.data_offset + begin + done) < len(chunk):
@@ -334,6 +336,7 @@ def _pread_full(fd: int, buffer: memoryview, offset: int) -> int:
 def _read_range(storage: StorageRecord, fd: int, numpy_dtype: np.dtype, begin: int, count: int) -> np.ndarray:
     """``count`` elements from absolute offset ``begin``: mapped when MAP_BYTES or more."""
     end = begin + count * numpy_dtype.itemsize
+    count_read(None, storage.path.name, end - begin)
     if end - begin >= MAP_BYTES:
         view = map_range(fd, begin, end)
         if view is None:
@@ -392,6 +395,7 @@ def _checked_record(storage: StorageRecord, fd: int) -> bytes:
     """A small record's bytes, read with one pread and checked against its CRC-32 (checking
     costs less than remembering that it was checked)."""
     data = os.pread(fd, storage.record_size, storage.data_offset)
+    count_read(None, storage.path.name, len(data))
     if len(data) != storage.record_size:
         raise _ends_early(storage)
     _check_crc(storage, crc32(data))
@@ -417,6 +421,7 @@ def _record_crc(storage: StorageRecord, fd: int) -> int:
         if window is None:
             raise _ends_early(storage)
         value = crc32(window, value)
+        count_read(None, storage.path.name, len(window))
         window.release()
         done += end - begin
     return value
