@@ -16,7 +16,13 @@ without optimizer state, strict or not, resharded) behaves the same for each:
   fragment of the new rank's partition is read from the old ranks that hold it, by the runs
   :func:`plan_reads` computes, so a rank reads about its share, not the checkpoint;
 * without optimizer state the fp32 master partitions are the loaded weights, as the engine
-  rebuilds them, and no master is read.
+  rebuilds them, and no master is read;
+* loading with the other ranks of a job (``share``, as ``engine_io.load_checkpoint`` does),
+  a rank reads no weight and no whole master: the trained parameters' weights are its fp32
+  master partitions cast (the engine all-gathers them), attested against the saved weights
+  piece by piece; of the buffers and frozen parameters it reads only those ``share`` gives
+  it (:mod:`.shared_module`); without optimizer state it reads its master partitions and
+  nothing else. So the job reads each byte it needs once.
 
 The result is built in new tensors and returned only when everything passed, so a failed
 load leaves the caller's state as it was. Every load attests (:mod:`.attest`): the loader
@@ -41,6 +47,7 @@ from .attest.attestation import Evidence, attest_alone
 from .compat import Mismatch, compare_module, compare_params
 from ..io.dtypes import arrays_to_torch, cast, dtype_info, dtype_of, to_numpy, to_torch
 from .reshard import GroupPlan, plan_reads
+from .shared_module import ModuleShare
 from .source import ShardSource, param_group_owners, read_into, read_model_tensors, read_param, read_whole_param
 
 
@@ -55,6 +62,7 @@ def load_state(
     module_state: Mapping[str, torch.Tensor] | None = None,
     base: ShardedState | None = None,
     evidence: Evidence | None = None,
+    share: ModuleShare | None = None,
 ) -> ShardedState:
     """This rank's state under ``layout`` (the new run's), read from ``source``.
 
@@ -71,10 +79,18 @@ def load_state(
         evidence: filled with what the load digests, for the caller to judge with the
             other ranks' (:func:`~.attest.attested.load_attested`). Without it the rank attests alone: all of
             the state in a world of one, else what it holds whole (AttestationError).
+        share: the job loads together (every rank of ``layout``, attested together): the
+            state's ``model_state`` then holds only the module tensors ``share`` gives this
+            rank to read, and no trained parameter's weight; ``fp32_partitions`` are what
+            the weights are rebuilt from, also without optimizer state
+            (``import_state(..., weights_from_masters=True)``).
     """
     alone = evidence is None
     evidence = Evidence() if alone else evidence
-    state = _load(source, layout, rank, load_optimizer_states, load_module_only, strict, module_state, base, evidence)
+    if share is not None and alone:
+        raise ValueError("a load shared with the other ranks is attested with them: pass evidence")
+    options = (load_optimizer_states, load_module_only, strict)
+    state = _load(source, layout, rank, *options, module_state, base, evidence, share)
     if alone:
         attest_alone(evidence, layout.world_size)
     return state
@@ -90,6 +106,7 @@ def _load(
     module_state: Mapping[str, torch.Tensor] | None,
     base: ShardedState | None,
     evidence: Evidence,
+    share: ModuleShare | None = None,
 ) -> ShardedState:
     info = source.info
     if not 0 <= rank < layout.world_size:
@@ -101,6 +118,8 @@ def _load(
     plans = plan_reads(info.layout, layout, rank, loadable)
     full = load_optimizer_states and not load_module_only
     evidence.begin(source, layout, rank, loadable, full)
+    if share is not None:
+        return _load_shared(source, layout, rank, plans, (full, load_module_only), param_groups, base, evidence, share)
     # Weights cast from whole fp32 masters: their fragments also fill the rank's fp32
     # partitions, so no master byte is read twice.
     from_masters = _partitions_from_masters(source, layout, plans, base) if full and info.weights_from_masters else {}
@@ -118,17 +137,76 @@ def _load(
         fp32.append(group_fp32)
         states.append(group_states)
         scalars.append(group_scalars)
+    model_state = _to_torch_keeping_ties(weights, info.aliases)
+    return _state(source, layout, rank, fp32, states, scalars, param_groups, load_module_only, model_state)
+
+
+def _state(
+    source: ShardSource,
+    layout: Layout,
+    rank: int,
+    fp32: list[np.ndarray],
+    states: list[dict[str, np.ndarray]],
+    scalars: list[dict[str, torch.Tensor]],
+    param_groups: list[ParamGroupState],
+    module_only: bool,
+    model_state: dict[str, torch.Tensor],
+) -> ShardedState:
+    info = source.info
     return ShardedState(
         layout=layout,
         rank=rank,
         fp32_partitions=[to_torch(array) for array in fp32],
         optimizer_states=[{name: to_torch(array) for name, array in group.items()} for group in states],
         optimizer_scalars=scalars,
-        param_groups=[] if load_module_only else param_groups,
-        optimizer_class="" if load_module_only else info.optimizer_class,
-        model_state=_to_torch_keeping_ties(weights, info.aliases),
-        extra={} if load_module_only else arrays_to_torch(dict(info.extra)),
+        param_groups=[] if module_only else param_groups,
+        optimizer_class="" if module_only else info.optimizer_class,
+        model_state=model_state,
+        extra={} if module_only else arrays_to_torch(dict(info.extra)),
     )
+
+
+def _load_shared(
+    source: ShardSource,
+    layout: Layout,
+    rank: int,
+    plans: tuple[GroupPlan, ...],
+    kind: tuple[bool, bool],
+    param_groups: list[ParamGroupState],
+    base: ShardedState | None,
+    evidence: Evidence,
+    share: ModuleShare,
+) -> ShardedState:
+    """:func:`_load` of one rank of a job loading together (see the module docstring);
+    ``kind``: whether the load is full (optimizer states too), and module only."""
+    full, module_only = kind
+    if share.rank != rank or share.world_size != layout.world_size:
+        raise ValueError(f"the module share is rank {share.rank} of {share.world_size}'s, not rank {rank} of {layout.world_size}'s")
+    fp32, states, scalars = [], [], []
+    for plan in plans:
+        dtype = layout.groups[plan.group].dtype
+        if full:
+            group_fp32, group_states, group_scalars = _read_group(source, layout, plan, base, None, evidence)
+        else:
+            group_fp32 = _fill(source, plan, "fp32", _start(base, layout, plan.group, None, _stored_dtype(source, plan, "fp32")), evidence)
+            group_states, group_scalars = {}, {}
+        evidence.held(plan.group, group_fp32, group_states)
+        weights = cast(group_fp32, dtype)  # as the engine casts its masters into the parameters
+        evidence.rebuilt(plan.group, weights)
+        fp32.append(group_fp32 if full else cast(weights, "float32"))  # without states: masters from the weights
+        states.append(group_states)
+        scalars.append(group_scalars)
+    shared = {name: to_torch(array) for name, array in _shared_reads(source, share, evidence).items()}
+    return _state(source, layout, rank, fp32, states, scalars, param_groups, module_only, shared)
+
+
+def _shared_reads(source: ShardSource, share: ModuleShare, evidence: Evidence) -> dict[str, np.ndarray]:
+    """The module tensors ``share`` gives this rank to read, checked as :func:`_module_weights` does."""
+    digests: dict[str, tuple] | None = {} if evidence.enabled else None
+    found = read_model_tensors(source, share.mine, digests)
+    for name, values in found.items():
+        evidence.model_tensor(name, values, digests.get(name) if digests else None)
+    return found
 
 
 def _check_match(

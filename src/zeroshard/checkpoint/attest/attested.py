@@ -77,23 +77,26 @@ def attested_load(
     layout: Layout,
     agree_on: Any = None,
     *,
+    agree_also: Callable[[Any], Any] | None = None,
     stats: ReadStats | None = None,
 ) -> tuple[Any, Attestation]:
     """Collective: run ``read(evidence)`` (a load, filling ``evidence``) on every rank, then
-    agree: if any rank failed, or the ranks' ``agree_on`` differ, or the attestation fails,
-    every rank raises the same one-line error (a CheckpointDamagedError for damage, else a
-    ValueError). Returns ``read``'s result and the attestation, the same on every rank.
-    ``stats``: counts every read ``read`` makes, and gets what every rank read
-    (:meth:`~...io.read_stats.ReadStats.gathered`)."""
+    agree: if any rank failed, or the ranks' ``agree_on`` differ (with ``agree_also`` of what
+    ``read`` returned), or the attestation fails, every rank raises the same one-line error (a
+    CheckpointDamagedError for damage, else a ValueError). Returns ``read``'s result and the
+    attestation, the same on every rank. ``stats``: counts every read ``read`` makes, and
+    gets what every rank read (:meth:`~...io.read_stats.ReadStats.gathered`)."""
     evidence = Evidence()
     try:
         with stats.counting() if stats is not None else contextlib.nullcontext():
             result, problem = read(evidence), None
+        if agree_also is not None:
+            agree_on = (agree_on, agree_also(result))
     except Exception as err:  # noqa: BLE001 - any error on one rank fails the load on every rank
         result, problem = None, (f"{type(err).__name__}: {err}", is_damage(err))
     mine = evidence.partial()
     # params and itemsizes are the same on every rank: each judges with its own
-    sent = None if problem or mine is None else dataclasses.replace(mine, params=(), itemsizes={})
+    sent = None if problem or mine is None else dataclasses.replace(mine, params=(), itemsizes={}, rebuilt={})
     counted = (stats.total, stats.opening) if stats is not None else (0, 0)
     reports = coordinator.all_gather_object((problem, agree_on, sent, path, counted))
     if stats is not None:
