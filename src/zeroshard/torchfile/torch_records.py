@@ -228,6 +228,14 @@ class StoredTensor:
             raise IndexError(f"elements [{start}, {start + out.size}) are outside a tensor of {self.numel()} elements")
         _read_into(self.storage, (self.storage_offset + start) * out.itemsize, out)
 
+    def record(self) -> np.ndarray:
+        """The whole zip record holding the storage, read once into a new byte array and
+        checked against its CRC-32 as it arrives: for a reader that wants several ranges of
+        it, which checking range by range would read twice (the check reads all of it)."""
+        out = np.empty(self.storage.record_size, dtype=np.uint8)
+        _read_into(self.storage, 0, out)
+        return out
+
     def peek(self, start: int, end: int) -> np.ndarray:
         """Elements ``[start, end)`` of the flattened tensor (contiguous tensors only) as they
         are on disk, without checking the record's CRC-32, which would read all of it: for a
