@@ -296,10 +296,10 @@ def presence_check_seconds(root: Path, layers: int, experts: int) -> float:
         (folder / name).touch()
     best = float("inf")
     for _ in range(3):
-        started = time.process_time()
+        started = time.thread_time()
         with pytest.raises(DeepSpeedFormatError, match=f"{names[-1]} is missing"):
             read_expert_files(folder, AutoEP(autoep_layers, 1, None), {}, "bfloat16")
-        best = min(best, time.process_time() - started)
+        best = min(best, time.thread_time() - started)
     return best
 
 

@@ -102,7 +102,7 @@ def test_corrupted_manifest(saved):
 
 def test_newer_format_version(saved):
     edit_manifest(saved, lambda d: d.update(version=99))
-    assert "manifest.json: format version 99 is newer than this zeroshard reads (3)" in load_error(saved)
+    assert "manifest.json: format version 99 is newer than this zeroshard reads (4)" in load_error(saved)
 
 
 def _retyped(path: tuple, retype):

@@ -13,6 +13,7 @@ import torch
 
 from zeroshard.checkpoint import CheckpointSaveError, Checkpointer, list_tags, open_checkpoint, verify_checkpoint
 from zeroshard.checkpoint.directory import read_latest
+from zeroshard.checkpoint.format import AUDIT_FILE
 from zeroshard.checkpoint.retention import step_tag, tag_step, tags_to_delete
 from zeroshard.checkpoint.snapshot import HostSnapshot
 from zeroshard.launch import spawn
@@ -144,7 +145,7 @@ def test_a_save_never_replaces_a_checkpoint(tmp_path, async_save):
         ckpt.save(1)
         ckpt.wait()
         saved = _files(tag)
-        checkpoint_workers.train(model, engine, 1, 1)
+        checkpoint_workers.train(model, engine, 1, 1)  # the step after the save writes its audit record
         with pytest.raises(CheckpointSaveError) as refused:
             ckpt.save(1)
             ckpt.wait()
@@ -152,7 +153,9 @@ def test_a_save_never_replaces_a_checkpoint(tmp_path, async_save):
         f"checkpoint {tag} not saved: {tag}: exists, and this save never replaces a checkpoint: "
         f"move it out of {tmp_path} to save {step_tag(1)!r} again"
     )
-    assert _files(tag) == saved and read_latest(tmp_path) == step_tag(1)
+    assert set(_files(tag)) == {*saved, AUDIT_FILE}
+    assert _committed(tag) == saved
+    assert read_latest(tmp_path) == step_tag(1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", step_tag(1)], "nothing written"
 
 
@@ -170,6 +173,11 @@ def _files(directory: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
 
 
+def _committed(directory: Path) -> dict[str, bytes]:
+    """The files a save commits (the audit record comes later, from the step after it)."""
+    return {name: data for name, data in _files(directory).items() if name != AUDIT_FILE}
+
+
 def test_async_equals_sync_errors_reach_every_rank_retention_and_resume_at_another_d(tmp_path):
     results = spawn(workers.async_sync_errors_retention, 2, (str(tmp_path),), timeout_s=300)
     first = results[0]
@@ -178,7 +186,7 @@ def test_async_equals_sync_errors_reach_every_rank_retention_and_resume_at_anoth
     assert first["async_tags"] == [step_tag(s) for s in (0, 4, 5)]
     assert first["sync_tags"] == [step_tag(s) for s in range(6)]
     for tag in first["async_tags"]:
-        assert _files(tmp_path / "async" / tag) == _files(tmp_path / "sync" / tag), tag
+        assert _committed(tmp_path / "async" / tag) == _committed(tmp_path / "sync" / tag), tag
     for rank, result in enumerate(results):
         for key, step in (("wait_error", 6), ("save_error", 7), ("close_error", 9)):
             message = result[key]

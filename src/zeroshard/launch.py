@@ -77,7 +77,27 @@ def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple, results) -> None:
+# What every rank imports before it runs anything: the forkserver imports it once, and each
+# rank is forked from it with these already loaded (about 3 s of imports per rank saved,
+# torch and the dynamo that torch.optim pulls in at the first optimizer).
+_PRELOADED = ("torch", "torch.distributed", *_MODULES_BINDING_THE_WORLD_GROUP, "torch._dynamo", "zeroshard.engine")
+
+
+def _rank_context() -> Any:
+    """Processes forked from a forkserver that has imported :data:`_PRELOADED` (started on
+    first use, once per parent; it never initialises a process group or CUDA). Each child
+    still gets the parent's current sys.path, working directory and main module, as spawn
+    does; the environment travels with the worker's arguments."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(list(_PRELOADED))
+    return context
+
+
+def _worker(
+    rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple, results, environ: dict[str, str]
+) -> None:
+    os.environ.clear()  # the parent's, as it is now (the forkserver's is as it was at its start)
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -149,11 +169,12 @@ def spawn(
 
 
 def _spawn_once(fn: Callable[..., Any], world_size: int, args: tuple, backend: str, timeout_s: float) -> list[Any]:
-    context = mp.get_context("spawn")
+    context = _rank_context()
     results = context.SimpleQueue()
     port = free_port()
+    environ = dict(os.environ)
     processes = [
-        context.Process(target=_worker, args=(rank, world_size, port, backend, fn, args, results), daemon=True)
+        context.Process(target=_worker, args=(rank, world_size, port, backend, fn, args, results, environ), daemon=True)
         for rank in range(world_size)
     ]
     for process in processes:

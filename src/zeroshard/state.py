@@ -36,6 +36,22 @@ class ParamGroupState:
 
 
 @dataclass
+class ResumeState:
+    """What one rank needs, besides its shard, to resume exactly (format version 4): its
+    random state (copies, as :func:`zeroshard.checkpoint.rng.capture_rng` takes it) and the
+    training script's own states (a data loader's position, ...), already encoded as JSON-able
+    values (:func:`zeroshard.checkpoint.io.jsonvalue.encode`: a copy taken at the save)."""
+
+    rng: dict[str, Any] | None  # the rank's random state; None: not saved (rng=False)
+    states: dict[str, Any] = field(default_factory=dict)  # per rank: name -> its state_dict
+    global_states: dict[str, Any] = field(default_factory=dict)  # the same on every rank: name -> state_dict
+
+    def scopes(self) -> dict[str, str]:
+        """Every state's name and scope: "rank" or "global"."""
+        return {**{name: "rank" for name in self.states}, **{name: "global" for name in self.global_states}}
+
+
+@dataclass
 class ShardedState:
     """One rank's share of a ZeRO run, in layout terms.
 
@@ -56,6 +72,7 @@ class ShardedState:
     optimizer_class: str  # e.g. "torch.optim.adamw.AdamW"
     model_state: dict[str, torch.Tensor]  # the module's full state_dict (frozen params, buffers)
     extra: dict[str, Any] = field(default_factory=dict)  # step counters, loss scaler, lr scheduler
+    resume: ResumeState | None = None  # random state and user states (a Checkpointer's saves)
     # the module's config files as JSON text ("config.json", "generation_config.json"), for a
     # model with a transformers-style config (zeroshard.checkpoint.model_config); rank 0's are saved
     model_configs: dict[str, str] = field(default_factory=dict)

@@ -1,12 +1,19 @@
 """Checkpointer: periodic saves that barely stall training, retention, and resume.
 
-    ckpt = Checkpointer(engine, "runs/ckpt", keep_last=3, async_save=True, lr_scheduler=sched)
-    start = ckpt.load()                    # 0, or the step after the latest checkpoint's
+    ckpt = Checkpointer(engine, "runs/ckpt", lr_scheduler=sched, state={"data": loader})
+    start = ckpt.load()                    # ResumePoint: the step to run next (0, or the saved step + 1)
     for step in range(start, total):
-        ...train...
+        ...forward, engine.backward(loss)...
+        ckpt.report_loss(loss)             # optional: the audit compares it too
+        engine.step(); sched.step()
         if step % 100 == 0:
-            ckpt.save(step, extra={...})   # returns once the rank's state is snapshotted
+            ckpt.save(step, extra={...})   # the step just completed; returns once snapshotted
     ckpt.close()                           # waits for the last save, reports its error if any
+
+Every save also records every rank's random state and the registered states (the data
+position) in resume files (:mod:`.run_state`), and the first step after it into an audit
+record beside the checkpoint; every load restores them, and the first step after it is
+compared with that record (:mod:`.audit`).
 
 An asynchronous save copies this rank's state into a reusable host buffer
 (:class:`~.snapshot.HostSnapshot`) and returns; a writer thread then runs the save's plan,
@@ -34,10 +41,12 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from .audit import Verdict
 from .coordinator import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
 from .attest.attestation import Attestation
+from .exact_resume import ExactResume, ResumePoint
 from .engine_io import LR_SCHEDULER_KEY, load_checkpoint_attested
 from .resume import decided_on_rank0, load_newest, plan_resume
 from .retention import apply_retention, step_tag
@@ -90,6 +99,18 @@ class Checkpointer:
         lr_scheduler: saved and restored with the run (its ``state_dict``).
         timeout_s: how long a save's collectives wait for the other ranks.
         fault: ``fault(point, rank)`` at the save's fault points (tests simulate crashes).
+        rng: save every rank's random state (torch CPU and CUDA, Python, NumPy) and restore it
+            at load; False leaves the resumed run's streams its own.
+        state: objects with ``state_dict()`` / ``load_state_dict()`` (a torchdata
+            ``StatefulDataLoader``, a sampler, the script's own iterator), by name, each rank
+            saving and restoring its own: saved with every checkpoint (as JSON: tensors come
+            back as torch tensors), restored by :meth:`load`. At another world size rank r
+            takes saved rank ``r mod D_old``'s.
+        global_state: the same for states equal on every rank (a global sample position):
+            rank 0's is saved, and every rank gets it back at any world size.
+        audit: record the first step after each save and compare the first step after a
+            resume with it (True); ``"strict"`` raises :class:`~.audit.ResumeAuditError`
+            instead of warning, and when the checkpoint has no record; False does neither.
         fallback: when the checkpoint to resume is damaged (its directory or a file missing,
             a link, truncated or corrupted, its manifest unreadable, or its attestation fails),
             :meth:`load` resumes from the newest older ``step-*`` checkpoint that loads and
@@ -119,10 +140,15 @@ class Checkpointer:
         timeout_s: float = 1800.0,
         fault: FaultHook | None = None,
         fallback: bool = False,
+        rng: bool = True,
+        state: Mapping[str, Any] | None = None,
+        global_state: Mapping[str, Any] | None = None,
+        audit: bool | str = True,
     ) -> None:
         for name, value in (("keep_last", keep_last), ("keep_every", keep_every)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        self._exact = ExactResume(engine, rng=rng, states=state, global_states=global_state, audit=audit, say=_say)
         self.engine = engine
         self.root = Path(root)
         self.keep_last = keep_last
@@ -152,17 +178,25 @@ class Checkpointer:
 
     # ---- public API ---------------------------------------------------------------------------
 
-    def load(self, warm_start: str | os.PathLike[str] | None = None) -> int:
+    def load(self, warm_start: str | os.PathLike[str] | None = None) -> ResumePoint:
         """Collective. Resume from the checkpoint ``latest`` names, resharding to this run's
         world size and policy; without ``latest``, from the newest ``step-*`` checkpoint (with
         a warning: a root holding checkpoints is never taken for empty); without either, from
         ``warm_start`` if given (a native, universal or DeepSpeed ZeRO-1/2 checkpoint
-        elsewhere: a DeepSpeed run carried on), else nothing is changed. Returns the step to
-        start at: one after the saved step (for a checkpoint not saved by a Checkpointer, the
-        optimizer steps it had taken), or 0. Sets :attr:`extra`, :attr:`resumed_from` and
-        :attr:`attestation` (``.line()`` says what the load proved), and says on rank 0 what
-        it loaded and proved (logged at INFO, or printed to stderr when logging is not
-        configured). Rank 0 reads the root; every rank gets its verdict.
+        elsewhere: a DeepSpeed run carried on), else nothing is changed.
+
+        Returns a :class:`~.exact_resume.ResumePoint`, an int: the step to run next, named
+        ``.next_step``; ``.saved_step`` is the step passed to ``save()`` (the step just
+        completed), so ``next_step == saved_step + 1``. For a checkpoint not saved by a
+        Checkpointer, the optimizer steps it had taken; 0 when nothing was resumed. Start the
+        loop at it (``range(ckpt.load(), total)``), not one after.
+
+        Every rank also gets its random state and registered states back (at another world
+        size by the rule in :mod:`.run_state`), and the first step is armed for the audit.
+        Sets :attr:`extra`, :attr:`resumed_from` and :attr:`attestation` (``.line()`` says
+        what the load proved), and says on rank 0 what it loaded, proved and restored (logged
+        at INFO, or printed to stderr when logging is not configured). Rank 0 reads the root;
+        every rank gets its verdict.
 
         Raises:
             CheckpointDamagedError: on every rank, when the checkpoint is damaged (its tag
@@ -172,8 +206,10 @@ class Checkpointer:
                 (with a warning).
             ValueError: on every rank, when the checkpoint cannot be loaded (nothing changed),
                 a ``step-*`` checkpoint newer than the one ``latest`` names is there (the
-                resumed run would save over it), or ``warm_start`` is an fp32 export (weights
-                only: load it into the model).
+                resumed run would save over it), ``warm_start`` is an fp32 export (weights
+                only: load it into the model), a state is registered with another scope than
+                it was saved with, or a registered state's ``load_state_dict`` failed.
+            ResumeAuditError: ``audit="strict"`` and the checkpoint has no usable audit record.
         """
         self._check_open()
         self.wait()
@@ -181,24 +217,49 @@ class Checkpointer:
         if plan.note is not None and self._coord.rank == 0:
             log.warning("%s", plan.note)
         if not plan.candidates and warm_start is None:
-            return 0
+            self._exact.fresh_start()
+            return ResumePoint(0)
         if plan.candidates:
-            saved, path, self.attestation = load_newest(
-                self.engine, self.root, plan, self._coord, fallback=self.fallback, lr_scheduler=self.lr_scheduler
+            saved, path, self.attestation, prepared = load_newest(
+                self.engine,
+                self.root,
+                plan,
+                self._coord,
+                fallback=self.fallback,
+                lr_scheduler=self.lr_scheduler,
+                prepare=lambda tag: self._exact.prepare(tag, self._coord),
             )
         else:
             path = Path(warm_start)
             problem = decided_on_rank0(self._coord, lambda: warm_start_problem(path))
             if problem is not None:
                 raise ValueError(problem)
+            prepared = self._exact.prepare(path, self._coord)
             saved, self.attestation = load_checkpoint_attested(self.engine, path, lr_scheduler=self.lr_scheduler)
         self.extra = dict(saved.get(USER_EXTRA_KEY) or {})
         self.resumed_from = path
-        start = int(saved[STEP_KEY]) + 1 if STEP_KEY in saved else int(saved.get("global_steps", 0))
+        saved_step = int(saved[STEP_KEY]) if STEP_KEY in saved else None
+        start = saved_step + 1 if saved_step is not None else int(saved.get("global_steps", 0))
+        restored = self._exact.finish(prepared, self._coord, path, start)
         if self._coord.rank == 0:
             how = "resumed" if plan.candidates else f"warm start (no checkpoint in {self.root} yet)"
-            _say(f"{how} from {path}: training goes on at step {start}; {self.attestation.line()}")
-        return start
+            _say(f"{how} from {path}: training goes on at step {start}; {self.attestation.line()}; {restored}")
+        return ResumePoint(start, saved_step, path)
+
+    def report_loss(self, loss: Any, terms: int | None = None) -> None:
+        """Not collective. Tell the resume audit this rank's loss of the step about to be
+        taken: call it between the forward pass and ``engine.step()``, every step (it is
+        ignored, at no cost, unless the step is audited; several calls in a step, one per
+        micro-batch, are averaged). ``terms``: how many samples (tokens, for a per-token mean)
+        the loss averages; with it, the first step after a resume at another world size is
+        judged within the bound of :func:`~.audit.relative_bound`."""
+        self._exact.steps.report_loss(loss, terms)
+
+    @property
+    def audit_verdict(self) -> Verdict | None:
+        """The audit's verdict on the first step after :meth:`load` (None until it ran, or
+        without a record to compare with): ``.causes`` names what differs, ``.line()`` says it."""
+        return self._exact.verdict
 
     def save(
         self,
@@ -208,9 +269,13 @@ class Checkpointer:
         root: str | os.PathLike[str] | None = None,
         tag: str | None = None,
     ) -> SaveStats:
-        """Collective. Save the run as ``step-<step>`` (the state after training step ``step``),
-        never over a checkpoint: a ``step-<step>`` that exists fails the save on every rank
-        before anything is written.
+        """Collective. Save the run as ``step-<step>``: ``step`` is the training-loop step just
+        completed (the state after it), so :meth:`load` returns ``step + 1``, the step to run
+        next. A step that does not follow the engine's steps since the last save or load is
+        warned about once (a loop that saves ``step + 1`` resumes a step late; saves with a
+        ``root`` or ``tag`` of their own are not counted). Never over a
+        checkpoint: a ``step-<step>`` that exists fails the save on every rank before
+        anything is written. Every rank's random state and registered states are taken now.
 
         Waits for the previous save first (raising its error, if any). Asynchronous: returns
         once this rank's state is copied to host memory; :meth:`wait` for the outcome.
@@ -225,10 +290,13 @@ class Checkpointer:
         self.wait()
         target = self.root if root is None else Path(root)
         stats = SaveStats(tag or step_tag(step), step, target, waited_s=time.perf_counter() - started)
+        if root is None and tag is None:  # load() resumes the Checkpointer's own step-* tags only
+            self._exact.before_save(step)
         snapshot_start = time.perf_counter()
         state, problem = self._take_state(step, extra)
         stats.snapshot_s = time.perf_counter() - snapshot_start
         self.history.append(stats)
+        self._exact.after_save(lambda: stats.path, stats.step, self._coord.rank, self._schedule)
         if self.async_save:
             self._start_worker()
             self._in_flight = stats
@@ -275,6 +343,7 @@ class Checkpointer:
         finally:
             self._closed = True
             atexit.unregister(self._exit_hook)
+            self._exact.close()
             if self._worker is not None:
                 self._jobs.put(None)
                 self._worker.join()
@@ -310,6 +379,7 @@ class Checkpointer:
                 state.extra[LR_SCHEDULER_KEY] = _copied(self.lr_scheduler.state_dict())
             state.extra[STEP_KEY] = step
             state.extra[USER_EXTRA_KEY] = _copied(extra or {})
+            state.resume = self._exact.capture()
             return state, None
         except Exception as err:  # noqa: BLE001 - reported on every rank by the agreement
             return None, f"taking the state failed: {type(err).__name__}: {err}"
@@ -325,6 +395,12 @@ class Checkpointer:
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
+            if callable(job):  # an audit record: no save's outcome depends on it
+                try:
+                    job()
+                except Exception:  # noqa: BLE001 - the writer must go on
+                    log.exception("writing an audit record failed")
+                continue
             try:
                 self._run_save(*job)
             except BaseException as err:  # noqa: BLE001 - raised by the next save, wait or close
@@ -348,6 +424,13 @@ class Checkpointer:
         finally:
             plan.release()
         stats.write_s = time.perf_counter() - started
+
+    def _schedule(self, job: Callable[[], None]) -> None:
+        """Run ``job`` after the save in flight (on the writer thread), or now without one."""
+        if self._worker is not None:
+            self._jobs.put(job)
+        else:
+            job()
 
     def _apply_retention(self, committed: str) -> tuple[str, ...]:
         """Rank 0 deletes old tags, under the root's writer lock, reading ``latest`` there: a

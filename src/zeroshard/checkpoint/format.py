@@ -6,14 +6,17 @@ docs/FORMAT.md describes the format; this module is the one place that spells it
 from __future__ import annotations
 
 FORMAT_NAME = "zeroshard.checkpoint"
-FORMAT_VERSION = 3  # the newest read; 3: the model's config files (written only with them)
-DIGESTED_VERSION = 2  # digests of the logical state and rank-file bindings; what a save without configs writes
+FORMAT_VERSION = 4  # the newest read; 4: resume files, each rank's random state and states (written only with them)
+RESUME_VERSION = 4  # the first version with resume files
+CONFIG_VERSION = 3  # the model's config files (written only with them, and without resume files)
+DIGESTED_VERSION = 2  # digests of the logical state and rank-file bindings; what a save without either writes
 UNDIGESTED_VERSION = 1  # written before digests; still read
 UNDIGESTED_LAYOUT_VERSION = 2  # the newest layout a version 1 manifest holds (layout version 3 came after version 2)
 
 MANIFEST_FILE = "manifest.json"
 MODEL_FILE = "model.safetensors"
 LATEST_FILE = "latest"
+AUDIT_FILE = "audit.json"  # written into a tag after the save, by the first step that follows it
 LOCK_FILE = ".lock"  # held by the save in progress (writer_lock.py); absent otherwise
 
 # Checksums cover fixed-size blocks of every file, so a rank that reads a byte range checks
@@ -47,6 +50,11 @@ def state_name_problem(name: object) -> str | None:
 def rank_file_name(rank: int, world_size: int) -> str:
     """``rank-00003-of-00008.safetensors``: the file holding one rank's partitions."""
     return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def resume_file_name(rank: int, world_size: int) -> str:
+    """``resume-00003-of-00008.json``: one rank's random state and user states (version 4)."""
+    return f"resume-{rank:05d}-of-{world_size:05d}.json"
 
 
 def fp32_key(group: int) -> str:

@@ -162,16 +162,27 @@ def _free_name(root: Path, tag: str) -> str:
 
 
 def load_newest(
-    engine: ZeroOptimizer, root: Path, plan: ResumePlan, coord: Coordinator, *, fallback: bool, lr_scheduler: Any
-) -> tuple[dict[str, Any], Path, Attestation]:
+    engine: ZeroOptimizer,
+    root: Path,
+    plan: ResumePlan,
+    coord: Coordinator,
+    *,
+    fallback: bool,
+    lr_scheduler: Any,
+    prepare: Callable[[Path], _T],
+) -> tuple[dict[str, Any], Path, Attestation, _T]:
     """Collective: load the first of the plan's candidates that loads and attests (only the
     first, unless ``fallback``: then each damaged one passed over is said and set aside).
-    Returns what it saved (its ``extra``), its path and the attestation. Raises as
+    ``prepare(path)`` (collective) runs before each load: what it raises counts as the
+    tag's (damage falls back). Returns what it saved (its ``extra``), its path, the
+    attestation and what ``prepare`` returned. Raises as
     :meth:`~.checkpointer.Checkpointer.load` says, on every rank alike."""
     passed: list[str] = []
     for index, tag in enumerate(plan.candidates):
         try:
-            saved, attestation = _load_tag(engine, root, tag, coord, lr_scheduler, named_by_latest=tag == plan.latest)
+            prepared, saved, attestation = _load_tag(
+                engine, root, tag, coord, lr_scheduler, prepare, named_by_latest=tag == plan.latest
+            )
         except CheckpointDamagedError as err:  # raised on every rank alike
             if not fallback or index + 1 == len(plan.candidates):
                 raise
@@ -181,20 +192,29 @@ def load_newest(
             passed.append(tag)
             continue
         _set_aside_passed(root, passed, coord)
-        return saved, root / tag, attestation
+        return saved, root / tag, attestation, prepared
     raise AssertionError("unreachable: the last candidate returns or raises")
 
 
 def _load_tag(
-    engine: ZeroOptimizer, root: Path, tag: str, coord: Coordinator, lr_scheduler: Any, *, named_by_latest: bool
-) -> tuple[dict[str, Any], Attestation]:
-    """Collective: load ``root/tag`` once rank 0 has seen it is a checkpoint directory of the root."""
+    engine: ZeroOptimizer,
+    root: Path,
+    tag: str,
+    coord: Coordinator,
+    lr_scheduler: Any,
+    prepare: Callable[[Path], _T],
+    *,
+    named_by_latest: bool,
+) -> tuple[_T, dict[str, Any], Attestation]:
+    """Collective: load ``root/tag`` once rank 0 has seen it is a checkpoint directory of the
+    root and ``prepare`` has read what it needs of it."""
     path = root / tag
     problem = decided_on_rank0(coord, lambda: tag_problem(root, tag))
     if problem is not None:
         named = f" ({root / LATEST_FILE} names it)" if named_by_latest else ""
         raise CheckpointDamagedError(f"checkpoint {path} not loaded (nothing changed): {problem}{named}")
-    return load_checkpoint_attested(engine, path, lr_scheduler=lr_scheduler)
+    prepared = prepare(path)
+    return (prepared, *load_checkpoint_attested(engine, path, lr_scheduler=lr_scheduler))
 
 
 def _set_aside_passed(root: Path, tags: list[str], coord: Coordinator) -> None:
@@ -213,6 +233,25 @@ def _set_aside_passed(root: Path, tags: list[str], coord: Coordinator) -> None:
     if coord.rank == 0 and moved:
         renamed = ", ".join(f"{tag} as {name}" for tag, name in moved)
         log.warning("%s: set aside the damaged %s, for inspection", root, renamed)
+
+
+def agreed_on_every_rank(coord: Coordinator, action: Callable[[], _T]) -> _T:
+    """Collective: ``action()`` runs on every rank; if it fails on any, every rank raises the
+    first failing rank's error in one line (CheckpointDamagedError for damage, else
+    ValueError), so no rank goes on alone."""
+    outcome: tuple[str, Any]
+    try:
+        outcome = ("ok", action())
+    except CheckpointDamagedError as err:
+        outcome = ("damage", str(err))
+    except Exception as err:  # noqa: BLE001 - every rank must learn of it
+        outcome = ("error", str(err) if isinstance(err, (ValueError, OSError)) else f"{type(err).__name__}: {err}")
+    everyone = coord.all_gather_object((outcome[0], None if outcome[0] == "ok" else outcome[1]))
+    for rank, (kind, text) in enumerate(everyone):
+        if kind != "ok":
+            error = CheckpointDamagedError if kind == "damage" else ValueError
+            raise error(text if coord.world_size == 1 else f"rank {rank}: {text}")
+    return outcome[1]
 
 
 def decided_on_rank0(coord: Coordinator, action: Callable[[], _T]) -> _T:

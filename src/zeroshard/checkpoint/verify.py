@@ -38,13 +38,14 @@ def verify_checkpoint(ckpt: Checkpoint) -> list[str]:
     manifest = ckpt.manifest
     rank_tensors = manifest.rank_file_tensors()
     configs = manifest.config_files
-    tensor_files = {name: record for name, record in manifest.files.items() if name not in configs}
+    tensor_files = set(manifest.files) - set(configs) - set(manifest.resume_files())
+    checked = {name: record for name, record in manifest.files.items() if name not in configs}  # resume files too
     expected = {name: manifest.model_file_tensors() if name == MODEL_FILE else rank_tensors for name in tensor_files}
-    problems = _verify_files(ckpt.directory, tensor_files, expected, listed=manifest.files)
+    problems = _verify_files(ckpt.directory, checked, expected, listed=manifest.files)
     problems += config_problems(ckpt.directory, configs)
     if problems:
         return problems
-    problems = _binding_problems(ckpt)
+    problems = _binding_problems(ckpt) + _resume_file_problems(ckpt)
     if problems:
         return problems
     from .native.source import NativeSource
@@ -105,6 +106,14 @@ def _binding_problems(ckpt: Checkpoint) -> list[str]:
     return problems
 
 
+def _resume_file_problems(ckpt: Checkpoint) -> list[str]:
+    """Every resume file parsed and checked against where the manifest puts it (version 3)."""
+    from .run_state import resume_file_problems
+
+    ranks = range(len(ckpt.manifest.resume_files()))
+    return [problem for rank in ranks for problem in resume_file_problems(ckpt, rank)]
+
+
 def read_every_tensor(source: ShardSource) -> list[str]:
     """Read every partition of every rank, and every model tensor, through ``source``: one
     line per rank file (or model tensor) that cannot be read; empty when all can."""
@@ -151,7 +160,7 @@ def _verify_files(
         except (OSError, ValueError) as err:
             problems.append(str(err))
             continue
-        if not file_problems:
+        if not file_problems and name in expected:  # a safetensors file (not a resume file)
             file_problems = _header_problems(path, record.size, expected[name])
         problems += file_problems
     strays = _strays(directory, records if listed is None else listed)

@@ -12,6 +12,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from ..checkpoint.audit import read_record
 from ..checkpoint.format import MANIFEST_FILE, MODEL_FILE, rank_file_name, scalar_key
 from ..io.block_reader import array_view
 from ..io.safetensors_io import VerifiedRanges, read_header
@@ -71,6 +72,8 @@ def describe_native(ckpt: Checkpoint, *, list_all_files: bool = False) -> list[s
         f"({frozen} not trainable), {len(manifest.aliases)} tied alias(es)",
         _padding_line(manifest.layout),
         _digests_line(manifest.digests, "every rank file bound to its place (layout digest, rank, experts)"),
+        _resume_line(ckpt),
+        _audit_line(ckpt.directory),
     ]
     manifest_size = ckpt.path(MANIFEST_FILE).stat().st_size
     sizes = {name: record.size for name, record in manifest.files.items()}
@@ -80,8 +83,37 @@ def describe_native(ckpt: Checkpoint, *, list_all_files: bool = False) -> list[s
         {name: sizes[name] for name in manifest.rank_files()},
         "rank files",
         list_all_files,
+        {"resume files": {name: sizes[name] for name in manifest.resume_files()}},
     )
     return lines
+
+
+def _resume_line(ckpt: Checkpoint) -> str:
+    """What a resume restores besides the state: random states and the script's states."""
+    resume = ckpt.manifest.resume
+    if resume is None:
+        return "resume: no random state or data position saved (a resume goes on from its own)"
+    rng = "every rank's random state (torch CPU and CUDA, Python, NumPy)"
+    rng = rng if resume.rng else "no random state (rng=False)"
+    scope = {"rank": "per rank", "global": "global"}
+    states = ", ".join(f"{name!r} ({scope[kind]})" for name, kind in sorted(resume.states.items()))
+    return f"resume: {rng}; states: {states or 'none'}"
+
+
+def _audit_line(directory: Path) -> str:
+    """The audit record beside the checkpoint: what the first step after the save saw."""
+    record, note = read_record(directory)
+    if record is None:
+        return f"audit: {note}"
+    taken = (
+        f"gradient norm {record.grad_norm!r} (before clipping)" if record.stepped else "skipped (an overflow)"
+    )
+    loss = f"loss {record.loss!r}" + (f" over {record.terms:,} terms" if record.terms is not None else "")
+    return (
+        f"audit: the first step after the save (world size {record.world_size}): {taken}, lr "
+        f"{', '.join(repr(lr) for lr in record.lrs)}, {loss if record.loss is not None else 'loss not reported'}; "
+        f"{record.rng_drew} of {record.world_size} ranks drew random numbers"
+    )
 
 
 def describe_universal(ckpt: UniversalCheckpoint, *, list_all_files: bool = False) -> list[str]:
@@ -254,12 +286,25 @@ def _source_padding_line(specs: list, source: Mapping[str, Any]) -> str:
     )
 
 
-def file_lines(fixed: Mapping[str, int], listed: Mapping[str, int], what: str, list_all: bool) -> list[str]:
+def file_lines(
+    fixed: Mapping[str, int],
+    listed: Mapping[str, int],
+    what: str,
+    list_all: bool,
+    summarised: Mapping[str, Mapping[str, int]] | None = None,
+) -> list[str]:
     """The ``files:`` lines: the total, each of ``fixed``, a summary of ``listed`` (``what``
-    they are) and the first few of them, or all with ``list_all``."""
+    they are) and the first few of them, or all with ``list_all``; a summary of each kind of
+    ``summarised`` files too (listed only with ``list_all``)."""
+    summarised = {kind: files for kind, files in (summarised or {}).items() if files}
     sizes = list(listed.values())
-    lines = [f"files: {sum(fixed.values()) + sum(sizes):,} bytes in all"]
+    others = sum(size for files in summarised.values() for size in files.values())
+    lines = [f"files: {sum(fixed.values()) + sum(sizes) + others:,} bytes in all"]
     lines += [f"  {name}: {size:,} bytes" for name, size in fixed.items()]
+    for kind, files in summarised.items():
+        each = list(files.values())
+        lines.append(f"  {len(each)} {kind}: {sum(each):,} bytes (smallest {min(each):,}, largest {max(each):,})")
+        lines += [f"  {name}: {size:,} bytes" for name, size in files.items()] if list_all else []
     if sizes:
         lines.append(f"  {len(sizes)} {what}: {sum(sizes):,} bytes (smallest {min(sizes):,}, largest {max(sizes):,})")
     names = list(listed)

@@ -6,7 +6,10 @@ checks that the file list matches the world size. From format version 2 it also 
 digests of the logical state (:mod:`..attest.digests`), one per parameter (per global expert),
 tensor kind, optimizer scalar and module tensor; version 1 manifests, written before, have
 none and still load. Version 3 (written only then) also lists the model's config files
-(:mod:`..model_config`) with the others; versions 1 and 2 still load.
+(:mod:`..model_config`) with the others; version 4 (written only then) one resume file per
+rank (each rank's random state and the training script's own states, :class:`ResumeRecord`).
+A checkpoint saved without them is written as the version its fields need, as before, and
+every older version still loads.
 """
 
 from __future__ import annotations
@@ -28,10 +31,13 @@ from ..format import (
     FORMAT_VERSION,
     UNDIGESTED_LAYOUT_VERSION,
     UNDIGESTED_VERSION,
+    CONFIG_VERSION,
+    RESUME_VERSION,
     MANIFEST_FILE,
     MODEL_FILE,
     fp32_key,
     rank_file_name,
+    resume_file_name,
     scalar_key,
     state_key,
     state_name_problem,
@@ -44,6 +50,7 @@ from ..directory import read_json_file
 from .binding import layout_digest
 
 TENSOR_KINDS = ("trainable", "frozen", "buffer", "other")
+RESUME_SCOPES = ("rank", "global")
 
 
 def dtype_name(dtype: object) -> str:
@@ -79,6 +86,32 @@ class GroupRecord:
 
 
 @dataclass(frozen=True)
+class ResumeRecord:
+    """What a checkpoint's resume files hold (format version 4): every rank's random state
+    (``rng``), and the training script's states by name, each "rank" (every rank saved its
+    own) or "global" (the same on every rank; a load takes rank 0's)."""
+
+    rng: bool
+    states: dict[str, str]  # name -> scope
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object the manifest records; :meth:`from_dict` reads it."""
+        return {"rng": self.rng, "states": dict(sorted(self.states.items()))}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ResumeRecord:
+        """Parse; ValueError naming what is malformed."""
+        if not isinstance(data, dict) or type(data.get("rng")) is not bool or not isinstance(data.get("states"), dict):
+            expected = "an object with rng (a boolean) and states (an object)"
+            raise ValueError(f"resume is {quoted(data)}, expected {expected}")
+        for name, scope in data["states"].items():
+            if not name or scope not in RESUME_SCOPES:
+                expected = f"expected one of {RESUME_SCOPES}"
+                raise ValueError(f"resume state {quoted(name)} has scope {quoted(scope)}, {expected}")
+        return cls(data["rng"], dict(data["states"]))
+
+
+@dataclass(frozen=True)
 class ModelTensorRecord:
     """One entry of the module's state_dict."""
 
@@ -101,18 +134,21 @@ class Manifest:
     extra: dict[str, Any]
     files: dict[str, FileRecord]
     digests: StateDigests | None = None  # None: a version 1 checkpoint, saved without them
-    version: int | None = None  # None: the version the fields need (2 with digests)
+    resume: ResumeRecord | None = None  # None: no resume files (versions 1 and 2, or none saved)
+    version: int | None = None  # None: the version the fields need (3 with resume files, 2 with digests)
     created_by: str = f"zeroshard {__version__}"
     stored_layout: dict[str, Any] | None = field(default=None, compare=False, repr=False)  # as read
 
     @property
     def format_version(self) -> int:
-        """The version read, or for a new manifest the one its fields need (3 with config
-        files, 2 with digests, 1 without)."""
+        """The version read, or for a new manifest the one its fields need (4 with resume files,
+        3 with config files, 2 with digests, 1 without)."""
         if self.version is not None:
             return self.version
+        if self.resume is not None:
+            return RESUME_VERSION
         if self.config_files:
-            return FORMAT_VERSION
+            return CONFIG_VERSION
         return DIGESTED_VERSION if self.digests is not None else UNDIGESTED_VERSION
 
     @property
@@ -140,6 +176,12 @@ class Manifest:
         """The rank files' names, in rank order."""
         return [rank_file_name(rank, self.world_size) for rank in range(self.world_size)]
 
+    def resume_files(self) -> list[str]:
+        """The resume files' names, in rank order (none when the checkpoint has none)."""
+        if self.resume is None:
+            return []
+        return [resume_file_name(rank, self.world_size) for rank in range(self.world_size)]
+
     def rank_file_tensors(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """The (dtype, shape) of every tensor each rank file holds, by key."""
         tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -157,6 +199,7 @@ class Manifest:
     def to_dict(self) -> dict[str, Any]:
         """The JSON object manifest.json holds; :meth:`from_dict` reads it."""
         digests = {} if self.digests is None else {"digests": self.digests.to_dict()}
+        resume = {} if self.resume is None else {"resume": self.resume.to_dict()}
         return {
             "format": FORMAT_NAME,
             "version": self.format_version,
@@ -186,6 +229,7 @@ class Manifest:
             "extra": jsonvalue.encode(self.extra, "extra"),
             "files": {name: record.to_dict() for name, record in sorted(self.files.items())},
             **digests,
+            **resume,
         }
 
     def to_json(self) -> str:
@@ -221,10 +265,11 @@ class Manifest:
             raise ValueError(f"{source}: {err}") from None
         except (KeyError, TypeError, AttributeError) as err:  # no layout, or not an object
             raise ValueError(f"{source}: malformed manifest ({type(err).__name__}: {err})") from None
-        newer = _newer_than_version_1(data) if data["version"] == UNDIGESTED_VERSION else None
+        newer = _newer_than_claimed(data)
         if newer:
             raise ValueError(
-                f"{source}: format version 1, but {newer}: a manifest may not claim an older version than it holds"
+                f"{source}: format version {data['version']}, but {newer}: a manifest may not claim an older version "
+                "than it holds"
             )
         try:
             manifest = cls._fields_from_dict(data, layout)
@@ -261,6 +306,7 @@ class Manifest:
             extra=jsonvalue.decode(data["extra"]),
             files={str(name): FileRecord.from_dict(record) for name, record in data["files"].items()},
             digests=StateDigests.from_dict(data["digests"]) if data["version"] > UNDIGESTED_VERSION else None,
+            resume=ResumeRecord.from_dict(data["resume"]) if "resume" in data else None,
             version=int(data["version"]),
             created_by=str(data.get("created_by", "")),
             stored_layout=data["layout"],
@@ -274,18 +320,22 @@ class Manifest:
         if len(self.groups) != len(self.layout.groups):
             raise ValueError(f"{source}: {len(self.groups)} group records for {len(self.layout.groups)} layout groups")
         configs = self.config_files
-        if len(self.files) - len(configs) != self.world_size + 1:  # first: the world size is what the file declares
+        per_rank = 2 if self.resume is not None else 1
+        # Compared first: the world size is what the file declares.
+        if len(self.files) - len(configs) != self.world_size * per_rank + 1:
+            kinds = "a rank file and a resume file" if self.resume is not None else "one"
+            expected = f"{self.world_size * per_rank + 1:,} expected (the model file and {kinds} per rank"
             raise ValueError(
                 f"{source}: file list does not match world size {self.world_size}: {len(self.files)} files listed, "
-                f"{self.world_size + 1:,} expected (the model file and one per rank, besides config files)"
+                f"{expected}, besides config files)"
             )
-        if configs and self.format_version < FORMAT_VERSION:
+        if configs and self.format_version < CONFIG_VERSION:
             raise ValueError(f"{source}: format version {self.format_version} lists config files {sorted(configs)}")
         for index, record in enumerate(self.groups):
             problem = next(filter(None, map(state_name_problem, record.states)), None)
             if problem:
                 raise ValueError(f"{source}: group {index}: {problem}")
-        expected = {MODEL_FILE, *self.rank_files()}
+        expected = {MODEL_FILE, *self.rank_files(), *self.resume_files()}
         if set(self.files) - set(configs) != expected:
             missing = sorted(expected - set(self.files))[:3]
             unknown = sorted(set(self.files) - expected - set(configs))[:3]
@@ -324,9 +374,13 @@ class Manifest:
         return None
 
 
-def _newer_than_version_1(data: dict[str, Any]) -> str | None:
-    """What a manifest claiming format version 1 holds that only later versions write (its
-    layout already read, so its version is a valid one)."""
+def _newer_than_claimed(data: dict[str, Any]) -> str | None:
+    """What a manifest holds that only versions after the one it claims write (its layout
+    already read, so its version is a valid one)."""
+    if data["version"] < RESUME_VERSION and "resume" in data:
+        return f"it lists resume files, which version {RESUME_VERSION} added"
+    if data["version"] != UNDIGESTED_VERSION:
+        return None
     if "digests" in data:
         return "it holds digests, which version 2 added"
     if data["layout"]["version"] > UNDIGESTED_LAYOUT_VERSION:

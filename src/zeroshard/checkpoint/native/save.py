@@ -7,7 +7,8 @@
 * write (local, the bulk of the time): every rank writes ``rank-RRRRR-of-DDDDD.safetensors``
   (rank 0 also ``model.safetensors``, without expert weights: those differ per EP rank and
   are the rank files' fp32 masters, and the model's config files, :mod:`..model_config`),
-  hashing while writing, then fsyncs it. The same pass
+  hashing while writing, then fsyncs it; with a :class:`~zeroshard.state.ResumeState` also
+  ``resume-RRRRR-of-DDDDD.json`` (:mod:`..run_state`). The same pass
   digests each fragment of the logical state while its bytes are in the CPU cache
   (:mod:`..attest.digests`), and each rank file records its binding (:mod:`.binding`);
 * commit (collective): the block checksums and partial digests are gathered on rank 0 (also
@@ -50,12 +51,14 @@ from ..format import (
     check_tag,
     fp32_key,
     rank_file_name,
+    resume_file_name,
     scalar_key,
     state_key,
     state_name_problem,
 )
 from .binding import binding_metadata, layout_digest
-from .manifest import GroupRecord, Manifest, ModelTensorRecord, dtype_name, expert_param_names
+from .manifest import GroupRecord, Manifest, ModelTensorRecord, ResumeRecord, dtype_name, expert_param_names
+from .. import run_state
 from .model_file import save_model_state
 from ...io.safetensors_io import describe_os_error, named_os_error, write_safetensors
 from ..model_config import config_problem, stored_name, write_config
@@ -281,9 +284,10 @@ def _agree_on_state(
     except Exception as err:  # noqa: BLE001 - reported on every rank below
         problem, records, layout_json = f"checking its state failed: {type(err).__name__}: {err}", None, None
     digest = hashlib.sha256(layout_json.encode()).hexdigest() if layout_json else None
-    summary = (problem, tag, digest, [r.to_dict() for r in records] if records else None)
+    resume = _resume_record(state)
+    summary = (problem, tag, digest, [r.to_dict() for r in records] if records else None, resume)
     everyone = coord.all_gather_object(summary)
-    for rank, (their_problem, their_tag, their_digest, their_records) in enumerate(everyone):
+    for rank, (their_problem, their_tag, their_digest, their_records, their_resume) in enumerate(everyone):
         if their_problem:
             raise ValueError(f"cannot save: rank {rank}: {their_problem}")
         if their_tag != tag:
@@ -292,7 +296,16 @@ def _agree_on_state(
             raise ValueError(f"cannot save: rank {rank}'s layout differs from rank 0's")
         if their_records != everyone[0][3]:
             raise ValueError(f"cannot save: rank {rank}'s optimizer state names or dtypes differ from rank 0's")
+        if their_resume != everyone[0][4]:
+            raise ValueError(f"cannot save: rank {rank}'s random state or states ({their_resume}) differ from rank 0's")
     return records  # type: ignore[return-value]
+
+
+def _resume_record(state: ShardedState | None) -> ResumeRecord | None:
+    """What the rank's resume file holds, as the manifest records it (every rank's must agree)."""
+    if state is None or state.resume is None:
+        return None
+    return ResumeRecord(rng=state.resume.rng is not None, states=state.resume.scopes())
 
 
 def _problem_with(state: ShardedState, coord: Coordinator) -> str | None:
@@ -363,6 +376,11 @@ def _write_own_files(plan: SavePlan, state: ShardedState, buffer_names: Collecti
     try:
         terms = Terms()
         files = {writing: _write_rank_file(plan.staging / writing, state, plan.block_size, terms)}
+        if state.resume is not None:
+            writing = resume_file_name(state.rank, state.layout.world_size)
+            data = run_state.file_bytes(state.resume, state.rank, state.layout.world_size)
+            write_file_durably(plan.staging / writing, data)
+            files[writing] = run_state.file_record(data, plan.block_size)
         scalars = [{n: scalar_digest(t) for n, t in group.items()} for group in state.optimizer_scalars]
         if state.rank != 0:
             return WrittenFiles(files, terms, scalars)
@@ -430,6 +448,7 @@ def _manifest(plan: SavePlan, state: ShardedState, outcomes: list[WrittenFiles])
         extra=state.extra,
         files=files,
         digests=_combined_digests(plan, state, outcomes, model_digests),
+        resume=_resume_record(state),
     )
 
 
