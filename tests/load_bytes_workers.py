@@ -215,7 +215,8 @@ def load_case(rank: int, world: int, kind: str, path: Path, option: str, engine:
     full = option == "full"
     needed = NEEDED[kind](Path(source.path), engine.layout, rank, full, shared)
     return {
-        "weights_match_file": weights_match_file(path, engine) if kind == "native" else None,
+        "weights_differing": weights_differing_from_file(path, engine) if kind == "native" else 0,
+        "model_file_bytes": (Path(path) / MODEL_FILE).stat().st_size if kind == "native" else None,
         "kind": kind,
         "option": option,
         "path": str(path),
@@ -229,13 +230,18 @@ def load_case(rank: int, world: int, kind: str, path: Path, option: str, engine:
     }
 
 
-def weights_match_file(path: Path, engine: ZeroOptimizer) -> bool:
-    """Every tensor of the engine's module equals model.safetensors' bit for bit (the trained
-    weights rebuilt from the masters included)."""
+def weights_differing_from_file(path: Path, engine: ZeroOptimizer) -> int:
+    """Elements of the engine's module that differ, bit for bit, from model.safetensors'
+    (the trained weights rebuilt from the masters included): 0 when they are the file's."""
     module = engine.model.state_dict()
     with NativeSource(path) as source:
         saved = source.model_tensors(list(module))
-    return all(np.array_equal(to_numpy(module[name]).view(np.uint8), values.view(np.uint8)) for name, values in saved.items())
+    assert saved.keys() == module.keys(), sorted(set(module) ^ set(saved))
+    differing = 0
+    for name, values in saved.items():
+        mine = to_numpy(module[name]).reshape(-1)
+        differing += int(np.count_nonzero(mine.view(f"u{mine.itemsize}") != values.reshape(-1).view(f"u{mine.itemsize}")))
+    return differing
 
 
 def damaged_load(rank: int, root: Path, engine: ZeroOptimizer) -> dict[str, Any]:
@@ -258,8 +264,8 @@ def damaged_load(rank: int, root: Path, engine: ZeroOptimizer) -> dict[str, Any]
         error = None
     except Exception as err:  # noqa: BLE001 - what every rank raised is the result
         error = (type(err).__name__, str(err))
-    unchanged = all(torch.equal(before[name], t) for name, t in engine.model.state_dict().items())
-    return {"error": error, "unchanged": unchanged}
+    changed = [name for name, t in engine.model.state_dict().items() if not torch.equal(before[name], t)]
+    return {"error": error, "changed": changed}
 
 
 def deepspeed_engine(fixture) -> ZeroOptimizer:
