@@ -13,7 +13,11 @@ rounds whose order rotates every round, every rank times:
   read by one rank each and broadcast);
 * ``before``: the load as it was before issue 33 (every rank reads its partitions and all of
   model.safetensors, then the same import), for the bytes and the time it took;
-* ``deepspeed``: DeepSpeed's ``engine.load_checkpoint`` of its own checkpoint.
+* ``deepspeed``: DeepSpeed's ``engine.load_checkpoint`` of its own checkpoint;
+* ``gather``: the engine's masters cast and its parameter buffers all-gathered alone
+  (``sync_params_from_masters``), which the ``zeroshard`` load does once it has read: the
+  work that replaces reading the weights, shown apart from the floor (row ``floor+gather``:
+  the two per round).
 
 Bytes come from ``ReadStats`` (tensor data; what opening files cost is shown apart), and
 the job's total is compared with what the job needs: every partition's masters and states
@@ -243,6 +247,7 @@ def worker(out_path: Path, work: Path, name: str, rounds: int, with_deepspeed: b
         "floor": lambda: _read_floor(extents),
         "zeroshard": counting("zeroshard", lambda stats: load_checkpoint(zs_engine, native, stats=stats)),
         "before": counting("before", lambda stats: _load_before(zs_engine, native, stats)),
+        "gather": zs_engine.sync_params_from_masters,  # the cast and all-gather inside the load
     }
     if with_deepspeed:
         steps["deepspeed"] = lambda: ds_engine.load_checkpoint(str(work / "deepspeed"), tag="t")
@@ -317,6 +322,10 @@ def report(result: dict) -> None:
             vs_ds = f"{_ratio(result, step, 'deepspeed', key):>6.2f}" if "deepspeed" in ranks[0]["records"] else f"{'':>6}"
             row += f"{median:>8.3f}{_ratio(result, step, 'floor', key):>7.2f}{vs_ds}"
         print(row)
+    both = [a + b for a, b in zip(_per_round(result, "floor", "seconds"), _per_round(result, "gather", "seconds"))]
+    load = _per_round(result, "zeroshard", "seconds")
+    ratio = statistics.median(a / b for a, b in zip(load, both))
+    print(f"{'floor+gather':<11}{'':>14}{'':>9}{'':>9}{'':>8}{statistics.median(both):>8.3f}   zeroshard / (floor+gather): {ratio:.2f}")
 
 
 def main() -> None:
