@@ -19,7 +19,6 @@ DeepSpeed is imported.
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ import numpy as np
 
 from ...checkpoint.format import state_name_problem
 from ...io.budget import BudgetExceeded, quoted
-from ...io.dtypes import from_bytes, itemsize_of, to_float32
+from ...io.dtypes import to_float32
 from ...checkpoint.source import ModelEntry, SourceInfo
 from ...collector import collector_paused
 from ...layout import GroupLayout, GroupSpec, Layout, LayoutPolicy, ParamSpec, build_layout, canonical_dtype
@@ -41,10 +40,8 @@ from .files import ModelStates, RankShard, read_model_states, read_rank_shard, r
 from .paths import MODEL_STATES_FILE, model_states_path, rank_file_paths, refuse_unsupported
 from .pickled import DeepSpeedFormatError
 from ...torchfile.torch_file import StoredTensor, TorchFileError
+from ...torchfile.record_cache import RecordCache
 from ...torchfile.torch_records import one_line
-
-RECORD_CACHE_BYTES = 256 << 20  # of records a load reads several ranges of, kept while it does
-
 
 @dataclass(frozen=True, slots=True)
 class RankTensors:
@@ -85,8 +82,7 @@ class DeepSpeedSource:
         self._partition_numels = [group.partition_numel for group in layout.groups]
         self._scalars = [read_scalars(group) for group in first.scalars]
         self.autoep = self._model.autoep  # None unless DeepSpeed AutoEP made the run
-        self._records: OrderedDict[tuple[str, str], np.ndarray] = OrderedDict()  # see _kept
-        self._kept_bytes = 0
+        self._records = RecordCache()  # ranges of records a load reads several of: each record read once
         self.experts = self._read_expert_files() if self.autoep is not None else None
 
     def _read_expert_files(self) -> ExpertWeights:
@@ -108,7 +104,8 @@ class DeepSpeedSource:
         when big: a view of a mapping)."""
         saved = self._saved(rank, group, key, start, end)
         try:  # as _named_errors, without a context manager's cost on every piece
-            kept = self._kept(saved, start, min(end, saved.numel()))
+            stop = min(end, saved.numel()) if key == "fp32" else end  # fp32: saved without tail padding
+            kept = self._records.elements(saved, start, stop)
             if kept is not None:
                 out = np.zeros(end - start, dtype=np.float32)
                 out[: kept.size] = kept
@@ -130,34 +127,12 @@ class DeepSpeedSource:
             return
         stop = max(start, min(end, saved.numel())) if key == "fp32" else end  # fp32: saved without tail padding
         with _named_errors():
-            kept = self._kept(saved, start, stop)
+            kept = self._records.elements(saved, start, stop)
             if kept is not None:
                 out[: stop - start] = kept
             else:
                 saved.read_into(start, out[: stop - start])
         out[stop - start :] = 0
-
-    def _kept(self, saved: StoredTensor, start: int, stop: int) -> np.ndarray | None:
-        """Elements [start, stop) of ``saved`` from its whole record, read once and kept while
-        this source reads other ranges of it (at most RECORD_CACHE_BYTES of records), so no
-        byte of it is read twice: the record's CRC-32, its only checksum, covers all of it.
-        None for a range that is the whole record (read straight where it goes), a record
-        too big to keep, or a tensor that is not contiguous."""
-        whole = start == 0 and stop == saved.numel() and saved.numel() * itemsize_of(saved.dtype) == saved.storage.record_size
-        if whole or saved.storage.record_size > RECORD_CACHE_BYTES or not saved.is_contiguous() or start >= stop:
-            return None
-        key = (str(saved.storage.path), saved.storage.record_name)
-        record = self._records.get(key)
-        if record is None:
-            record = self._records[key] = saved.record()
-            self._kept_bytes += record.size
-            while self._kept_bytes > RECORD_CACHE_BYTES:
-                self._kept_bytes -= self._records.pop(next(iter(self._records))).size
-        else:
-            self._records.move_to_end(key)
-        itemsize = itemsize_of(saved.dtype)
-        begin = (saved.storage_offset + start) * itemsize
-        return from_bytes(record[begin : begin + (stop - start) * itemsize], saved.dtype)
 
     def _saved(self, rank: int, group: int, key: str, start: int, end: int) -> StoredTensor:
         self._group(group)
@@ -191,7 +166,6 @@ class DeepSpeedSource:
         """Drop the rank files' tensors and the records kept; the source cannot be read after."""
         self._ranks = []
         self._records.clear()
-        self._kept_bytes = 0
 
     def __enter__(self) -> DeepSpeedSource:
         return self
