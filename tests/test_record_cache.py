@@ -47,12 +47,13 @@ def test_what_the_cache_leaves_to_straight_reads(tmp_path):
     assert RecordCache(limit=tensor.storage.record_size - 1).elements(tensor, 0, 10) is None
 
 
-def test_the_oldest_record_is_dropped_past_the_limit(tmp_path):
-    """Two records under a limit that holds one: the first is read again after the second."""
+def test_a_record_past_the_limit_is_read_straight_and_none_is_dropped(tmp_path):
+    """Two records under a limit that holds one, asked for alternately: the first is kept,
+    the second left to straight reads (None), and no record is read twice by the cache."""
     tensors = saved(tmp_path, 2)
     record = tensors["t0"].storage.record_size
     cache, stats = RecordCache(limit=record + record // 2), ReadStats()
     with stats.counting():
-        for name in ("t0", "t1", "t0"):
-            assert cache.elements(tensors[name], 1, 3)[0] == 1 + int(name[1])
-    assert stats.data == 3 * record, (stats.data, record)
+        found = [cache.elements(tensors[name], 1, 3) for name in ("t0", "t1", "t0", "t1")]
+    assert [None if f is None else f[0] for f in found] == [1, None, 1, None]
+    assert stats.data == record, (stats.data, record)

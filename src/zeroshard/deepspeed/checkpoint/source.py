@@ -82,7 +82,7 @@ class DeepSpeedSource:
         self._partition_numels = [group.partition_numel for group in layout.groups]
         self._scalars = [read_scalars(group) for group in first.scalars]
         self.autoep = self._model.autoep  # None unless DeepSpeed AutoEP made the run
-        self._records = RecordCache()  # ranges of records a load reads several of: each record read once
+        self._records = RecordCache()  # see read_into
         self.experts = self._read_expert_files() if self.autoep is not None else None
 
     def _read_expert_files(self) -> ExpertWeights:
@@ -104,12 +104,6 @@ class DeepSpeedSource:
         when big: a view of a mapping)."""
         saved = self._saved(rank, group, key, start, end)
         try:  # as _named_errors, without a context manager's cost on every piece
-            stop = min(end, saved.numel()) if key == "fp32" else end  # fp32: saved without tail padding
-            kept = self._records.elements(saved, start, stop)
-            if kept is not None:
-                out = np.zeros(end - start, dtype=np.float32)
-                out[: kept.size] = kept
-                return out
             if key == "fp32":
                 return _read_zero_extended(saved, start, end)
             return to_float32(saved.read(start, end))
@@ -119,7 +113,14 @@ class DeepSpeedSource:
     def read_into(self, rank: int, group: int, key: str, start: int, out: np.ndarray) -> None:
         """:meth:`read` into the 1-D array ``out``: an fp32 partition read straight into its
         memory (the record's CRC-32 checked on the bytes as they arrive when it covers the
-        record), without the mapping and the copy out of it that :meth:`read` costs."""
+        record), without the mapping and the copy out of it that :meth:`read` costs.
+
+        A range that is part of a record comes from the record read once and kept
+        (:class:`~...torchfile.record_cache.RecordCache`): a load fills its partitions here, and
+        one whose layout cuts the saved partitions elsewhere reads several ranges of a record:
+        read alone, the record would be read whole for its CRC-32, then each range again (a
+        record of up to 256 KiB whole at every read). :meth:`read`, which converters use
+        parameter by parameter, walking each record in order, keeps nothing."""
         end = start + out.size
         saved = self._saved(rank, group, key, start, end)
         if out.dtype != np.float32 or saved.dtype != "float32" or not saved.is_contiguous():
