@@ -131,7 +131,7 @@ def _needed_extents(checkpoint_dir: Path, engine) -> list[tuple[Path, int, int]]
     from zeroshard.checkpoint import open_checkpoint, plan_reads
     from zeroshard.checkpoint.format import MODEL_FILE, fp32_key, rank_file_name, state_key
     from zeroshard.checkpoint.formats import open_source
-    from zeroshard.checkpoint.shared_module import share_module
+    from zeroshard.checkpoint.shared_module import share_checkpoint
     from zeroshard.io.dtypes import itemsize_of
     from zeroshard.io.safetensors_io import read_header
 
@@ -156,9 +156,8 @@ def _needed_extents(checkpoint_dir: Path, engine) -> list[tuple[Path, int, int]]
                 begin = header(file_name)[key].begin + copy.source_start * itemsize_of(dtype)
                 ranges.append((file_name, begin, begin + copy.length * itemsize_of(dtype)))
     with open_source(checkpoint_dir) as source:
-        trained = set(layout.param_names)
-        entries = [e for e in source.info.model_entries if e.name not in trained]
-    for name in share_module(entries, layout.world_size, rank).mine:
+        mine = share_checkpoint(source.info.model_entries, layout, rank).mine
+    for name in mine:
         entry = header(MODEL_FILE)[name]
         ranges.append((MODEL_FILE, entry.begin, entry.end))
     merged: list[tuple[str, int, int]] = []

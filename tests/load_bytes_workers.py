@@ -26,7 +26,7 @@ from zeroshard.checkpoint.engine_io import load_checkpoint_attested, save_checkp
 from zeroshard.checkpoint.format import MODEL_FILE, fp32_key, rank_file_name, scalar_key, state_key
 from zeroshard.checkpoint.formats import open_source
 from zeroshard.checkpoint.native.source import NativeSource
-from zeroshard.checkpoint.shared_module import share_module
+from zeroshard.checkpoint.shared_module import share_checkpoint
 from zeroshard.checkpoint.universal import to_universal
 from zeroshard.checkpoint.universal.format import model_key, param_key
 from zeroshard.deepspeed.checkpoint.files import read_rank_shard
@@ -209,9 +209,7 @@ def load_case(rank: int, world: int, kind: str, path: Path, option: str, engine:
     stats = ReadStats()
     _, attestation = load_checkpoint_attested(engine, path, stats=stats, **OPTIONS[option])
     with open_source(path) as source:
-        trained = set(engine.layout.param_names)
-        entries = [entry for entry in source.info.model_entries if entry.name not in trained]
-    shared = share_module(entries, world, rank).mine
+        shared = share_checkpoint(source.info.model_entries, engine.layout, rank).mine
     full = option == "full"
     needed = NEEDED[kind](Path(source.path), engine.layout, rank, full, shared)
     return {

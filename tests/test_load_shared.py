@@ -21,7 +21,7 @@ from zeroshard.checkpoint.attest.attestation import AttestationError
 from zeroshard.checkpoint.attest.attested import attested_load
 from zeroshard.checkpoint.formats import open_source
 from zeroshard.checkpoint.loader import load_state
-from zeroshard.checkpoint.shared_module import BATCH_BYTES, share_module
+from zeroshard.checkpoint.shared_module import BATCH_BYTES, share_checkpoint, share_module
 from zeroshard.checkpoint.source import ModelEntry
 from zeroshard.checkpoint.testing import ADAM_STATES, expected_partition, local_pattern, pattern, synthesize_state
 from zeroshard.io.dtypes import torch_dtype
@@ -69,9 +69,7 @@ def shared_load_everywhere(path, layout, **options) -> list:
     def one_rank(coord):
         def read(evidence):
             with open_source(path) as source:
-                trained = set(layout.param_names)
-                entries = [e for e in source.info.model_entries if e.name not in trained]
-                share = share_module(entries, layout.world_size, coord.rank)
+                share = share_checkpoint(source.info.model_entries, layout, coord.rank)
                 return load_state(source, layout, coord.rank, evidence=evidence, share=share, **options), share
 
         (state, share), verdict = attested_load(coord, str(path), read, layout, agree_also=lambda r: r[1].fingerprint())
@@ -159,3 +157,17 @@ def test_shared_tensors_are_broadcast_a_few_mib_at_a_time():
     assert len(batches) < 10  # batched, not one broadcast per tensor
     assert any(len(batch) == 1 and batch[0].name == "big" for batch in batches)
 
+
+
+def test_a_job_shares_what_no_trained_parameter_gives_and_the_run_keeps():
+    """Of a checkpoint's module tensors, the run's trained parameters are rebuilt, not read;
+    with ``keep_only`` (strict=False) a tensor the run lacks is not read either."""
+    layout = build_layout(specs("bfloat16"), 2)
+    entries = [entry("w1", 77, "bfloat16"), entry("frozen.weight", 6), entry("positions", 5), entry("gone", 9)]
+    assert sorted(share_checkpoint(entries, layout, 0).mine + share_checkpoint(entries, layout, 1).mine) == [
+        "frozen.weight",
+        "gone",
+        "positions",
+    ]
+    kept = [share_checkpoint(entries, layout, rank, {"frozen.weight", "positions", "w1"}) for rank in range(2)]
+    assert sorted(kept[0].mine + kept[1].mine) == ["frozen.weight", "positions"]

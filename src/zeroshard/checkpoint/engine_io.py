@@ -26,7 +26,7 @@ from .formats import checkpoint_kind, open_source  # noqa: F401  (checkpoint_kin
 from .attest.attested import attested_load
 from .loader import load_state
 from .native.save import FaultHook, save_sharded
-from .shared_module import ModuleShare, broadcast_module, share_module
+from .shared_module import ModuleShare, broadcast_module, share_checkpoint
 
 if TYPE_CHECKING:
     from ..engine import ZeroOptimizer
@@ -112,14 +112,10 @@ def load_checkpoint_attested(
     layout, rank = engine.layout, engine.rank
     module_state = engine.model.state_dict()
     base = None if strict else engine.export_state()  # what the checkpoint lacks keeps the run's values
-    trained = set(layout.param_names)
 
     def read(evidence: Evidence) -> tuple[ShardedState, ModuleShare, dict[str, str]]:
         with open_source(Path(path)) as source:
-            # A checkpoint's module tensor the run trains (an empty parameter DeepSpeed leaves
-            # out of its buffers) is rebuilt with the others, not read.
-            entries = [entry for entry in source.info.model_entries if entry.name not in trained]
-            share = share_module(entries, layout.world_size, rank)
+            share = share_checkpoint(source.info.model_entries, layout, rank, None if strict else module_state)
             state = load_state(source, layout, rank, evidence=evidence, module_state=module_state, base=base, share=share, **options)
             return state, share, dict(source.info.aliases)
 

@@ -15,12 +15,13 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 import torch
 
 from ..comm import Collectives
 from ..io.dtypes import itemsize_of, torch_dtype
+from ..layout import Layout
 from .source import ModelEntry
 
 BATCH_BYTES = 4 << 20  # what one broadcast carries at most (a bigger tensor goes alone)
@@ -90,6 +91,19 @@ def share_module(entries: Sequence[ModelEntry], world_size: int, rank: int) -> M
     tensors = [SharedTensor(e.name, tuple(e.shape), e.dtype, reader_of[e.name]) for e in entries]
     tensors.sort(key=lambda t: (t.reader, order[t.name]))
     return ModuleShare(rank, world_size, tuple(tensors))
+
+
+def share_checkpoint(
+    entries: Sequence[ModelEntry], layout: Layout, rank: int, keep_only: Collection[str] | None = None
+) -> ModuleShare:
+    """:func:`share_module` of a checkpoint's module tensors (``entries``) for a job of
+    ``layout``'s ranks: those no trained parameter of ``layout`` gives (a checkpoint's entry
+    the run trains, an empty parameter DeepSpeed leaves out of its buffers, is rebuilt with
+    the others), and of those only ``keep_only``'s names when given (a load with
+    ``strict=False`` reads no tensor the run lacks)."""
+    trained = set(layout.param_names)
+    wanted = [e for e in entries if e.name not in trained and (keep_only is None or e.name in keep_only)]
+    return share_module(wanted, layout.world_size, rank)
 
 
 def broadcast_module(
