@@ -32,3 +32,16 @@ def autoep_runs(tmp_path_factory):
     runs = generate(tmp_path_factory.mktemp("autoep"))
     print(f"\nDeepSpeed AutoEP fixtures: {len(runs)} runs ready in {time.perf_counter() - started:.1f} s")
     return runs
+
+
+@pytest.fixture(scope="session")
+def deepspeed_muon_runs(tmp_path_factory):
+    """Real DeepSpeed Muon (MuonWithAuxAdam) ZeRO-1/2 checkpoints, made once per session
+    (tests/deepspeed_muon_fixtures.py)."""
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install -e '.[deepspeed]')")
+    from deepspeed_muon_fixtures import generate
+
+    started = time.perf_counter()
+    runs = generate(tmp_path_factory.mktemp("deepspeed_muon"))
+    print(f"\nDeepSpeed Muon fixtures: {len(runs)} runs ready in {time.perf_counter() - started:.1f} s")
+    return runs

@@ -48,7 +48,8 @@ from .compat import Mismatch, compare_module, compare_params
 from ..io.dtypes import arrays_to_torch, cast, dtype_info, dtype_of, to_numpy, to_torch
 from .reshard import GroupPlan, plan_reads
 from .shared_module import ModuleShare
-from .source import ShardSource, param_group_owners, read_into, read_model_tensors, read_param, read_whole_param
+from .param_groups import map_param_groups
+from .source import ShardSource, read_into, read_model_tensors, read_param, read_whole_param
 
 
 def load_state(
@@ -114,9 +115,11 @@ def _load(
     if base is not None and (base.layout != layout or base.rank != rank):
         raise ValueError("base must be this rank's state under the layout being loaded")
     loadable = _check_match(source, layout, module_state, strict)
-    param_groups = _map_param_groups(source, layout, loadable)
-    plans = plan_reads(info.layout, layout, rank, loadable)
     full = load_optimizer_states and not load_module_only
+    # A module-only load reads the weights alone, into any grouping (an AdamW run's
+    # checkpoint into a Muon run's owner groups, and the reverse): no param group to map.
+    param_groups = [] if load_module_only else map_param_groups(source, layout, loadable)
+    plans = plan_reads(info.layout, layout, rank, loadable)
     evidence.begin(source, layout, rank, loadable, full)
     if share is not None:
         return _load_shared(source, layout, rank, plans, (full, load_module_only), param_groups, base, evidence, share)
@@ -159,7 +162,7 @@ def _state(
         fp32_partitions=[to_torch(array) for array in fp32],
         optimizer_states=[{name: to_torch(array) for name, array in group.items()} for group in states],
         optimizer_scalars=scalars,
-        param_groups=[] if module_only else param_groups,
+        param_groups=param_groups,  # none for a module-only load
         optimizer_class="" if module_only else info.optimizer_class,
         model_state=model_state,
         extra={} if module_only else arrays_to_torch(dict(info.extra)),
@@ -424,25 +427,3 @@ def _state_names(group: int, per_group: list[tuple[str, ...]]) -> tuple[str, ...
                 f"layout group {group} mixes parameters with optimizer states {sorted(names)} and {sorted(other)}"
             )
     return tuple(names)
-
-
-def _map_param_groups(source: ShardSource, layout: Layout, loadable: set[str]) -> list[ParamGroupState]:
-    """The saved param groups that hold the new layout's groups, each listing its new layout
-    groups. Optimizer hyperparameters and scalars follow the parameters."""
-    info = source.info
-    old_owner = param_group_owners(source)
-    owner_of_param = {slot.name: old_owner.get(g.index, -1) for g in info.layout.groups for slot in g.params}
-    owners: list[int | None] = []
-    for group in layout.groups:
-        found = {owner_of_param[slot.name] for slot in group.params if slot.name in loadable}
-        if len(found) > 1 or -1 in found:
-            raise ValueError(
-                f"layout group {group.index} holds parameters of saved param groups {sorted(found)}; "
-                "group the run's parameters as the checkpoint does"
-            )
-        owners.append(found.pop() if found else None)
-    states = [
-        ParamGroupState(arrays_to_torch(dict(saved.hyperparameters)), [g for g, owner in enumerate(owners) if owner == index])
-        for index, saved in enumerate(info.param_groups)
-    ]
-    return [state for state in states if state.layout_groups]

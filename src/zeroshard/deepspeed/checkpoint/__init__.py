@@ -7,7 +7,8 @@ lists, so :func:`~zeroshard.checkpoint.formats.open_source` recognises it.
 
 * :func:`open_deepspeed` (:mod:`.opener`): DeepSpeed ZeRO stage 1/2 (docs/DEEPSPEED.md) as a
   :class:`DeepSpeedSource` (:mod:`.source`; files found by :mod:`.paths`, read by
-  :mod:`.files` with the checks of :mod:`.fields` and the stand-ins of :mod:`.pickled`); an
+  :mod:`.files` with the checks of :mod:`.fields` and the stand-ins of :mod:`.pickled`; a
+  Muon run's groups and momentum by :mod:`.muon`); an
   AutoEP run's as :class:`AutoEPSource` (:mod:`.autoep`), in the transformers model's names
   and layout (:mod:`.autoep_names`; AutoEP's own files: :mod:`.autoep_files`,
   :mod:`.autoep_layout`, :mod:`.autoep_experts`).

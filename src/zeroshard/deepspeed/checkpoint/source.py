@@ -36,6 +36,7 @@ from ...layout.coordinates import shard_rank
 from ...state import ParamGroupState
 from .autoep_experts import ExpertWeights, check_placement, expert_file_names, read_expert_files
 from .autoep_layout import expert_group_spec, group_kind
+from .muon import PartitionMomentum, muon_groups, partition_states
 from .files import ModelStates, RankShard, read_model_states, read_rank_shard, read_scalars
 from .paths import MODEL_STATES_FILE, model_states_path, rank_file_paths, refuse_unsupported
 from .pickled import DeepSpeedFormatError
@@ -48,7 +49,7 @@ class RankTensors:
     """What reading needs of one rank's file: its tensors, per layout group."""
 
     fp32: list[StoredTensor]
-    states: list[dict[str, StoredTensor]]
+    states: list[dict[str, StoredTensor | PartitionMomentum]]
 
 
 class DeepSpeedSource:
@@ -66,14 +67,16 @@ class DeepSpeedSource:
         rank_paths = rank_file_paths(tag_dir)
         first = read_rank_shard(rank_paths[0], 0)
         layout = rebuild_layout(self._model, first, world_size=len(rank_paths))
+        muon = muon_groups(layout, first.param_groups, first.states, rank_paths[0])
         self._ranks: list[RankTensors] = []
-        checks = RankChecks(layout)
+        checks = RankChecks(layout, muon)
         shard = first
         with collector_paused():
             for rank, path in enumerate(rank_paths):
                 shard = first if rank == 0 else read_rank_shard(path, rank, like=first, after=shard)
                 checks.check(shard)
-                self._ranks.append(RankTensors(shard.fp32, shard.states))
+                states = partition_states(layout, shard.states, shard.param_groups, rank, muon, path)
+                self._ranks.append(RankTensors(shard.fp32, states))
         problem = next(filter(None, (state_name_problem(name) for group in first.states for name in group)), None)
         if problem:  # an optimizer state no reader could tell from the fp32 masters
             raise DeepSpeedFormatError(f"{rank_paths[0]}: {problem}")
@@ -135,7 +138,7 @@ class DeepSpeedSource:
                 saved.read_into(start, out[: stop - start])
         out[stop - start :] = 0
 
-    def _saved(self, rank: int, group: int, key: str, start: int, end: int) -> StoredTensor:
+    def _saved(self, rank: int, group: int, key: str, start: int, end: int) -> StoredTensor | PartitionMomentum:
         self._group(group)
         partition_numel = self._partition_numels[group]
         if not 0 <= start <= end <= partition_numel:
@@ -249,8 +252,9 @@ class RankChecks:
     """:func:`check_rank` for every rank file of one layout: what the checks expect of every
     rank alike (partition sizes, alignment paddings) is worked out once, not once per file."""
 
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, layout: Layout, muon: set[int] | frozenset[int] = frozenset()) -> None:
         self.layout = layout
+        self._muon = muon  # Muon groups: their momentum has a layout of its own (muon.py checks it)
         self._partition_numels = [group.partition_numel for group in layout.groups]
         self._paddings = [[slot.padding for slot in group.params] for group in layout.groups]
 
@@ -297,7 +301,7 @@ class RankChecks:
         if shard.group_paddings[index] != tail:
             raise mismatch(f"group_paddings says {quoted(shard.group_paddings[index])}, the layout gives {tail}")
         for key, tensor in shard.states[index].items():
-            if tensor.numel() != partition_numel:
+            if index not in self._muon and tensor.numel() != partition_numel:
                 raise mismatch(
                     f"optimizer state {quoted(key)} has {tensor.numel()} elements, the partition has {partition_numel}"
                 )
