@@ -118,12 +118,9 @@ class DeepSpeedSource:
         memory (the record's CRC-32 checked on the bytes as they arrive when it covers the
         record), without the mapping and the copy out of it that :meth:`read` costs.
 
-        A range that is part of a record comes from the record read once and kept
-        (:class:`~...torchfile.record_cache.RecordCache`): a load fills its partitions here, and
-        one whose layout cuts the saved partitions elsewhere reads several ranges of a record:
-        read alone, the record would be read whole for its CRC-32, then each range again (a
-        record of up to 256 KiB whole at every read). :meth:`read`, which converters use
-        parameter by parameter, walking each record in order, keeps nothing."""
+        A part of a record comes from the record read once and kept for the load's other
+        ranges of it (:class:`~...torchfile.record_cache.RecordCache`); :meth:`read`, which
+        converters use parameter by parameter, keeps nothing."""
         end = start + out.size
         saved = self._saved(rank, group, key, start, end)
         if out.dtype != np.float32 or saved.dtype != "float32" or not saved.is_contiguous():
