@@ -17,6 +17,7 @@ import torch
 from universal_helpers import save_synthetic
 
 from zeroshard.checkpoint import run_ranks
+from zeroshard.checkpoint.attest import attestation
 from zeroshard.checkpoint.attest.attestation import AttestationError
 from zeroshard.checkpoint.attest.attested import attested_load
 from zeroshard.checkpoint.formats import open_source
@@ -80,10 +81,12 @@ def shared_load_everywhere(path, layout, **options) -> list:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("options", [{}, {"load_optimizer_states": False}, {"load_module_only": True}], ids=["full", "no_states", "module"])
-def test_weights_rebuilt_from_the_masters_are_attested_bit_for_bit(tmp_path, dtype, options):
+def test_weights_rebuilt_from_the_masters_are_attested_bit_for_bit(tmp_path, monkeypatch, dtype, options):
     """Resharded 2 -> 3: each rank's partition as saved (full) or as the engine rebuilds it
     from the weights (without states), and the weights' pieces of all three ranks together
-    give the digests of the saved model file: the cast rounds exactly as torch's."""
+    give the digests of the saved model file: the cast rounds exactly as torch's. The masters
+    are cast 7 elements at a time, so pieces of weights span several casts."""
+    monkeypatch.setattr(attestation, "_CAST_CHUNK", 7)
     old, new = build_layout(specs(dtype), 2), build_layout(specs(dtype), 3, LayoutPolicy.native(compact=True))
     path = saved_run(tmp_path, old)
     results = shared_load_everywhere(path, new, **options)
@@ -100,9 +103,10 @@ def test_weights_rebuilt_from_the_masters_are_attested_bit_for_bit(tmp_path, dty
     assert sorted(readers) == ["frozen.weight", "positions"] and len(set(readers.values())) == 2
 
 
-def test_a_weight_that_is_not_its_master_cast_is_refused_on_every_rank(tmp_path):
+def test_a_weight_that_is_not_its_master_cast_is_refused_on_every_rank(tmp_path, monkeypatch):
     """model.safetensors holds a weight one ulp away from its fp32 master cast: the weights
     the engine would rebuild are not what the checkpoint saved, and every rank says so."""
+    monkeypatch.setattr(attestation, "_CAST_CHUNK", 7)
     layout = build_layout(specs("bfloat16"), 2)
     path = saved_run(tmp_path, layout, nudge="w2")
     results = shared_load_everywhere(path, build_layout(specs("bfloat16"), 3))

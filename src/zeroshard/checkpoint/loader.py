@@ -194,9 +194,8 @@ def _load_shared(
             group_fp32 = _fill(source, plan, "fp32", _start(base, layout, plan.group, None, _stored_dtype(source, plan, "fp32")), evidence)
             group_states, group_scalars = {}, {}
         evidence.held(plan.group, group_fp32, group_states)
-        weights = cast(group_fp32, dtype)  # as the engine casts its masters into the parameters
-        evidence.rebuilt(plan.group, weights)
-        fp32.append(group_fp32 if full else cast(weights, "float32"))  # without states: masters from the weights
+        evidence.rebuilt(plan.group, group_fp32, dtype)
+        fp32.append(group_fp32 if full else cast(cast(group_fp32, dtype), "float32"))  # without states: masters from the weights
         states.append(group_states)
         scalars.append(group_scalars)
     shared = {name: to_torch(array) for name, array in _shared_reads(source, share, evidence).items()}

@@ -42,12 +42,14 @@ from .digests import (
 )
 from ...io.damage import CheckpointDamagedError
 from ...io.digest import FUSED, digest
+from ...io.dtypes import cast, dtype_info
 
 if TYPE_CHECKING:
     from ..source import ShardSource
 
 _SHOWN_PROBLEMS = 3  # of a failed attestation, named in its one line
 REBUILT = "weights"  # the digest kind of weights cast from the masters (compared with the model file's)
+_CAST_CHUNK = 1 << 20  # elements of masters cast at a time to digest the weights they make
 
 
 class AttestationError(CheckpointDamagedError):
@@ -214,16 +216,19 @@ class Evidence:
             else:
                 partition_terms(pieces, kind, values, self._evidence.held)
 
-    def rebuilt(self, group: int, weights: np.ndarray) -> None:
-        """The rank's partition of new group ``group`` cast to the run's dtype: the weights the
-        engine makes of it. Their pieces, combined over the ranks (:func:`judge`), must give
-        the digest of each weight the checkpoint saved (its model file's), bit for bit. Expert
-        groups are left out: no model file holds expert weights."""
+    def rebuilt(self, group: int, masters: np.ndarray, dtype: str) -> None:
+        """The rank's fp32 partition of new group ``group``, whose cast to ``dtype`` (the run's)
+        is the weights the engine makes of it. Their pieces, combined over the ranks
+        (:func:`judge`), must give the digest of each weight the checkpoint saved (its model
+        file's), bit for bit. Cast a chunk at a time, so the weights are never held whole.
+        Expert groups are left out: no model file holds expert weights."""
         if not self.enabled or self.layout.groups[group].is_expert_group:
             return
         pieces = held_pieces(self.layout.groups[group], self._evidence.rank, self._evidence.params)
-        self._evidence.rebuilt[group] = weights.dtype.itemsize
-        partition_terms(pieces, REBUILT, weights, self._evidence.held)
+        self._evidence.rebuilt[group] = dtype_info(dtype).itemsize
+        for start in range(0, masters.size, _CAST_CHUNK):
+            chunk = cast(masters[start : start + _CAST_CHUNK], dtype)  # as the engine casts its masters
+            partition_terms(pieces, REBUILT, chunk, self._evidence.held, start)
 
     def partial(self) -> RankEvidence | None:
         """This rank's evidence so far, for :func:`judge` (None when disabled or not begun)."""
