@@ -4,8 +4,7 @@ checkpoints, the bytes each rank read, and the bytes each rank needs.
 What a rank *needs* is worked out here from the layouts and the files' own records, not
 from the loader: the checksum blocks (native, universal) or zip records (DeepSpeed, whose
 only checksum is a record's CRC-32) under the ranges of the fp32 masters (and, in full
-loads, the optimizer states) of its new partition (without optimizer state, of a native
-checkpoint: the slices of the saved weights in model.safetensors its partition holds), the blocks under the module tensors it
+loads, the optimizer states) of its new partition, the blocks under the module tensors it
 is given to read (each buffer and frozen parameter by one rank of the job), and the blocks
 under the scalars of its first rank file. Opening the files (headers, manifests,
 directories, pickles) is counted apart by ReadStats and not compared.
@@ -36,7 +35,6 @@ from zeroshard.engine import ZeroOptimizer
 from zeroshard.torchfile.torch_records import StoredTensor
 from zeroshard.io.dtypes import itemsize_of, to_numpy
 from zeroshard.io.read_stats import ReadStats
-from zeroshard.layout.coordinates import shard_rank
 from zeroshard.io.safetensors_io import read_header
 
 OPTIONS = {
@@ -110,13 +108,6 @@ def native_needed(path: Path, layout, rank: int, full: bool, shared: list[str]) 
     blocks: set[tuple[str, int]] = set()
     first_file = None
     for plan in plan_reads(manifest.layout, layout, rank, set(layout.param_names)):
-        group = layout.groups[plan.group]
-        if not full and not group.is_expert_group:  # the slices of the saved weights the partition holds
-            for fragment in group.fragments(shard_rank(group, rank)):
-                begin = entry(MODEL_FILE, fragment.name).begin + fragment.param_start * itemsize_of(group.dtype)
-                end = begin + fragment.length * itemsize_of(group.dtype)
-                blocks |= _blocks(manifest.files[MODEL_FILE], begin, end, MODEL_FILE)
-            continue
         for copy in plan.copies:
             record = manifest.groups[copy.source_group]
             keys = {fp32_key(copy.source_group): record.fp32_dtype}

@@ -8,8 +8,7 @@ Each rank returns the bytes ReadStats counted (its own, and every rank's as the 
 agreement gathered them) and the bytes it needs, worked out from the layouts and the files'
 checksum records (load_bytes_workers). The job's total must be at most 1.01x what the job
 needs: before issue 33 every rank read all of model.safetensors (native), every fp32 master
-whole (universal), and weights-only loads read the weights on every rank (now each rank its
-partition's slices of them, or of the masters where no weights are kept).
+whole (universal), and weights-only loads read the weights on every rank.
 """
 
 from __future__ import annotations
@@ -62,13 +61,11 @@ def test_the_job_reads_at_most_what_it_needs(loads, world):
 
 
 def test_no_rank_reads_a_shared_tensor_another_reads(loads):
-    """Buffers and frozen parameters are read by one rank each, spread over the ranks: in
-    full loads at D=4 every rank reads some of the model file, and the job reads less of it
-    than one copy of the file (the trained weights are not read; before, every rank read all
-    of it). Loads without optimizer state read slices of the weights besides (the test
-    above holds their bytes)."""
+    """Buffers and frozen parameters are read by one rank each, spread over the ranks: at
+    D=4 every rank reads some of the model file, and the job reads less of it than one copy
+    of the file (the trained weights are not read; before, every rank read all of it)."""
     for records in cases(loads[4]):
-        if records[0]["kind"] != "native" or records[0]["option"] != "full":
+        if records[0]["kind"] != "native":
             continue
         per_rank = [r["files"].get("model.safetensors", 0) for r in records]
         assert sum(1 for count in per_rank if count) == 4, per_rank  # four shared tensors, four ranks

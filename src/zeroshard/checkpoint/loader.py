@@ -18,11 +18,11 @@ without optimizer state, strict or not, resharded) behaves the same for each:
 * without optimizer state the fp32 master partitions are the loaded weights, as the engine
   rebuilds them, and no master is read;
 * loading with the other ranks of a job (``share``, as ``engine_io.load_checkpoint`` does),
-  a rank reads its partitions only: the weights are its fp32 masters cast (the engine
-  all-gathers them), attested against the saved ones piece by piece; without optimizer
-  state, its slices of the saved weights (else of the masters); of the buffers and frozen
-  parameters, those ``share`` gives it (:mod:`.shared_module`). So the job reads each byte
-  it needs once.
+  a rank reads no weight and no whole master: the trained parameters' weights are its fp32
+  master partitions cast (the engine all-gathers them), attested against the saved weights
+  piece by piece; of the buffers and frozen parameters it reads only those ``share`` gives
+  it (:mod:`.shared_module`); without optimizer state it reads its master partitions and
+  nothing else. So the job reads each byte it needs once.
 
 The result is built in new tensors and returned only when everything passed, so a failed
 load leaves the caller's state as it was. Every load attests (:mod:`.attest`): the loader
@@ -122,8 +122,7 @@ def _load(
     plans = plan_reads(info.layout, layout, rank, loadable)
     evidence.begin(source, layout, rank, loadable, full)
     if share is not None:
-        reads = (plans, loadable)
-        return _load_shared(source, layout, rank, reads, (full, load_module_only), param_groups, base, evidence, share)
+        return _load_shared(source, layout, rank, plans, (full, load_module_only), param_groups, base, evidence, share)
     # Weights cast from whole fp32 masters: their fragments also fill the rank's fp32
     # partitions, so no master byte is read twice.
     from_masters = _partitions_from_masters(source, layout, plans, base) if full and info.weights_from_masters else {}
@@ -174,7 +173,7 @@ def _load_shared(
     source: ShardSource,
     layout: Layout,
     rank: int,
-    reads: tuple[tuple[GroupPlan, ...], set[str]],
+    plans: tuple[GroupPlan, ...],
     kind: tuple[bool, bool],
     param_groups: list[ParamGroupState],
     base: ShardedState | None,
@@ -182,51 +181,25 @@ def _load_shared(
     share: ModuleShare,
 ) -> ShardedState:
     """:func:`_load` of one rank of a job loading together (see the module docstring);
-    ``reads``: the plans and the run's parameters to load; ``kind``: whether the load is
-    full (optimizer states too), and module only."""
-    (plans, loadable), (full, module_only) = reads, kind
+    ``kind``: whether the load is full (optimizer states too), and module only."""
+    full, module_only = kind
     if share.rank != rank or share.world_size != layout.world_size:
         raise ValueError(f"the module share is rank {share.rank} of {share.world_size}'s, not rank {rank} of {layout.world_size}'s")
     fp32, states, scalars = [], [], []
     for plan in plans:
         dtype = layout.groups[plan.group].dtype
-        group_states, group_scalars = {}, {}
         if full:
             group_fp32, group_states, group_scalars = _read_group(source, layout, plan, base, None, evidence)
-            evidence.held(plan.group, group_fp32, group_states)
-        elif _reads_weights(source, layout, plan.group):  # half the bytes of the masters
-            group_fp32 = _fp32_from_weight_slices(source, layout, rank, plan.group, loadable, base)
         else:
-            masters = _fill(source, plan, "fp32", _start(base, layout, plan.group, None, _stored_dtype(source, plan, "fp32")), evidence)
-            evidence.held(plan.group, masters, {})
-            group_fp32 = cast(cast(masters, dtype), "float32")  # without states: masters from the weights
+            group_fp32 = _fill(source, plan, "fp32", _start(base, layout, plan.group, None, _stored_dtype(source, plan, "fp32")), evidence)
+            group_states, group_scalars = {}, {}
+        evidence.held(plan.group, group_fp32, group_states)
         evidence.rebuilt(plan.group, group_fp32, dtype)
-        fp32.append(group_fp32)
+        fp32.append(group_fp32 if full else cast(cast(group_fp32, dtype), "float32"))  # without states: masters from the weights
         states.append(group_states)
         scalars.append(group_scalars)
     shared = {name: to_torch(array) for name, array in _shared_reads(source, share, evidence).items()}
     return _state(source, layout, rank, fp32, states, scalars, param_groups, module_only, shared)
-
-
-def _reads_weights(source: ShardSource, layout: Layout, group: int) -> bool:
-    """Whether a job load without optimizer state reads ``group``'s saved weights (native;
-    not expert weights, which the model file lacks), not its masters."""
-    return hasattr(source, "read_weight_into") and not layout.groups[group].is_expert_group
-
-
-def _fp32_from_weight_slices(
-    source: ShardSource, layout: Layout, rank: int, group: int, loadable: set[str], base: ShardedState | None
-) -> np.ndarray:
-    """:func:`_fp32_from_weights` from the slices of the saved weights the rank's partition
-    holds, each read alone (the rank's share of the model file)."""
-    partition = _start(base, layout, group, None, "float32")
-    layout_group = layout.groups[group]
-    for fragment in layout_group.fragments(shard_rank(layout_group, rank)):
-        if fragment.name in loadable:
-            weight = np.empty(fragment.length, dtype=dtype_info(layout_group.dtype).numpy)
-            source.read_weight_into(fragment.name, fragment.param_start, weight)
-            partition[fragment.partition_start : fragment.partition_start + fragment.length] = cast(weight, "float32")
-    return partition
 
 
 def _shared_reads(source: ShardSource, share: ModuleShare, evidence: Evidence) -> dict[str, np.ndarray]:

@@ -134,20 +134,6 @@ class NativeSource:
                 found[name] = piece.reshape(record.shape)
         return found
 
-    def read_weight_into(self, name: str, start: int, out: np.ndarray) -> None:
-        """Elements [start, start + out.size) of the flattened module tensor ``name`` (aliases
-        followed) from model.safetensors into ``out``, a contiguous 1-D array of its stored
-        dtype: a slice of a trained weight, its checksum blocks verified."""
-        stored, record = self._model_record(name)
-        entry = self._header(MODEL_FILE)[stored]
-        itemsize = itemsize_of(record.dtype)
-        if out.dtype != dtype_info(record.dtype).numpy or not out.flags.c_contiguous or out.ndim != 1:
-            raise ValueError(f"{self.path / MODEL_FILE}: {name!r} is {record.dtype}; read into a 1-D {out.dtype} array")
-        if not 0 <= start <= start + out.size <= (entry.end - entry.begin) // itemsize:
-            raise ValueError(f"{self.path / MODEL_FILE}: elements [{start}, {start + out.size}) are outside {name!r}")
-        path, file_record = self.checkpoint.path(MODEL_FILE), self._record(MODEL_FILE)
-        self._reader.read_into(path, file_record, entry.begin + start * itemsize, _bytes_of(out), None)
-
     def _model_record(self, name: str) -> tuple[str, ModelTensorRecord]:
         """The stored name (aliases followed) and manifest record of a module tensor."""
         stored = self.info.aliases.get(name, name)
