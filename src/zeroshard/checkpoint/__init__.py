@@ -79,7 +79,7 @@ _EXPORTS = {
     "Copy": ".reshard",
     "GroupPlan": ".reshard",
     "plan_reads": ".reshard",
-    "ReadStats": "..io.safetensors_io",
+    "ReadStats": "..io.read_stats",
     "FAULT_POINTS": ".native.save",
     "FaultHook": ".native.save",
     "save_sharded": ".native.save",

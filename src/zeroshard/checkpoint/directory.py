@@ -46,6 +46,7 @@ from .format import (
     temp_dir_name,
 )
 from ..io.members import member_path, open_member, read_small_file
+from ..io.read_stats import count_read
 from ..io.safetensors_io import named_os_error
 from ..io.writer_lock import WriterLock
 
@@ -322,6 +323,7 @@ def read_json_file(path: Path, what: str) -> Any:
         raise CheckpointDamagedError(str(err)) from None
     with open(fd, "rb") as handle:
         raw = handle.read()
+    count_read(None, path.name, len(raw), opening=True)
     try:
         return jsonvalue.loads(raw, path)
     except json.JSONDecodeError as err:

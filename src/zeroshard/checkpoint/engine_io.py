@@ -6,6 +6,10 @@ internals. Both are collective: every rank calls them, and every rank succeeds o
 together. A load validates everything on every rank before any rank changes anything, and
 attests (:mod:`.attest`): the ranks' loaded state, digested, must be what the checkpoint
 saved, or no rank loads it.
+
+A load reads each byte it needs once over the job: every rank its own partitions, the
+engine rebuilds the weights from them (cast and all-gathered), and each buffer and frozen
+parameter is read by one rank and broadcast once the ranks agreed (:mod:`.shared_module`).
 """
 
 from __future__ import annotations
@@ -14,11 +18,15 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..io.read_stats import ReadStats
+from ..state import ShardedState
 from .coordinator import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
-from .attest.attestation import Attestation
+from .attest.attestation import Attestation, Evidence
 from .formats import checkpoint_kind, open_source  # noqa: F401  (checkpoint_kind: re-exported)
-from .attest.attested import load_attested
+from .attest.attested import attested_load
+from .loader import load_state
 from .native.save import FaultHook, save_sharded
+from .shared_module import ModuleShare, broadcast_module, share_checkpoint
 
 if TYPE_CHECKING:
     from ..engine import ZeroOptimizer
@@ -61,6 +69,7 @@ def load_checkpoint(
     load_module_only: bool = False,
     strict: bool = True,
     lr_scheduler: Any = None,
+    stats: ReadStats | None = None,
 ) -> dict[str, Any]:
     """Collective over the engine's ranks: load a checkpoint into the running engine,
     resharding as needed.
@@ -73,6 +82,8 @@ def load_checkpoint(
     extra ones are ignored. Returns the checkpoint's ``extra`` (step counters and the like).
     Raises ValueError on every rank when any rank cannot load it, and AttestationError (a
     CheckpointDamagedError) when the ranks would not hold what it saved; nothing changes then.
+    ``stats`` counts the bytes this rank reads, and gets what every rank read
+    (``stats.ranks``, ``stats.job_total``).
     """
     return load_checkpoint_attested(
         engine,
@@ -81,6 +92,7 @@ def load_checkpoint(
         load_module_only=load_module_only,
         strict=strict,
         lr_scheduler=lr_scheduler,
+        stats=stats,
     )[0]
 
 
@@ -92,22 +104,28 @@ def load_checkpoint_attested(
     load_module_only: bool = False,
     strict: bool = True,
     lr_scheduler: Any = None,
+    stats: ReadStats | None = None,
 ) -> tuple[dict[str, Any], Attestation]:
     """:func:`load_checkpoint`, also returning its attestation (``.line()`` says what was
     checked). Collective, and raises as :func:`load_checkpoint` does."""
     options = dict(load_optimizer_states=load_optimizer_states, load_module_only=load_module_only, strict=strict)
-    state, attestation = load_attested(
-        lambda: open_source(Path(path)),
-        str(path),
-        engine.layout,
-        engine.rank,
-        _coordinator(engine),
-        agree_on=options,
-        module_state=engine.model.state_dict(),
-        base=None if strict else engine.export_state(),  # what the checkpoint lacks keeps the run's values
-        **options,
+    layout, rank = engine.layout, engine.rank
+    module_state = engine.model.state_dict()
+    base = None if strict else engine.export_state()  # what the checkpoint lacks keeps the run's values
+
+    def read(evidence: Evidence) -> tuple[ShardedState, ModuleShare, dict[str, str]]:
+        with open_source(Path(path)) as source:
+            share = share_checkpoint(source.info.model_entries, layout, rank, None if strict else module_state)
+            state = load_state(source, layout, rank, evidence=evidence, module_state=module_state, base=base, share=share, **options)
+            return state, share, dict(source.info.aliases)
+
+    (state, share, aliases), attestation = attested_load(
+        _coordinator(engine), str(path), read, layout, options, agree_also=lambda read: read[1].fingerprint(), stats=stats
     )
-    engine.import_state(state, **options, take=True)  # the state was read for this call: no copies
+    # Only now, every rank agreed: no rank waits for a tensor another failed to read.
+    shared = broadcast_module(engine.comm, share, state.model_state)
+    state.model_state = {**shared, **{alias: shared[target] for alias, target in aliases.items() if target in shared}}
+    engine.import_state(state, **options, take=True, weights_from_masters=True)  # read for this call: no copies
     if lr_scheduler is not None and LR_SCHEDULER_KEY in state.extra and not load_module_only:
         lr_scheduler.load_state_dict(state.extra[LR_SCHEDULER_KEY])
     return dict(state.extra), attestation

@@ -16,7 +16,13 @@ without optimizer state, strict or not, resharded) behaves the same for each:
   fragment of the new rank's partition is read from the old ranks that hold it, by the runs
   :func:`plan_reads` computes, so a rank reads about its share, not the checkpoint;
 * without optimizer state the fp32 master partitions are the loaded weights, as the engine
-  rebuilds them, and no master is read.
+  rebuilds them, and no master is read;
+* loading with the other ranks of a job (``share``, as ``engine_io.load_checkpoint`` does),
+  a rank reads no weight and no whole master: the trained parameters' weights are its fp32
+  master partitions cast (the engine all-gathers them), attested against the saved weights
+  piece by piece; of the buffers and frozen parameters it reads only those ``share`` gives
+  it (:mod:`.shared_module`); without optimizer state it reads its master partitions and
+  nothing else. So the job reads each byte it needs once.
 
 The result is built in new tensors and returned only when everything passed, so a failed
 load leaves the caller's state as it was. Every load attests (:mod:`.attest`): the loader
@@ -39,10 +45,11 @@ from ..layout.coordinates import ep_rank, expert_numel, shard_rank
 from ..state import ParamGroupState, ShardedState
 from .attest.attestation import Evidence, attest_alone
 from .compat import Mismatch, compare_module, compare_params
-from ..io.budget import quoted
 from ..io.dtypes import arrays_to_torch, cast, dtype_info, dtype_of, to_numpy, to_torch
 from .reshard import GroupPlan, plan_reads
-from .source import ShardSource, param_group_owners, read_into, read_model_tensors, read_param, read_whole_param
+from .shared_module import ModuleShare
+from .param_groups import map_param_groups
+from .source import ShardSource, read_into, read_model_tensors, read_param, read_whole_param
 
 
 def load_state(
@@ -56,6 +63,7 @@ def load_state(
     module_state: Mapping[str, torch.Tensor] | None = None,
     base: ShardedState | None = None,
     evidence: Evidence | None = None,
+    share: ModuleShare | None = None,
 ) -> ShardedState:
     """This rank's state under ``layout`` (the new run's), read from ``source``.
 
@@ -72,10 +80,18 @@ def load_state(
         evidence: filled with what the load digests, for the caller to judge with the
             other ranks' (:func:`~.attest.attested.load_attested`). Without it the rank attests alone: all of
             the state in a world of one, else what it holds whole (AttestationError).
+        share: the job loads together (every rank of ``layout``, attested together): the
+            state's ``model_state`` then holds only the module tensors ``share`` gives this
+            rank to read, and no trained parameter's weight; ``fp32_partitions`` are what
+            the weights are rebuilt from, also without optimizer state
+            (``import_state(..., weights_from_masters=True)``).
     """
     alone = evidence is None
     evidence = Evidence() if alone else evidence
-    state = _load(source, layout, rank, load_optimizer_states, load_module_only, strict, module_state, base, evidence)
+    if share is not None and alone:
+        raise ValueError("a load shared with the other ranks is attested with them: pass evidence")
+    options = (load_optimizer_states, load_module_only, strict)
+    state = _load(source, layout, rank, *options, module_state, base, evidence, share)
     if alone:
         attest_alone(evidence, layout.world_size)
     return state
@@ -91,6 +107,7 @@ def _load(
     module_state: Mapping[str, torch.Tensor] | None,
     base: ShardedState | None,
     evidence: Evidence,
+    share: ModuleShare | None = None,
 ) -> ShardedState:
     info = source.info
     if not 0 <= rank < layout.world_size:
@@ -101,9 +118,11 @@ def _load(
     full = load_optimizer_states and not load_module_only
     # A module-only load reads the weights alone, into any grouping (an AdamW run's
     # checkpoint into a Muon run's owner groups, and the reverse): no param group to map.
-    param_groups = [] if load_module_only else _map_param_groups(source, layout, loadable)
+    param_groups = [] if load_module_only else map_param_groups(source, layout, loadable)
     plans = plan_reads(info.layout, layout, rank, loadable)
     evidence.begin(source, layout, rank, loadable, full)
+    if share is not None:
+        return _load_shared(source, layout, rank, plans, (full, load_module_only), param_groups, base, evidence, share)
     # Weights cast from whole fp32 masters: their fragments also fill the rank's fp32
     # partitions, so no master byte is read twice.
     from_masters = _partitions_from_masters(source, layout, plans, base) if full and info.weights_from_masters else {}
@@ -121,17 +140,75 @@ def _load(
         fp32.append(group_fp32)
         states.append(group_states)
         scalars.append(group_scalars)
+    model_state = _to_torch_keeping_ties(weights, info.aliases)
+    return _state(source, layout, rank, fp32, states, scalars, param_groups, load_module_only, model_state)
+
+
+def _state(
+    source: ShardSource,
+    layout: Layout,
+    rank: int,
+    fp32: list[np.ndarray],
+    states: list[dict[str, np.ndarray]],
+    scalars: list[dict[str, torch.Tensor]],
+    param_groups: list[ParamGroupState],
+    module_only: bool,
+    model_state: dict[str, torch.Tensor],
+) -> ShardedState:
+    info = source.info
     return ShardedState(
         layout=layout,
         rank=rank,
         fp32_partitions=[to_torch(array) for array in fp32],
         optimizer_states=[{name: to_torch(array) for name, array in group.items()} for group in states],
         optimizer_scalars=scalars,
-        param_groups=param_groups,
-        optimizer_class="" if load_module_only else info.optimizer_class,
-        model_state=_to_torch_keeping_ties(weights, info.aliases),
-        extra={} if load_module_only else arrays_to_torch(dict(info.extra)),
+        param_groups=param_groups,  # none for a module-only load
+        optimizer_class="" if module_only else info.optimizer_class,
+        model_state=model_state,
+        extra={} if module_only else arrays_to_torch(dict(info.extra)),
     )
+
+
+def _load_shared(
+    source: ShardSource,
+    layout: Layout,
+    rank: int,
+    plans: tuple[GroupPlan, ...],
+    kind: tuple[bool, bool],
+    param_groups: list[ParamGroupState],
+    base: ShardedState | None,
+    evidence: Evidence,
+    share: ModuleShare,
+) -> ShardedState:
+    """:func:`_load` of one rank of a job loading together (see the module docstring);
+    ``kind``: whether the load is full (optimizer states too), and module only."""
+    full, module_only = kind
+    if share.rank != rank or share.world_size != layout.world_size:
+        raise ValueError(f"the module share is rank {share.rank} of {share.world_size}'s, not rank {rank} of {layout.world_size}'s")
+    fp32, states, scalars = [], [], []
+    for plan in plans:
+        dtype = layout.groups[plan.group].dtype
+        if full:
+            group_fp32, group_states, group_scalars = _read_group(source, layout, plan, base, None, evidence)
+        else:
+            group_fp32 = _fill(source, plan, "fp32", _start(base, layout, plan.group, None, _stored_dtype(source, plan, "fp32")), evidence)
+            group_states, group_scalars = {}, {}
+        evidence.held(plan.group, group_fp32, group_states)
+        evidence.rebuilt(plan.group, group_fp32, dtype)
+        fp32.append(group_fp32 if full else cast(cast(group_fp32, dtype), "float32"))  # without states: masters from the weights
+        states.append(group_states)
+        scalars.append(group_scalars)
+    shared = {name: to_torch(array) for name, array in _shared_reads(source, share, evidence).items()}
+    return _state(source, layout, rank, fp32, states, scalars, param_groups, module_only, shared)
+
+
+def _shared_reads(source: ShardSource, share: ModuleShare, evidence: Evidence) -> dict[str, np.ndarray]:
+    """The module tensors ``share`` gives this rank to read, checked as :func:`_module_weights` does."""
+    digests: dict[str, tuple] | None = {} if evidence.enabled else None
+    found = read_model_tensors(source, share.mine, digests)
+    for name, values in found.items():
+        evidence.model_tensor(name, values, digests.get(name) if digests else None)
+    return found
 
 
 def _check_match(
@@ -349,59 +426,3 @@ def _state_names(group: int, per_group: list[tuple[str, ...]]) -> tuple[str, ...
                 f"layout group {group} mixes parameters with optimizer states {sorted(names)} and {sorted(other)}"
             )
     return tuple(names)
-
-
-def _map_param_groups(source: ShardSource, layout: Layout, loadable: set[str]) -> list[ParamGroupState]:
-    """The saved param groups that hold the new layout's groups, each listing its new layout
-    groups. Optimizer hyperparameters and scalars follow the parameters."""
-    info = source.info
-    old_owner = param_group_owners(source)
-    owner_of_param = {slot.name: old_owner.get(g.index, -1) for g in info.layout.groups for slot in g.params}
-    owners: list[int | None] = []
-    for group in layout.groups:
-        found = {owner_of_param[slot.name] for slot in group.params if slot.name in loadable}
-        if len(found) > 1 or -1 in found:  # the message names each group's optimizer where recorded
-            raise ValueError(_mixed_groups_message(source, group, loadable, owner_of_param))
-        owners.append(found.pop() if found else None)
-    states = [
-        ParamGroupState(
-            arrays_to_torch(dict(saved.hyperparameters)),
-            [g for g, owner in enumerate(owners) if owner == index],
-            saved.optimizer,
-        )
-        for index, saved in enumerate(info.param_groups)
-    ]
-    return [state for state in states if state.layout_groups]
-
-
-SHOWN_GROUPS = 3  # saved param groups a mixed-groups error describes (a hostile file may have thousands)
-
-
-def _mixed_groups_message(
-    source: ShardSource, group: GroupLayout, loadable: set[str], owner_of_param: Mapping[str, int]
-) -> str:
-    """Names the first parameter of each saved param group that ``group`` draws from, with what
-    that group trained it with (its optimizer class where recorded, its states, DeepSpeed's
-    ``use_muon`` flag when it has one): a Muon matrix grouped with AdamW's parameters is found here."""
-    first_of: dict[int, str] = {}
-    for slot in group.params:
-        if slot.name in loadable:
-            first_of.setdefault(owner_of_param[slot.name], slot.name)
-    described = []
-    for owner, name in sorted(first_of.items())[:SHOWN_GROUPS]:
-        if owner == -1:
-            described.append(f"{quoted(name)} (in no saved param group)")
-            continue
-        saved = source.info.param_groups[owner]
-        states = sorted({key for g in saved.layout_groups for key in source.info.state_keys[g]})
-        flag = saved.hyperparameters.get("use_muon")
-        flag_text = f"use_muon {str(flag).lower()}, " if isinstance(flag, bool) else ""
-        trained_by = f"optimizer {saved.optimizer}, " if saved.optimizer else ""
-        what = f"{trained_by}{flag_text}states {quoted(states)}"
-        described.append(f"{quoted(name)} of saved param group {owner} ({what})")
-    if len(first_of) > SHOWN_GROUPS:
-        described.append(f"{len(first_of) - SHOWN_GROUPS} more")
-    return (
-        f"layout group {group.index} holds parameters of saved param groups {quoted(sorted(first_of))}: "
-        f"{'; '.join(described)}; group the run's parameters as the checkpoint does, or load with load_module_only"
-    )

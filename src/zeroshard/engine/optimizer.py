@@ -419,10 +419,12 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
         load_module_only: bool = False,
         strict: bool = True,
         take: bool = False,
+        weights_from_masters: bool = False,
     ) -> None:
         """Collective: every rank of ``process_group`` calls it with its own state. Load a
         state laid out for this engine; see ``state_io.import_state`` (``take=True``: the
-        optimizer keeps the state's tensors, not copies).
+        optimizer keeps the state's tensors, not copies; ``weights_from_masters=True``: the
+        parameters are the state's fp32 partitions cast, its model state holds none).
 
         Raises:
             ValueError: on every rank alike, when any rank's state does not fit (another
@@ -437,6 +439,7 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
             load_module_only=load_module_only,
             strict=strict,
             take=take,
+            weights_from_masters=weights_from_masters,
         )
 
     def sync_params_from_masters(self) -> None:

@@ -8,7 +8,7 @@ anything changes.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Collection
 
 import torch
 
@@ -115,6 +115,7 @@ def import_state(
     load_module_only: bool = False,
     strict: bool = True,
     take: bool = False,
+    weights_from_masters: bool = False,
 ) -> None:
     """Collective: every rank of the engine's process group calls it with its own state.
     Load ``state`` (already laid out for this engine) into the engine.
@@ -131,6 +132,10 @@ def import_state(
       optimizer state;
     * ``load_module_only=True``: model weights only (masters rebuilt from them).
 
+    ``weights_from_masters=True``: ``state.model_state`` holds no trained parameter (nor a
+    name tied to one); the parameters are ``state.fp32_partitions`` cast and all-gathered,
+    for every kind of load (a checkpoint load that read no weight does so).
+
     Raises:
         ValueError: on every rank alike, naming the failing rank, when any rank's state has
             another layout, rank, optimizer class, param group count or partition shapes, or
@@ -140,19 +145,23 @@ def import_state(
     """
     full = load_optimizer_states and not load_module_only
     options = f"load_optimizer_states={load_optimizer_states}, load_module_only={load_module_only}, strict={strict}"
-    call = f"import_state({options})"
-    engine.comm.checked(call, lambda: _validate(engine, state, full, strict))  # every rank loads, or none
+    call = f"import_state({options}, weights_from_masters={weights_from_masters})"
+    rebuilt = _rebuilt_names(engine) if weights_from_masters else set()
+    engine.comm.checked(call, lambda: _validate(engine, state, full, strict, rebuilt))  # every rank loads, or none
     with torch.no_grad():
-        engine.model.load_state_dict(_cast_like(engine.model.state_dict(), state.model_state), strict=strict)
+        engine.model.load_state_dict(_cast_like(engine.model.state_dict(), state.model_state), strict=strict and not weights_from_masters)
     engine.reducer.zero_grad()
     if not full:
-        _rebuild_masters_from_params(engine)
+        if weights_from_masters:
+            _set_masters(engine, state)
+            engine.sync_params_from_masters()
+        else:
+            _rebuild_masters_from_params(engine)
         if not load_module_only:
             engine.optimizer.state.clear()
             engine.matrices.clear()
         return
-    for master, values in zip(engine.masters, state.fp32_partitions):
-        master.data.copy_(values)
+    _set_masters(engine, state)
     engine.optimizer.load_state_dict(_torch_optimizer_state(engine, state, take))
     engine.matrices.adopt(engine.optimizer.state)
     engine.matrices.agreed = False
@@ -162,12 +171,32 @@ def import_state(
     engine.sync_params_from_masters()
 
 
-def _validate(engine: EngineParts, state: ShardedState, full: bool, strict: bool) -> None:
+def _set_masters(engine: EngineParts, state: ShardedState) -> None:
+    for master, values in zip(engine.masters, state.fp32_partitions):
+        master.data.copy_(values)
+
+
+def _rebuilt_names(engine: EngineParts) -> set[str]:
+    """The module's state_dict names whose tensors lie in the flat buffers: the trained
+    parameters and every name tied to one."""
+    storages = {buffer.data.untyped_storage().data_ptr() for buffer in engine.buffers}
+    return {name for name, t in engine.model.state_dict().items() if t.untyped_storage().data_ptr() in storages}
+
+
+def _validate(engine: EngineParts, state: ShardedState, full: bool, strict: bool, rebuilt: Collection[str] = ()) -> None:
+    """``rebuilt``: names the model state does not hold (the weights rebuilt from the state's
+    fp32 partitions, which must then fit whatever the load)."""
     if state.layout != engine.layout:
         raise ValueError("the state's layout differs from the engine's; load it through zeroshard.checkpoint to reshard")
     if state.rank != engine.rank:
         raise ValueError(f"the state is rank {state.rank}'s, this is rank {engine.rank}")
-    _validate_model_state(engine.model.state_dict(), state.model_state, strict)
+    held = sorted(set(state.model_state) & set(rebuilt))
+    if held:
+        raise ValueError(f"the model state holds {held[:5]}, which are rebuilt from the fp32 partitions")
+    current = {name: t for name, t in engine.model.state_dict().items() if name not in rebuilt}
+    _validate_model_state(current, state.model_state, strict)
+    if full or rebuilt:  # the masters are loaded
+        _validate_partitions(engine, state)
     if not full:
         return
     live_classes = group_classes(engine.optimizer)
@@ -185,6 +214,9 @@ def _validate(engine: EngineParts, state: ShardedState, full: bool, strict: bool
     for index, (saved, live) in enumerate(zip(saved_classes, live_classes)):
         if saved != live:
             raise ValueError(f"param group {index}: the checkpoint's optimizer is {saved}, this run's is {live}")
+
+
+def _validate_partitions(engine: EngineParts, state: ShardedState) -> None:
     for group_index, (values, master) in enumerate(zip(state.fp32_partitions, engine.masters)):
         if values.shape != master.shape:
             raise ValueError(f"group {group_index}: fp32 partition has shape {tuple(values.shape)}, expected {tuple(master.shape)}")

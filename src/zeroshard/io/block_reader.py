@@ -35,7 +35,8 @@ from .damage import CheckpointDamagedError
 from .digest import FUSED, combine, crc32
 from .dtypes import from_bytes
 from .members import open_member
-from .safetensors_io import ReadStats, check_blocks, map_range, pread_into
+from .read_stats import ReadStats, count_read
+from .safetensors_io import check_blocks, map_range, pread_into
 
 DEFAULT_CACHE_BYTES = 32 << 20
 MAP_BYTES = 8 << 20  # spans at least this big are memory-mapped, not copied in
@@ -135,8 +136,7 @@ class RangeReader:
                         observe_bytes(target, 0, len(target), observe, at + begin - origin)
                 else:
                     _check_observed(path, record, chunk_first, chunk_last, begin, target, observe, at + begin - origin)
-                if self.stats is not None:
-                    self.stats.add(path.name, end - begin)
+                count_read(self.stats, path.name, end - begin)
         finally:
             os.close(fd)
 
@@ -178,8 +178,7 @@ class RangeReader:
             pread_into(fd, target, begin, path)
         finally:
             os.close(fd)
-        if self.stats is not None:
-            self.stats.add(path.name, end - begin)
+        count_read(self.stats, path.name, end - begin)
         check_blocks(path, record, first, last, begin, target)
 
     def _map(self, path: Path, record: FileRecord, first: int, last: int, span_start: int, span_end: int) -> memoryview:
@@ -196,8 +195,7 @@ class RangeReader:
                 continue
             begin, end = record.block_range(index)
             check_blocks(path, record, index, index, span_start, view[: end - span_start])
-            if self.stats is not None:
-                self.stats.add(path.name, end - begin)
+            count_read(self.stats, path.name, end - begin)
         return view
 
     def _take(self, key: str, index: int, record: FileRecord, view: memoryview, span_start: int) -> bool:

@@ -14,7 +14,7 @@ import mmap
 import os
 import struct
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -27,6 +27,7 @@ from .damage import CheckpointDamagedError
 from .digest import FUSED, combine, crc32
 from .dtypes import as_array, dtype_info, dtype_of, dtype_of_code
 from .members import open_member
+from .read_stats import ReadStats, count_read
 
 _MAX_HEADER_BYTES = 100 << 20  # the limit safetensors itself enforces
 _WRITE_CHUNK = 1 << 20  # hashed and written while still in the CPU cache
@@ -313,8 +314,7 @@ def _header_object(path: Path, file_size: int, stats: ReadStats | None) -> tuple
                 f"{path}: corrupted: header length {length} does not fit a {file_size}-byte file"
             )
         raw = handle.read(length)
-    if stats is not None:
-        stats.add(path.name, 8 + len(raw))
+    count_read(stats, path.name, 8 + len(raw), opening=True)
     try:
         header = jsonvalue.loads(raw, path)
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -348,22 +348,6 @@ def check_entries(path: Path, entries: Mapping, expected: Mapping[str, tuple[str
             raise CheckpointDamagedError(f"{path}: corrupted: tensor {name!r} spans {entry.end - entry.begin} bytes")
 
 
-@dataclass
-class ReadStats:
-    """Bytes read from each checkpoint file (header, data and checksum-block overhead)."""
-
-    bytes_by_file: dict[str, int] = field(default_factory=dict)
-
-    def add(self, file_name: str, count: int) -> None:
-        """Count ``count`` more bytes read from ``file_name``."""
-        self.bytes_by_file[file_name] = self.bytes_by_file.get(file_name, 0) + count
-
-    @property
-    def total(self) -> int:
-        """Bytes read from all files together."""
-        return sum(self.bytes_by_file.values())
-
-
 class VerifiedRanges:
     """Byte ranges of one file, read whole-block and checked against the manifest."""
 
@@ -377,8 +361,7 @@ class VerifiedRanges:
             for first, last in _consecutive_runs(blocks):
                 begin, end = record.block_range(first)[0], record.block_range(last)[1]
                 data = pread_exact(handle.fileno(), begin, end - begin, path)
-                if stats is not None:
-                    stats.add(path.name, len(data))
+                count_read(stats, path.name, len(data))
                 check_blocks(path, record, first, last, begin, data)
                 self._runs.append((begin, data))
 

@@ -4,7 +4,8 @@ Owns the zip directory of the archive (:mod:`.zip_directory`), the checks of a p
 opcodes (:mod:`.pickle_scan`) and of what hashing its dict keys and set elements costs
 (:mod:`.pickle_keys`, :mod:`.pickle_hashing`), the restricted unpickler
 (:mod:`.torch_unpickler`), the records of storages and tensor views it yields
-(:mod:`.torch_records`), and :func:`~.torch_file.load_torch_file`, which puts them together
+(:mod:`.torch_records`; :mod:`.record_cache` keeps whole records for readers of several
+ranges of them), and :func:`~.torch_file.load_torch_file`, which puts them together
 within a byte budget. It knows nothing of DeepSpeed: a caller allows the globals its files
 need (``zeroshard.deepspeed.checkpoint`` allows DeepSpeed's).
 

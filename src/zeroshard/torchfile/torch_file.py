@@ -48,6 +48,7 @@ from typing import Any, NamedTuple
 
 from ..io.budget import Budget, BudgetExceeded, named, quoted
 from ..io.members import open_member
+from ..io.read_stats import count_read
 from .torch_records import (
     FileProblem,
     StorageRecord,
@@ -108,7 +109,7 @@ def read_torch_file(path: Path, allowed: Mapping[str, type] | None = None) -> To
     try:
         fd, size = _open_file(path)
         try:
-            archive = _Archive(path, _FileBytes(fd, size))
+            archive = _Archive(path, _FileBytes(fd, size, path.name))
             order = archive.read("byteorder")
             if order not in (None, b"little"):
                 raise FileProblem(f"byte order {order!r} is unsupported: only little-endian files are read")
@@ -167,17 +168,20 @@ class _FileBytes:
     DeepSpeed rank file at large D is a few KB, and each pread is a system call), else
     ``pread`` calls. ``size`` is what the file held when opened."""
 
-    def __init__(self, fd: int, size: int) -> None:
-        self.fd, self.size, self.whole = fd, size, None
+    def __init__(self, fd: int, size: int, name: str = "") -> None:
+        self.fd, self.size, self.whole, self.name = fd, size, None, name
         if size <= WHOLE_FILE_BYTES:
             self.whole = _read_whole(fd, self.size)
             self.size = len(self.whole)
+            count_read(None, name, self.size, opening=True)
 
     def read(self, offset: int, size: int) -> bytes:
         """Up to ``size`` bytes from ``offset`` (fewer where the file ends first)."""
         if self.whole is not None:
             return self.whole[offset : offset + size]
-        return os.pread(self.fd, size, offset)
+        data = os.pread(self.fd, size, offset)
+        count_read(None, self.name, len(data), opening=True)
+        return data
 
     def unpack(self, layout: struct.Struct, offset: int) -> tuple[Any, ...]:
         """``layout`` unpacked from ``offset``; struct.error where the file ends first."""

@@ -24,6 +24,7 @@ import numpy as np
 
 from ..io.budget import DICT_ITEM_BYTES, named
 from ..io.dtypes import dtype_info
+from ..io.read_stats import count_read
 from ..io.safetensors_io import map_range
 
 try:
@@ -227,6 +228,14 @@ class StoredTensor:
             raise IndexError(f"elements [{start}, {start + out.size}) are outside a tensor of {self.numel()} elements")
         _read_into(self.storage, (self.storage_offset + start) * out.itemsize, out)
 
+    def record(self) -> np.ndarray:
+        """The whole zip record holding the storage, read once into a new byte array and
+        checked against its CRC-32 as it arrives: for a reader that wants several ranges of
+        it, which checking range by range would read twice (the check reads all of it)."""
+        out = np.empty(self.storage.record_size, dtype=np.uint8)
+        _read_into(self.storage, 0, out)
+        return out
+
     def peek(self, start: int, end: int) -> np.ndarray:
         """Elements ``[start, end)`` of the flattened tensor (contiguous tensors only) as they
         are on disk, without checking the record's CRC-32, which would read all of it: for a
@@ -305,6 +314,7 @@ def _read_into(storage: StorageRecord, begin: int, out: np.ndarray) -> None:
             if not whole_record:
                 verify_record(storage, fd)
             value = 0
+            count_read(None, storage.path.name, len(buffer))
             for done in range(0, len(buffer), _HOT_CHUNK):
                 chunk = buffer[done : done + _HOT_CHUNK]
                 if _pread_full(fd, chunk, storage.data_offset + begin + done) < len(chunk):
@@ -334,6 +344,7 @@ def _pread_full(fd: int, buffer: memoryview, offset: int) -> int:
 def _read_range(storage: StorageRecord, fd: int, numpy_dtype: np.dtype, begin: int, count: int) -> np.ndarray:
     """``count`` elements from absolute offset ``begin``: mapped when MAP_BYTES or more."""
     end = begin + count * numpy_dtype.itemsize
+    count_read(None, storage.path.name, end - begin)
     if end - begin >= MAP_BYTES:
         view = map_range(fd, begin, end)
         if view is None:
@@ -392,6 +403,7 @@ def _checked_record(storage: StorageRecord, fd: int) -> bytes:
     """A small record's bytes, read with one pread and checked against its CRC-32 (checking
     costs less than remembering that it was checked)."""
     data = os.pread(fd, storage.record_size, storage.data_offset)
+    count_read(None, storage.path.name, len(data))
     if len(data) != storage.record_size:
         raise _ends_early(storage)
     _check_crc(storage, crc32(data))
@@ -417,6 +429,7 @@ def _record_crc(storage: StorageRecord, fd: int) -> int:
         if window is None:
             raise _ends_early(storage)
         value = crc32(window, value)
+        count_read(None, storage.path.name, len(window))
         window.release()
         done += end - begin
     return value

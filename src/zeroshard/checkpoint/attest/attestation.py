@@ -42,11 +42,14 @@ from .digests import (
 )
 from ...io.damage import CheckpointDamagedError
 from ...io.digest import FUSED, digest
+from ...io.dtypes import cast, dtype_info
 
 if TYPE_CHECKING:
     from ..source import ShardSource
 
 _SHOWN_PROBLEMS = 3  # of a failed attestation, named in its one line
+REBUILT = "weights"  # the digest kind of weights cast from the masters (compared with the model file's)
+_CAST_CHUNK = 1 << 20  # elements of masters cast at a time to digest the weights they make
 
 
 class AttestationError(CheckpointDamagedError):
@@ -70,6 +73,7 @@ class RankEvidence:
     problems: list[str] = field(default_factory=list)  # mismatches found alone
     checked: int = 0  # digests compared alone
     fingerprint: int = 0  # of the saved digests this rank compares with
+    rebuilt: dict[int, int] = field(default_factory=dict)  # new group -> element size of weights cast from masters
 
 
 @dataclass(frozen=True)
@@ -212,6 +216,20 @@ class Evidence:
             else:
                 partition_terms(pieces, kind, values, self._evidence.held)
 
+    def rebuilt(self, group: int, masters: np.ndarray, dtype: str) -> None:
+        """The rank's fp32 partition of new group ``group``, whose cast to ``dtype`` (the run's)
+        is the weights the engine makes of it. Their pieces, combined over the ranks
+        (:func:`judge`), must give the digest of each weight the checkpoint saved (its model
+        file's), bit for bit. Cast a chunk at a time, so the weights are never held whole.
+        Expert groups are left out: no model file holds expert weights."""
+        if not self.enabled or self.layout.groups[group].is_expert_group:
+            return
+        pieces = held_pieces(self.layout.groups[group], self._evidence.rank, self._evidence.params)
+        self._evidence.rebuilt[group] = dtype_info(dtype).itemsize
+        for start in range(0, masters.size, _CAST_CHUNK):
+            chunk = cast(masters[start : start + _CAST_CHUNK], dtype)  # as the engine casts its masters
+            partition_terms(pieces, REBUILT, chunk, self._evidence.held, start)
+
     def partial(self) -> RankEvidence | None:
         """This rank's evidence so far, for :func:`judge` (None when disabled or not begun)."""
         return self._evidence
@@ -285,9 +303,41 @@ def judge(
             problems.append(f"{describe_key(key)}: the ranks hold digest {value:08x}, but it {what}")
     if expected is None and complete:
         problems += _scalars_disagree(evidences)
+    rebuilt, problems_rebuilt = _judge_rebuilt(held, layout, expected, first, complete)
+    checked += rebuilt
+    problems += problems_rebuilt
     params = {name for name, _, _ in keys} or set(first.params)
     experts = len({(name, expert) for name, expert, _ in keys if expert is not None})
     return Attestation(path, _basis(kind, expected), checked, len(params), experts, tuple(problems))
+
+
+def _judge_rebuilt(
+    held: Terms, layout: Layout, expected: StateDigests | None, first: RankEvidence, complete: bool
+) -> tuple[int, list[str]]:
+    """Weights cast from the masters (:meth:`Evidence.rebuilt`) against the weights the
+    checkpoint's model file holds: (digests compared, problems). A checkpoint that keeps no
+    low-precision weights (universal) or no digests (DeepSpeed) has nothing to compare with:
+    there the weights are the masters cast by definition, and the masters are attested."""
+    checked, problems = 0, []
+    wanted = set(first.params)
+    for index, itemsize in first.rebuilt.items():
+        for slot in layout.groups[index].params:
+            saved = expected.model.get(slot.name) if expected is not None else None
+            if slot.name not in wanted or saved is None:
+                continue
+            value = finished(held, (slot.name, None, REBUILT), slot.numel * itemsize)
+            if value is None:
+                if complete:
+                    covered = held.values.get((slot.name, None, REBUILT), (0, 0))[1]
+                    problems.append(f"{slot.name!r} weights: the ranks hold {covered} of its {slot.numel * itemsize} bytes")
+                continue
+            checked += 1
+            if value != saved:
+                problems.append(
+                    f"{slot.name!r} weights cast from its fp32 master hold digest {value:08x}, the checkpoint's "
+                    f"model file saved {saved:08x} (a weight changed outside the optimizer before the save?)"
+                )
+    return checked, problems
 
 
 def _scalars_disagree(evidences: list[RankEvidence]) -> list[str]:

@@ -59,7 +59,7 @@ def load_sharded(
             buffers too before anything is returned.
         base: the run's current state on this rank; what the checkpoint does not provide
             (with strict=False) keeps its values from here instead of zeros.
-        stats: counts the bytes read per file.
+        stats: counts the bytes read per file (with a ``coordinator``, also what each rank read).
         coordinator: the ranks loading together (collective): every rank's state is attested
             with the others' and every rank raises the same error, or none does. Without one,
             the rank attests alone what it holds whole (all of it in a world of one).
@@ -83,4 +83,5 @@ def load_sharded(
         strict=strict,
         module_state=module_state,
         base=base,
+        stats=stats,
     )

@@ -388,7 +388,10 @@ def _write_own_files(plan: SavePlan, state: ShardedState, buffer_names: Collecti
         experts = expert_param_names(state.layout)  # the rank files hold them, by global expert id
         module_state = {name: t for name, t in state.model_state.items() if name not in experts}
         trainable = set(state.layout.param_names) - experts
-        model = save_model_state(plan.staging / MODEL_FILE, module_state, trainable, buffer_names, plan.block_size)
+        # Read in slices too (each buffer and frozen parameter by one rank of a load): blocks as small.
+        model_bytes = sum(t.numel() * t.element_size() for t in module_state.values())
+        model_blocks = _block_size_for(model_bytes, plan.block_size)
+        model = save_model_state(plan.staging / MODEL_FILE, module_state, trainable, buffer_names, model_blocks)
         files[MODEL_FILE] = model.record
         for config, text in state.model_configs.items():
             files[stored_name(config)] = write_config(plan.staging, stored_name(config), text, plan.block_size)

@@ -42,6 +42,7 @@ from .files import ModelStates, RankShard, read_model_states, read_rank_shard, r
 from .paths import MODEL_STATES_FILE, model_states_path, rank_file_paths, refuse_unsupported
 from .pickled import DeepSpeedFormatError
 from ...torchfile.torch_file import StoredTensor, TorchFileError
+from ...torchfile.record_cache import RecordCache
 from ...torchfile.torch_records import one_line
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +86,7 @@ class DeepSpeedSource:
         self._partition_numels = [group.partition_numel for group in layout.groups]
         self._scalars = [read_scalars(group) for group in first.scalars]
         self.autoep = self._model.autoep  # None unless DeepSpeed AutoEP made the run
+        self._records = RecordCache()  # see read_into
         self.experts = self._read_expert_files() if self.autoep is not None else None
 
     def _read_expert_files(self) -> ExpertWeights:
@@ -115,7 +117,11 @@ class DeepSpeedSource:
     def read_into(self, rank: int, group: int, key: str, start: int, out: np.ndarray) -> None:
         """:meth:`read` into the 1-D array ``out``: an fp32 partition read straight into its
         memory (the record's CRC-32 checked on the bytes as they arrive when it covers the
-        record), without the mapping and the copy out of it that :meth:`read` costs."""
+        record), without the mapping and the copy out of it that :meth:`read` costs.
+
+        A part of a record comes from the record read once and kept for the load's other
+        ranges of it (:class:`~...torchfile.record_cache.RecordCache`); :meth:`read`, which
+        converters use parameter by parameter, keeps nothing."""
         end = start + out.size
         saved = self._saved(rank, group, key, start, end)
         if out.dtype != np.float32 or saved.dtype != "float32" or not saved.is_contiguous():
@@ -123,7 +129,11 @@ class DeepSpeedSource:
             return
         stop = max(start, min(end, saved.numel())) if key == "fp32" else end  # fp32: saved without tail padding
         with _named_errors():
-            saved.read_into(start, out[: stop - start])
+            kept = self._records.elements(saved, start, stop)
+            if kept is not None:
+                out[: stop - start] = kept
+            else:
+                saved.read_into(start, out[: stop - start])
         out[stop - start :] = 0
 
     def _saved(self, rank: int, group: int, key: str, start: int, end: int) -> StoredTensor | PartitionMomentum:
@@ -155,8 +165,9 @@ class DeepSpeedSource:
             return self._model.module[name].numpy()
 
     def close(self) -> None:
-        """Drop the rank files' tensors; the source cannot be read after."""
+        """Drop the rank files' tensors and the records kept; the source cannot be read after."""
         self._ranks = []
+        self._records.clear()
 
     def __enter__(self) -> DeepSpeedSource:
         return self

@@ -1,0 +1,355 @@
+"""Bytes a load reads per rank and over the job, and its time, against the read floor and DeepSpeed (issue 33).
+
+One ``torchrun`` at D ranks (gloo, CPU) per model and D: zeroshard's stage-2 engine (and,
+unless ``--no-deepspeed``, DeepSpeed 0.19.8's ZeRO-2 engine) on the same model, bf16
+parameters with fp32 masters and AdamW, one step, each saves its own checkpoint. Then, in
+rounds whose order rotates every round, every rank times:
+
+* ``floor``: ``os.preadv`` of exactly the bytes the rank's share of the load needs (its rank
+  file's partitions, and the buffers and frozen parameters it is given to read) into one
+  fresh buffer, a megabyte per call, no checksum: reading the job's bytes once;
+* ``zeroshard``: ``load_checkpoint`` into the running engine (each rank reads its own
+  partitions; the weights are rebuilt from the masters and all-gathered; the shared tensors
+  read by one rank each and broadcast);
+* ``before``: the load as it was before issue 33 (every rank reads its partitions and all of
+  model.safetensors, then the same import), for the bytes and the time it took;
+* ``deepspeed``: DeepSpeed's ``engine.load_checkpoint`` of its own checkpoint;
+* ``gather``: the engine's masters cast and its parameter buffers all-gathered alone
+  (``sync_params_from_masters``), which the ``zeroshard`` load does once it has read: the
+  work that replaces reading the weights, shown apart from the floor (row ``floor+gather``:
+  the two per round).
+
+Bytes come from ``ReadStats`` (tensor data; what opening files cost is shown apart), and
+the job's total is compared with what the job needs: every partition's masters and states
+once, the shared tensors once. Per round the slower rank's time counts; the table gives
+medians over rounds and the median per-round ratio to the floor and to DeepSpeed, wall and
+CPU time (user + system of the rank's process).
+
+Models, each with a frozen Linear(1024, 1024) and a buffer besides: ``45m`` (43 x
+[Linear(1024, 1024), LayerNorm(1024)]: 45.2 M trained bf16 parameters, 0.54 GB of fp32
+master + Adam state) and ``1gb`` (9 x [Linear(1024, 1024), Linear(1024, 4096),
+Linear(4096, 1024)]: 84.9 M, 1.02 GB of state).
+
+    .venv/bin/python benchmarks/load_bytes.py [--models 45m 1gb] [--worlds 2 4] [--rounds 3] [--no-deepspeed]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from torchrun_job import run_for_json, write_gathered
+
+LR, BETAS = 3e-4, (0.9, 0.95)
+FLOOR_CHUNK = 1 << 20
+MODELS = {"45m": (1024, 43, 1), "1gb": (1024, 9, 4)}  # hidden, layers, MLP width (x hidden; 1: a LayerNorm instead)
+
+
+# ---- worker (one rank under torchrun) ----------------------------------------------------------
+
+
+def _model(name: str):
+    import torch
+    from torch import nn
+
+    hidden, layers, wide = MODELS[name]
+    torch.manual_seed(0)
+    modules: list[nn.Module] = []
+    for _ in range(layers):
+        if wide == 1:
+            modules += [nn.Linear(hidden, hidden), nn.LayerNorm(hidden)]
+        else:
+            modules += [nn.Linear(hidden, hidden), nn.Linear(hidden, wide * hidden), nn.Linear(wide * hidden, hidden)]
+    frozen = nn.Linear(hidden, hidden)
+    frozen.requires_grad_(False)
+    model = nn.Sequential(*modules, frozen)
+    model.register_buffer("scale", torch.linspace(0.5, 1.5, hidden))
+    return model
+
+
+def _param_groups(model) -> list[dict]:
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in trained if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in trained if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def _inputs(hidden: int, rank: int):
+    import torch
+
+    return torch.randn(4, hidden, generator=torch.Generator().manual_seed(rank), dtype=torch.bfloat16)
+
+
+def _deepspeed_engine(name: str, rank: int, save_dir: Path):
+    import deepspeed
+
+    model = _model(name)
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "torch_adam": True}},
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 2},
+        "steps_per_print": 10**9,
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=_param_groups(model), config=config)
+    engine.backward(engine(_inputs(MODELS[name][0], rank)).float().square().mean())
+    engine.step()
+    engine.save_checkpoint(str(save_dir), tag="t")
+    return engine
+
+
+def _zeroshard_engine(name: str, rank: int, root: Path):
+    import torch
+
+    from zeroshard.checkpoint.engine_io import save_checkpoint
+    from zeroshard.engine import ZeroOptimizer
+
+    model = _model(name)
+    model[-1].to(torch.bfloat16)  # the frozen layer runs in the parameters' dtype
+    engine = ZeroOptimizer(
+        model, torch.optim.AdamW, _param_groups(model), stage=2, param_dtype=torch.bfloat16, lr=LR, betas=BETAS
+    )
+    engine.backward(model(_inputs(MODELS[name][0], rank)).float().square().mean())
+    engine.step()
+    save_checkpoint(engine, root, "t")
+    return engine
+
+
+def _needed_extents(checkpoint_dir: Path, engine) -> list[tuple[Path, int, int]]:
+    """The byte ranges this rank's share of a load needs: its partitions (masters and states)
+    of every rank file it draws from, and the shared tensors it is given to read."""
+    from zeroshard.checkpoint import open_checkpoint, plan_reads
+    from zeroshard.checkpoint.format import MODEL_FILE, fp32_key, rank_file_name, state_key
+    from zeroshard.checkpoint.formats import open_source
+    from zeroshard.checkpoint.shared_module import share_checkpoint
+    from zeroshard.io.dtypes import itemsize_of
+    from zeroshard.io.safetensors_io import read_header
+
+    checkpoint = open_checkpoint(checkpoint_dir)
+    manifest = checkpoint.manifest
+    headers = {}
+
+    def header(name: str):
+        if name not in headers:
+            headers[name] = read_header(checkpoint.path(name), manifest.files[name].size)
+        return headers[name]
+
+    layout, rank = engine.layout, engine.rank
+    ranges = []
+    for plan in plan_reads(manifest.layout, layout, rank, set(layout.param_names)):
+        for copy in plan.copies:
+            record = manifest.groups[copy.source_group]
+            keys = {fp32_key(copy.source_group): record.fp32_dtype}
+            keys.update({state_key(copy.source_group, n): dtype for n, dtype in record.states.items()})
+            file_name = rank_file_name(copy.source_rank, manifest.world_size)
+            for key, dtype in keys.items():
+                begin = header(file_name)[key].begin + copy.source_start * itemsize_of(dtype)
+                ranges.append((file_name, begin, begin + copy.length * itemsize_of(dtype)))
+    with open_source(checkpoint_dir) as source:
+        mine = share_checkpoint(source.info.model_entries, layout, rank).mine
+    for name in mine:
+        entry = header(MODEL_FILE)[name]
+        ranges.append((MODEL_FILE, entry.begin, entry.end))
+    merged: list[tuple[str, int, int]] = []
+    for name, begin, end in sorted(ranges):
+        if merged and merged[-1][0] == name and merged[-1][2] == begin:
+            merged[-1] = (name, merged[-1][1], end)
+        elif end > begin:
+            merged.append((name, begin, end))
+    return [(checkpoint.path(name), begin, end) for name, begin, end in merged]
+
+
+def _read_floor(extents: list[tuple[Path, int, int]]):
+    """Every extent read once into one new buffer (as benchmarks/load_vs_deepspeed.py)."""
+    import numpy as np
+
+    buffer = np.empty(sum(end - begin for _, begin, end in extents), dtype=np.uint8)
+    view, at = memoryview(buffer), 0
+    for path, begin, end in extents:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            done = 0
+            while done < end - begin:
+                stop = min(end - begin, done + FLOOR_CHUNK)
+                done += os.preadv(fd, [view[at + done : at + stop]], begin + done)
+        finally:
+            os.close(fd)
+        at += end - begin
+    return buffer
+
+
+def _load_before(engine, path: Path, stats):
+    """The engine load before issue 33: every rank reads its partitions and the whole module
+    file (``load_state`` without a share), then imports the weights it read."""
+    from zeroshard.checkpoint.attest.attested import load_attested
+    from zeroshard.checkpoint.engine_io import _coordinator
+    from zeroshard.checkpoint.formats import open_source
+
+    state, _ = load_attested(
+        lambda: open_source(path), str(path), engine.layout, engine.rank, _coordinator(engine),
+        module_state=engine.model.state_dict(), stats=stats,
+    )  # fmt: skip
+    engine.import_state(state, take=True)
+
+
+def _measure(run) -> dict[str, float]:
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.barrier()
+    cpu_start, start = time.process_time(), time.perf_counter()
+    run()
+    return {"seconds": time.perf_counter() - start, "cpu": time.process_time() - cpu_start}
+
+
+def worker(out_path: Path, work: Path, name: str, rounds: int, with_deepspeed: bool) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from zeroshard.checkpoint.engine_io import load_checkpoint
+    from zeroshard.io.read_stats import ReadStats
+
+    torch.set_num_threads(1)
+    if with_deepspeed:
+        import importlib
+
+        import deepspeed
+
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # gloo does it all
+        deepspeed.init_distributed(dist_backend="gloo")
+        ds_engine = _deepspeed_engine(name, dist.get_rank(), work / "deepspeed")
+    else:
+        dist.init_process_group("gloo")
+    zs_engine = _zeroshard_engine(name, dist.get_rank(), work / "zeroshard")
+    native = work / "zeroshard" / "t"
+    extents = _needed_extents(native, zs_engine)
+    counted: dict[str, ReadStats] = {}
+
+    def counting(key: str, load):
+        def run():
+            stats = counted[key] = ReadStats()
+            load(stats)
+
+        return run
+
+    steps = {
+        "floor": lambda: _read_floor(extents),
+        "zeroshard": counting("zeroshard", lambda stats: load_checkpoint(zs_engine, native, stats=stats)),
+        "before": counting("before", lambda stats: _load_before(zs_engine, native, stats)),
+        "gather": zs_engine.sync_params_from_masters,  # the cast and all-gather inside the load
+    }
+    if with_deepspeed:
+        steps["deepspeed"] = lambda: ds_engine.load_checkpoint(str(work / "deepspeed"), tag="t")
+    names = list(steps)
+    records: dict[str, list[dict]] = {step: [] for step in names}
+    for round_index in range(rounds + 1):  # the first round warms the page cache and is not kept
+        shift = round_index % len(names)
+        for step in names[shift:] + names[:shift]:
+            record = _measure(steps[step])
+            if round_index:
+                records[step].append(record)
+    reads = {key: {"data": stats.data, "opening": stats.opening, "files": stats.bytes_by_file} for key, stats in counted.items()}
+    needed = sum(end - begin for _, begin, end in extents)
+    state = sum(t.numel() * 4 for t in zs_engine.masters) * 3  # this rank's masters and two Adam states
+    mine = {"records": records, "reads": reads, "needed": needed, "state": state}
+    params = sum(p.numel() for p in zs_engine.model.parameters() if p.requires_grad)
+    kinds = ("deepspeed", "zeroshard") if with_deepspeed else ("zeroshard",)
+    sizes = {kind: sum(f.stat().st_size for f in (work / kind).rglob("*") if f.is_file()) for kind in kinds}
+    write_gathered(out_path, mine, params=params, disk=sizes, model=name)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # skip gloo's interpreter teardown (as load_vs_deepspeed.py)
+
+
+# ---- launcher and report --------------------------------------------------------------------------
+
+
+def launch(name: str, world: int, rounds: int, with_deepspeed: bool, directory: Path | None) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="zs-load-bytes-", dir=directory))
+    try:
+        out = work / "result.json"
+        args = ["--worker", str(out), "--work", str(work), "--models", name, "--rounds", str(rounds)]
+        args += [] if with_deepspeed else ["--no-deepspeed"]
+        return run_for_json(__file__, world, args, out, timeout=7200, DS_ACCELERATOR="cpu")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _per_round(result: dict, step: str, key: str) -> list[float]:
+    ranks = [r["records"][step] for r in result["ranks"]]
+    return [max(records[i][key] for records in ranks) for i in range(len(ranks[0]))]
+
+
+def _ratio(result: dict, step: str, baseline: str, key: str) -> float:
+    return statistics.median(a / b for a, b in zip(_per_round(result, step, key), _per_round(result, baseline, key)))
+
+
+def report(result: dict) -> None:
+    world, ranks = result["world_size"], result["ranks"]
+    needed = [r["needed"] for r in ranks]
+    disk = ", ".join(f"{kind} {size / 1e6:.0f} MB" for kind, size in result["disk"].items())
+    print(
+        f"\n{result['model']}: {result['params']:,} trained parameters at D={world}; checkpoints: {disk}; "
+        f"the job needs {sum(needed) / 1e6:.1f} MB (per rank {', '.join(f'{n / 1e6:.1f}' for n in needed)}); "
+        f"{len(ranks[0]['records']['floor'])} rounds; load average {os.getloadavg()[0]:.1f}"
+    )
+    header = f"{'step':<11}{'MB/rank (max)':>14}{'MB job':>9}{'x needed':>9}{'open MB':>8}{'wall s':>8}{'/floor':>7}{'/DS':>6}{'cpu s':>7}{'/floor':>7}{'/DS':>6}"
+    print(header)
+    print("-" * len(header))
+    for step in ranks[0]["records"]:
+        reads = [r["reads"].get(step) for r in ranks]
+        if reads[0] is not None:
+            data = [read["data"] for read in reads]
+            row = f"{step:<11}{max(data) / 1e6:>14.1f}{sum(data) / 1e6:>9.1f}{sum(data) / sum(needed):>9.3f}"
+            row += f"{max(read['opening'] for read in reads) / 1e6:>8.2f}"
+        elif step == "floor":
+            row = f"{step:<11}{max(needed) / 1e6:>14.1f}{sum(needed) / 1e6:>9.1f}{1:>9.3f}{'':>8}"
+        else:
+            row = f"{step:<11}{'':>14}{'':>9}{'':>9}{'':>8}"
+        for key in ("seconds", "cpu"):
+            median = statistics.median(_per_round(result, step, key))
+            vs_ds = f"{_ratio(result, step, 'deepspeed', key):>6.2f}" if "deepspeed" in ranks[0]["records"] else f"{'':>6}"
+            row += f"{median:>8.3f}{_ratio(result, step, 'floor', key):>7.2f}{vs_ds}"
+        print(row)
+    both = [a + b for a, b in zip(_per_round(result, "floor", "seconds"), _per_round(result, "gather", "seconds"))]
+    load = _per_round(result, "zeroshard", "seconds")
+    ratio = statistics.median(a / b for a, b in zip(load, both))
+    print(f"{'floor+gather':<11}{'':>14}{'':>9}{'':>9}{'':>8}{statistics.median(both):>8.3f}   zeroshard / (floor+gather): {ratio:.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["45m", "1gb"], choices=sorted(MODELS))
+    parser.add_argument("--worlds", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-deepspeed", action="store_true")
+    parser.add_argument("--dir", type=Path, default=None, help="where the checkpoints go (default: the temp dir)")
+    parser.add_argument("--json", type=Path, default=None, help="also write every run's records here")
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker is not None:
+        worker(args.worker, args.work, args.models[0], args.rounds, not args.no_deepspeed)
+        return
+    results = []
+    for name in args.models:
+        for world in args.worlds:
+            result = launch(name, world, args.rounds, not args.no_deepspeed, args.dir)
+            results.append(result)
+            report(result)
+            if args.json is not None:
+                args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
