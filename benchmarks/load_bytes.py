@@ -46,10 +46,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from read_floor import needed_extents, read_floor
 from torchrun_job import run_for_json, write_gathered
 
 LR, BETAS = 3e-4, (0.9, 0.95)
-FLOOR_CHUNK = 1 << 20
 MODELS = {"45m": (1024, 43, 1), "1gb": (1024, 9, 4)}  # hidden, layers, MLP width (x hidden; 1: a LayerNorm instead)
 
 
@@ -128,64 +128,12 @@ def _zeroshard_engine(name: str, rank: int, root: Path):
 def _needed_extents(checkpoint_dir: Path, engine) -> list[tuple[Path, int, int]]:
     """The byte ranges this rank's share of a load needs: its partitions (masters and states)
     of every rank file it draws from, and the shared tensors it is given to read."""
-    from zeroshard.checkpoint import open_checkpoint, plan_reads
-    from zeroshard.checkpoint.format import MODEL_FILE, fp32_key, rank_file_name, state_key
     from zeroshard.checkpoint.formats import open_source
     from zeroshard.checkpoint.shared_module import share_checkpoint
-    from zeroshard.io.dtypes import itemsize_of
-    from zeroshard.io.safetensors_io import read_header
 
-    checkpoint = open_checkpoint(checkpoint_dir)
-    manifest = checkpoint.manifest
-    headers = {}
-
-    def header(name: str):
-        if name not in headers:
-            headers[name] = read_header(checkpoint.path(name), manifest.files[name].size)
-        return headers[name]
-
-    layout, rank = engine.layout, engine.rank
-    ranges = []
-    for plan in plan_reads(manifest.layout, layout, rank, set(layout.param_names)):
-        for copy in plan.copies:
-            record = manifest.groups[copy.source_group]
-            keys = {fp32_key(copy.source_group): record.fp32_dtype}
-            keys.update({state_key(copy.source_group, n): dtype for n, dtype in record.states.items()})
-            file_name = rank_file_name(copy.source_rank, manifest.world_size)
-            for key, dtype in keys.items():
-                begin = header(file_name)[key].begin + copy.source_start * itemsize_of(dtype)
-                ranges.append((file_name, begin, begin + copy.length * itemsize_of(dtype)))
     with open_source(checkpoint_dir) as source:
-        mine = share_checkpoint(source.info.model_entries, layout, rank).mine
-    for name in mine:
-        entry = header(MODEL_FILE)[name]
-        ranges.append((MODEL_FILE, entry.begin, entry.end))
-    merged: list[tuple[str, int, int]] = []
-    for name, begin, end in sorted(ranges):
-        if merged and merged[-1][0] == name and merged[-1][2] == begin:
-            merged[-1] = (name, merged[-1][1], end)
-        elif end > begin:
-            merged.append((name, begin, end))
-    return [(checkpoint.path(name), begin, end) for name, begin, end in merged]
-
-
-def _read_floor(extents: list[tuple[Path, int, int]]):
-    """Every extent read once into one new buffer (as benchmarks/load_vs_deepspeed.py)."""
-    import numpy as np
-
-    buffer = np.empty(sum(end - begin for _, begin, end in extents), dtype=np.uint8)
-    view, at = memoryview(buffer), 0
-    for path, begin, end in extents:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            done = 0
-            while done < end - begin:
-                stop = min(end - begin, done + FLOOR_CHUNK)
-                done += os.preadv(fd, [view[at + done : at + stop]], begin + done)
-        finally:
-            os.close(fd)
-        at += end - begin
-    return buffer
+        mine = share_checkpoint(source.info.model_entries, engine.layout, engine.rank).mine
+    return needed_extents(checkpoint_dir, engine.layout, engine.rank, mine)
 
 
 def _load_before(engine, path: Path, stats):
@@ -243,7 +191,7 @@ def worker(out_path: Path, work: Path, name: str, rounds: int, with_deepspeed: b
         return run
 
     steps = {
-        "floor": lambda: _read_floor(extents),
+        "floor": lambda: read_floor(extents),
         "zeroshard": counting("zeroshard", lambda stats: load_checkpoint(zs_engine, native, stats=stats)),
         "before": counting("before", lambda stats: _load_before(zs_engine, native, stats)),
         "gather": zs_engine.sync_params_from_masters,  # the cast and all-gather inside the load

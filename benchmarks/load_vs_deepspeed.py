@@ -39,11 +39,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from read_floor import needed_extents, read_floor
 from torchrun_job import run_for_json, write_gathered
 
 LR, BETAS = 3e-4, (0.9, 0.95)
 RESHARD_WORLDS = (3, 1)
-FLOOR_CHUNK = 1 << 20  # bytes per preadv of the floor, as the load reads
 
 
 # ---- worker (one rank under torchrun) ----------------------------------------------------------
@@ -107,64 +107,6 @@ def _zeroshard_engine(hidden: int, layers: int, rank: int, root: Path):
     return engine
 
 
-def _needed_extents(checkpoint_dir: Path, layout, rank: int) -> list[tuple[Path, int, int]]:
-    """The byte ranges a load of ``rank`` under ``layout`` needs: its partition ranges of every
-    rank file it draws from and every tensor of model.safetensors, adjacent ranges merged."""
-    from zeroshard.checkpoint import open_checkpoint, plan_reads
-    from zeroshard.checkpoint.format import MODEL_FILE, fp32_key, rank_file_name, state_key
-    from zeroshard.io.dtypes import itemsize_of
-    from zeroshard.io.safetensors_io import read_header
-
-    checkpoint = open_checkpoint(checkpoint_dir)
-    manifest = checkpoint.manifest
-    headers = {}
-
-    def header(name: str):
-        if name not in headers:
-            headers[name] = read_header(checkpoint.path(name), manifest.files[name].size)
-        return headers[name]
-
-    ranges = []
-    for plan in plan_reads(manifest.layout, layout, rank, set(layout.param_names)):
-        for copy in plan.copies:
-            record = manifest.groups[copy.source_group]
-            keys = {fp32_key(copy.source_group): record.fp32_dtype}
-            keys.update({state_key(copy.source_group, name): dtype for name, dtype in record.states.items()})
-            file_name = rank_file_name(copy.source_rank, manifest.world_size)
-            for key, dtype in keys.items():
-                begin = header(file_name)[key].begin + copy.source_start * itemsize_of(dtype)
-                ranges.append((file_name, begin, begin + copy.length * itemsize_of(dtype)))
-    ranges += [(MODEL_FILE, entry.begin, entry.end) for entry in header(MODEL_FILE).values()]
-    merged: list[tuple[str, int, int]] = []
-    for name, begin, end in sorted(ranges):
-        if merged and merged[-1][0] == name and merged[-1][2] == begin:
-            merged[-1] = (name, merged[-1][1], end)
-        elif end > begin:
-            merged.append((name, begin, end))
-    return [(checkpoint.path(name), begin, end) for name, begin, end in merged]
-
-
-def _read_floor(extents: list[tuple[Path, int, int]]):
-    """Every extent read once, one after another, into one new buffer: new memory of the
-    size the load returns, so the floor pays the same first-touch page faults at any D
-    (buffers of their own would reuse freed heap pages when under glibc's mmap threshold)."""
-    import numpy as np
-
-    buffer = np.empty(sum(end - begin for _, begin, end in extents), dtype=np.uint8)
-    view, at = memoryview(buffer), 0
-    for path, begin, end in extents:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            done = 0
-            while done < end - begin:  # a megabyte per call: one call for hundreds of MB runs slower here
-                stop = min(end - begin, done + FLOOR_CHUNK)
-                done += os.preadv(fd, [view[at + done : at + stop]], begin + done)
-        finally:
-            os.close(fd)
-        at += end - begin
-    return buffer
-
-
 def _memory_kb(field: str) -> int:
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
@@ -207,11 +149,11 @@ def worker(out_path: Path, work: Path, rounds: int, hidden: int, layers: int) ->
     native = work / "zeroshard" / "t"
     layouts = {world_size: zs_engine.layout}
     layouts.update({world: zs_engine.layout.with_world_size(world) for world in RESHARD_WORLDS})
-    extents = {world: _needed_extents(native, layout, rank % world) for world, layout in layouts.items()}
+    extents = {world: needed_extents(native, layout, rank % world) for world, layout in layouts.items()}
     steps = {"deepspeed engine": lambda: ds_engine.load_checkpoint(str(work / "deepspeed"), tag="t")}
     steps["zeroshard engine"] = lambda: load_checkpoint(zs_engine, native)
     for world, layout in layouts.items():
-        steps[f"floor D={world}"] = lambda extents=extents[world]: _read_floor(extents)
+        steps[f"floor D={world}"] = lambda extents=extents[world]: read_floor(extents)
         steps[f"load_sharded D={world}"] = lambda layout=layout, world=world: load_sharded(native, layout, rank % world)
     names = list(steps)
     records: dict[str, list[dict]] = {name: [] for name in names}

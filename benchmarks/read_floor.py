@@ -1,0 +1,76 @@
+"""The read floor of a native load: the exact byte ranges a rank's load needs, read once.
+
+Shared by load_vs_deepspeed.py and load_bytes.py, which compare a load's time with reading
+these ranges (and nothing else) into new memory.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+CHUNK = 1 << 20  # bytes per preadv, as the load reads: one call for hundreds of MB runs slower here
+
+
+def needed_extents(
+    checkpoint_dir: Path, layout, rank: int, model_tensors: Iterable[str] | None = None
+) -> list[tuple[Path, int, int]]:
+    """The byte ranges a load of ``rank`` under ``layout`` needs, adjacent ranges merged: its
+    partitions (masters and optimizer states) of every rank file it draws from, and of
+    model.safetensors the tensors named in ``model_tensors`` (every tensor when None)."""
+    from zeroshard.checkpoint import open_checkpoint, plan_reads
+    from zeroshard.checkpoint.format import MODEL_FILE, fp32_key, rank_file_name, state_key
+    from zeroshard.io.dtypes import itemsize_of
+    from zeroshard.io.safetensors_io import read_header
+
+    checkpoint = open_checkpoint(checkpoint_dir)
+    manifest = checkpoint.manifest
+    headers = {}
+
+    def header(name: str):
+        if name not in headers:
+            headers[name] = read_header(checkpoint.path(name), manifest.files[name].size)
+        return headers[name]
+
+    ranges = []
+    for plan in plan_reads(manifest.layout, layout, rank, set(layout.param_names)):
+        for copy in plan.copies:
+            record = manifest.groups[copy.source_group]
+            keys = {fp32_key(copy.source_group): record.fp32_dtype}
+            keys.update({state_key(copy.source_group, name): dtype for name, dtype in record.states.items()})
+            file_name = rank_file_name(copy.source_rank, manifest.world_size)
+            for key, dtype in keys.items():
+                begin = header(file_name)[key].begin + copy.source_start * itemsize_of(dtype)
+                ranges.append((file_name, begin, begin + copy.length * itemsize_of(dtype)))
+    model = header(MODEL_FILE)
+    for name in model if model_tensors is None else model_tensors:
+        ranges.append((MODEL_FILE, model[name].begin, model[name].end))
+    merged: list[tuple[str, int, int]] = []
+    for name, begin, end in sorted(ranges):
+        if merged and merged[-1][0] == name and merged[-1][2] == begin:
+            merged[-1] = (name, merged[-1][1], end)
+        elif end > begin:
+            merged.append((name, begin, end))
+    return [(checkpoint.path(name), begin, end) for name, begin, end in merged]
+
+
+def read_floor(extents: list[tuple[Path, int, int]]):
+    """Every extent read once, one after another, into one new buffer: new memory of the
+    size the load returns, so the floor pays the same first-touch page faults at any D
+    (buffers of their own would reuse freed heap pages when under glibc's mmap threshold)."""
+    import numpy as np
+
+    buffer = np.empty(sum(end - begin for _, begin, end in extents), dtype=np.uint8)
+    view, at = memoryview(buffer), 0
+    for path, begin, end in extents:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            done = 0
+            while done < end - begin:
+                stop = min(end - begin, done + CHUNK)
+                done += os.preadv(fd, [view[at + done : at + stop]], begin + done)
+        finally:
+            os.close(fd)
+        at += end - begin
+    return buffer
