@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 from read_floor import needed_extents, read_floor
-from torchrun_job import run_for_json, write_gathered
+from torchrun_job import per_round, round_ratio, run_for_json, write_gathered
 
 LR, BETAS = 3e-4, (0.9, 0.95)
 MODELS = {"45m": (1024, 43, 1), "1gb": (1024, 9, 4)}  # hidden, layers, MLP width (x hidden; 1: a LayerNorm instead)
@@ -233,15 +233,6 @@ def launch(name: str, world: int, rounds: int, with_deepspeed: bool, directory: 
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _per_round(result: dict, step: str, key: str) -> list[float]:
-    ranks = [r["records"][step] for r in result["ranks"]]
-    return [max(records[i][key] for records in ranks) for i in range(len(ranks[0]))]
-
-
-def _ratio(result: dict, step: str, baseline: str, key: str) -> float:
-    return statistics.median(a / b for a, b in zip(_per_round(result, step, key), _per_round(result, baseline, key)))
-
-
 def report(result: dict) -> None:
     world, ranks = result["world_size"], result["ranks"]
     needed = [r["needed"] for r in ranks]
@@ -265,12 +256,12 @@ def report(result: dict) -> None:
         else:
             row = f"{step:<11}{'':>14}{'':>9}{'':>9}{'':>8}"
         for key in ("seconds", "cpu"):
-            median = statistics.median(_per_round(result, step, key))
-            vs_ds = f"{_ratio(result, step, 'deepspeed', key):>6.2f}" if "deepspeed" in ranks[0]["records"] else f"{'':>6}"
-            row += f"{median:>8.3f}{_ratio(result, step, 'floor', key):>7.2f}{vs_ds}"
+            median = statistics.median(per_round(result, step, key))
+            vs_ds = f"{round_ratio(result, step, 'deepspeed', key):>6.2f}" if "deepspeed" in ranks[0]["records"] else f"{'':>6}"
+            row += f"{median:>8.3f}{round_ratio(result, step, 'floor', key):>7.2f}{vs_ds}"
         print(row)
-    both = [a + b for a, b in zip(_per_round(result, "floor", "seconds"), _per_round(result, "gather", "seconds"))]
-    load = _per_round(result, "zeroshard", "seconds")
+    both = [a + b for a, b in zip(per_round(result, "floor", "seconds"), per_round(result, "gather", "seconds"))]
+    load = per_round(result, "zeroshard", "seconds")
     ratio = statistics.median(a / b for a, b in zip(load, both))
     print(f"{'floor+gather':<11}{'':>14}{'':>9}{'':>9}{'':>8}{statistics.median(both):>8.3f}   zeroshard / (floor+gather): {ratio:.2f}")
 

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 from read_floor import needed_extents, read_floor
-from torchrun_job import run_for_json, write_gathered
+from torchrun_job import per_round, round_ratio, run_for_json, write_gathered
 
 LR, BETAS = 3e-4, (0.9, 0.95)
 RESHARD_WORLDS = (3, 1)
@@ -192,17 +192,6 @@ def launch(rounds: int, hidden: int, layers: int, directory: Path | None) -> dic
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _per_round(result: dict, name: str, key: str) -> list[float]:
-    """Per round, the largest value over the ranks."""
-    ranks = [r["records"][name] for r in result["ranks"]]
-    return [max(records[i][key] for records in ranks) for i in range(len(ranks[0]))]
-
-
-def _ratio(result: dict, name: str, baseline: str, key: str) -> float:
-    pairs = zip(_per_round(result, name, key), _per_round(result, baseline, key))
-    return statistics.median(a / b for a, b in pairs)
-
-
 def report(result: dict) -> None:
     world = result["world_size"]
     state_bytes = max(r["state_bytes"] for r in result["ranks"])
@@ -226,10 +215,10 @@ def report(result: dict) -> None:
         read = max(r["floor_bytes"][target] for r in result["ranks"]) / 1e6 if name == floor else None
         row = f"{name:<22}" + (f"{read:>8.0f}" if read is not None else f"{'':>8}")
         for key in ("seconds", "cpu"):
-            median = statistics.median(_per_round(result, name, key))
-            vs_ds = f"{_ratio(result, name, ds, key):>7.2f}" if "engine" in name else f"{'':>7}"
-            row += f"{median:>8.3f}{_ratio(result, name, floor, key):>9.2f}{vs_ds}"
-        peak = max(_per_round(result, name, "peak_added"))
+            median = statistics.median(per_round(result, name, key))
+            vs_ds = f"{round_ratio(result, name, ds, key):>7.2f}" if "engine" in name else f"{'':>7}"
+            row += f"{median:>8.3f}{round_ratio(result, name, floor, key):>9.2f}{vs_ds}"
+        peak = max(per_round(result, name, "peak_added"))
         state = max(r["floor_bytes"][target] for r in result["ranks"])  # the rank's state under that layout
         print(row + f"{peak / 1e6:>9.0f}{peak / state:>8.2f}")
 

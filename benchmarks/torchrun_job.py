@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -56,3 +57,16 @@ def write_gathered(out: Path, mine: Any, **fields: Any) -> None:
     if dist.get_rank() == 0:
         out.write_text(json.dumps({"world_size": dist.get_world_size(), **fields, "ranks": gathered}))
     dist.barrier()
+
+
+def per_round(result: dict, step: str, key: str) -> list[float]:
+    """Of a gathered result whose ranks record ``{"records": {step: [one dict per round]}}``:
+    per round, the largest ``key`` over the ranks (the slowest rank sets a round's time)."""
+    ranks = [rank["records"][step] for rank in result["ranks"]]
+    return [max(records[i][key] for records in ranks) for i in range(len(ranks[0]))]
+
+
+def round_ratio(result: dict, step: str, baseline: str, key: str) -> float:
+    """The median over rounds of ``step``'s ``key`` over ``baseline``'s in the same round."""
+    pairs = zip(per_round(result, step, key), per_round(result, baseline, key))
+    return statistics.median(a / b for a, b in pairs)

@@ -108,30 +108,32 @@ def test_an_lr_scheduler_reaches_both_optimizers_and_offload_keeps_the_step():
         assert torch.equal(param.detach(), expected.detach()), name
 
 
+def _muon_and_adamw_mlp() -> tuple[nn.Module, ZeroOptimizer]:
+    """The MLP with Muon on its first matrix and AdamW on its last, stage 2."""
+    model = _mlp()
+    groups = [{"params": [model[0].weight]}, {"params": [model[2].weight], "optimizer": torch.optim.AdamW, "lr": 1e-3}]
+    return model, ZeroOptimizer(model, torch.optim.Muon, groups, stage=2, lr=0.02)
+
+
+def _train(model: nn.Module, engine: ZeroOptimizer, step: int) -> None:
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(step))
+    engine.backward(model(x).pow(2).mean())
+    engine.step()
+    engine.zero_grad()
+
+
 def test_a_rank_shard_state_dict_round_trips_a_muon_and_adamw_engine():
     """``state_dict()`` / ``load_state_dict()`` (this rank's shard) of a Muon + AdamW engine:
     a fresh engine that loads it takes the same next step as the one that saved it."""
-
-    def build():
-        model = _mlp()
-        groups = [{"params": [model[0].weight]}, {"params": [model[2].weight], "optimizer": torch.optim.AdamW, "lr": 1e-3}]
-        return model, ZeroOptimizer(model, torch.optim.Muon, groups, stage=2, lr=0.02)
-
-    def train(model, engine, step):
-        x = torch.randn(4, 64, generator=torch.Generator().manual_seed(step))
-        engine.backward(model(x).pow(2).mean())
-        engine.step()
-        engine.zero_grad()
-
-    model, engine = build()
+    model, engine = _muon_and_adamw_mlp()
     for step in range(2):
-        train(model, engine, step)
+        _train(model, engine, step)
     shard = copy.deepcopy(engine.state_dict())
-    other_model, other = build()
+    other_model, other = _muon_and_adamw_mlp()
     other.load_state_dict(shard)
     assert torch.equal(other.get_full_optimizer_state("0.weight", "momentum_buffer"), engine.get_full_optimizer_state("0.weight", "momentum_buffer"))
-    train(model, engine, 2)
-    train(other_model, other, 2)
+    _train(model, engine, 2)
+    _train(other_model, other, 2)
     for (name, param), loaded in zip(model.named_parameters(), other_model.parameters()):
         assert torch.equal(param.detach(), loaded.detach()), name
 
@@ -142,31 +144,20 @@ def test_an_asynchronous_checkpointer_resumes_a_muon_run_exactly(tmp_path):
     the audit of the first resumed step finds nothing different."""
     from zeroshard.checkpoint import Checkpointer
 
-    def build():
-        model = _mlp()
-        groups = [{"params": [model[0].weight]}, {"params": [model[2].weight], "optimizer": torch.optim.AdamW, "lr": 1e-3}]
-        return model, ZeroOptimizer(model, torch.optim.Muon, groups, stage=2, lr=0.02)
-
-    def train(model, engine, step):
-        x = torch.randn(4, 64, generator=torch.Generator().manual_seed(step))
-        engine.backward(model(x).pow(2).mean())
-        engine.step()
-        engine.zero_grad()
-
-    model, engine = build()
+    model, engine = _muon_and_adamw_mlp()
     with Checkpointer(engine, tmp_path) as checkpointer:
         for step in range(2):
-            train(model, engine, step)
+            _train(model, engine, step)
         checkpointer.save(1)
         checkpointer.wait()
         for step in range(2, 4):
-            train(model, engine, step)
-    resumed_model, resumed = build()
+            _train(model, engine, step)
+    resumed_model, resumed = _muon_and_adamw_mlp()
     with Checkpointer(resumed, tmp_path) as checkpointer:
         start = checkpointer.load()
         assert start == 2
         for step in range(start, 4):
-            train(resumed_model, resumed, step)
+            _train(resumed_model, resumed, step)
         verdict = checkpointer.audit_verdict
         assert verdict is not None and not verdict.causes, verdict
     for (name, param), loaded in zip(model.named_parameters(), resumed_model.parameters()):
