@@ -12,6 +12,7 @@ before anything is broadcast (:func:`broadcast_module`).
 
 from __future__ import annotations
 
+import heapq
 import math
 import zlib
 from dataclasses import dataclass
@@ -62,7 +63,7 @@ class ModuleShare:
         found: list[list[SharedTensor]] = []
         size = 0
         for tensor in self.tensors:
-            if found and found[-1][0].reader == tensor.reader and size + tensor.nbytes <= BATCH_BYTES:
+            if found and found[-1][0].reader == tensor.reader and size + _aligned(tensor.nbytes) <= BATCH_BYTES:
                 found[-1].append(tensor)
                 size += _aligned(tensor.nbytes)
             else:
@@ -80,14 +81,14 @@ def share_module(entries: Sequence[ModelEntry], world_size: int, rank: int) -> M
     """Spread ``entries`` (the checkpoint's buffers and frozen parameters) over ``world_size``
     ranks by bytes: largest first, each to the rank with the fewest bytes so far (the lowest
     such rank). The same on every rank given the same entries."""
-    loads = [0] * world_size
+    readers = [(0, rank) for rank in range(min(world_size, len(entries)))]  # (bytes so far, rank): a heap
     reader_of: dict[str, int] = {}
     order = {entry.name: index for index, entry in enumerate(entries)}
     by_size = sorted(entries, key=lambda e: (-math.prod(e.shape) * itemsize_of(e.dtype), order[e.name]))
     for entry in by_size:
-        reader = min(range(world_size), key=lambda r: (loads[r], r))
+        loaded, reader = readers[0]
         reader_of[entry.name] = reader
-        loads[reader] += math.prod(entry.shape) * itemsize_of(entry.dtype)
+        heapq.heapreplace(readers, (loaded + math.prod(entry.shape) * itemsize_of(entry.dtype), reader))
     tensors = [SharedTensor(e.name, tuple(e.shape), e.dtype, reader_of[e.name]) for e in entries]
     tensors.sort(key=lambda t: (t.reader, order[t.name]))
     return ModuleShare(rank, world_size, tuple(tensors))
