@@ -30,7 +30,10 @@ Models, each with a frozen Linear(1024, 1024) and a buffer besides: ``45m`` (43 
 master + Adam state) and ``1gb`` (9 x [Linear(1024, 1024), Linear(1024, 4096),
 Linear(4096, 1024)]: 84.9 M, 1.02 GB of state).
 
-    .venv/bin/python benchmarks/load_bytes.py [--models 45m 1gb] [--worlds 2 4] [--rounds 3] [--no-deepspeed]
+With ``--cold`` every timed step starts with the checkpoints dropped from the page cache
+(:func:`read_floor.evict`), so floor and loads read from the disk; without it, from memory.
+
+    .venv/bin/python benchmarks/load_bytes.py [--models 45m 1gb] [--worlds 2 4] [--rounds 3] [--no-deepspeed] [--cold]
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from read_floor import needed_extents, read_floor
+from read_floor import evict, needed_extents, read_floor
 from torchrun_job import per_round, round_ratio, run_for_json, write_gathered
 
 LR, BETAS = 3e-4, (0.9, 0.95)
@@ -150,17 +153,21 @@ def _load_before(engine, path: Path, stats):
     engine.import_state(state, take=True)
 
 
-def _measure(run) -> dict[str, float]:
+def _measure(run, cold: Path | None) -> dict[str, float]:
+    """Time ``run`` on every rank from a common start; with ``cold``, the files under it are
+    dropped from the page cache first."""
     import torch.distributed as dist
 
     gc.collect()
+    if cold is not None and dist.get_rank() == 0:
+        evict(cold)
     dist.barrier()
     cpu_start, start = time.process_time(), time.perf_counter()
     run()
     return {"seconds": time.perf_counter() - start, "cpu": time.process_time() - cpu_start}
 
 
-def worker(out_path: Path, work: Path, name: str, rounds: int, with_deepspeed: bool) -> None:
+def worker(out_path: Path, work: Path, name: str, rounds: int, with_deepspeed: bool, cold: bool) -> None:
     import torch
     import torch.distributed as dist
 
@@ -200,10 +207,10 @@ def worker(out_path: Path, work: Path, name: str, rounds: int, with_deepspeed: b
         steps["deepspeed"] = lambda: ds_engine.load_checkpoint(str(work / "deepspeed"), tag="t")
     names = list(steps)
     records: dict[str, list[dict]] = {step: [] for step in names}
-    for round_index in range(rounds + 1):  # the first round warms the page cache and is not kept
+    for round_index in range(rounds + 1):  # the first round (warming the page cache) is not kept
         shift = round_index % len(names)
         for step in names[shift:] + names[:shift]:
-            record = _measure(steps[step])
+            record = _measure(steps[step], work if cold else None)
             if round_index:
                 records[step].append(record)
     reads = {key: {"data": stats.data, "opening": stats.opening, "files": stats.bytes_by_file} for key, stats in counted.items()}
@@ -213,7 +220,7 @@ def worker(out_path: Path, work: Path, name: str, rounds: int, with_deepspeed: b
     params = sum(p.numel() for p in zs_engine.model.parameters() if p.requires_grad)
     kinds = ("deepspeed", "zeroshard") if with_deepspeed else ("zeroshard",)
     sizes = {kind: sum(f.stat().st_size for f in (work / kind).rglob("*") if f.is_file()) for kind in kinds}
-    write_gathered(out_path, mine, params=params, disk=sizes, model=name)
+    write_gathered(out_path, mine, params=params, disk=sizes, model=name, cold=cold)
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # skip gloo's interpreter teardown (as load_vs_deepspeed.py)
@@ -222,12 +229,13 @@ def worker(out_path: Path, work: Path, name: str, rounds: int, with_deepspeed: b
 # ---- launcher and report --------------------------------------------------------------------------
 
 
-def launch(name: str, world: int, rounds: int, with_deepspeed: bool, directory: Path | None) -> dict:
+def launch(name: str, world: int, rounds: int, with_deepspeed: bool, directory: Path | None, cold: bool) -> dict:
     work = Path(tempfile.mkdtemp(prefix="zs-load-bytes-", dir=directory))
     try:
         out = work / "result.json"
         args = ["--worker", str(out), "--work", str(work), "--models", name, "--rounds", str(rounds)]
         args += [] if with_deepspeed else ["--no-deepspeed"]
+        args += ["--cold"] if cold else []
         return run_for_json(__file__, world, args, out, timeout=7200, DS_ACCELERATOR="cpu")
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -240,7 +248,7 @@ def report(result: dict) -> None:
     print(
         f"\n{result['model']}: {result['params']:,} trained parameters at D={world}; checkpoints: {disk}; "
         f"the job needs {sum(needed) / 1e6:.1f} MB (per rank {', '.join(f'{n / 1e6:.1f}' for n in needed)}); "
-        f"{len(ranks[0]['records']['floor'])} rounds; load average {os.getloadavg()[0]:.1f}"
+        f"{len(ranks[0]['records']['floor'])} rounds, {'cold (files evicted before each)' if result.get('cold') else 'page cache'}; load average {os.getloadavg()[0]:.1f}"
     )
     header = f"{'step':<11}{'MB/rank (max)':>14}{'MB job':>9}{'x needed':>9}{'open MB':>8}{'wall s':>8}{'/floor':>7}{'/DS':>6}{'cpu s':>7}{'/floor':>7}{'/DS':>6}"
     print(header)
@@ -272,18 +280,19 @@ def main() -> None:
     parser.add_argument("--worlds", nargs="+", type=int, default=[2, 4])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-deepspeed", action="store_true")
+    parser.add_argument("--cold", action="store_true", help="drop the checkpoints from the page cache before every timed step")
     parser.add_argument("--dir", type=Path, default=None, help="where the checkpoints go (default: the temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="also write every run's records here")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
-        worker(args.worker, args.work, args.models[0], args.rounds, not args.no_deepspeed)
+        worker(args.worker, args.work, args.models[0], args.rounds, not args.no_deepspeed, args.cold)
         return
     results = []
     for name in args.models:
         for world in args.worlds:
-            result = launch(name, world, args.rounds, not args.no_deepspeed, args.dir)
+            result = launch(name, world, args.rounds, not args.no_deepspeed, args.dir, args.cold)
             results.append(result)
             report(result)
             if args.json is not None:
