@@ -15,12 +15,12 @@
 docs/FORMAT.md describes the format.
 
 Owns every checkpoint kind as a ShardSource (:mod:`.source`), the formats registry
-(:mod:`.formats`), the one loader (:mod:`.loader`), the Checkpointer and its resume and
-retention, the atomic-directory protocol of checkpoint roots and conversion outputs
-(:mod:`.directory`, :mod:`.output_dir`, :mod:`.in_place`), verification, and the
-sub-packages :mod:`.attest` (digests and every load's attestation), :mod:`.native`,
-:mod:`.universal` and :mod:`.export`, in that order from the bottom (``native`` and
-``universal`` import not each other).
+(:mod:`.formats`), the one loader (:mod:`.loader`), the Checkpointer (its writer thread:
+:mod:`.async_save`) and its resume and retention, the atomic-directory protocol of
+checkpoint roots and conversion outputs (:mod:`.directory`, :mod:`.output_dir`,
+:mod:`.in_place`), verification, and the sub-packages :mod:`.attest` (digests and every
+load's attestation), :mod:`.native`, :mod:`.universal` and :mod:`.export`, in that order
+from the bottom (``native`` and ``universal`` import not each other).
 
 May import: the engine (through its public methods), ``zeroshard.state``, ``io``,
 ``layout`` and the package face (the version, the formats table); not the readers built on

@@ -16,14 +16,14 @@ record beside the checkpoint; every load restores them, and the first step after
 compared with that record (:mod:`.audit`).
 
 An asynchronous save copies this rank's state into a reusable host buffer
-(:class:`~.snapshot.HostSnapshot`) and returns; a writer thread then runs the save's plan,
-write and commit (:mod:`.save`). The write (CRC, bytes, fsync) releases the GIL. Every collective
-of a save runs on a gloo process group the Checkpointer makes at construction (collectively)
-and destroys in :meth:`Checkpointer.close`, so none interleaves with training's. One save
-is in flight at a time: the next :meth:`~Checkpointer.save` first waits for the previous
-one. The ranks agree on each save's outcome inside its collectives, so an error on any rank
-is raised on every rank, by the next ``save``, ``wait`` or ``close``; ``latest`` only ever
-names a committed checkpoint.
+(:class:`~.snapshot.HostSnapshot`) and returns; a writer thread (:mod:`.async_save`) then
+runs the save's plan, write and commit (:mod:`.save`). The write (CRC, bytes, fsync)
+releases the GIL. Every collective of a save runs on a gloo process group the Checkpointer
+makes at construction (collectively) and destroys in :meth:`Checkpointer.close`, so none
+interleaves with training's. One save is in flight at a time: the next
+:meth:`~Checkpointer.save` first waits for the previous one. The ranks agree on each save's
+outcome inside its collectives, so an error on any rank is raised on every rank, by the
+next ``save``, ``wait`` or ``close``; ``latest`` only ever names a committed checkpoint.
 """
 
 from __future__ import annotations
@@ -34,15 +34,14 @@ import datetime
 import functools
 import logging
 import os
-import queue
 import sys
-import threading
 import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
+from .async_save import BackgroundWriter
 from .audit import Verdict
 from .coordinator import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
 from .attest.attestation import Attestation
@@ -163,11 +162,7 @@ class Checkpointer:
         self._fault = fault
         self._buffer_names = [name for name, _ in engine.model.named_buffers()]
         self._snapshot = HostSnapshot(pin_memory=engine.device.type == "cuda")
-        self._worker: threading.Thread | None = None  # started by the first asynchronous save
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._done = threading.Event()  # the save in flight finished
-        self._in_flight: SaveStats | None = None
-        self._error: BaseException | None = None
+        self._writer: BackgroundWriter[SaveStats] = BackgroundWriter()
         self._group, self._coord = _coordination_group(engine, timeout_s)
         self._closed = False
         # A script that exits with a save in flight: the daemon writer would die with the
@@ -296,12 +291,9 @@ class Checkpointer:
         state, problem = self._take_state(step, extra)
         stats.snapshot_s = time.perf_counter() - snapshot_start
         self.history.append(stats)
-        self._exact.after_save(lambda: stats.path, stats.step, self._coord.rank, self._schedule)
+        self._exact.after_save(lambda: stats.path, stats.step, self._coord.rank, self._writer.after)
         if self.async_save:
-            self._start_worker()
-            self._in_flight = stats
-            self._done.clear()
-            self._jobs.put((stats, state, problem))
+            self._writer.submit(stats, functools.partial(self._run_save, stats, state, problem))
         else:
             try:
                 self._run_save(stats, state, problem)
@@ -313,13 +305,11 @@ class Checkpointer:
     def wait(self) -> SaveStats | None:
         """Wait for the save in flight; returns its stats (None if there was none). Raises
         :class:`CheckpointSaveError` on every rank if it failed on any."""
-        if self._in_flight is None:
+        finished = self._writer.finish()
+        if finished is None:
             return None
-        self._done.wait()
-        stats, error = self._in_flight, self._error
-        self._in_flight = self._error = None
+        stats, error = finished
         if error is not None:
-            assert stats is not None
             raise CheckpointSaveError(_not_saved(stats.root / stats.tag, error)) from error
         return stats
 
@@ -331,7 +321,7 @@ class Checkpointer:
     @property
     def in_flight(self) -> bool:
         """A background save is still being written."""
-        return self._in_flight is not None and not self._done.is_set()
+        return self._writer.writing
 
     def close(self) -> None:
         """Collective. Wait for the last save (raising its error), free the host buffer and
@@ -344,10 +334,7 @@ class Checkpointer:
             self._closed = True
             atexit.unregister(self._exit_hook)
             self._exact.close()
-            if self._worker is not None:
-                self._jobs.put(None)
-                self._worker.join()
-                self._worker = None
+            self._writer.stop()
             self._snapshot.release()
             if self._group is not None:
                 import torch.distributed as dist
@@ -384,30 +371,6 @@ class Checkpointer:
         except Exception as err:  # noqa: BLE001 - reported on every rank by the agreement
             return None, f"taking the state failed: {type(err).__name__}: {err}"
 
-    def _start_worker(self) -> None:
-        # One long-lived thread: starting a thread per save costs the training loop up to
-        # tens of milliseconds of scheduling on a busy machine. A daemon, so that a script
-        # that never closes its Checkpointer still exits; close() joins it, and an exit
-        # with a save in flight waits for that save first (_finish_at_exit).
-        if self._worker is None:
-            self._worker = threading.Thread(target=self._work, name="zeroshard-checkpoint-writer", daemon=True)
-            self._worker.start()
-
-    def _work(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            if callable(job):  # an audit record: no save's outcome depends on it
-                try:
-                    job()
-                except Exception:  # noqa: BLE001 - the writer must go on
-                    log.exception("writing an audit record failed")
-                continue
-            try:
-                self._run_save(*job)
-            except BaseException as err:  # noqa: BLE001 - raised by the next save, wait or close
-                self._error = err
-            finally:
-                self._done.set()
-
     def _run_save(self, stats: SaveStats, state: ShardedState | None, problem: str | None) -> None:
         """Plan, write and commit one save (collective on the gloo group), then retention."""
         started = time.perf_counter()
@@ -424,13 +387,6 @@ class Checkpointer:
         finally:
             plan.release()
         stats.write_s = time.perf_counter() - started
-
-    def _schedule(self, job: Callable[[], None]) -> None:
-        """Run ``job`` after the save in flight (on the writer thread), or now without one."""
-        if self._worker is not None:
-            self._jobs.put(job)
-        else:
-            job()
 
     def _apply_retention(self, committed: str) -> tuple[str, ...]:
         """Rank 0 deletes old tags, under the root's writer lock, reading ``latest`` there: a
@@ -470,9 +426,9 @@ def _finish_at_exit(ref: weakref.ref[Checkpointer]) -> None:
     """At interpreter exit: finish the save in flight (the daemon writer would be killed
     mid-save, silently); if it fails, say so on stderr and exit with status 1."""
     ckpt = ref()
-    if ckpt is None or ckpt._closed or ckpt._in_flight is None:
+    if ckpt is None or ckpt._closed or ckpt._writer.in_flight is None:
         return
-    stats = ckpt._in_flight
+    stats = ckpt._writer.in_flight
     print(
         f"zeroshard: exiting with a checkpoint save in flight: finishing the save of {stats.root / stats.tag} "
         "(call Checkpointer.close() before exiting)",

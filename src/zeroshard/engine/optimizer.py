@@ -26,7 +26,6 @@ over all W ranks counts each once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
@@ -41,31 +40,13 @@ from .fragments import FragmentAccess
 from .gradients import GradientReducer
 from .grouping import Grouping, resolve_groups
 from .matrices import MatrixStates
+from .memory import MemoryReport, rank_memory
 from .multi import build_optimizer
 from .scaler import LossScaler
-from .shard_state import load_shard, shard_mismatch, shard_state_dict
+from .torch_api import TorchOptimizerAPI
 
 
-@dataclass(frozen=True)
-class MemoryReport:
-    """Bytes of training state on one rank; ``unsharded_bytes`` is plain data parallelism's.
-    ``total_bytes`` also counts stage 2's bucket pool, reusable scratch that is no state."""
-
-    param_buffer_bytes: int
-    master_bytes: int
-    optimizer_state_bytes: int
-    gradient_bytes: int
-    unsharded_bytes: int
-    bucket_pool_bytes: int = 0  # stage 2's reusable bucket buffers (scratch, not state)
-
-    @property
-    def total_bytes(self) -> int:
-        """Every byte the report counts: the training state and stage 2's bucket pool."""
-        state = self.param_buffer_bytes + self.master_bytes + self.optimizer_state_bytes + self.gradient_bytes
-        return state + self.bucket_pool_bytes
-
-
-class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
+class ZeroOptimizer(FragmentAccess, TorchOptimizerAPI, torch.optim.Optimizer):
     """Shards fp32 master weights, optimizer state (stage 1) and gradients (stage 2).
 
     It is a full ``torch.optim.Optimizer``: lr schedulers take the engine itself, and step,
@@ -205,98 +186,7 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
 
     # ---- torch-like API ---------------------------------------------------------------------
 
-    # The wrapped optimizer's, read and assigned through (its load_state_dict replaces them).
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The wrapped optimizer's param groups (lr schedulers change these)."""
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, groups: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = groups
-
-    @property
-    def state(self) -> dict:
-        """The wrapped optimizer's state: this rank's partitions only."""
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, state: dict) -> None:
-        self.optimizer.state = state
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        """The wrapped optimizer's defaults (lr, betas, ...)."""
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, defaults: dict[str, Any]) -> None:
-        self.optimizer.defaults = defaults
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's shard: the wrapped optimizer's state_dict plus a ``"zero"`` entry.
-
-        ``"state"`` and ``"param_groups"`` are torch's form over this rank's partitions;
-        ``"zero"`` holds the fp32 master partitions, the step count, the loss scaler and
-        what the shard belongs to (layout digest, world size, rank, optimizer class). As
-        with torch optimizers the tensors are the live ones: copy the dict to keep a
-        snapshot. State-dict pre and post hooks fire as in ``torch.optim.Optimizer``.
-        It loads back only into the same rank of an engine with the same layout; to save
-        once and load at another world size or layout use ``zeroshard.checkpoint``.
-        Not collective.
-        """
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
-            pre_hook(self)
-        state_dict = shard_state_dict(self)
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            result = post_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        return state_dict
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Collective: every rank of ``process_group`` calls it with its own shard. Load what
-        ``state_dict()`` gave on this rank of an identical engine.
-
-        Every rank checks its own dict (after the load-state-dict pre hooks) and the ranks
-        agree before anything changes. Afterwards the masters, optimizer state, step count
-        and loss scale are the saved ones, the accumulated gradients are cleared and the
-        model's parameters are the masters in their dtype (an all-gather per bucket).
-
-        Raises:
-            ValueError: on every rank, naming each failing rank, when any rank's dict is from
-                another rank, layout, world size or optimizer, is malformed, or a pre hook
-                raised; nothing changes then.
-        """
-        try:
-            for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-                result = pre_hook(self, state_dict)
-                if result is not None:
-                    state_dict = result
-        except Exception as error:  # a hook failing on one rank must not leave the others blocked
-            problem = f"a load_state_dict pre hook raised {type(error).__name__}: {error}"
-        else:
-            problem = shard_mismatch(self, state_dict)
-        self._raise_if_any_rank_failed(problem)
-        load_shard(self, state_dict)
-        self.matrices.clear()
-        self.matrices.adopt(self.optimizer.state)
-        self.matrices.agree(self.comm, self.master_device)
-        self.reducer.zero_grad()
-        self._write_back_and_gather()
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Refused: the param groups are fixed when the engine is built.
-
-        Raises:
-            NotImplementedError: always, once the engine is built.
-        """
-        if self._groups_fixed:
-            raise NotImplementedError("a ZeroOptimizer's param groups are fixed when it is built")
-        super().add_param_group(param_group)  # torch's __init__ re-adding the wrapped optimizer's groups
+    # param_groups, state, defaults, state_dict, load_state_dict, add_param_group: TorchOptimizerAPI.
 
     def __repr__(self) -> str:
         return (
@@ -382,24 +272,7 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
     def memory_report(self) -> MemoryReport:
         """Not collective. Bytes this rank holds for training state, and what unsharded
         training would hold."""
-        master = sum(m.numel() * m.element_size() for m in self.masters)
-        state = sum(
-            t.numel() * t.element_size()
-            for index in range(len(self.masters))
-            for t in state_io.partition_state(self, index)[0].values()
-        )
-        pool = self.reducer.pool_bytes
-        grads = sum(t.numel() * t.element_size() for t in self.reducer.held_tensors()) - pool
-        params = sum(b.data.numel() * b.data.element_size() for b in self.buffers)
-        real = sum(group.param_numel for group in self.layout.groups)
-        partition = sum(group.partition_numel for group in self.layout.groups)
-        state_per_element = state / partition if partition else 0.0
-        unsharded = (
-            sum(group.param_numel * b.data.element_size() for group, b in zip(self.layout.groups, self.buffers))
-            + real * (4 + 4)  # fp32 master and fp32 gradient
-            + int(real * state_per_element)
-        )
-        return MemoryReport(params, master, state, grads, unsharded, pool)
+        return rank_memory(self)
 
     def export_state(self) -> ShardedState:
         """Not collective. This rank's state as a plain value (CPU copies) for the checkpoint layer."""
@@ -460,16 +333,6 @@ class ZeroOptimizer(FragmentAccess, torch.optim.Optimizer):
     def _updated(self, group_index: int) -> list[nn.Parameter]:
         views = self.matrices.views[group_index]
         return [self.masters[group_index]] if views is None else [view.param for view in views]
-
-    def _raise_if_any_rank_failed(self, problem: str | None) -> None:
-        """Collective: raise the same ValueError on every rank if any rank has a problem."""
-        problems = self.comm.all_gather_object(problem)
-        failed = [f"rank {rank}: {text}" for rank, text in enumerate(problems) if text is not None]
-        if failed:
-            raise ValueError(
-                f"load_state_dict refused ({'; '.join(failed)}); a ZeroOptimizer state_dict loads only into the "
-                "same rank of an identical engine: use zeroshard.checkpoint to change world size or layout"
-            )
 
     def _overflow_on_any_rank(self) -> bool:
         local = torch.zeros(1, device=self.device)

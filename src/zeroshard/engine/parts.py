@@ -1,7 +1,8 @@
 """The parts of a ZeroOptimizer its helper modules work on, as a protocol.
 
-``fragments`` (the per-parameter accessors ZeroOptimizer mixes in), ``state_io`` (a
-ShardedState out and back in) and ``shard_state`` (torch's state_dict form) each take the
+``fragments`` (the per-parameter accessors ZeroOptimizer mixes in), ``torch_api`` (torch's
+optimizer surface, mixed in too), ``state_io`` (a ShardedState out and back in),
+``shard_state`` (torch's state_dict form) and ``memory`` (the memory report) each take the
 engine and read or set these parts. They name :class:`EngineParts`, not ZeroOptimizer, so the
 engine imports them and none of them imports the engine.
 """
@@ -33,6 +34,7 @@ class EngineParts(Protocol):
     layout_digest: str
     grouping: Grouping
     device: torch.device
+    master_device: torch.device  # where the fp32 masters and optimizer state live (host with offload)
     buffers: list[FlatParamBuffer]
     masters: list[nn.Parameter]
     matrices: MatrixStates  # an owner group's matrices and their flat optimizer state
