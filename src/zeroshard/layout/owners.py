@@ -35,9 +35,9 @@ largest load of the ranks it stands for), and the partition sizes. Two cuts are 
 
 The layout takes the compact cut where its partitions hold fewer bytes (or as many, at a
 lower cost), else the cost-first one (an earlier group's compact cut can crowd a later
-group into more padding, or past the cap): its padding is never above the cost-first cut's, and
-its cost imbalance at most ``max(cost first, 1 + SLACK)``, so at most ``1 + SLACK`` times
-the cost-first one. ``SLACK`` (1/40) is half the 5% margin of issue 32's imbalance goal
+group into more padding, or past the cap): its padding is never above the cost-first
+cut's, and its cost imbalance at most ``max(cost first, 1 + SLACK)``, so at most
+``1 + SLACK`` times the cost-first one. ``SLACK`` (1/40) is half the 5% margin of issue 32's imbalance goal
 (1.05), and enough to let an expert group's partitions be even beside a dense group of
 uneven cost (Qwen3-30B-A3B shapes at D = 64, benchmarks/muon.py; 1/50 is not).
 Contiguous cuts keep every parameter (and every stack) one run of the flat buffer, which
