@@ -8,7 +8,9 @@ imbalance (the largest rank's ``max(M, N) * min(M, N)^2`` over the mean; goal <=
 whole-matrix lower bound any assignment of whole matrices meets (the mean, the largest
 matrix, and two of the D + 1 largest on one rank), and the padding, which in an owner group
 includes the memory imbalance (every rank's partition is the longest run), as a share of the
-parameter bytes (goal <= 1%).
+parameter bytes (goal <= 1%), with two lower bounds: matrices pooled over the groups, and
+per group ("per group": every rank's partition of a group has one size, so each group's
+partition holds at least two of its D + 1 largest matrices).
 
 (b) TinyGPT of about 3.7M parameters (vocab 2048, d_model 256, 4 layers, sequences of 64, 8
 per rank), bf16 parameters, fp32 masters, clipping at 1.0, gloo with one thread per rank, at
@@ -30,6 +32,7 @@ of the per-round ratio.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -99,23 +102,43 @@ def whole_matrix_bound(model: tuple[list, list, list], world_size: int, ep: int,
     over the mean. Experts count on their expert-DP group (D / EP ranks), each rank of it
     carrying the dense matrices' mean too."""
     matrices, stacks, _ = model
-    dense = sorted((measure(spec.shape) for spec in matrices), reverse=True)
+    dense = [measure(spec.shape) for spec in matrices]
     expert = [measure(spec.shape[1:]) for spec in stacks for _ in range(spec.shape[0])]
     mean = sum(dense) / world_size + sum(expert) / (world_size // ep)
-    costs = sorted(dense + expert, reverse=True) if ep == 1 else dense
-    pair = costs[world_size - 1] + costs[world_size] if len(costs) > world_size else 0
-    return max(mean, costs[0], pair) / mean
+    return max(mean, _fullest_rank(dense + expert if ep == 1 else dense, world_size)) / mean
+
+
+def uniform_partition_bound(model: tuple[list, list, list], world_size: int, ep: int) -> float:
+    """A lower bound on the owner groups' padding, as a share of their elements, when every
+    rank's partition of a group has one size (as in zeroshard's formats): each group's
+    partition holds at least its mean, its largest matrix and two of its D + 1 largest;
+    the dense matrices over D ranks, the experts over their expert-DP group (D / EP)."""
+    matrices, stacks, _ = model
+    groups = [([math.prod(spec.shape) for spec in matrices], world_size)]
+    if stacks:
+        groups.append(([math.prod(spec.shape[1:]) for spec in stacks for _ in range(spec.shape[0])], world_size // ep))
+    padding = 0
+    for sizes, ranks in groups:
+        partition = max(math.ceil(sum(sizes) / ranks), _fullest_rank(sizes, ranks))
+        padding += ranks * partition - sum(sizes)
+    return padding / sum(sum(sizes) for sizes, _ in groups)
+
+
+def _fullest_rank(values: list[int], ranks: int) -> int:
+    """The least that some rank holds when ``values`` go whole to ``ranks`` ranks, the mean
+    aside: the largest value, and the two smallest of the ranks + 1 largest."""
+    ordered = sorted(values, reverse=True)
+    pair = ordered[ranks - 1] + ordered[ranks] if len(ordered) > ranks else 0
+    return max(ordered[0], pair)
 
 
 def layout_report() -> None:
     print("(a) owner layouts, bf16, native policy (16-byte alignment)")
-    import math
-
     from zeroshard.layout import newton_schulz_cost
 
     header = (
         f"{'model':<16}{'D':>4}{'EP':>4}{'NS max/mean':>13}{'bound':>8}{'owner padding':>15}"
-        f"{'bound':>8}{'layout padding':>16}{'even layout':>13}"
+        f"{'bound':>8}{'per group':>11}{'layout padding':>16}{'even layout':>13}"
     )
     print(header)
     print("-" * len(header))
@@ -130,6 +153,7 @@ def layout_report() -> None:
                 f"{label:<16}{world_size:>4}{ep:>4}{layout.owner_balance().imbalance:>13.3f}"
                 f"{whole_matrix_bound(model, world_size, ep, newton_schulz_cost):>8.3f}"
                 f"{owner_padding / owner_numel:>15.2%}{whole_matrix_bound(model, world_size, ep, math.prod) - 1:>8.2%}"
+                f"{uniform_partition_bound(model, world_size, ep):>11.2%}"
                 f"{layout.padding().fraction:>16.2%}{even.padding().fraction:>13.2%}"
             )
 

@@ -3,7 +3,7 @@
 The Muon run's optimizer state (momentum_buffer for the matrices) is no AdamW state, so loading
 it whole into a ZeroOptimizer running AdamW fails in one line on every rank and changes
 nothing, whichever way the run groups its parameters; ``load_module_only`` loads its weights,
-however the run groups them, at another world size too (DeepSpeed saved at D = 2).
+however the run groups them, at another world size too (DeepSpeed saved at D = 2, stage 1 or 2).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from zeroshard.launch import spawn
 
 SPAWN_TIMEOUT_S = 240
 GROUPINGS = ("as_saved", "one_group")
+MUON_RUNS = ("muon_w2_s1", "muon_w2_s2")  # DeepSpeed's stages 1 and 2, saved at D = 2
 
 
 def adamw_engine(grouping: str) -> tuple[torch.nn.Module, ZeroOptimizer]:
@@ -67,9 +68,15 @@ def on_rank(rank: int, world_size: int, fixture: MuonFixture) -> dict:
     return outcome
 
 
+@pytest.fixture(scope="module", params=MUON_RUNS)
+def muon_run(request, deepspeed_muon_runs) -> MuonFixture:
+    """One DeepSpeed Muon checkpoint: each test runs on each stage's."""
+    return deepspeed_muon_runs[request.param]
+
+
 @pytest.fixture(scope="module")
-def outcomes(deepspeed_muon_runs) -> dict[int, list[dict]]:
-    fixture = deepspeed_muon_runs["muon_w2_s2"]
+def outcomes(muon_run) -> dict[int, list[dict]]:
+    fixture = muon_run
     return {
         1: [on_rank(0, 1, fixture)],  # no process group: a world of one
         3: spawn(on_rank, 3, (fixture,), timeout_s=SPAWN_TIMEOUT_S),
@@ -82,8 +89,8 @@ def saved_module(fixture: MuonFixture) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("world_size", [1, 3])
-def test_a_full_load_into_adamw_is_refused_in_one_line_on_every_rank(outcomes, deepspeed_muon_runs, world_size):
-    path = deepspeed_muon_runs["muon_w2_s2"].save_dir
+def test_a_full_load_into_adamw_is_refused_in_one_line_on_every_rank(outcomes, muon_run, world_size):
+    path = muon_run.save_dir
     for grouping in GROUPINGS:
         messages = {outcome[grouping][0] for outcome in outcomes[world_size]}
         assert len(messages) == 1, f"every rank raises the same error: {messages}"
@@ -107,8 +114,8 @@ def test_a_full_load_into_adamw_is_refused_in_one_line_on_every_rank(outcomes, d
 
 
 @pytest.mark.parametrize("world_size", [1, 3])
-def test_load_module_only_into_adamw_grouped_its_own_way(outcomes, deepspeed_muon_runs, world_size):
-    saved = saved_module(deepspeed_muon_runs["muon_w2_s2"])
+def test_load_module_only_into_adamw_grouped_its_own_way(outcomes, muon_run, world_size):
+    saved = saved_module(muon_run)
     for outcome in outcomes[world_size]:
         assert sorted(outcome["weights"]) == sorted(saved)
         for name, tensor in saved.items():

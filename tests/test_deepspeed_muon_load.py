@@ -1,4 +1,4 @@
-"""A DeepSpeed Muon checkpoint (``MuonWithAuxAdam``, ZeRO-2, D = 2) loaded whole into
+"""A DeepSpeed Muon checkpoint (``MuonWithAuxAdam``, ZeRO-1 and ZeRO-2, D = 2) loaded whole into
 zeroshard's Muon engine (torch.optim.Muon for DeepSpeed's use_muon matrices, torch.optim.AdamW
 for the rest), at D = 1, 2 and 3, attested: every fp32 master, Muon momentum, Adam moment and
 step count is what DeepSpeed held in memory before it saved, bit for bit, and the
@@ -34,6 +34,7 @@ from zeroshard.launch import spawn
 
 SPAWN_TIMEOUT_S = 300
 ADAMW_RUN = "w1_s1"  # one DeepSpeed AdamW run: its fixture's D = 1 launch alone
+MUON_RUNS = ("muon_w2_s1", "muon_w2_s2")  # DeepSpeed's stages 1 and 2, saved at D = 2
 DEEPSPEEDS_ADAM_EPS = 1e-10  # MuonWithAuxAdam's default for its Adam groups (torch's AdamW: 1e-8)
 
 
@@ -134,9 +135,15 @@ def on_rank(rank: int, world_size: int, muon_fixture, adamw_fixture) -> dict:
     return outcome
 
 
+@pytest.fixture(scope="module", params=MUON_RUNS)
+def muon_run(request, deepspeed_muon_runs):
+    """One DeepSpeed Muon checkpoint: each test runs on each stage's."""
+    return deepspeed_muon_runs[request.param]
+
+
 @pytest.fixture(scope="module")
-def outcomes(deepspeed_muon_runs, tmp_path_factory) -> dict[int, list[dict]]:
-    muon = deepspeed_muon_runs["muon_w2_s2"]
+def outcomes(muon_run, tmp_path_factory) -> dict[int, list[dict]]:
+    muon = muon_run
     adamw_config = next(config for config in ADAMW_CONFIGS if config.name == ADAMW_RUN)
     adamw = generate_adamw(tmp_path_factory.mktemp("deepspeed_adamw"), (adamw_config,))[ADAMW_RUN]
     found = {1: [on_rank(0, 1, muon, adamw)]}  # no process group: a world of one
@@ -157,10 +164,10 @@ def test_a_deepspeed_muon_checkpoint_loads_into_the_muon_engine_attested(outcome
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_loaded_state_is_deepspeeds_in_memory_state_bit_for_bit(outcomes, deepspeed_muon_runs, world_size):
+def test_loaded_state_is_deepspeeds_in_memory_state_bit_for_bit(outcomes, muon_run, world_size):
     outcome = outcomes[world_size][0]
     assert "refused" not in outcome, outcome["refused"]
-    expected = load_file(str(deepspeed_muon_runs["muon_w2_s2"].accessors))
+    expected = load_file(str(muon_run.accessors))
     assert sorted(outcome["loaded"]) == sorted(expected)
     for key, tensor in expected.items():
         loaded = from_bytes(outcome["loaded"][key]).reshape(tensor.shape)
@@ -209,11 +216,11 @@ def test_a_deepspeed_adamw_checkpoint_into_the_muon_engine_is_refused_on_every_r
     assert all(outcome["adamw_refusal"][1] for outcome in outcomes[world_size]), "the model is as it was"
 
 
-def test_the_run_may_list_adamw_first(deepspeed_muon_runs):
+def test_the_run_may_list_adamw_first(muon_run):
     """The run's groups pair with the checkpoint's by the parameters they hold: AdamW's group
     listed first (the engine's class names read "AdamW+Muon") loads as well, each group with
     its own hyperparameters and state (D = 1)."""
-    fixture = deepspeed_muon_runs["muon_w2_s2"]
+    fixture = muon_run
     model = bf16(build_model())
     named = dict(model.named_parameters())
     groups = [
@@ -230,12 +237,12 @@ def test_the_run_may_list_adamw_first(deepspeed_muon_runs):
         assert torch.equal(value.view(torch.int32), saved.view(torch.int32)), key
 
 
-def test_through_universal_too(deepspeed_muon_runs, tmp_path):
+def test_through_universal_too(muon_run, tmp_path):
     """Converted to universal first (the per-group optimizers travel with it), the checkpoint
     loads into the Muon engine with the same values (D = 1)."""
     from zeroshard.checkpoint.universal import to_universal
 
-    fixture = deepspeed_muon_runs["muon_w2_s2"]
+    fixture = muon_run
     universal = to_universal(fixture.save_dir, tmp_path / "universal", progress=False)
     model = bf16(build_model())
     engine = muon_engine(model, MUON_PARAMS, ADAM_PARAMS)

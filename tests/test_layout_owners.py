@@ -4,15 +4,20 @@ Property tests over random models, world sizes, alignments and bucket sizes, den
 expert owner groups next to even ones: the layout invariants of test_layout_properties
 hold (tiling, fragments and padding, pieces, logical ranges, JSON), every matrix (a
 parameter, or one expert of a stack) lies in one rank, partition starts stay aligned, no
-offset depends on the world size, the cut is the cheapest contiguous one (brute force), and
-checkpoints reshard between owner and even layouts bit for bit (plan_reads).
+offset depends on the world size, the cuts are what their rules say (the cost-first cut the
+cheapest contiguous one, the compact cut the shortest within the cost cap: brute force),
+the cost slack never pads more and costs at most 1 + SLACK times the cost-first cut, and
+checkpoints reshard between owner and even layouts bit for bit (plan_reads), a layout cut
+cost first into today's too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -23,7 +28,16 @@ from test_moe_checkpoint_layout import apply_plan
 
 from zeroshard.checkpoint.testing import expected_partition
 from zeroshard.layout import ExpertMesh, GroupSpec, Layout, LayoutPolicy, ParamSpec, build_layout, itemsize, newton_schulz_cost
-from zeroshard.layout.owners import balanced_bounds, matrix_units
+from zeroshard.layout.owners import (
+    SLACK,
+    MatrixUnits,
+    balanced_bounds,
+    bounds_problem,
+    compact_bounds,
+    cost_first_bounds,
+    matrix_units,
+    rank_costs,
+)
 
 DIMS = st.sampled_from([0, 1, 2, 3, 5, 8, 13, 16, 31, 64])
 OWNER_WORLDS = st.one_of(st.integers(1, 9), st.sampled_from([16, 64, 127, 768]))
@@ -156,16 +170,37 @@ def test_no_offset_depends_on_the_world_size(model, other_world, policy):
             assert a.numel == a.logical_numel == c.logical_numel
 
 
-def brute_force_cut(costs, sizes, world_size):
-    """(smallest largest cost, then smallest largest size) over every contiguous cut."""
-    best = None
+def contiguous_cuts(costs, sizes, prefill):
+    """(largest load, longest run) of every contiguous cut of the units over len(prefill)
+    ranks: a rank's load is its prefill plus its units' costs, counted where it takes one."""
     count = len(costs)
-    for cuts in itertools.combinations_with_replacement(range(count + 1), world_size - 1):
+    for cuts in itertools.combinations_with_replacement(range(count + 1), len(prefill) - 1):
         edges = (0, *cuts, count)
-        cost = max(sum(costs[a:b]) for a, b in zip(edges, edges[1:]))
-        size = max(sum(sizes[a:b]) for a, b in zip(edges, edges[1:]))
-        best = min(best or (cost, size), (cost, size))
-    return best
+        runs = list(zip(edges, edges[1:]))
+        load = max((extra + sum(costs[a:b]) for extra, (a, b) in zip(prefill, runs) if b > a), default=0)
+        yield load, max(sum(sizes[a:b]) for a, b in runs)
+
+
+@COMMON
+@given(
+    st.lists(st.tuples(st.integers(0, 50), st.integers(1, 20)), min_size=1, max_size=8),
+    st.lists(st.integers(0, 60), min_size=1, max_size=4),
+    st.integers(0, 200),
+)
+def test_a_group_is_cut_to_the_shortest_run_within_the_cost_cap(units, prefill, cap):
+    """compact_bounds against every contiguous cut: the shortest longest run among those
+    whose loads stay within the cap, then at that run the least largest load; None when
+    no cut stays within the cap."""
+    costs, sizes = [cost for cost, _ in units], [size for _, size in units]
+    matrix = MatrixUnits(tuple(itertools.accumulate(sizes)), tuple(costs))
+    within = [(size, load) for load, size in contiguous_cuts(costs, sizes, prefill) if load <= cap]
+    bounds = compact_bounds(matrix, len(prefill), prefill, cap)
+    if not within:
+        assert bounds is None
+        return
+    runs = list(zip(bounds, bounds[1:]))
+    loads = [extra + cost for extra, cost, (a, b) in zip(prefill, rank_costs(matrix, bounds), runs) if b > a]
+    assert (max(b - a for a, b in runs), max(loads, default=0)) == min(within)
 
 
 @COMMON
@@ -174,15 +209,124 @@ def brute_force_cut(costs, sizes, world_size):
     st.integers(1, 4),
     st.sampled_from(["float32", "bfloat16"]),
 )
-def test_the_cut_is_the_cheapest_contiguous_one(shapes, world_size, dtype):
+def test_one_group_is_cut_to_the_shortest_run_within_the_slack(shapes, world_size, dtype):
+    """Against every contiguous cut: the cost-first cut is the cheapest (then the shortest);
+    the layout's is the shortest whose cost stays within the cap (the cheapest cut's, or
+    the mean's times 1 + SLACK if more), then the cheapest at that run."""
     group = GroupSpec(tuple(ParamSpec(f"w{i}", shape, dtype) for i, shape in enumerate(shapes)), owner=True)
     layout = build_layout([group], world_size)
     laid = layout.groups[0]
+    alignment = 16 // itemsize(dtype)
     costs = [newton_schulz_cost(shape) for shape in shapes]
     sizes = [slot.numel + slot.padding for slot in laid.params]
-    assert laid.bounds == balanced_bounds(matrix_units(laid, 16 // itemsize(dtype)), world_size, [0] * world_size)
-    rank_costs = layout.owner_balance().costs
-    assert (max(rank_costs), laid.partition_numel) == brute_force_cut(costs, sizes, world_size)
+    cuts = list(contiguous_cuts(costs, sizes, [0] * world_size))
+    cost_first = cost_first_bounds([laid], [True], world_size, [alignment])[0]
+    assert cost_first == balanced_bounds(matrix_units(laid, alignment), world_size, [0] * world_size)
+    cheapest = min(cuts)
+    first_run = max(b - a for a, b in zip(cost_first, cost_first[1:]))
+    assert (max(rank_costs(matrix_units(laid, alignment), cost_first)), first_run) == cheapest
+    cap = max(cheapest[0], math.floor(Fraction(sum(costs), world_size) * (1 + SLACK)))
+    shortest = min((size, load) for load, size in cuts if load <= cap)
+    assert (laid.partition_numel, max(layout.owner_balance().costs)) == shortest
+
+
+@st.composite
+def dense_then_experts(draw):
+    """(world size, groups): a dense owner group of a few matrices, then an owner group of
+    many like experts: where the dense matrices leave the ranks' costs uneven, cost first
+    pays for evening them with uneven expert runs, which the slack can spare."""
+    world = draw(st.sampled_from([2, 3, 4, 8]))
+    ep = draw(st.sampled_from([d for d in (1, 2, 4) if world % d == 0]))
+    dtype = draw(st.sampled_from(["float32", "bfloat16"]))
+    dims = st.tuples(st.integers(1, 8), st.integers(1, 8).map(lambda n: 8 * n))
+    dense = draw(st.lists(dims, min_size=1, max_size=4))
+    local, expert = draw(st.integers(20, 200)), draw(dims)
+    stack = ExpertMesh(world, ep).expert_group([ParamSpec("moe.w", (local, *expert), dtype)], local * ep, owner=True)
+    matrices = tuple(ParamSpec(f"d{i}", shape, dtype) for i, shape in enumerate(dense))
+    return world, [GroupSpec(matrices, owner=True), stack]
+
+
+def with_bounds(layout, all_bounds):
+    """``layout`` with its owner groups cut at ``all_bounds`` (``()``: a group left as it is)."""
+    groups = tuple(dataclasses.replace(g, bounds=tuple(b)) if b else g for g, b in zip(layout.groups, all_bounds))
+    return Layout(layout.world_size, layout.policy, groups)
+
+
+def compact_in_order(layout, alignments, cap):
+    """Each owner group in order cut by compact_bounds under ``cap``, its ranks carrying the
+    loads of the groups before it (an expert shard rank the largest of those it stands
+    for); None where one cannot stay within ``cap``."""
+    load, found = [0] * layout.world_size, []
+    for group, alignment in zip(layout.groups, alignments):
+        if not group.owner:
+            found.append(())
+            continue
+        ep, units = layout.world_size // group.world_size, matrix_units(group, alignment)
+        prefill = [max(load[shard * ep : (shard + 1) * ep]) for shard in range(group.world_size)]
+        bounds = compact_bounds(units, group.world_size, prefill, cap)
+        if bounds is None:
+            return None
+        for rank in range(layout.world_size):
+            load[rank] += rank_costs(units, bounds)[rank // ep]
+        found.append(bounds)
+    return found
+
+
+@COMMON
+@given(st.one_of(owner_models(), dense_then_experts()), OWNER_POLICIES)
+def test_the_slack_pads_no_more_and_costs_at_most_its_share_more(model, policy):
+    """Against the cost-first cut of the same groups: no more padding, the largest cost
+    within the cap (so at most 1 + SLACK times the cost-first one), no more padding than
+    the compact cut either, and every bound between whole matrices."""
+    world, groups = model
+    layout = build_layout(groups, world, policy)
+    alignments = [policy.partition_alignment(g.dtype) for g in layout.groups]
+    owners = [g.owner for g in layout.groups]
+    cost_first = with_bounds(layout, cost_first_bounds(layout.groups, owners, world, alignments))
+    first_costs, costs = cost_first.owner_balance().costs, layout.owner_balance().costs
+    cap = max(max(first_costs), math.floor(Fraction(sum(first_costs), world) * (1 + SLACK)))
+    assert sum(costs) == sum(first_costs) and max(costs) <= cap <= max(first_costs) * (1 + SLACK)
+    assert layout.padding().padding_bytes <= cost_first.padding().padding_bytes
+    compact = compact_in_order(layout, alignments, cap)
+    if compact is not None:
+        assert layout.padding().padding_bytes <= with_bounds(layout, compact).padding().padding_bytes
+    for group, alignment in zip(layout.groups, alignments):
+        if group.owner:
+            assert bounds_problem(group, list(group.bounds), alignment) is None
+
+
+def slack_example():
+    """A q of cost 64 (float32 [4, 4]) beside E experts of cost 8 ([2, 2], 4 elements each)
+    on two ranks. Cost first evens the loads: rank 0, holding q, takes E / 2 - 4 experts
+    (64 + 8k = 8(E - k)), so the expert partitions are 4(E / 2 + 4) elements, 32 of them
+    padding. Even expert runs cost rank 0 64 + 4E against a mean of 32 + 4E: within
+    1 + SLACK from E = 8 / SLACK - 8 on."""
+    experts = 2 * math.ceil((8 / SLACK - 8) / 2)
+    dense = GroupSpec((ParamSpec("q", (4, 4), "float32"),), owner=True)
+    stack = ExpertMesh(2, 1).expert_group([ParamSpec("moe.w", (experts, 2, 2), "float32")], experts, owner=True)
+    return experts, build_layout([dense, stack], 2)
+
+
+def test_the_slack_evens_the_experts_beside_a_costly_matrix():
+    experts, layout = slack_example()
+    cost_first = with_bounds(layout, cost_first_bounds(layout.groups, [True, True], 2, [4, 4]))
+    assert cost_first.groups[1].bounds == (0, 4 * (experts // 2 - 4), 4 * experts)
+    assert cost_first.groups[1].tail_padding == 32 and cost_first.owner_balance().costs == (32 + 4 * experts,) * 2
+    assert layout.groups[1].bounds == (0, 2 * experts, 4 * experts) and layout.groups[1].tail_padding == 0
+    assert layout.owner_balance().costs == (64 + 4 * experts, 4 * experts)
+    assert layout.owner_balance().imbalance <= 1 + SLACK
+
+
+def test_a_layout_recorded_with_the_cost_first_cut_still_loads():
+    """A layout JSON (and so a checkpoint) written by a zeroshard that cut cost first opens
+    with its recorded bounds, and its partitions reshard into today's layout bit for bit."""
+    _, layout = slack_example()
+    cost_first = with_bounds(layout, cost_first_bounds(layout.groups, [True, True], 2, [4, 4]))
+    assert cost_first != layout
+    assert Layout.from_json(cost_first.to_json()) == cost_first
+    for rank in range(2):
+        for group, partition in enumerate(apply_plan(cost_first, layout, rank)):
+            assert torch.equal(partition, expected_partition(layout, rank, group, "fp32")), (rank, group)
 
 
 def test_balance_counts_newton_schulz_cost_across_groups():

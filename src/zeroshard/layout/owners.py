@@ -20,22 +20,52 @@ The boundaries balance the Newton-Schulz cost ``max(M, N) * min(M, N) ** 2`` of 
 iteration on an ``[M, N]`` matrix (a parameter of more dimensions is taken as ``[M, rest]``,
 one of fewer costs nothing) over the ranks, across every owner group of the layout in
 order (a rank's load from earlier groups counts: an expert group's shard rank carries the
-largest load of the ranks it stands for), then the partition size: the smallest largest
-cost a contiguous cut can reach, then among the cuts reaching it the smallest partition.
-Contiguous cuts keep every parameter (and every stack) one run of the flat buffer, which
-the model's parameter views need.
+largest load of the ranks it stands for), and the partition sizes. Two cuts are made:
 
-Pure integer arithmetic, like the rest of the layout.
+* cost first (:func:`cost_first_bounds`): each group cut to the smallest largest cost a
+  contiguous cut can reach, then among those cuts to the smallest partition. Evening the
+  cost at any price in memory wastes much: a group whose large matrices leave its ranks'
+  costs uneven makes the next group give its ranks unequal shares to compensate, and every
+  rank's partition of that group is then its longest run;
+* compact (:func:`compact_bounds`): every rank's cost may rise to the cap
+  ``C = max(L, floor(mean * (1 + SLACK)))`` (``L`` the cost-first cut's largest rank
+  load, ``mean`` the ranks' mean load); each group in order is cut to the smallest longest
+  run within ``C``, then, at that run, to the least largest cost, so that no cost is spent
+  that buys no memory and the later groups keep their room.
+
+The layout takes the compact cut where its partitions hold fewer bytes (or as many, at a
+lower cost), else the cost-first one (an earlier group's compact cut can crowd a later
+group into more padding, or past the cap): its padding is never above the cost-first
+cut's, and its cost imbalance at most ``max(cost first, 1 + SLACK)``, so at most
+``1 + SLACK`` times the cost-first one. ``SLACK`` (1/40) is half the 5% margin of issue 32's imbalance goal
+(1.05), and enough to let an expert group's partitions be even beside a dense group of
+uneven cost (Qwen3-30B-A3B shapes at D = 64, benchmarks/muon.py; 1/50 is not).
+Contiguous cuts keep every parameter (and every stack) one run of the flat buffer, which
+the model's parameter views need. Any cut between matrices is a valid layout
+(:func:`bounds_problem`): a layout JSON's recorded bounds are read as recorded, whichever
+rule chose them.
+
+Pure exact arithmetic (integers, and ``SLACK`` a Fraction), like the rest of the layout.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from fractions import Fraction
+from typing import Callable, Sequence
 
+from .dtypes import itemsize
 from .group import GroupLayout
+
+# How far above the mean a rank's Newton-Schulz cost may rise to even out the partitions'
+# sizes, where the cost-first cut stays below it (see the module doc).
+SLACK = Fraction(1, 40)
+
+# (units, shard ranks, prefill) -> bounds, or None where there is no such cut
+GroupCut = Callable[["MatrixUnits", int, Sequence[int]], "tuple[int, ...] | None"]
 
 
 def newton_schulz_cost(shape: Sequence[int]) -> int:
@@ -109,16 +139,38 @@ def balanced_bounds(units: MatrixUnits, world_size: int, prefill: Sequence[int])
     """The flat offsets where each of ``world_size`` ranks' partitions begin (and the end):
     the cut of ``units`` into contiguous runs that gives the smallest largest cost (rank
     ``r`` already carries ``prefill[r]``), then among those the smallest largest run."""
-    costs = [0]
-    for cost in units.costs:
-        costs.append(costs[-1] + cost)
-    sizes = [0, *units.ends]
+    costs, sizes = _prefix_sums(units)
     cost_limit = _smallest(lambda limit: _cut(costs, sizes, prefill, world_size, limit, sizes[-1]), costs[-1] + max(prefill))
     cost_limit = max(cost_limit, max(prefill))  # up to the largest load already there costs nothing
     size_limit = _smallest(lambda limit: _cut(costs, sizes, prefill, world_size, cost_limit, limit), sizes[-1])
     cuts = _cut(costs, sizes, prefill, world_size, cost_limit, size_limit)
     assert cuts is not None  # feasible by the searches above
     return tuple(sizes[i] for i in cuts)
+
+
+def compact_bounds(
+    units: MatrixUnits, world_size: int, prefill: Sequence[int], cost_cap: int
+) -> tuple[int, ...] | None:
+    """The cut of ``units`` into ``world_size`` contiguous runs with the smallest largest run
+    that keeps every rank's cost (``prefill[r]`` included) within ``cost_cap``, then, at that
+    run, the smallest largest cost (no cost is spent that buys no memory); None when no cut
+    keeps within ``cost_cap``."""
+    costs, sizes = _prefix_sums(units)
+    if _cut(costs, sizes, prefill, world_size, cost_cap, sizes[-1]) is None:
+        return None
+    size_limit = _smallest(lambda limit: _cut(costs, sizes, prefill, world_size, cost_cap, limit), sizes[-1])
+    cost_limit = _smallest(lambda limit: _cut(costs, sizes, prefill, world_size, limit, size_limit), cost_cap)
+    cuts = _cut(costs, sizes, prefill, world_size, cost_limit, size_limit)
+    assert cuts is not None  # feasible by the searches above
+    return tuple(sizes[i] for i in cuts)
+
+
+def _prefix_sums(units: MatrixUnits) -> tuple[list[int], list[int]]:
+    """(cost, flat offset) before each unit and at the end: ``_cut``'s arguments."""
+    costs = [0]
+    for cost in units.costs:
+        costs.append(costs[-1] + cost)
+    return costs, [0, *units.ends]
 
 
 def _cut(
@@ -154,35 +206,83 @@ def owner_bounds(
     groups: Sequence[GroupLayout], owners: Sequence[bool], world_size: int, alignments: Sequence[int]
 ) -> list[tuple[int, ...]]:
     """The bounds of each group of ``groups`` that ``owners`` flags (laid out, its bounds
-    not yet set; the others get ``()``), over a layout of ``world_size`` ranks, balancing
-    the Newton-Schulz cost of every rank across the groups (see the module doc);
-    ``alignments[g]``: elements a partition start of group ``g`` is aligned to. A layout
-    without owner groups costs nothing here: no per-rank list at any world size."""
+    not yet set; the others get ``()``), over a layout of ``world_size`` ranks: the compact
+    cut under the cost cap where it pads fewer bytes, else the cost-first one (see the
+    module doc); ``alignments[g]``: elements a partition start of group ``g`` is aligned to.
+    A layout without owner groups costs nothing here: no per-rank list at any world size."""
     if not any(owners):
         return [()] * len(groups)
+    owned = _owned_units(groups, owners, alignments)
+    cost_first = _cut_in_order(groups, owned, world_size, balanced_bounds)
+    assert cost_first is not None  # balanced_bounds always cuts
+    loads = cost_first[1]
+    cap = max(max(loads), math.floor(Fraction(sum(loads), world_size) * (1 + SLACK)))
+    compact = _cut_in_order(groups, owned, world_size, functools.partial(compact_bounds, cost_cap=cap))
+    if compact is not None and _footprint(groups, compact) < _footprint(groups, cost_first):
+        return compact[0]
+    return cost_first[0]
+
+
+def cost_first_bounds(
+    groups: Sequence[GroupLayout], owners: Sequence[bool], world_size: int, alignments: Sequence[int]
+) -> list[tuple[int, ...]]:
+    """As :func:`owner_bounds`, but every owner group cut by :func:`balanced_bounds`: the
+    smallest largest Newton-Schulz cost first, whatever the partitions' sizes (the cut
+    zeroshard made before the cost cap, which the cap is measured from)."""
+    if not any(owners):
+        return [()] * len(groups)
+    found = _cut_in_order(groups, _owned_units(groups, owners, alignments), world_size, balanced_bounds)
+    assert found is not None
+    return found[0]
+
+
+def _owned_units(
+    groups: Sequence[GroupLayout], owners: Sequence[bool], alignments: Sequence[int]
+) -> dict[int, MatrixUnits]:
+    """The matrix units of each owner group, by its index."""
+    return {index: matrix_units(group, alignments[index]) for index, group in enumerate(groups) if owners[index]}
+
+
+def _cut_in_order(
+    groups: Sequence[GroupLayout], owned: dict[int, MatrixUnits], world_size: int, cut: GroupCut
+) -> tuple[list[tuple[int, ...]], list[int]] | None:
+    """(bounds of every group, load of every global rank) when each owner group in order is
+    cut by ``cut(units, shard ranks, prefill)``, its ranks carrying the loads of the groups
+    before it; None when ``cut`` finds no cut for one of them."""
     load = [0] * world_size  # per global rank: an owner group's bounds are a list over the ranks anyway
     found: list[tuple[int, ...]] = []
-    for group, owner, alignment in zip(groups, owners, alignments):
-        if not owner:
+    for index, group in enumerate(groups):
+        units = owned.get(index)
+        if units is None:
             found.append(())
             continue
-        units = matrix_units(group, alignment)
         ep = world_size // group.world_size
         prefill = [max(load[shard * ep : (shard + 1) * ep]) for shard in range(group.world_size)]
-        bounds = balanced_bounds(units, group.world_size, prefill)
+        bounds = cut(units, group.world_size, prefill)
+        if bounds is None:
+            return None
         for shard, cost in enumerate(rank_costs(units, bounds)):
             for column in range(ep):
                 load[shard * ep + column] += cost
         found.append(bounds)
-    return found
+    return found, load
+
+
+def _footprint(groups: Sequence[GroupLayout], cut: tuple[list[tuple[int, ...]], list[int]]) -> tuple[int, int]:
+    """(bytes of every owner group's partitions over its ranks, the largest rank's load) of
+    a cut: the padding plus a constant, then the cost, to compare two cuts by."""
+    all_bounds, load = cut
+    partitions = sum(
+        group.world_size * max(b - a for a, b in zip(bounds, bounds[1:])) * itemsize(group.dtype)
+        for group, bounds in zip(groups, all_bounds)
+        if bounds
+    )
+    return partitions, max(load)
 
 
 def rank_costs(units: MatrixUnits, bounds: Sequence[int]) -> list[int]:
     """The Newton-Schulz cost of each rank's partition under ``bounds`` (unit ends)."""
-    costs = [0]
-    for cost in units.costs:
-        costs.append(costs[-1] + cost)
-    sizes = [0, *units.ends]
+    costs, sizes = _prefix_sums(units)
 
     def before(offset: int) -> int:
         return costs[bisect.bisect_right(sizes, offset) - 1]
