@@ -269,11 +269,12 @@ def _cut_in_order(
 
 
 def _footprint(groups: Sequence[GroupLayout], cut: tuple[list[tuple[int, ...]], list[int]]) -> tuple[int, int]:
-    """(bytes of every owner group's partitions over its ranks, the largest rank's load) of
-    a cut: the padding plus a constant, then the cost, to compare two cuts by."""
+    """(bytes of the owner groups' partitions on each rank, the largest rank's load) of a
+    cut, to compare two cuts by: every rank holds one partition of each group (an expert
+    group's too, whatever its shard group), each its group's longest run."""
     all_bounds, load = cut
     partitions = sum(
-        group.world_size * max(b - a for a, b in zip(bounds, bounds[1:])) * itemsize(group.dtype)
+        max(b - a for a, b in zip(bounds, bounds[1:])) * itemsize(group.dtype)
         for group, bounds in zip(groups, all_bounds)
         if bounds
     )
