@@ -10,7 +10,8 @@ matrix, and two of the D + 1 largest on one rank), and the padding, which in an 
 includes the memory imbalance (every rank's partition is the longest run), as a share of the
 parameter bytes (goal <= 1%), with two lower bounds: matrices pooled over the groups, and
 per group ("per group": every rank's partition of a group has one size, so each group's
-partition holds at least two of its D + 1 largest matrices).
+partition holds at least two of its D + 1 largest matrices); and the goal's figure, "rank
+memory": what the ranks hold over the model's bytes, less one (:func:`rank_memory_excess`).
 
 (b) TinyGPT of about 3.7M parameters (vocab 2048, d_model 256, 4 layers, sequences of 64, 8
 per rank), bf16 parameters, fp32 masters, clipping at 1.0, gloo with one thread per rank, at
@@ -138,7 +139,7 @@ def layout_report() -> None:
 
     header = (
         f"{'model':<16}{'D':>4}{'EP':>4}{'NS max/mean':>13}{'bound':>8}{'owner padding':>15}"
-        f"{'bound':>8}{'per group':>11}{'layout padding':>16}{'even layout':>13}"
+        f"{'bound':>8}{'per group':>11}{'layout padding':>16}{'rank memory':>13}{'even layout':>13}"
     )
     print(header)
     print("-" * len(header))
@@ -154,8 +155,21 @@ def layout_report() -> None:
                 f"{whole_matrix_bound(model, world_size, ep, newton_schulz_cost):>8.3f}"
                 f"{owner_padding / owner_numel:>15.2%}{whole_matrix_bound(model, world_size, ep, math.prod) - 1:>8.2%}"
                 f"{uniform_partition_bound(model, world_size, ep):>11.2%}"
-                f"{layout.padding().fraction:>16.2%}{even.padding().fraction:>13.2%}"
+                f"{layout.padding().fraction:>16.2%}{rank_memory_excess(layout):>13.2%}{even.padding().fraction:>13.2%}"
             )
+
+
+def rank_memory_excess(layout) -> float:
+    """What every rank holds (one partition of each group, each its group's longest run)
+    over its share of the model (every parameter once over the job, an expert group's once
+    per expert-parallel rank), less one: the padding and the imbalance in memory. Unlike
+    ``Layout.padding()``, which weighs each group's padding against its own flat buffer (an
+    expert group's: one expert-parallel rank's experts), this counts what the job holds."""
+    from zeroshard.layout import itemsize
+
+    held = layout.world_size * sum(g.partition_numel * itemsize(g.dtype) for g in layout.groups)
+    model = sum(g.param_numel * itemsize(g.dtype) * (layout.world_size // g.world_size) for g in layout.groups)
+    return held / model - 1
 
 
 # ---- (b) step time, worker (one rank under torchrun) --------------------------------------------------
