@@ -11,13 +11,13 @@ loss of micro-batch m of step t is a linear probe of its parameters,
 
 with k integers drawn in [-K, K] per element, rank, micro-batch and step (a seeded generator;
 an expert stack's rows are the rank's own experts), W the world size, s = 2^-10. Its gradient
-is c whatever the weights, and (A = 2 micro-batches, |k| <= K = 8, D <= 4):
+is c whatever the weights, and (A = 2 micro-batches, |k| <= K = 8, D <= 8):
 
-* ``engine.backward`` scales the loss by 1/A: the local gradient c/A = W k s/2 is a 6-bit
-  integer (|W k| <= 32) times a power of two, exact in bf16 and fp32 parameters alike;
+* ``engine.backward`` scales the loss by 1/A: the local gradient c/A = W k s/2 is a 7-bit
+  integer (|W k| <= 64) times a power of two, exact in bf16 (8 bits) and fp32 alike;
 * an fp32 reduction (stage 2: of each micro-batch; stage 1: of the local fp32 sum over the
   micro-batches) adds at most D*A such values: every partial sum, in any order, is an integer
-  multiple of s/2 below 2^8 * s/2, exact in fp32 (24 bits). The sum is W times an integer
+  multiple of s/2 of at most 2^10 units, exact in fp32 (24 bits). The sum is W times an integer
   multiple of s/2, so the engine's division by W is exact, and so is stage 2's addition of
   the micro-batches' quotients;
 * a bf16 reduction divides each rank's gradient by W first (in fp32, rounded to bf16):
@@ -38,17 +38,19 @@ checks one step of this); by induction the masters, ``momentum_buffer``, ``exp_a
 ``exp_avg_sq`` and the model's parameters are equal bit for bit after every step.
 
 Clipping is not exact, so it stays inactive (``max_grad_norm`` above every norm: both
-coefficients clamp to exactly 1). Every fragment's sum of squares S is exact here (squares
-of integers below 2^6, at most 1024 per parameter), but the engine squares each fragment's
-norm fl(sqrt(S)) again and sums over ranks, while torch's clip_grad_norm_ takes the norm of
-the per-parameter norms: fl(fl(sqrt(2))^2) != 2 in fp32, and a parameter cut between two
-ranks is two fragments there and one norm here. The totals may differ in the last bits, and
-so would the coefficients, every clipped gradient, and through bf16 Newton-Schulz the run.
-The worker compares the norms within their bound instead: each side is sqrt of a sum of K
-positive terms fl(fl(sqrt(S_i))^2), each within 3u of S_i, summed within (K - 1)u, so each
-total is within (K/2 + 2)u of the exact norm (u = 2^-24; K the fragments of the whole job, or
-the reference's parameters), and the two within the sum of both, plus u for second-order
-terms. The two-halves test (tests/test_muon_engine.py) covers active clipping.
+coefficients clamp to exactly 1). Every fragment's sum of squares S is exact here (at most
+1024 squares of integers up to D*A*K = 2^7, in units of (s/2)^2: below 2^24), but the engine
+squares each fragment's norm fl(sqrt(S)) again and sums over ranks, while torch's
+clip_grad_norm_ takes the norm of the per-parameter norms: fl(fl(sqrt(2))^2) != 2 in fp32,
+and a parameter cut between two ranks is two fragments there and one norm here. The totals
+may differ in the last bits (they do, by one ulp, at D = 4), and so would the coefficients,
+every clipped gradient, and through bf16 Newton-Schulz the run. The worker compares the
+norms within their bound instead: each side is the sqrt of a sum of N positive terms
+fl(fl(sqrt(S_i))^2), each within 3u of S_i, summed within (N - 1)u, so each total is within
+(N/2 + 2)u of the exact norm (u = 2^-24; N the fragments of the whole job, or the
+reference's parameters), and the two within the sum of both, plus u for second-order terms.
+The two-halves test (tests/test_muon_engine.py) covers active clipping, and the gradients of
+real losses through the model's forward, which the probe leaves out.
 
 Workers return numbers (largest differences, the first step that differed), never verdicts.
 """

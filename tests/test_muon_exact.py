@@ -1,5 +1,6 @@
-"""ZeroOptimizer with torch.optim.Muon + torch.optim.AdamW at D = 3 and 4 against one process,
-end to end over 4 steps of 2 micro-batches, BIT FOR BIT (issue 32, part 3).
+"""ZeroOptimizer with torch.optim.Muon + torch.optim.AdamW at D = 3, 4 and 8 (a tiny model: half
+the ranks own no matrix) against one process, end to end over 4 steps of 2 micro-batches,
+BIT FOR BIT (issue 32, part 3).
 
 The probe loss makes every gradient exact whatever the order of the sums
 (tests/muon_exact_workers.py derives it), so the masters, Muon's ``momentum_buffer``, AdamW's
@@ -30,6 +31,7 @@ CASES = {
         exact_case("moe-ep2-stage2-bf16", model="moe", ep=2, dtype="bfloat16", bucket_numel=300),
         exact_case("moe-ep2-stage1-fp32", model="moe", ep=2, stage=1, bucket_numel=None),
     ],
+    8: [exact_case("tiny-stage2-fp32", model="tiny", bucket_numel=100)],
 }
 
 
