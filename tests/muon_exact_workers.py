@@ -64,11 +64,11 @@ from muon_workers import (
     ADAMW_OPTIONS,
     MUON_OPTIONS,
     MuonCase,
-    _full_state,
-    _is_muon,
-    _max_diff,
-    _summed,
-    _views_diff,
+    full_state,
+    is_muon,
+    max_diff,
+    summed,
+    views_diff,
     build_model,
     gather_params,
     is_matrix,
@@ -175,7 +175,7 @@ class Reference:
         return {name: self.local(name, param.grad, rank) for name, param in self.params.items()}
 
     def full_state(self, rank: int) -> dict:
-        """Masters and optimizer states as ``muon_workers._full_state`` gives the engine's."""
+        """Masters and optimizer states as ``muon_workers.full_state`` gives the engine's."""
         masters = {name: self.local(name, param.detach(), rank) for name, param in self.params.items()}
         states = {}
         for name, matrices in self.matrices.items():
@@ -198,9 +198,9 @@ def run_exact_case(rank: int, world_size: int, case: MuonCase) -> dict:
     engine = make_engine(model, case, groups.expert_dp if groups else None)
     rows = expert_rows(model, groups, world_size)
     reference = Reference(case, rows)
-    muon = {name for name in engine.layout.param_names if _is_muon(engine, name)}
+    muon = {name for name in engine.layout.param_names if is_muon(engine, name)}
     dtype = getattr(torch, case.dtype)
-    initial = _full_state(engine, muon, 0)["masters"]
+    initial = full_state(engine, muon, 0)["masters"]
     report = {"name": case.name, "grad_diff": 0.0, "masters_diff": 0.0, "states_diff": {key: 0.0 for key in STATE_KEYS}}
     report.update(params_diff=0.0, first_diff_step=-1, norm_rel_diff=0.0, norm_bound=0.0)
     for step in range(case.steps):
@@ -211,24 +211,24 @@ def run_exact_case(rank: int, world_size: int, case: MuonCase) -> dict:
                 reference.backward(probe_integers(step, other, micro, reference.shapes), other)
         engine.reducer.reduce()  # stage 1 reduces at the step, or when a gradient is read
         reduced = gather_params(engine, engine.reducer.partition_grads)
-        report["grad_diff"] = max(report["grad_diff"], _max_diff(reduced, reference.grads(rank)))
+        report["grad_diff"] = max(report["grad_diff"], max_diff(reduced, reference.grads(rank)))
         engine.step()
         engine.zero_grad()
         reference.step()
-        _compare(report, step, _full_state(engine, muon, step + 1), reference.full_state(rank))
+        _compare(report, step, full_state(engine, muon, step + 1), reference.full_state(rank))
         _compare_views(report, step, model, reference.full_state(rank)["masters"], dtype)
         _compare_norms(report, engine, reference)
-    report["moved"] = _max_diff(reference.full_state(rank)["masters"], initial)
+    report["moved"] = max_diff(reference.full_state(rank)["masters"], initial)
     return report
 
 
 def _compare(report: dict, step: int, engine_state: dict, reference_state: dict) -> None:
     """Fold one step's differences of masters and of each state into the report."""
-    found = {"masters": _max_diff(engine_state["masters"], reference_state["masters"])}
+    found = {"masters": max_diff(engine_state["masters"], reference_state["masters"])}
     for key in STATE_KEYS:
         ours = {k: v for k, v in engine_state["states"].items() if k[1] == key}
         theirs = {k: v for k, v in reference_state["states"].items() if k[1] == key}
-        found[key] = _max_diff(ours, theirs)
+        found[key] = max_diff(ours, theirs)
         report["states_diff"][key] = max(report["states_diff"][key], found[key])
     report["masters_diff"] = max(report["masters_diff"], found["masters"])
     if report["first_diff_step"] < 0 and any(value != 0.0 for value in found.values()):
@@ -237,7 +237,7 @@ def _compare(report: dict, step: int, engine_state: dict, reference_state: dict)
 
 def _compare_views(report: dict, step: int, model: nn.Module, masters: dict, dtype: torch.dtype) -> None:
     """The engine's model parameters against the reference's fp32 parameters cast."""
-    difference = _views_diff(model, masters, dtype)
+    difference = views_diff(model, masters, dtype)
     report["params_diff"] = max(report["params_diff"], difference)
     if report["first_diff_step"] < 0 and difference != 0.0:
         report["first_diff_step"] = step
@@ -245,7 +245,7 @@ def _compare_views(report: dict, step: int, model: nn.Module, masters: dict, dty
 
 def _compare_norms(report: dict, engine, reference: Reference) -> None:
     """The engine's global gradient norm against clip_grad_norm_'s, and their bound."""
-    fragments = _summed(sum(len(group.fragments(engine.rank_in(group))) for group in engine.layout.groups))
+    fragments = summed(sum(len(group.fragments(engine.rank_in(group))) for group in engine.layout.groups))
     bound = ((fragments + len(reference.params)) / 2 + 5) * U
     report["norm_rel_diff"] = max(report["norm_rel_diff"], abs(engine.last_grad_norm - reference.norm) / reference.norm)
     report["norm_bound"] = max(report["norm_bound"], bound)

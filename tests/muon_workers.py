@@ -154,7 +154,7 @@ def run_case(rank: int, world_size: int, case: MuonCase) -> dict:
     dtype = getattr(torch, case.dtype)
     replica.to(dtype)
     experts = {name for group in engine.grouping.user_groups if group.expert for name in _names(engine, group)}
-    muon = {name for name in engine.layout.param_names if _is_muon(engine, name)}
+    muon = {name for name in engine.layout.param_names if is_muon(engine, name)}
     report = {"name": case.name, "grad_excess": 0.0, "grad_max_diff": 0.0, "step_masters_diff": 0.0}
     report.update(step_state_diff=0.0, views_diff=0.0, ns_calls=[], moved=0.0, padding_nonzero=0.0)
     for step in range(case.steps):
@@ -163,7 +163,7 @@ def run_case(rank: int, world_size: int, case: MuonCase) -> dict:
         for micro in range(case.accumulation):
             loss = model(*batch(case, step, rank, micro))
             engine.backward(loss)
-        before = _full_state(engine, muon, step)
+        before = full_state(engine, muon, step)
         engine.reducer.reduce()  # stage 1 reduces at the step, or when a gradient is read
         scale = engine.scaler.scale
         grads = {k: v / scale for k, v in gather_params(engine, engine.reducer.partition_grads).items()}
@@ -175,13 +175,13 @@ def run_case(rank: int, world_size: int, case: MuonCase) -> dict:
         calls = NS_CALLS["calls"]
         engine.step()
         engine.zero_grad()
-        report["ns_calls"].append(_summed(NS_CALLS["calls"] - calls))
-        after = _full_state(engine, muon, step + 1)
+        report["ns_calls"].append(summed(NS_CALLS["calls"] - calls))
+        after = full_state(engine, muon, step + 1)
         masters, states = reference_step(engine, before, grads, muon, experts)
-        report["step_masters_diff"] = max(report["step_masters_diff"], _max_diff(masters, after["masters"]))
-        report["step_state_diff"] = max(report["step_state_diff"], _max_diff(states, after["states"]))
-        report["moved"] = max(report["moved"], _max_diff(after["masters"], before["masters"]))
-        report["views_diff"] = max(report["views_diff"], _views_diff(model, after["masters"], dtype))
+        report["step_masters_diff"] = max(report["step_masters_diff"], max_diff(masters, after["masters"]))
+        report["step_state_diff"] = max(report["step_state_diff"], max_diff(states, after["states"]))
+        report["moved"] = max(report["moved"], max_diff(after["masters"], before["masters"]))
+        report["views_diff"] = max(report["views_diff"], views_diff(model, after["masters"], dtype))
         report["padding_nonzero"] = max(report["padding_nonzero"], _padding_nonzero(engine))
     report["expected_ns_calls"] = _expected_ns_calls(engine, muon, experts, case)
     report["owner_groups"] = [group.owner for group in engine.layout.groups]
@@ -192,7 +192,7 @@ def _names(engine: ZeroOptimizer, user) -> list[str]:
     return [slot.name for g in user.layout_groups for slot in engine.layout.groups[g].params]
 
 
-def _is_muon(engine: ZeroOptimizer, name: str) -> bool:
+def is_muon(engine: ZeroOptimizer, name: str) -> bool:
     group, _ = engine.layout.param(name)
     return group.owner
 
@@ -213,7 +213,7 @@ def gather_params(engine: ZeroOptimizer, partitions: list[torch.Tensor]) -> dict
     return full
 
 
-def _summed(value: int) -> int:
+def summed(value: int) -> int:
     total = torch.tensor([value], dtype=torch.int64)
     if dist.is_initialized():
         dist.all_reduce(total)
@@ -315,7 +315,7 @@ def mirror_reduction(rounds: list[torch.Tensor], comm, case: MuonCase, scale: fl
 # ---- the step, on one process -------------------------------------------------------------------------
 
 
-def _full_state(engine: ZeroOptimizer, muon: set[str], step: int) -> dict:
+def full_state(engine: ZeroOptimizer, muon: set[str], step: int) -> dict:
     """Every parameter's fp32 master and optimizer state, whole (collective)."""
     masters = gather_params(engine, list(engine.masters))
     states: dict[tuple[str, str], torch.Tensor] = {}
@@ -391,13 +391,13 @@ def reference_step(engine: ZeroOptimizer, before: dict, grads: dict, muon: set[s
 # ---- checks ---------------------------------------------------------------------------------------------
 
 
-def _max_diff(a: dict, b: dict) -> float:
+def max_diff(a: dict, b: dict) -> float:
     if a.keys() != b.keys():
         return math.inf
     return max((float((a[k].float() - b[k].float()).abs().max()) for k in a if a[k].numel()), default=0.0)
 
 
-def _views_diff(model: nn.Module, masters: dict[str, torch.Tensor], dtype: torch.dtype) -> float:
+def views_diff(model: nn.Module, masters: dict[str, torch.Tensor], dtype: torch.dtype) -> float:
     """The model's parameters against the masters cast: the all-gather put them in place."""
     params = dict(model.named_parameters())
     return max(float((params[name].detach().float() - value.to(dtype).float()).abs().max()) for name, value in masters.items())
