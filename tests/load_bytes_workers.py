@@ -90,6 +90,12 @@ def train_and_save(rank: int, root: Path, tag: str, dtype: torch.dtype = torch.b
 # ---- what a rank needs --------------------------------------------------------------------------
 
 
+def reads_saved_weights(layout, full: bool) -> bool:
+    """Alone, a load without optimizer state reads the saved bf16 weights, not the fp32
+    masters (half the bytes); a universal checkpoint has none."""
+    return layout.world_size == 1 and not full
+
+
 def _blocks(record, begin: int, end: int, name: str) -> set[tuple[str, int]]:
     return {(name, index) for index in record.blocks_covering(begin, end)}
 
@@ -107,7 +113,10 @@ def native_needed(path: Path, layout, rank: int, full: bool, shared: list[str]) 
 
     blocks: set[tuple[str, int]] = set()
     first_file = None
-    for plan in plan_reads(manifest.layout, layout, rank, set(layout.param_names)):
+    loaded = set(layout.param_names)
+    if reads_saved_weights(layout, full):
+        shared, loaded = [*shared, *layout.param_names], set()
+    for plan in plan_reads(manifest.layout, layout, rank, loaded):
         for copy in plan.copies:
             record = manifest.groups[copy.source_group]
             keys = {fp32_key(copy.source_group): record.fp32_dtype}
@@ -180,7 +189,10 @@ def deepspeed_needed(path: Path, layout, rank: int, full: bool, shared: list[str
     def need(stored) -> None:
         records[(str(stored.storage.path), stored.storage.record_name)] = stored.storage.record_size
 
-    for plan in plan_reads(source.info.layout, layout, rank, set(layout.param_names)):
+    loaded = set(layout.param_names)
+    if reads_saved_weights(layout, full):
+        shared, loaded = [*shared, *layout.param_names], set()
+    for plan in plan_reads(source.info.layout, layout, rank, loaded):
         for copy in plan.copies:
             tensors = source._ranks[copy.source_rank]
             need(tensors.fp32[copy.source_group])

@@ -57,3 +57,25 @@ def test_a_record_past_the_limit_is_read_straight_and_none_is_dropped(tmp_path):
         found = [cache.elements(tensors[name], 1, 3) for name in ("t0", "t1", "t0", "t1")]
     assert [None if f is None else f[0] for f in found] == [1, None, 1, None]
     assert stats.data == record, (stats.data, record)
+
+
+def test_deepspeeds_module_weights_read_each_record_once(deepspeed_runs):
+    """DeepSpeed saves a param group's bf16 weights as views of one flat storage: one zip
+    record, whose CRC-32 covers all of it. Its source reads the module's weights together
+    with each record read once, the values those of each tensor read alone; one by one,
+    each weight would read the whole record again."""
+    from zeroshard.checkpoint.formats import open_source
+    from zeroshard.checkpoint.source import read_model_tensors
+
+    with open_source(deepspeed_runs["w1_s1"].save_dir) as source:
+        names = list(source.layout.param_names)
+        module = {name: source._model.module[source.info.aliases.get(name, name)] for name in names}
+        records = {(str(t.storage.path), t.storage.record_name): t.storage.record_size for t in module.values()}
+        assert len(records) < len(names)  # the check below means something: records are shared
+        stats = ReadStats()
+        with stats.counting():
+            found = read_model_tensors(source, names)
+        assert stats.data == sum(records.values()), (stats.data, records)
+        for name in names:
+            alone = source.model_tensor(name)
+            assert found[name].shape == alone.shape and found[name].tobytes() == alone.tobytes(), name

@@ -10,6 +10,9 @@ saved, or no rank loads it.
 A load reads each byte it needs once over the job: every rank its own partitions, the
 engine rebuilds the weights from them (cast and all-gathered), and each buffer and frozen
 parameter is read by one rank and broadcast once the ranks agreed (:mod:`.shared_module`).
+Alone (D = 1), a load without optimizer state reads the saved low-precision weights instead
+of the fp32 masters: half the bytes for bf16 weights, the same values (the masters are the
+weights cast, as the engine rebuilds them).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from .attest.attested import attested_load
 from .loader import load_state
 from .native.save import FaultHook, save_sharded
 from .shared_module import ModuleShare, broadcast_module, share_checkpoint
+from .source import ShardSource
 
 if TYPE_CHECKING:
     from ..engine import ZeroOptimizer
@@ -113,22 +117,37 @@ def load_checkpoint_attested(
     module_state = engine.model.state_dict()
     base = None if strict else engine.export_state()  # what the checkpoint lacks keeps the run's values
 
-    def read(evidence: Evidence) -> tuple[ShardedState, ModuleShare, dict[str, str]]:
+    def read(evidence: Evidence) -> tuple[ShardedState, ModuleShare | None, dict[str, str]]:
         with open_source(Path(path)) as source:
-            share = share_checkpoint(source.info.model_entries, layout, rank, None if strict else module_state)
+            share = None
+            if not _reads_saved_weights(engine, source, load_optimizer_states and not load_module_only):
+                share = share_checkpoint(source.info.model_entries, layout, rank, None if strict else module_state)
             state = load_state(source, layout, rank, evidence=evidence, module_state=module_state, base=base, share=share, **options)
             return state, share, dict(source.info.aliases)
 
+    def fingerprint(read: tuple[ShardedState, ModuleShare | None, dict[str, str]]) -> int:
+        return read[1].fingerprint() if read[1] is not None else 0
+
     (state, share, aliases), attestation = attested_load(
-        _coordinator(engine), str(path), read, layout, options, agree_also=lambda read: read[1].fingerprint(), stats=stats
+        _coordinator(engine), str(path), read, layout, options, agree_also=fingerprint, stats=stats
     )
-    # Only now, every rank agreed: no rank waits for a tensor another failed to read.
-    shared = broadcast_module(engine.comm, share, state.model_state)
-    state.model_state = {**shared, **{alias: shared[target] for alias, target in aliases.items() if target in shared}}
-    engine.import_state(state, **options, take=True, weights_from_masters=True)  # read for this call: no copies
+    if share is not None:
+        # Only now, every rank agreed: no rank waits for a tensor another failed to read.
+        shared = broadcast_module(engine.comm, share, state.model_state)
+        state.model_state = {**shared, **{alias: shared[target] for alias, target in aliases.items() if target in shared}}
+    # Read for this call: no copies.
+    engine.import_state(state, **options, take=True, weights_from_masters=share is not None)
     if lr_scheduler is not None and LR_SCHEDULER_KEY in state.extra and not load_module_only:
         lr_scheduler.load_state_dict(state.extra[LR_SCHEDULER_KEY])
     return dict(state.extra), attestation
+
+
+def _reads_saved_weights(engine: ZeroOptimizer, source: ShardSource, full: bool) -> bool:
+    """Whether the load reads the saved low-precision weights rather than rebuilding them
+    from the fp32 masters: alone, without optimizer state, from a source that has them (a
+    universal checkpoint's weights are its masters cast). No other rank would read them
+    and no all-gather follows, and a bf16 weight is half a master's bytes."""
+    return engine.world_size == 1 and not full and not source.info.weights_from_masters
 
 
 def _coordinator(engine: ZeroOptimizer) -> Coordinator:

@@ -43,9 +43,7 @@ class RecordCache:
         record = self._record(saved)
         if record is None:
             return None
-        itemsize = itemsize_of(saved.dtype)
-        begin = (saved.storage_offset + start) * itemsize
-        return from_bytes(record[begin : begin + (stop - start) * itemsize], saved.dtype)
+        return record_elements(record, saved, start, stop)
 
     def _record(self, saved: StoredTensor) -> np.ndarray | None:
         key = (str(saved.storage.path), saved.storage.record_name)
@@ -59,3 +57,11 @@ class RecordCache:
         """Drop every record kept."""
         self._records.clear()
         self._bytes = 0
+
+
+def record_elements(record: np.ndarray, saved: StoredTensor, start: int, stop: int) -> np.ndarray:
+    """Elements [start, stop) of the contiguous tensor ``saved`` out of ``record``, the bytes
+    of its whole zip record (:meth:`~.torch_records.StoredTensor.record`): a view, no copy."""
+    itemsize = itemsize_of(saved.dtype)
+    begin = (saved.storage_offset + start) * itemsize
+    return from_bytes(record[begin : begin + (stop - start) * itemsize], saved.dtype)

@@ -18,8 +18,9 @@ DeepSpeed is imported.
 
 from __future__ import annotations
 
+import collections
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ from .files import ModelStates, RankShard, read_model_states, read_rank_shard, r
 from .paths import MODEL_STATES_FILE, model_states_path, rank_file_paths, refuse_unsupported
 from .pickled import DeepSpeedFormatError
 from ...torchfile.torch_file import StoredTensor, TorchFileError
-from ...torchfile.record_cache import RecordCache
+from ...torchfile.record_cache import RecordCache, record_elements
 from ...torchfile.torch_records import one_line
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +165,33 @@ class DeepSpeedSource:
         with _named_errors():
             return self._model.module[name].numpy()
 
+    def model_tensors(self, names: list[str]) -> dict[str, np.ndarray]:
+        """:meth:`model_tensor` of each name, each zip record read once: DeepSpeed's bf16
+        weights are views of one flat storage per param group, one record whose CRC-32
+        covers all of it, so reading them one by one would read that record once per weight.
+        A record that several tensors view is read whole, checked, and kept for this call
+        (at most the model-states file's size); their arrays are views of it."""
+        stored = {}
+        for name in names:
+            resolved = self.info.aliases.get(name, name)
+            if resolved not in self._model.module:
+                raise KeyError(f"{self._model.path.name} has no module tensor {name!r}")
+            stored[name] = resolved
+        tensors = {resolved: self._model.module[resolved] for resolved in stored.values()}
+        shared = _records_viewed_more_than_once(tensors.values())
+        records: dict[tuple[str, str], np.ndarray] = {}
+        read: dict[str, np.ndarray] = {}
+        with _named_errors():
+            for resolved, saved in tensors.items():
+                key = (str(saved.storage.path), saved.storage.record_name)
+                if key in shared and saved.is_contiguous():
+                    if key not in records:
+                        records[key] = saved.record()
+                    read[resolved] = record_elements(records[key], saved, 0, saved.numel()).reshape(saved.shape)
+                else:
+                    read[resolved] = saved.numpy()
+        return {name: read[resolved] for name, resolved in stored.items()}
+
     def close(self) -> None:
         """Drop the rank files' tensors and the records kept; the source cannot be read after."""
         self._ranks = []
@@ -184,6 +212,12 @@ class DeepSpeedSource:
         if not 0 <= rank < len(self._ranks):
             raise ValueError(f"rank {rank} is outside world size {len(self._ranks)}")
         return self._ranks[rank]
+
+
+def _records_viewed_more_than_once(stored: Iterable[StoredTensor]) -> set[tuple[str, str]]:
+    """(file, record name) of each record that more than one of ``stored`` views."""
+    views = collections.Counter((str(saved.storage.path), saved.storage.record_name) for saved in stored)
+    return {key for key, count in views.items() if count > 1}
 
 
 @contextlib.contextmanager
