@@ -29,14 +29,11 @@ The launcher starts ``torchrun`` per world size with this file as the worker.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-from torchrun_job import run_for_json, write_gathered
+from torchrun_job import exit_worker, run_rounds, write_gathered
 
 VOCAB, D_MODEL, LAYERS, HEADS, SEQ, BATCH = 8192, 256, 4, 4, 64, 16
 LR, WEIGHT_DECAY, BETAS, CLIP = 3e-4, 0.1, (0.9, 0.95), 1.0
@@ -233,19 +230,14 @@ def worker(out_path: Path, rounds: int, steps: int, warmup: int) -> None:
                     records[name].append(record)
     params = sum(p.numel() for p in variants["zeroshard stage 2"].model.parameters())
     write_gathered(out_path, records, params=params)
-    deepspeed.comm.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # as tests/deepspeed_fixtures.py: skip gloo's interpreter teardown
+    exit_worker()
 
 
 # ---- launcher and report --------------------------------------------------------------------------
 
 
 def launch(world_size: int, rounds: int, steps: int, warmup: int) -> dict:
-    with tempfile.TemporaryDirectory() as folder:
-        out = Path(folder) / "result.json"
-        args = ["--worker", str(out), "--rounds", str(rounds), "--steps", str(steps), "--warmup", str(warmup)]
-        return run_for_json(__file__, world_size, args, out, timeout=3600, DS_ACCELERATOR="cpu")
+    return run_rounds(__file__, world_size, rounds, steps, warmup)
 
 
 def _median(result: dict, name: str, key: str) -> float:

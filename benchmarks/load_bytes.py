@@ -49,6 +49,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from deepspeed_adamw import zero2_bf16_adamw
 from read_floor import evict, needed_extents, read_floor
 from torchrun_job import per_round, round_ratio, run_for_json, write_gathered
 
@@ -93,18 +94,8 @@ def _inputs(hidden: int, rank: int):
 
 
 def _deepspeed_engine(name: str, rank: int, save_dir: Path):
-    import deepspeed
-
     model = _model(name)
-    config = {
-        "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "torch_adam": True}},
-        "bf16": {"enabled": True},
-        "zero_optimization": {"stage": 2},
-        "steps_per_print": 10**9,
-    }
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=_param_groups(model), config=config)
+    engine = zero2_bf16_adamw(model, _param_groups(model), LR, BETAS)
     engine.backward(engine(_inputs(MODELS[name][0], rank)).float().square().mean())
     engine.step()
     engine.save_checkpoint(str(save_dir), tag="t")

@@ -34,14 +34,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-from torchrun_job import run_for_json, write_gathered
+from torchrun_job import exit_worker, run_rounds, write_gathered
 
 VOCAB, D_MODEL, LAYERS, HEADS, SEQ, BATCH = 2048, 256, 4, 4, 64, 8
 MUON_LR, ADAM_LR, MOMENTUM, WEIGHT_DECAY, CLIP = 0.02, 3e-4, 0.95, 0.1, 1.0
@@ -309,19 +306,14 @@ def worker(out_path: Path, rounds: int, steps: int, warmup: int) -> None:
     params = sum(p.numel() for p in variants[VARIANTS[1]].model.parameters())
     matrices = sum(1 for n, p in variants[VARIANTS[1]].model.named_parameters() if _is_matrix(n, p))
     write_gathered(out_path, records, params=params, matrices=matrices)
-    deepspeed.comm.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # as tests/deepspeed_fixtures.py: skip gloo's interpreter teardown
+    exit_worker()
 
 
 # ---- (b) launcher and report -----------------------------------------------------------------------
 
 
 def launch(world_size: int, rounds: int, steps: int, warmup: int) -> dict:
-    with tempfile.TemporaryDirectory() as folder:
-        out = Path(folder) / "result.json"
-        args = ["--worker", str(out), "--rounds", str(rounds), "--steps", str(steps), "--warmup", str(warmup)]
-        return run_for_json(__file__, world_size, args, out, timeout=3600, DS_ACCELERATOR="cpu")
+    return run_rounds(__file__, world_size, rounds, steps, warmup)
 
 
 def step_report(result: dict) -> None:

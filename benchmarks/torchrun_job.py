@@ -70,3 +70,24 @@ def round_ratio(result: dict, step: str, baseline: str, key: str) -> float:
     """The median over rounds of ``step``'s ``key`` over ``baseline``'s in the same round."""
     pairs = zip(per_round(result, step, key), per_round(result, baseline, key))
     return statistics.median(a / b for a, b in pairs)
+
+
+def run_rounds(script: str, world_size: int, rounds: int, steps: int, warmup: int) -> dict:
+    """Launcher side of a step-time benchmark whose worker takes ``--worker OUT --rounds
+    --steps --warmup`` (DeepSpeed on the CPU accelerator): its gathered JSON."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "result.json"
+        args = ["--worker", str(out), "--rounds", str(rounds), "--steps", str(steps), "--warmup", str(warmup)]
+        return run_for_json(script, world_size, args, out, timeout=3600, DS_ACCELERATOR="cpu")
+
+
+def exit_worker() -> None:
+    """Worker side, last: leave the process group and exit at once, skipping gloo's
+    interpreter teardown (as tests/deepspeed_fixtures.py does)."""
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
