@@ -8,8 +8,9 @@ attests (:mod:`.attest`): the ranks' loaded state, digested, must be what the ch
 saved, or no rank loads it.
 
 A load reads each byte it needs once over the job: every rank its own partitions, the
-engine rebuilds the weights from them (cast and all-gathered), and each buffer and frozen
-parameter is read by one rank and broadcast once the ranks agreed (:mod:`.shared_module`).
+engine rebuilds the weights from them (cast and all-gathered, each group's while the rest is
+read: :class:`_WeightsGather`), and each buffer and frozen parameter is read by one rank and
+broadcast once the ranks agreed (:mod:`.shared_module`).
 Alone (D = 1), a load without optimizer state reads the saved low-precision weights instead
 of the fp32 masters: half the bytes for bf16 weights, the same values (the masters are the
 weights cast, as the engine rebuilds them).
@@ -21,6 +22,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..io.dtypes import to_torch
 from ..io.read_stats import ReadStats
 from ..state import ShardedState
 from .coordinator import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
@@ -117,29 +119,89 @@ def load_checkpoint_attested(
     module_state = engine.model.state_dict()
     base = None if strict else engine.export_state()  # what the checkpoint lacks keeps the run's values
 
+    gather = _WeightsGather(engine) if engine.world_size > 1 else None
+
     def read(evidence: Evidence) -> tuple[ShardedState, ModuleShare | None, dict[str, str]]:
-        with open_source(Path(path)) as source:
-            share = None
-            if not _reads_saved_weights(engine, source, load_optimizer_states and not load_module_only):
-                share = share_checkpoint(source.info.model_entries, layout, rank, None if strict else module_state)
-            state = load_state(source, layout, rank, evidence=evidence, module_state=module_state, base=base, share=share, **options)
-            return state, share, dict(source.info.aliases)
+        try:
+            with open_source(Path(path)) as source:
+                share = None
+                if not _reads_saved_weights(engine, source, load_optimizer_states and not load_module_only):
+                    share = share_checkpoint(source.info.model_entries, layout, rank, None if strict else module_state)
+                on_masters = gather.start if gather is not None and share is not None else None
+                state = load_state(
+                    source, layout, rank, evidence=evidence, module_state=module_state, base=base, share=share,
+                    on_masters=on_masters, **options,
+                )  # fmt: skip
+                return state, share, dict(source.info.aliases)
+        finally:
+            if gather is not None:
+                gather.start_rest()  # a rank that failed still starts every gather the others start
 
     def fingerprint(read: tuple[ShardedState, ModuleShare | None, dict[str, str]]) -> int:
         return read[1].fingerprint() if read[1] is not None else 0
 
-    (state, share, aliases), attestation = attested_load(
-        _coordinator(engine), str(path), read, layout, options, agree_also=fingerprint, stats=stats
-    )
-    if share is not None:
-        # Only now, every rank agreed: no rank waits for a tensor another failed to read.
-        shared = broadcast_module(engine.comm, share, state.model_state)
-        state.model_state = {**shared, **{alias: shared[target] for alias, target in aliases.items() if target in shared}}
-    # Read for this call: no copies.
-    engine.import_state(state, **options, take=True, weights_from_masters=share is not None)
+    try:
+        (state, share, aliases), attestation = attested_load(
+            _coordinator(engine), str(path), read, layout, options, agree_also=fingerprint, stats=stats
+        )
+        if share is not None:
+            # Only now, every rank agreed: no rank waits for a tensor another failed to read.
+            shared = broadcast_module(engine.comm, share, state.model_state)
+            state.model_state = {**shared, **{alias: shared[target] for alias, target in aliases.items() if target in shared}}
+        if gather is not None:
+            gather.wait()
+        # Read for this call: no copies.
+        gathered = gather is not None and gather.loaded
+        engine.import_state(state, **options, take=True, weights_from_masters=share is not None, params_gathered=gathered)
+    except Exception:
+        if gather is not None:  # every rank raises alike (agreed): put back the weights the run had
+            gather.restore()
+        raise
     if lr_scheduler is not None and LR_SCHEDULER_KEY in state.extra and not load_module_only:
         lr_scheduler.load_state_dict(state.extra[LR_SCHEDULER_KEY])
     return dict(state.extra), attestation
+
+
+class _WeightsGather:
+    """The weights of a load gathered while it reads (ranks > 1): each layout group's fp32
+    partition cast into this rank's slices of the parameter buffer and all-gathered as soon
+    as the loader has it, so the gather runs while the optimizer state is read. The buffer
+    is the run's own: a load that fails on any rank puts the run's weights back by
+    gathering them again from its masters, which a load changes only once every rank has
+    agreed. Every rank starts the same gathers in the same order (group by group), also a
+    rank whose read failed (:meth:`start_rest`), so no collective is left unmatched."""
+
+    def __init__(self, engine: ZeroOptimizer) -> None:
+        self.engine = engine
+        self.handles: list[Any] = []
+        self.next_group = 0
+        self.loaded = False  # every group started from the loaded partitions
+
+    def start(self, group: int, fp32: Any) -> None:
+        """The loader's ``on_masters``: group ``group``'s loaded fp32 partition."""
+        if group != self.next_group:
+            raise AssertionError(f"weights of group {group} gathered out of order (expected {self.next_group})")
+        self.handles += self.engine.start_params_gather(group, to_torch(fp32))
+        self.next_group += 1
+        self.loaded = self.next_group == len(self.engine.layout.groups)
+
+    def start_rest(self) -> None:
+        """Start the gathers of the groups not yet started, from the run's own masters."""
+        for group in range(self.next_group, len(self.engine.layout.groups)):
+            self.handles += self.engine.start_params_gather(group)
+        self.next_group = len(self.engine.layout.groups)
+
+    def wait(self) -> None:
+        """Wait for every gather started."""
+        for handle in self.handles:
+            handle.wait()
+        self.handles = []
+
+    def restore(self) -> None:
+        """Collective, after a failed load: the run's weights again, from its masters."""
+        self.start_rest()
+        self.wait()
+        self.engine.sync_params_from_masters()
 
 
 def _reads_saved_weights(engine: ZeroOptimizer, source: ShardSource, full: bool) -> bool:

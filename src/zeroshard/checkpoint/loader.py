@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -64,6 +64,7 @@ def load_state(
     base: ShardedState | None = None,
     evidence: Evidence | None = None,
     share: ModuleShare | None = None,
+    on_masters: Callable[[int, np.ndarray], None] | None = None,
 ) -> ShardedState:
     """This rank's state under ``layout`` (the new run's), read from ``source``.
 
@@ -85,13 +86,16 @@ def load_state(
             rank to read, and no trained parameter's weight; ``fp32_partitions`` are what
             the weights are rebuilt from, also without optimizer state
             (``import_state(..., weights_from_masters=True)``).
+        on_masters: with ``share``: called with each group's index and fp32 partition as
+            soon as it is read, before that group's optimizer state (in group order, every
+            group once), so the caller can gather the weights while the rest is read.
     """
     alone = evidence is None
     evidence = Evidence() if alone else evidence
     if share is not None and alone:
         raise ValueError("a load shared with the other ranks is attested with them: pass evidence")
     options = (load_optimizer_states, load_module_only, strict)
-    state = _load(source, layout, rank, *options, module_state, base, evidence, share)
+    state = _load(source, layout, rank, *options, module_state, base, evidence, share, on_masters)
     if alone:
         attest_alone(evidence, layout.world_size)
     return state
@@ -108,6 +112,7 @@ def _load(
     base: ShardedState | None,
     evidence: Evidence,
     share: ModuleShare | None = None,
+    on_masters: Callable[[int, np.ndarray], None] | None = None,
 ) -> ShardedState:
     info = source.info
     if not 0 <= rank < layout.world_size:
@@ -122,7 +127,8 @@ def _load(
     plans = plan_reads(info.layout, layout, rank, loadable)
     evidence.begin(source, layout, rank, loadable, full)
     if share is not None:
-        return _load_shared(source, layout, rank, plans, (full, load_module_only), param_groups, base, evidence, share)
+        kind = (full, load_module_only)
+        return _load_shared(source, layout, rank, plans, kind, param_groups, base, evidence, share, on_masters)
     # Weights cast from whole fp32 masters: their fragments also fill the rank's fp32
     # partitions, so no master byte is read twice.
     from_masters = _partitions_from_masters(source, layout, plans, base) if full and info.weights_from_masters else {}
@@ -179,6 +185,7 @@ def _load_shared(
     base: ShardedState | None,
     evidence: Evidence,
     share: ModuleShare,
+    on_masters: Callable[[int, np.ndarray], None] | None,
 ) -> ShardedState:
     """:func:`_load` of one rank of a job loading together (see the module docstring);
     ``kind``: whether the load is full (optimizer states too), and module only."""
@@ -189,10 +196,12 @@ def _load_shared(
     for plan in plans:
         dtype = layout.groups[plan.group].dtype
         if full:
-            group_fp32, group_states, group_scalars = _read_group(source, layout, plan, base, None, evidence)
+            group_fp32, group_states, group_scalars = _read_group(source, layout, plan, base, None, evidence, on_masters)
         else:
             group_fp32 = _fill(source, plan, "fp32", _start(base, layout, plan.group, None, _stored_dtype(source, plan, "fp32")), evidence)
             group_states, group_scalars = {}, {}
+            if on_masters is not None:
+                on_masters(plan.group, group_fp32)
         evidence.held(plan.group, group_fp32, group_states)
         evidence.rebuilt(plan.group, group_fp32, dtype)
         fp32.append(group_fp32 if full else cast(cast(group_fp32, dtype), "float32"))  # without states: masters from the weights
@@ -242,13 +251,18 @@ def _read_group(
     base: ShardedState | None,
     fp32: np.ndarray | None,
     evidence: Evidence,
+    on_masters: Callable[[int, np.ndarray], None] | None = None,
 ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, torch.Tensor]]:
-    """fp32 master (unless given: filled already), optimizer states and scalars of one new group."""
+    """fp32 master (unless given: filled already), optimizer states and scalars of one new
+    group; ``on_masters`` gets the master before the states are read."""
     group = plan.group
     if not plan.source_groups and base is not None:  # the checkpoint has none of its parameters
         own_states = base.optimizer_states[group]
+        kept = _start(base, layout, group, None, "float32")
+        if on_masters is not None:
+            on_masters(group, kept)
         return (
-            _start(base, layout, group, None, "float32"),
+            kept,
             {name: _start(base, layout, group, name, dtype_of(t).name) for name, t in own_states.items()},
             {name: value.clone() for name, value in base.optimizer_scalars[group].items()},
         )
@@ -258,6 +272,8 @@ def _read_group(
 
     names = _state_names(group, [tuple(source.info.state_keys[g]) for g in plan.source_groups])
     fp32 = read("fp32", None) if fp32 is None else fp32
+    if on_masters is not None:
+        on_masters(group, fp32)
     states = {name: read(name, name) for name in names}
     # Last: a source may take them from a file it has opened for the partitions.
     scalars = _torch_scalars(source.scalars(plan.source_groups[0])) if plan.source_groups else {}

@@ -293,11 +293,13 @@ class ZeroOptimizer(FragmentAccess, TorchOptimizerAPI, torch.optim.Optimizer):
         strict: bool = True,
         take: bool = False,
         weights_from_masters: bool = False,
+        params_gathered: bool = False,
     ) -> None:
         """Collective: every rank of ``process_group`` calls it with its own state. Load a
         state laid out for this engine; see ``state_io.import_state`` (``take=True``: the
         optimizer keeps the state's tensors, not copies; ``weights_from_masters=True``: the
-        parameters are the state's fp32 partitions cast, its model state holds none).
+        parameters are the state's fp32 partitions cast, its model state holds none;
+        ``params_gathered=True``: and they already hold them, see ``start_params_gather``).
 
         Raises:
             ValueError: on every rank alike, when any rank's state does not fit (another
@@ -313,12 +315,31 @@ class ZeroOptimizer(FragmentAccess, TorchOptimizerAPI, torch.optim.Optimizer):
             strict=strict,
             take=take,
             weights_from_masters=weights_from_masters,
+            params_gathered=params_gathered,
         )
 
     def sync_params_from_masters(self) -> None:
         """Collective: every rank of ``process_group`` calls it. Make the model's parameters
         the fp32 masters cast to their dtype (an all-gather per bucket, over its shard group)."""
         self._write_back_and_gather()
+
+    def start_params_gather(self, group_index: int, partition: torch.Tensor | None = None) -> list[Any]:
+        """Collective over layout group ``group_index``'s shard group, asynchronous: write
+        ``partition`` (this rank's fp32 partition of the group, shaped as its master; the
+        master itself when None) cast to the parameters' dtype into this rank's slices of
+        the group's parameter buffer, and start the all-gather of each bucket. Returns the
+        handles to wait on; the group's parameters are ``partition`` cast once they are done.
+        A checkpoint load gathers the weights so while it reads the optimizer state."""
+        buffer, comm = self.buffers[group_index], self.group_comms[group_index]
+        source = (self.masters[group_index] if partition is None else partition).detach()
+        group, handles = buffer.group, []
+        for bucket in group.buckets:
+            begin, end, start = group.bucket_slice(bucket.index, comm.rank)
+            own = buffer.data[begin:end]
+            own.copy_(source[start : start + end - begin])
+            sizes = self.reducer.bucket_sizes(group.index, bucket.index)  # None: equal slices
+            handles.append(comm.all_gather_into(buffer.bucket_view(bucket.index), own, async_op=True, sizes=sizes))
+        return handles
 
     # ---- internals ----------------------------------------------------------------------------
 
@@ -366,14 +387,6 @@ class ZeroOptimizer(FragmentAccess, TorchOptimizerAPI, torch.optim.Optimizer):
         return total
 
     def _write_back_and_gather(self) -> None:
-        handles = []
-        for buffer, master, comm in zip(self.buffers, self.masters, self.group_comms):
-            group = buffer.group
-            for bucket in group.buckets:
-                begin, end, start = group.bucket_slice(bucket.index, comm.rank)
-                own = buffer.data[begin:end]
-                own.copy_(master.detach()[start : start + end - begin])
-                sizes = self.reducer.bucket_sizes(group.index, bucket.index)  # None: equal slices
-                handles.append(comm.all_gather_into(buffer.bucket_view(bucket.index), own, async_op=True, sizes=sizes))
+        handles = [handle for index in range(len(self.buffers)) for handle in self.start_params_gather(index)]
         for handle in handles:
             handle.wait()

@@ -116,6 +116,7 @@ def import_state(
     strict: bool = True,
     take: bool = False,
     weights_from_masters: bool = False,
+    params_gathered: bool = False,
 ) -> None:
     """Collective: every rank of the engine's process group calls it with its own state.
     Load ``state`` (already laid out for this engine) into the engine.
@@ -135,6 +136,8 @@ def import_state(
     ``weights_from_masters=True``: ``state.model_state`` holds no trained parameter (nor a
     name tied to one); the parameters are ``state.fp32_partitions`` cast and all-gathered,
     for every kind of load (a checkpoint load that read no weight does so).
+    ``params_gathered=True`` (with it): the parameters already are those partitions cast and
+    gathered (``start_params_gather`` while the load read), so none is gathered again.
 
     Raises:
         ValueError: on every rank alike, naming the failing rank, when any rank's state has
@@ -145,7 +148,7 @@ def import_state(
     """
     full = load_optimizer_states and not load_module_only
     options = f"load_optimizer_states={load_optimizer_states}, load_module_only={load_module_only}, strict={strict}"
-    call = f"import_state({options}, weights_from_masters={weights_from_masters})"
+    call = f"import_state({options}, weights_from_masters={weights_from_masters}, params_gathered={params_gathered})"
     rebuilt = _rebuilt_names(engine) if weights_from_masters else set()
     engine.comm.checked(call, lambda: _validate(engine, state, full, strict, rebuilt))  # every rank loads, or none
     with torch.no_grad():
@@ -154,7 +157,8 @@ def import_state(
     if not full:
         if weights_from_masters:
             _set_masters(engine, state)
-            engine.sync_params_from_masters()
+            if not params_gathered:
+                engine.sync_params_from_masters()
         else:
             _rebuild_masters_from_params(engine)
         if not load_module_only:
@@ -168,7 +172,8 @@ def import_state(
     engine.matrices.agree(engine.comm, engine.masters[0].device if engine.masters else engine.device)
     engine.global_steps = int(state.extra.get("global_steps", 0))
     engine.scaler.load_state_dict(state.extra.get("loss_scaler", engine.scaler.state_dict()))
-    engine.sync_params_from_masters()
+    if not (weights_from_masters and params_gathered):
+        engine.sync_params_from_masters()
 
 
 def _set_masters(engine: EngineParts, state: ShardedState) -> None:
