@@ -33,7 +33,7 @@ import statistics
 import time
 from pathlib import Path
 
-from torchrun_job import exit_worker, run_rounds, write_gathered
+from torchrun_job import add_round_arguments, exit_worker, run_rounds, write_gathered
 
 VOCAB, D_MODEL, LAYERS, HEADS, SEQ, BATCH = 8192, 256, 4, 4, 64, 16
 LR, WEIGHT_DECAY, BETAS, CLIP = 3e-4, 0.1, (0.9, 0.95), 1.0
@@ -275,11 +275,7 @@ def report(result: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--rounds", type=int, default=7, help="timed rounds; each runs every variant --steps steps")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
-    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    add_round_arguments(parser)
     args = parser.parse_args()
     if args.worker is not None:
         worker(args.worker, args.rounds, args.steps, args.warmup)

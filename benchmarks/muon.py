@@ -38,7 +38,7 @@ import statistics
 import time
 from pathlib import Path
 
-from torchrun_job import exit_worker, run_rounds, write_gathered
+from torchrun_job import add_round_arguments, exit_worker, run_rounds, write_gathered
 
 VOCAB, D_MODEL, LAYERS, HEADS, SEQ, BATCH = 2048, 256, 4, 4, 64, 8
 MUON_LR, ADAM_LR, MOMENTUM, WEIGHT_DECAY, CLIP = 0.02, 3e-4, 0.95, 0.1, 1.0
@@ -341,11 +341,7 @@ def step_report(result: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layout-only", action="store_true", help="(a) only")
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
-    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    add_round_arguments(parser)
     args = parser.parse_args()
     if args.worker is not None:
         worker(args.worker, args.rounds, args.steps, args.warmup)

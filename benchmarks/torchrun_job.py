@@ -72,6 +72,19 @@ def round_ratio(result: dict, step: str, baseline: str, key: str) -> float:
     return statistics.median(a / b for a, b in pairs)
 
 
+def add_round_arguments(parser: Any) -> None:
+    """The arguments of a step-time benchmark that :func:`run_rounds` launches (an
+    ``argparse.ArgumentParser``): world sizes, rounds, steps, warm-up rounds, and the hidden
+    ``--worker`` its ranks are started with."""
+    import argparse
+
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--rounds", type=int, default=7, help="timed rounds; each runs every variant --steps steps")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+
+
 def run_rounds(script: str, world_size: int, rounds: int, steps: int, warmup: int) -> dict:
     """Launcher side of a step-time benchmark whose worker takes ``--worker OUT --rounds
     --steps --warmup`` (DeepSpeed on the CPU accelerator): its gathered JSON."""

@@ -260,13 +260,7 @@ def damaged_load(rank: int, root: Path, engine: ZeroOptimizer) -> dict[str, Any]
     source, damaged = root / "native" / "d2", root / "damaged"
     if rank == 0:
         shutil.copytree(source, damaged)
-        with NativeSource(damaged) as opened:
-            entry = opened._header(MODEL_FILE)["frozen.weight"]
-        with open(damaged / MODEL_FILE, "r+b") as file:
-            file.seek((entry.begin + entry.end) // 2)
-            byte = file.read(1)
-            file.seek(-1, 1)
-            file.write(bytes([byte[0] ^ 0xFF]))
+        flip_middle_byte(damaged, MODEL_FILE, "frozen.weight")
     dist.barrier()
     before = {name: t.clone() for name, t in engine.model.state_dict().items()}
     try:
@@ -276,6 +270,17 @@ def damaged_load(rank: int, root: Path, engine: ZeroOptimizer) -> dict[str, Any]
         error = (type(err).__name__, str(err))
     changed = [name for name, t in engine.model.state_dict().items() if not torch.equal(before[name], t)]
     return {"error": error, "changed": changed}
+
+
+def flip_middle_byte(checkpoint: Path, file_name: str, key: str) -> None:
+    """Invert the middle byte of tensor ``key`` in ``file_name`` of a native checkpoint."""
+    with NativeSource(checkpoint) as opened:
+        entry = opened._header(file_name)[key]
+    with open(checkpoint / file_name, "r+b") as file:
+        file.seek((entry.begin + entry.end) // 2)
+        byte = file.read(1)
+        file.seek(-1, 1)
+        file.write(bytes([byte[0] ^ 0xFF]))
 
 
 def deepspeed_engine(fixture) -> ZeroOptimizer:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from load_bytes_workers import train_and_save, weights_differing_from_file
+from load_bytes_workers import flip_middle_byte, train_and_save, weights_differing_from_file
 
 from zeroshard.checkpoint.engine_io import load_checkpoint
 from zeroshard.checkpoint.format import rank_file_name, state_key
@@ -75,13 +75,6 @@ def _damaged_copy(saved: Path, damaged: Path, world: int, groups: int, rank: int
     rank's file (rank 0 writes it; every rank waits)."""
     if rank == 0:
         shutil.copytree(saved, damaged)
-        file_name = rank_file_name(world - 1, world)
-        with NativeSource(damaged) as opened:
-            entry = opened._header(file_name)[state_key(groups - 1, "exp_avg_sq")]
-        with open(damaged / file_name, "r+b") as file:
-            file.seek((entry.begin + entry.end) // 2)
-            byte = file.read(1)
-            file.seek(-1, 1)
-            file.write(bytes([byte[0] ^ 0xFF]))
+        flip_middle_byte(damaged, rank_file_name(world - 1, world), state_key(groups - 1, "exp_avg_sq"))
     dist.barrier()
     return damaged
