@@ -170,7 +170,11 @@ class DeepSpeedSource:
         weights are views of one flat storage per param group, one record whose CRC-32
         covers all of it, so reading them one by one would read that record once per weight.
         A record that several tensors view is read whole, checked, and kept for this call
-        (at most the model-states file's size); their arrays are views of it."""
+        (at most the model-states file's size); their arrays are views of it.
+
+        Raises:
+            KeyError: a name the model-states file has no tensor of.
+            DeepSpeedFormatError: a record found damaged (its CRC-32) or cut short."""
         stored = {}
         for name in names:
             resolved = self.info.aliases.get(name, name)
