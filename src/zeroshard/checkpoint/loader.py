@@ -46,6 +46,7 @@ from ..state import ParamGroupState, ShardedState
 from .attest.attestation import Evidence, attest_alone
 from .compat import Mismatch, compare_module, compare_params
 from ..io.dtypes import arrays_to_torch, cast, dtype_info, dtype_of, to_numpy, to_torch
+from ..io.host_memory import new_zeros
 from .reshard import GroupPlan, plan_reads
 from .shared_module import ModuleShare
 from .param_groups import map_param_groups
@@ -309,8 +310,10 @@ def _start(base: ShardedState | None, layout: Layout, group: int, name: str | No
     if base is not None:
         tensor = base.fp32_partitions[group] if name is None else base.optimizer_states[group].get(name)
         if tensor is not None and dtype_of(tensor).name == dtype:
-            return to_numpy(tensor).copy()
-    return np.zeros(layout.groups[group].partition_numel, dtype=dtype_info(dtype).numpy)
+            kept = new_zeros(tensor.numel(), dtype_info(dtype).numpy)
+            np.copyto(kept, to_numpy(tensor).reshape(-1))
+            return kept
+    return new_zeros(layout.groups[group].partition_numel, dtype_info(dtype).numpy)
 
 
 def _fp32_from_weights(

@@ -1,0 +1,36 @@
+"""New host arrays for loads (zeroshard.io.host_memory): zeroed, writable, shared with torch."""
+
+from __future__ import annotations
+
+import gc
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from zeroshard.io.host_memory import SMALL, new_zeros
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.uint8])
+@pytest.mark.parametrize("nbytes", [0, 12, SMALL - 4, SMALL, 3 * SMALL + 4])
+def test_new_zeros_is_a_zeroed_writable_array(dtype, nbytes):
+    numel = nbytes // np.dtype(dtype).itemsize
+    array = new_zeros(numel, dtype)
+    assert array.shape == (numel,) and array.dtype == np.dtype(dtype)
+    assert array.flags.writeable and array.flags.c_contiguous
+    assert not array.view(np.uint8).any()
+    array[:] = 3
+    assert (array == np.asarray(3, dtype)).all()
+
+
+def test_new_zeros_outlives_its_callers_references_and_is_shared_with_torch():
+    array = new_zeros(SMALL, np.float32)
+    tensor = torch.from_numpy(array)
+    del array
+    gc.collect()
+    tensor[5] = 7.0  # the mapping lives as long as the tensor holding it
+    assert tensor[5].item() == 7.0 and tensor.sum().item() == 7.0
+    again = tensor.numpy()
+    again[6] = 1.0
+    assert tensor[6].item() == 1.0
