@@ -52,6 +52,8 @@ from .shared_module import ModuleShare
 from .param_groups import map_param_groups
 from .source import ShardSource, read_into, read_model_tensors, read_param, read_whole_param
 
+PREFETCH_BYTES = 1 << 30  # what a group's reads hint ahead at most (see _prefetch)
+
 
 def load_state(
     source: ShardSource,
@@ -272,6 +274,7 @@ def _read_group(
         return _fill(source, plan, key, _start(base, layout, group, name, _stored_dtype(source, plan, key)), evidence)
 
     names = _state_names(group, [tuple(source.info.state_keys[g]) for g in plan.source_groups])
+    _prefetch(source, plan, (["fp32"] if fp32 is None else []) + list(names))
     fp32 = read("fp32", None) if fp32 is None else fp32
     if on_masters is not None:
         on_masters(group, fp32)
@@ -281,6 +284,26 @@ def _read_group(
     if plan.source_groups:
         evidence.scalars(group, plan.source_groups[0], scalars)
     return fp32, states, scalars
+
+
+def _prefetch(source: ShardSource, plan: GroupPlan, keys: list[str]) -> None:
+    """Hint the ranges of ``keys`` that this rank reads for a group, in the order it reads
+    them, up to PREFETCH_BYTES: the storage keeps reading while the loader maps the new
+    group's memory and checks what has arrived (a load from shared storage then takes about
+    its read time; benchmarks/load_bytes.py ``--read-bps``). Bounded, so that hinted bytes
+    are not evicted from the page cache before their read."""
+    hint = getattr(source, "prefetch", None)
+    if hint is None:
+        return
+    budget = PREFETCH_BYTES
+    for key in keys:
+        itemsize = dtype_info(_stored_dtype(source, plan, key)).itemsize
+        for copy in plan.copies:
+            length = min(copy.length, budget // itemsize)
+            if length <= 0:
+                return
+            hint(copy.source_rank, copy.source_group, key, copy.source_start, copy.source_start + length)
+            budget -= length * itemsize
 
 
 def _fill(source: ShardSource, plan: GroupPlan, key: str, dest: np.ndarray, evidence: Evidence) -> np.ndarray:

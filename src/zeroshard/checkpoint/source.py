@@ -71,6 +71,9 @@ class ShardSource(Protocol):
 
     :func:`~zeroshard.checkpoint.formats.open_source` opens any checkpoint zeroshard reads
     as one; :func:`~zeroshard.checkpoint.loader.load_state` loads any of them into a run.
+    Optional besides: ``read_into`` (see :func:`read_into`) and ``prefetch(rank, group, key,
+    start, end)``, a hint that the loader reads that range next (the native source's starts
+    the reads, see :meth:`~zeroshard.checkpoint.native.source.NativeSource.prefetch`).
     """
 
     path: Path

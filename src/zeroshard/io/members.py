@@ -76,6 +76,25 @@ def open_member(path: Path, *, follow_links: bool = False) -> int:
     return fd
 
 
+def advise(path: Path, begin: int, length: int) -> None:
+    """Ask the kernel to start reading bytes [begin, begin + length) of the regular file
+    ``path`` into the page cache (``posix_fadvise(WILLNEED)``); a hint, returning before the
+    reads do. Nothing where the platform has no ``posix_fadvise``, or the file cannot be
+    opened (its read will say why)."""
+    if not hasattr(os, "posix_fadvise") or length <= 0:
+        return
+    try:
+        fd = open_member(path)
+    except (OSError, ValueError):
+        return
+    try:
+        os.posix_fadvise(fd, begin, length, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass  # a file system without read-ahead: the reads go on without the hint
+    finally:
+        os.close(fd)
+
+
 def read_small_file(path: Path, limit: int, *, follow_links: bool = True) -> bytes:
     """The bytes of the regular file ``path`` (see :func:`open_member`), at most ``limit`` of
     them: ValueError when it holds more (a pointer file or a small JSON, not a stream)."""
