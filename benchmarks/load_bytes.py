@@ -7,7 +7,9 @@ rounds whose order rotates every round, every rank times:
 
 * ``floor``: ``os.preadv`` of exactly the bytes the rank's share of the load needs (its rank
   file's partitions, and the buffers and frozen parameters it is given to read) into one
-  fresh buffer, a megabyte per call, no checksum: reading the job's bytes once;
+  buffer touched before the rounds, a megabyte per call, no checksum: reading the job's bytes
+  once, and nothing else (the load also pays the first-touch faults of the new memory it
+  builds the state in, so that a failed load changes nothing);
 * ``zeroshard``: ``load_checkpoint`` into the running engine (each rank reads its own
   partitions; the weights are rebuilt from the masters and all-gathered; the shared tensors
   read by one rank each and broadcast);
@@ -32,8 +34,10 @@ Linear(4096, 1024)]: 84.9 M, 1.02 GB of state).
 
 With ``--cold`` every timed step starts with the checkpoints dropped from the page cache
 (:func:`read_floor.evict`), so floor and loads read from the disk; without it, from memory.
+``--read-bps B`` (root; implies ``--cold``) limits the job's disk reads to B bytes a second
+in all (:func:`read_floor.throttled_reads`): storage of steady bandwidth shared by the ranks.
 
-    .venv/bin/python benchmarks/load_bytes.py [--models 45m 1gb] [--worlds 2 4] [--rounds 3] [--no-deepspeed] [--cold]
+    .venv/bin/python benchmarks/load_bytes.py [--models 45m 1gb] [--worlds 2 4] [--rounds 3] [--no-deepspeed] [--cold] [--read-bps 1e9]
 """
 
 from __future__ import annotations
@@ -47,10 +51,11 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from deepspeed_adamw import zero2_bf16_adamw
-from read_floor import evict, needed_extents, read_floor
+from read_floor import evict, needed_extents, read_floor, throttled_reads
 from torchrun_job import per_round, round_ratio, run_for_json, write_gathered
 
 LR, BETAS = 3e-4, (0.9, 0.95)
@@ -159,6 +164,7 @@ def _measure(run, cold: Path | None) -> dict[str, float]:
 
 
 def worker(out_path: Path, work: Path, name: str, rounds: int, with_deepspeed: bool, cold: bool) -> None:
+    import numpy as np
     import torch
     import torch.distributed as dist
 
@@ -179,6 +185,9 @@ def worker(out_path: Path, work: Path, name: str, rounds: int, with_deepspeed: b
     zs_engine = _zeroshard_engine(name, dist.get_rank(), work / "zeroshard")
     native = work / "zeroshard" / "t"
     extents = _needed_extents(native, zs_engine)
+    # Touched once, before any round: the floor is the reads alone, not the first-touch page
+    # faults of new memory, which vary more than the reads on this VM (and which the load pays).
+    floor_buffer = np.ones(sum(end - begin for _, begin, end in extents), dtype=np.uint8)
     counted: dict[str, ReadStats] = {}
 
     def counting(key: str, load):
@@ -189,7 +198,7 @@ def worker(out_path: Path, work: Path, name: str, rounds: int, with_deepspeed: b
         return run
 
     steps = {
-        "floor": lambda: read_floor(extents),
+        "floor": lambda: read_floor(extents, into=floor_buffer),
         "zeroshard": counting("zeroshard", lambda stats: load_checkpoint(zs_engine, native, stats=stats)),
         "before": counting("before", lambda stats: _load_before(zs_engine, native, stats)),
         "gather": zs_engine.sync_params_from_masters,  # the cast and all-gather inside the load
@@ -239,7 +248,7 @@ def report(result: dict) -> None:
     print(
         f"\n{result['model']}: {result['params']:,} trained parameters at D={world}; checkpoints: {disk}; "
         f"the job needs {sum(needed) / 1e6:.1f} MB (per rank {', '.join(f'{n / 1e6:.1f}' for n in needed)}); "
-        f"{len(ranks[0]['records']['floor'])} rounds, {'cold (files evicted before each)' if result.get('cold') else 'page cache'}; load average {os.getloadavg()[0]:.1f}"
+        f"{len(ranks[0]['records']['floor'])} rounds, {_reads_from(result)}; load average {os.getloadavg()[0]:.1f}"
     )
     header = f"{'step':<11}{'MB/rank (max)':>14}{'MB job':>9}{'x needed':>9}{'open MB':>8}{'wall s':>8}{'/floor':>7}{'/DS':>6}{'cpu s':>7}{'/floor':>7}{'/DS':>6}"
     print(header)
@@ -265,6 +274,12 @@ def report(result: dict) -> None:
     print(f"{'floor+gather':<11}{'':>14}{'':>9}{'':>9}{'':>8}{statistics.median(both):>8.3f}   zeroshard / (floor+gather): {ratio:.2f}")
 
 
+def _reads_from(result: dict) -> str:
+    if result.get("read_bps"):
+        return f"cold, the job's reads limited to {result['read_bps'] / 1e9:g} GB/s"
+    return "cold (files evicted before each)" if result.get("cold") else "page cache"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["45m", "1gb"], choices=sorted(MODELS))
@@ -272,6 +287,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-deepspeed", action="store_true")
     parser.add_argument("--cold", action="store_true", help="drop the checkpoints from the page cache before every timed step")
+    parser.add_argument("--read-bps", type=float, default=None, help="limit the job's disk reads to this many bytes a second (root; implies --cold)")
     parser.add_argument("--dir", type=Path, default=None, help="where the checkpoints go (default: the temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="also write every run's records here")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
@@ -280,14 +296,20 @@ def main() -> None:
     if args.worker is not None:
         worker(args.worker, args.work, args.models[0], args.rounds, not args.no_deepspeed, args.cold)
         return
+    cold = args.cold or args.read_bps is not None
+    throttle = nullcontext()
+    if args.read_bps is not None:
+        throttle = throttled_reads(args.dir or Path(tempfile.gettempdir()), int(args.read_bps))
     results = []
-    for name in args.models:
-        for world in args.worlds:
-            result = launch(name, world, args.rounds, not args.no_deepspeed, args.dir, args.cold)
-            results.append(result)
-            report(result)
-            if args.json is not None:
-                args.json.write_text(json.dumps(results, indent=1))
+    with throttle:
+        for name in args.models:
+            for world in args.worlds:
+                result = launch(name, world, args.rounds, not args.no_deepspeed, args.dir, cold)
+                result["read_bps"] = args.read_bps
+                results.append(result)
+                report(result)
+                if args.json is not None:
+                    args.json.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ these ranges (and nothing else) into new memory.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 CHUNK = 1 << 20  # bytes per preadv, as the load reads: one call for hundreds of MB runs slower here
@@ -69,13 +70,17 @@ def evict(folder: Path) -> None:
                 os.close(fd)
 
 
-def read_floor(extents: list[tuple[Path, int, int]]):
-    """Every extent read once, one after another, into one new buffer: new memory of the
-    size the load returns, so the floor pays the same first-touch page faults at any D
-    (buffers of their own would reuse freed heap pages when under glibc's mmap threshold)."""
+def read_floor(extents: list[tuple[Path, int, int]], into=None):
+    """Every extent read once, one after another, into one buffer: by default a new one, of
+    the size the load returns, so the floor pays the same first-touch page faults at any D
+    (buffers of their own would reuse freed heap pages when under glibc's mmap threshold);
+    ``into``, a uint8 array of the extents' size touched before, leaves the reads alone."""
     import numpy as np
 
-    buffer = np.empty(sum(end - begin for _, begin, end in extents), dtype=np.uint8)
+    size = sum(end - begin for _, begin, end in extents)
+    buffer = np.empty(size, dtype=np.uint8) if into is None else into
+    if buffer.nbytes != size:
+        raise ValueError(f"read_floor: the buffer holds {buffer.nbytes} bytes, the extents {size}")
     view, at = memoryview(buffer), 0
     for path, begin, end in extents:
         fd = os.open(path, os.O_RDONLY)
@@ -88,3 +93,38 @@ def read_floor(extents: list[tuple[Path, int, int]]):
             os.close(fd)
         at += end - begin
     return buffer
+
+
+@contextmanager
+def throttled_reads(folder: Path, bytes_per_second: int) -> Iterator[None]:
+    """Run this process, and what it starts, in a cgroup whose reads from the disk under
+    ``folder`` are limited to ``bytes_per_second`` together: storage of steady bandwidth
+    shared by the job's ranks, as a network file system gives, instead of this VM's disk,
+    whose cold reads vary twofold from run to run. Needs root and cgroup v1 (``blkio``) or v2
+    (``io``); only reads that reach the disk are limited (use it with cold reads)."""
+    device = _whole_disk(os.stat(folder).st_dev)
+    v1 = Path("/sys/fs/cgroup/blkio")
+    parent = v1 if v1.is_dir() else Path("/sys/fs/cgroup")
+    group = parent / f"zeroshard-bench-{os.getpid()}"
+    group.mkdir()
+    try:
+        if parent == v1:
+            (group / "blkio.throttle.read_bps_device").write_text(f"{device} {bytes_per_second}\n")
+        else:
+            (group / "io.max").write_text(f"{device} rbps={bytes_per_second}\n")
+        (group / "cgroup.procs").write_text(f"{os.getpid()}\n")
+        try:
+            yield
+        finally:
+            (parent / "cgroup.procs").write_text(f"{os.getpid()}\n")
+    finally:
+        group.rmdir()
+
+
+def _whole_disk(st_dev: int) -> str:
+    """``major:minor`` of the disk holding a file system (throttling takes disks, not partitions)."""
+    number = f"{os.major(st_dev)}:{os.minor(st_dev)}"
+    block = Path("/sys/dev/block") / number
+    if (block / "partition").is_file():
+        return (block.resolve().parent / "dev").read_text().strip()
+    return number
