@@ -20,13 +20,14 @@ import mmap
 import numpy as np
 
 SMALL = 1 << 20  # bytes; below this, numpy's allocator (a mapping per array would waste pages)
-_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+_POSIX = hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MAP_ANONYMOUS")
+_FLAGS = (mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)) if _POSIX else 0
 
 
 def new_zeros(numel: int, dtype: np.dtype) -> np.ndarray:
     """A zero-filled 1-D array of ``numel`` elements of ``dtype``, its memory mapped already."""
     dtype = np.dtype(dtype)
     nbytes = numel * dtype.itemsize
-    if nbytes < SMALL:
+    if nbytes < SMALL or not _POSIX:
         return np.zeros(numel, dtype=dtype)
     return np.frombuffer(mmap.mmap(-1, nbytes, flags=_FLAGS), dtype=dtype)
