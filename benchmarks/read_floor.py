@@ -1,7 +1,9 @@
 """The read floor of a native load: the exact byte ranges a rank's load needs, read once.
 
 Shared by load_vs_deepspeed.py and load_bytes.py, which compare a load's time with reading
-these ranges (and nothing else) into new memory.
+these ranges (and nothing else), into new memory (the former) or into memory touched before
+(the latter: the reads alone); and the two ways load_bytes.py reads from the disk: cold
+(:func:`evict`) and at a steady bandwidth (:func:`throttled_reads`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,10 @@ import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 CHUNK = 1 << 20  # bytes per preadv, as the load reads: one call for hundreds of MB runs slower here
 
@@ -70,7 +76,7 @@ def evict(folder: Path) -> None:
                 os.close(fd)
 
 
-def read_floor(extents: list[tuple[Path, int, int]], into=None):
+def read_floor(extents: list[tuple[Path, int, int]], into: np.ndarray | None = None) -> np.ndarray:
     """Every extent read once, one after another, into one buffer: by default a new one, of
     the size the load returns, so the floor pays the same first-touch page faults at any D
     (buffers of their own would reuse freed heap pages when under glibc's mmap threshold);

@@ -34,3 +34,29 @@ def test_new_zeros_outlives_its_callers_references_and_is_shared_with_torch():
     again = tensor.numpy()
     again[6] = 1.0
     assert tensor[6].item() == 1.0
+
+
+def test_a_load_builds_its_partitions_in_new_zeros_memory(tmp_path, monkeypatch):
+    """Every fp32 partition and optimizer state a load returns lies in memory new_zeros
+    mapped (not numpy's, whose huge-page requests make a load's time a lottery)."""
+    from universal_helpers import save_synthetic
+
+    from zeroshard.checkpoint import loader
+    from zeroshard.checkpoint.loader import load_state
+    from zeroshard.checkpoint.native.source import NativeSource
+    from zeroshard.layout import ParamSpec, build_layout
+
+    layout = build_layout([[ParamSpec.of("w", (1024, 600), "bf16")], [ParamSpec.of("b", (600,), "bf16")]], 2)
+    path = save_synthetic(tmp_path, layout, block_size=1 << 16)
+    made = []
+
+    def spy(numel, dtype):
+        array = new_zeros(numel, dtype)
+        made.append(array.ctypes.data)
+        return array
+
+    monkeypatch.setattr(loader, "new_zeros", spy)
+    with NativeSource(path) as source:
+        state = load_state(source, layout, 1)
+    partitions = [*state.fp32_partitions, *(t for group in state.optimizer_states for t in group.values())]
+    assert len(partitions) == 6 and sorted(t.data_ptr() for t in partitions) == sorted(made)
