@@ -8,9 +8,11 @@ them in one by one (0.16 s against 0.29 s for 512 MiB on the 2-core VM of
 benchmarks/README.md, "Loads that read each byte once").
 
 Not numpy's allocator: above 4 MiB numpy asks for transparent huge pages
-(``MADV_HUGEPAGE``), which where the kernel compacts memory for such requests
-(``defrag=madvise``, a common default) makes the same allocation cost 0.02 s or 1.4 s by
-how fragmented free memory happens to be. A load should take the same time every time.
+(``MADV_HUGEPAGE``), whose cost swings with the state of free memory: little when free
+2 MiB blocks are at hand and warm, much when the kernel must compact memory to find them
+(``defrag=madvise``, a common default) or, in a VM with free page reporting, when the host
+has taken those blocks back (the same 512 MiB: 0.02 s or 1.4 s here). A load should take
+the same time every time.
 """
 
 from __future__ import annotations
