@@ -93,8 +93,12 @@ class NativeSource:
         will be read next: the kernel starts reading them into the page cache
         (``posix_fadvise(WILLNEED)``), so the disk keeps reading while the loader checks
         what it has and maps new memory. A hint: nothing is checked or counted until the
-        bytes are read (with :meth:`read_into`); a range the read will refuse raises here
-        as it would there."""
+        bytes are read (with :meth:`read_into`).
+
+        Raises:
+            KeyError: ``key`` is not a state of the group (as the read would).
+            ValueError: no such group or rank, or a range outside the partition; a rank
+                file whose header or binding does not match the manifest."""
         file_name, entry, dtype = self._locate(rank, group, key, start, end)
         itemsize = itemsize_of(dtype)
         advise(self.checkpoint.path(file_name), entry.begin + start * itemsize, (end - start) * itemsize)
