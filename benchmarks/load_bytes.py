@@ -5,11 +5,14 @@ unless ``--no-deepspeed``, DeepSpeed 0.19.8's ZeRO-2 engine) on the same model, 
 parameters with fp32 masters and AdamW, one step, each saves its own checkpoint. Then, in
 rounds whose order rotates every round, every rank times:
 
-* ``floor``: ``os.preadv`` of exactly the bytes the rank's share of the load needs (its rank
-  file's partitions, and the buffers and frozen parameters it is given to read) into one
+* ``floor-cache``: ``os.preadv`` of exactly the bytes the rank's share of the load needs (its
+  rank file's partitions, and the buffers and frozen parameters it is given to read) into one
   buffer touched before the rounds, a megabyte per call, no checksum: reading the job's bytes
   once, and nothing else (the load also pays the first-touch faults of the new memory it
   builds the state in, so that a failed load changes nothing);
+* ``floor-dio``: the same bytes (page-rounded) read past the page cache (``O_DIRECT``,
+  8 MiB a call), as the load reads big cold ranges, where the file system allows;
+* ``floor``: per round, the faster of the two: the read floor every ratio is taken to;
 * ``zeroshard``: ``load_checkpoint`` into the running engine (each rank reads its own
   partitions; the weights are rebuilt from the masters and all-gathered; the shared tensors
   read by one rank each and broadcast);
@@ -55,7 +58,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from deepspeed_adamw import zero2_bf16_adamw
-from read_floor import evict, needed_extents, read_floor, throttled_reads
+from read_floor import direct_floor_buffer, direct_read_floor, evict, needed_extents, read_floor, throttled_reads
 from torchrun_job import per_round, round_ratio, run_for_json, write_gathered
 
 LR, BETAS = 3e-4, (0.9, 0.95)
@@ -188,6 +191,7 @@ def worker(out_path: Path, work: Path, name: str, rounds: int, with_deepspeed: b
     # Touched once, before any round: the floor is the reads alone, not the first-touch page
     # faults of new memory, which vary more than the reads on this VM (and which the load pays).
     floor_buffer = np.ones(sum(end - begin for _, begin, end in extents), dtype=np.uint8)
+    direct_buffer = direct_floor_buffer(extents)
     counted: dict[str, ReadStats] = {}
 
     def counting(key: str, load):
@@ -198,7 +202,8 @@ def worker(out_path: Path, work: Path, name: str, rounds: int, with_deepspeed: b
         return run
 
     steps = {
-        "floor": lambda: read_floor(extents, into=floor_buffer),
+        "floor-cache": lambda: read_floor(extents, into=floor_buffer),
+        **({"floor-dio": lambda: direct_read_floor(extents, direct_buffer)} if direct_buffer is not None else {}),
         "zeroshard": counting("zeroshard", lambda stats: load_checkpoint(zs_engine, native, stats=stats)),
         "before": counting("before", lambda stats: _load_before(zs_engine, native, stats)),
         "gather": zs_engine.sync_params_from_masters,  # the cast and all-gather inside the load
@@ -213,6 +218,8 @@ def worker(out_path: Path, work: Path, name: str, rounds: int, with_deepspeed: b
             record = _measure(steps[step], work if cold else None)
             if round_index:
                 records[step].append(record)
+    floors = [records[step] for step in ("floor-cache", "floor-dio") if step in records]
+    records = {"floor": [min(pair, key=lambda record: record["seconds"]) for pair in zip(*floors)], **records}
     reads = {key: {"data": stats.data, "opening": stats.opening, "files": stats.bytes_by_file} for key, stats in counted.items()}
     needed = sum(end - begin for _, begin, end in extents)
     state = sum(t.numel() * 4 for t in zs_engine.masters) * 3  # this rank's masters and two Adam states
@@ -259,7 +266,7 @@ def report(result: dict) -> None:
             data = [read["data"] for read in reads]
             row = f"{step:<11}{max(data) / 1e6:>14.1f}{sum(data) / 1e6:>9.1f}{sum(data) / sum(needed):>9.3f}"
             row += f"{max(read['opening'] for read in reads) / 1e6:>8.2f}"
-        elif step == "floor":
+        elif step.startswith("floor"):
             row = f"{step:<11}{max(needed) / 1e6:>14.1f}{sum(needed) / 1e6:>9.1f}{1:>9.3f}{'':>8}"
         else:
             row = f"{step:<11}{'':>14}{'':>9}{'':>9}{'':>8}"

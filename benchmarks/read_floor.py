@@ -2,8 +2,9 @@
 
 Shared by load_vs_deepspeed.py and load_bytes.py, which compare a load's time with reading
 these ranges (and nothing else), into new memory (the former) or into memory touched before
-(the latter: the reads alone); and the two ways load_bytes.py reads from the disk: cold
-(:func:`evict`) and at a steady bandwidth (:func:`throttled_reads`).
+(the latter: the reads alone, through the page cache and past it, :func:`direct_read_floor`);
+and the two ways load_bytes.py reads from the disk: cold (:func:`evict`) and at a steady
+bandwidth (:func:`throttled_reads`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ if TYPE_CHECKING:
     import numpy as np
 
 CHUNK = 1 << 20  # bytes per preadv, as the load reads: one call for hundreds of MB runs slower here
+DIRECT_CHUNK = 8 << 20  # bytes per direct read, as the load's (zeroshard.io.direct_reads)
+PAGE = 4096
 
 
 def needed_extents(
@@ -91,14 +94,63 @@ def read_floor(extents: list[tuple[Path, int, int]], into: np.ndarray | None = N
     for path, begin, end in extents:
         fd = os.open(path, os.O_RDONLY)
         try:
-            done = 0
-            while done < end - begin:
-                stop = min(end - begin, done + CHUNK)
-                done += os.preadv(fd, [view[at + done : at + stop]], begin + done)
+            _read(fd, view[at : at + end - begin], begin, CHUNK)
         finally:
             os.close(fd)
         at += end - begin
     return buffer
+
+
+def direct_floor_buffer(extents: list[tuple[Path, int, int]]) -> np.ndarray | None:
+    """Memory touched once for :func:`direct_read_floor` of ``extents`` (page-aligned, a
+    page-rounded span per extent), or None where their file system reads nothing direct."""
+    import mmap
+
+    import numpy as np
+
+    if not extents or not hasattr(os, "O_DIRECT"):
+        return None
+    try:
+        os.close(os.open(extents[0][0], os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        return None
+    size = sum(_aligned_end(end) - _aligned_begin(begin) for _, begin, end in extents)
+    buffer = np.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.uint8)
+    buffer[:] = 1
+    return buffer
+
+
+def direct_read_floor(extents: list[tuple[Path, int, int]], into: np.ndarray) -> None:
+    """Every extent read once past the page cache (``O_DIRECT``, whole pages, a slot of
+    8 MiB per call) into ``into`` (:func:`direct_floor_buffer`): the storage's time for the
+    bytes, with neither the page cache's nor new memory's costs (a direct load pays the
+    second and a copy; a load through the page cache both)."""
+    view, at = memoryview(into), 0
+    for path, begin, end in extents:
+        begin, end = _aligned_begin(begin), _aligned_end(end)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            _read(fd, view[at : at + end - begin], begin, DIRECT_CHUNK)
+        finally:
+            os.close(fd)
+        at += end - begin
+
+
+def _read(fd: int, view: memoryview, offset: int, chunk: int) -> None:
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done : min(len(view), done + chunk)]], offset + done)
+        if got == 0:
+            return  # a direct read's page-rounded end may lie past the file's
+        done += got
+
+
+def _aligned_begin(offset: int) -> int:
+    return offset - offset % PAGE
+
+
+def _aligned_end(offset: int) -> int:
+    return -(-offset // PAGE) * PAGE
 
 
 @contextmanager

@@ -50,8 +50,8 @@ def test_a_load_builds_its_partitions_in_new_zeros_memory(tmp_path, monkeypatch)
     path = save_synthetic(tmp_path, layout, block_size=1 << 16)
     made = []
 
-    def spy(numel, dtype):
-        array = new_zeros(numel, dtype)
+    def spy(numel, dtype, **options):
+        array = new_zeros(numel, dtype, **options)
         made.append(array.ctypes.data)
         return array
 

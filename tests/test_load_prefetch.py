@@ -13,7 +13,7 @@ from zeroshard.checkpoint import loader
 from zeroshard.checkpoint.loader import load_state
 from zeroshard.checkpoint.native import source as native_source
 from zeroshard.checkpoint.native.source import NativeSource
-from zeroshard.io import members
+from zeroshard.io import direct_reads
 from zeroshard.io.dtypes import dtype_info
 from zeroshard.layout import ParamSpec, build_layout
 
@@ -97,9 +97,9 @@ def test_advise_is_only_a_hint(tmp_path, monkeypatch):
     real = tmp_path / "data"
     real.write_bytes(bytes(100))
     (tmp_path / "link").symlink_to(real)
-    members.advise(real, 10, 20)
+    direct_reads.advise(real, 10, 20)
     assert calls == [(10, 20, os.POSIX_FADV_WILLNEED)]
-    members.advise(tmp_path / "link", 0, 10)  # never followed
-    members.advise(tmp_path / "missing", 0, 10)  # its read will say so
-    members.advise(real, 0, 0)
+    direct_reads.advise(tmp_path / "link", 0, 10)  # never followed
+    direct_reads.advise(tmp_path / "missing", 0, 10)  # its read will say so
+    direct_reads.advise(real, 0, 0)
     assert len(calls) == 1

@@ -336,7 +336,8 @@ def _start(base: ShardedState | None, layout: Layout, group: int, name: str | No
             kept = new_zeros(tensor.numel(), dtype_info(dtype).numpy)
             np.copyto(kept, to_numpy(tensor).reshape(-1))
             return kept
-    return new_zeros(layout.groups[group].partition_numel, dtype_info(dtype).numpy)
+    # Mapped as the reads land (they populate each chunk's pages just before it).
+    return new_zeros(layout.groups[group].partition_numel, dtype_info(dtype).numpy, populated=False)
 
 
 def _fp32_from_weights(

@@ -12,10 +12,12 @@ is computed on the file's cached pages and a converter writes them out from ther
 bytes are copied once (into the output) rather than twice.
 
 A loader, which keeps what it reads, uses :meth:`RangeReader.read_into` instead: the blocks
-wholly inside the range are read straight into the caller's array, a few at a time, and each
-is checked there right after its read, while it is still in the CPU cache. That is one copy
-(the kernel's, from the page cache) and a checksum pass on hot memory: about the cost of
-reading the bytes once. Given an observer (a digester: ``cuts`` and ``segment``, see
+wholly inside the range land in the caller's array a chunk at a time, and each chunk is
+checked there right after it lands, while it is still in the CPU cache. From the page cache
+that is one copy (the kernel's, a pread per chunk); a big range the page cache lacks is read
+past it, a few chunks ahead on a thread, and copied in from the slots it lands in
+(:mod:`.direct_reads`). Either way one copy and a checksum pass on hot memory: about the
+cost of reading the bytes once. Given an observer (a digester: ``cuts`` and ``segment``, see
 :mod:`..checkpoint.attest.digests`), it also hands over the CRC of every segment it checks, cut at the
 observer's boundaries too, so a load digests what it read with no pass of its own.
 """
@@ -24,15 +26,18 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-
-from typing import Any
 
 from .checksum import FileRecord
 from .damage import CheckpointDamagedError
 from .digest import FUSED, combine, crc32
+from .direct_reads import ALIGN, ReadAhead, SlotRing, open_direct, worth_reading_direct
+from .host_memory import populate
 from .dtypes import from_bytes
 from .members import open_member
 from .read_stats import ReadStats, count_read
@@ -48,6 +53,7 @@ class RangeReader:
 
     def __init__(self, stats: ReadStats | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self.stats = stats
+        self._ring = SlotRing()
         self._cache: OrderedDict[tuple[str, int], bytes | memoryview] = OrderedDict()
         self._cache_bytes = cache_bytes
         self._cached = 0
@@ -120,25 +126,61 @@ class RangeReader:
         self, path: Path, record: FileRecord, first: int, last: int, out: memoryview, observe: Any = None, at: int = 0
     ) -> None:
         """Read blocks first..last into ``out`` (which starts at block ``first``, and at
-        ``observe``'s offset ``at``), checking each chunk of them right after its pread."""
-        per_chunk = max(1, READ_CHUNK // record.block_size)
+        ``observe``'s offset ``at``), checking each chunk of them as it lands."""
         origin = record.block_range(first)[0]
         fd = open_member(path)
         try:
-            for chunk_first in range(first, last + 1, per_chunk):
-                chunk_last = min(chunk_first + per_chunk - 1, last)
-                begin, end = record.block_range(chunk_first)[0], record.block_range(chunk_last)[1]
-                target = out[begin - origin : end - origin]
-                pread_into(fd, target, begin, path)
-                if observe is None or not FUSED:
-                    check_blocks(path, record, chunk_first, chunk_last, begin, target)
-                    if observe is not None:
-                        observe_bytes(target, 0, len(target), observe, at + begin - origin)
-                else:
-                    _check_observed(path, record, chunk_first, chunk_last, begin, target, observe, at + begin - origin)
-                count_read(self.stats, path.name, end - begin)
+            with closing(self._arrivals(path, fd, record, first, last, out)) as arrivals:
+                for chunk_first, chunk_last, begin, target in arrivals:
+                    if observe is None or not FUSED:
+                        check_blocks(path, record, chunk_first, chunk_last, begin, target)
+                        if observe is not None:
+                            observe_bytes(target, 0, len(target), observe, at + begin - origin)
+                    else:
+                        _check_observed(path, record, chunk_first, chunk_last, begin, target, observe, at + begin - origin)
+                    count_read(self.stats, path.name, len(target))
         finally:
             os.close(fd)
+
+    def _arrivals(
+        self, path: Path, fd: int, record: FileRecord, first: int, last: int, out: memoryview
+    ) -> Iterator[tuple[int, int, int, memoryview]]:
+        """Per chunk of blocks first..last, once its bytes are in ``out``: its first and last
+        block, its file offset and its part of ``out``. A big range the page cache lacks is
+        read direct, a few chunks ahead on a thread (:mod:`.direct_reads`); the rest with a
+        pread per chunk. Each chunk's pages of ``out`` are mapped just before it lands."""
+        origin, span_end = record.block_range(first)[0], record.block_range(last)[1]
+        direct = self._direct_descriptor(path, fd, record, origin, span_end)
+        if direct is None:
+            for chunk_first, chunk_last, begin, end in _chunks(record, first, last, READ_CHUNK):
+                target = out[begin - origin : end - origin]
+                populate(target)
+                pread_into(fd, target, begin, path)
+                yield chunk_first, chunk_last, begin, target
+            return
+        try:
+            chunks = _chunks(record, first, last, self._ring.slot_bytes)
+            with ReadAhead(direct, [(begin, end) for _, _, begin, end in chunks], self._ring) as arrived:
+                for (chunk_first, chunk_last, begin, end), (_, data) in zip(chunks, arrived):
+                    if len(data) < end - begin:
+                        size = os.fstat(fd).st_size
+                        raise CheckpointDamagedError(f"{path}: truncated: expected {end} bytes, the file ends at {size}")
+                    target = out[begin - origin : end - origin]
+                    populate(target)
+                    target[:] = data
+                    yield chunk_first, chunk_last, begin, target
+        finally:
+            os.close(direct)
+
+    def _direct_descriptor(self, path: Path, fd: int, record: FileRecord, begin: int, end: int) -> int | None:
+        """A descriptor reading ``path`` past the page cache when bytes [begin, end) are
+        worth it (big, aligned, not cached: :func:`.direct_reads.worth_reading_direct`)
+        and its blocks fit a slot whole; else None."""
+        if record.block_size % ALIGN or record.block_size > self._ring.slot_bytes:
+            return None
+        if not worth_reading_direct(fd, begin, end):
+            return None
+        return open_direct(path)
 
     def _edge_block(self, path: Path, record: FileRecord, index: int) -> memoryview:
         """Block ``index`` of ``path``, checked: from the cache, or read and kept there."""
@@ -257,6 +299,17 @@ def _check_observed(
             raise CheckpointDamagedError(
                 f"{path}: checksum mismatch in block {index} (bytes {start}-{end + run_start}): the file is corrupted"
             )
+
+
+def _chunks(record: FileRecord, first: int, last: int, chunk_bytes: int) -> list[tuple[int, int, int, int]]:
+    """Blocks first..last in runs of about ``chunk_bytes`` (at least a block): each run's
+    first and last block and its file offsets."""
+    per_chunk = max(1, chunk_bytes // record.block_size)
+    runs = []
+    for chunk_first in range(first, last + 1, per_chunk):
+        chunk_last = min(chunk_first + per_chunk - 1, last)
+        runs.append((chunk_first, chunk_last, record.block_range(chunk_first)[0], record.block_range(chunk_last)[1]))
+    return runs
 
 
 def _inside(record: FileRecord, index: int, begin: int, end: int) -> bool:

@@ -60,12 +60,14 @@ def member_path(directory: Path, name: str) -> Path:
     return path
 
 
-def open_member(path: Path, *, follow_links: bool = False) -> int:
+def open_member(path: Path, *, follow_links: bool = False, direct: bool = False) -> int:
     """A read-only descriptor of the regular file ``path``; ValueError for a symbolic link
     (in the last component, unless ``follow_links``) or anything but a regular file, which is
-    never waited on (a FIFO would block an open or a read for ever)."""
+    never waited on (a FIFO would block an open or a read for ever). ``direct``: its reads
+    skip the page cache (``O_DIRECT``; OSError EINVAL where the file system refuses)."""
+    flags = os.O_RDONLY | (0 if follow_links else _NO_FOLLOW) | _CLOEXEC | _NONBLOCK
     try:
-        fd = os.open(path, os.O_RDONLY | (0 if follow_links else _NO_FOLLOW) | _CLOEXEC | _NONBLOCK)
+        fd = os.open(path, flags | (os.O_DIRECT if direct else 0))
     except OSError as err:
         if err.errno == errno.ELOOP and _NO_FOLLOW and not follow_links:
             raise ValueError(_LINK.format(path=path)) from None
@@ -74,25 +76,6 @@ def open_member(path: Path, *, follow_links: bool = False) -> int:
         os.close(fd)
         raise ValueError(f"{path}: not a regular file")
     return fd
-
-
-def advise(path: Path, begin: int, length: int) -> None:
-    """Ask the kernel to start reading bytes [begin, begin + length) of the regular file
-    ``path`` into the page cache (``posix_fadvise(WILLNEED)``); a hint, returning before the
-    reads do. Nothing where the platform has no ``posix_fadvise``, or the file cannot be
-    opened (its read will say why)."""
-    if not hasattr(os, "posix_fadvise") or length <= 0:
-        return
-    try:
-        fd = open_member(path)
-    except (OSError, ValueError):
-        return
-    try:
-        os.posix_fadvise(fd, begin, length, os.POSIX_FADV_WILLNEED)
-    except OSError:
-        pass  # a file system without read-ahead: the reads go on without the hint
-    finally:
-        os.close(fd)
 
 
 def read_small_file(path: Path, limit: int, *, follow_links: bool = True) -> bytes:

@@ -18,7 +18,7 @@ from ..format import LATEST_FILE, MANIFEST_FILE, MODEL_FILE, fp32_key, rank_file
 from ..formats import SourceFormat
 from ..attest.digests import Terms, finished, tensors_digester
 from ...io.block_reader import RangeReader, array_view, observe_bytes
-from ...io.members import advise
+from ...io.direct_reads import advise
 from ...io.checksum import FileRecord
 from ...io.dtypes import dtype_info, itemsize_of, to_float32
 from ...io.safetensors_io import ReadStats, TensorEntry, check_entries, read_header

@@ -1,0 +1,257 @@
+"""Reads past the page cache (zeroshard.io.direct_reads): big ranges the page cache lacks are
+read with O_DIRECT on a thread a few slots ahead, and give the same checked bytes, counts and
+errors as reads through the page cache; ranges it holds are read through it.
+
+Slots, blocks and the size worth a direct read are shrunk here so that files of a few hundred
+KiB take the direct path. Where the file system of the test's temp dir refuses O_DIRECT
+(tmpfs), the tests of the direct path skip, saying so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from zeroshard.checkpoint import ReadStats
+from zeroshard.io import block_reader, direct_reads
+from zeroshard.io.block_reader import RangeReader
+from zeroshard.io.checksum import BlockHasher
+from zeroshard.io.damage import CheckpointDamagedError
+from zeroshard.io.direct_reads import ReadAhead, SlotRing, advise, cached_fraction
+from zeroshard.io.host_memory import new_zeros, populate
+from zeroshard.io.libc import libc
+
+BLOCK = 16 << 10
+SLOT = 64 << 10
+SIZE = 40 * BLOCK + 1234  # the last block ends off a page boundary
+
+
+def evict(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def reading_threads() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name == "zeroshard-read-ahead"]
+
+
+@pytest.fixture
+def small_slots(monkeypatch):
+    monkeypatch.setattr(direct_reads, "SLOT_BYTES", SLOT)
+    monkeypatch.setattr(direct_reads, "SLOTS", 2)
+    monkeypatch.setattr(direct_reads, "DIRECT_MIN_BYTES", 2 * BLOCK)
+
+
+@pytest.fixture
+def cold_file(tmp_path, small_slots):
+    path = tmp_path / "rank.bin"
+    payload = np.random.default_rng(5).integers(0, 256, SIZE, dtype=np.uint8).tobytes()
+    path.write_bytes(payload)
+    if direct_reads.open_direct(path) is None:
+        pytest.skip(f"{tmp_path}: the file system reads nothing past the page cache (O_DIRECT)")
+    hasher = BlockHasher(BLOCK)
+    hasher.update(payload)
+    evict(path)
+    return path, payload, hasher.record()
+
+
+@pytest.fixture
+def spans_read(monkeypatch):
+    """The spans each ReadAhead the reader starts was given."""
+    started: list[list[tuple[int, int]]] = []
+
+    class Recording(ReadAhead):
+        def __init__(self, fd, spans, ring):
+            started.append(list(spans))
+            super().__init__(fd, spans, ring)
+
+    monkeypatch.setattr(block_reader, "ReadAhead", Recording)
+    return started
+
+
+def read_into(reader: RangeReader, path, record, begin: int, end: int) -> bytes:
+    out = new_zeros(end - begin, np.uint8, populated=False)
+    out[:] = 0xAA  # anything the read leaves unwritten shows
+    reader.read_into(path, record, begin, memoryview(out))
+    return out.tobytes()
+
+
+@pytest.mark.parametrize("begin, end", [(0, SIZE), (5, SIZE - 7), (BLOCK, 9 * BLOCK), (3 * BLOCK + 1, 30 * BLOCK)])
+def test_a_cold_range_is_read_direct_with_the_same_bytes_and_counts(cold_file, spans_read, monkeypatch, begin, end):
+    path, payload, record = cold_file
+    assert cached_fraction(os.open(path, os.O_RDONLY), 0, SIZE) < 0.5
+    direct = ReadStats()
+    assert read_into(RangeReader(stats=direct), path, record, begin, end) == payload[begin:end]
+    assert spans_read, "a cold range of several slots was read through the page cache"
+    first_inner = -(-begin // BLOCK) * BLOCK
+    assert spans_read[0][0][0] == first_inner and all(stop - start <= SLOT for start, stop in spans_read[0])
+
+    evict(path)
+    monkeypatch.setattr(direct_reads, "ENABLED", False)
+    cached = ReadStats()
+    assert read_into(RangeReader(stats=cached), path, record, begin, end) == payload[begin:end]
+    assert len(spans_read) == 1
+    assert (direct.data, direct.bytes_by_file) == (cached.data, cached.bytes_by_file)
+    assert not reading_threads()
+
+
+def test_a_range_the_page_cache_holds_is_read_through_it(cold_file, spans_read):
+    path, payload, record = cold_file
+    path.read_bytes()  # now cached
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert cached_fraction(fd, 0, SIZE) == 1.0
+    finally:
+        os.close(fd)
+    assert read_into(RangeReader(), path, record, 0, SIZE) == payload
+    assert spans_read == []
+
+
+def test_small_ranges_are_read_through_the_page_cache(cold_file, spans_read):
+    path, payload, record = cold_file
+    assert read_into(RangeReader(), path, record, BLOCK, 2 * BLOCK + 10) == payload[BLOCK : 2 * BLOCK + 10]
+    assert spans_read == []
+
+
+def test_corrupted_bytes_read_direct_name_the_file_and_block(cold_file, spans_read):
+    path, payload, record = cold_file
+    damaged = bytearray(payload)
+    damaged[7 * BLOCK + 3] ^= 0x10
+    path.write_bytes(bytes(damaged))
+    evict(path)
+    with pytest.raises(CheckpointDamagedError, match=rf"{path}: checksum mismatch in block 7 "):
+        read_into(RangeReader(), path, record, 0, SIZE)
+    assert spans_read and not reading_threads()
+
+
+def test_a_file_truncated_under_a_direct_read_says_where_it_ends(cold_file, spans_read):
+    path, payload, record = cold_file
+    path.write_bytes(payload[: 20 * BLOCK + 100])
+    evict(path)
+    with pytest.raises(CheckpointDamagedError, match=rf"{path}: truncated: expected \d+ bytes, the file ends at {20 * BLOCK + 100}"):
+        read_into(RangeReader(), path, record, 0, SIZE)
+    assert spans_read and not reading_threads()
+
+
+def test_read_ahead_stays_a_ring_ahead_and_stops_when_the_loop_does(cold_file):
+    path, payload, _ = cold_file
+    fd = direct_reads.open_direct(path)
+    spans = [(start, min(start + SLOT, SIZE)) for start in range(0, SIZE, SLOT)]
+    calls = []
+    real = direct_reads._read_until_end
+
+    def counted(fd, view, offset):
+        calls.append(offset)
+        return real(fd, view, offset)
+
+    try:
+        direct_reads._read_until_end = counted
+        with ReadAhead(fd, spans, SlotRing(slots=2, slot_bytes=SLOT)) as arrived:
+            begin, data = next(arrived)
+            assert (begin, bytes(data)) == (0, payload[:SLOT])
+        assert not reading_threads()
+        assert len(calls) <= 3 < len(spans)  # the slot handed back, the one free, nothing past them
+    finally:
+        direct_reads._read_until_end = real
+        os.close(fd)
+
+
+def test_read_ahead_raises_the_threads_error_and_refuses_unaligned_spans(tmp_path):
+    path = tmp_path / "w"
+    path.write_bytes(b"x" * SLOT)
+    fd = os.open(path, os.O_WRONLY)  # reads fail: EBADF
+    try:
+        with pytest.raises(OSError):
+            with ReadAhead(fd, [(0, SLOT)], SlotRing(slots=1, slot_bytes=SLOT)) as arrived:
+                list(arrived)
+        assert not reading_threads()
+        with pytest.raises(ValueError, match="unaligned"):
+            ReadAhead(fd, [(100, 200)], SlotRing(slots=1, slot_bytes=SLOT))
+        with pytest.raises(ValueError, match="longer than a slot"):
+            ReadAhead(fd, [(0, 2 * SLOT)], SlotRing(slots=1, slot_bytes=SLOT))
+    finally:
+        os.close(fd)
+
+
+def test_advise_leaves_cold_big_ranges_to_the_direct_reads(cold_file, monkeypatch):
+    path, _, _ = cold_file
+    hinted = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, begin, length, advice: hinted.append((begin, length)))
+    advise(path, 0, SIZE)
+    advise(path, BLOCK, BLOCK)  # too small to read direct: hinted
+    assert hinted == [(BLOCK, BLOCK)]
+    monkeypatch.setattr(direct_reads, "ENABLED", False)
+    advise(path, 0, SIZE)
+    assert hinted[-1] == (0, SIZE)
+
+
+def resident_pages(array: np.ndarray) -> list[int]:
+    pages = -(-array.nbytes // mmap.PAGESIZE)
+    flags = (ctypes.c_ubyte * pages)()
+    assert libc().mincore(ctypes.c_void_p(array.ctypes.data), array.nbytes, flags) == 0
+    return [flag & 1 for flag in bytes(flags)]
+
+
+@pytest.mark.skipif(libc() is None, reason="no C library to ask mincore")
+def test_populate_maps_the_pages_under_a_view_and_keeps_their_bytes():
+    pages = 512  # above host_memory.SMALL: a mapping of its own
+    array = new_zeros(pages * mmap.PAGESIZE, np.uint8, populated=False)
+    assert sum(resident_pages(array)) == 0
+    populate(memoryview(array)[10 * mmap.PAGESIZE + 5 : 20 * mmap.PAGESIZE - 5])
+    resident = resident_pages(array)
+    if sum(resident) == 0:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+    assert resident == [0] * 10 + [1] * 10 + [0] * (pages - 20)
+    assert not array.any()
+    array[:] = 9
+    populate(memoryview(array))
+    assert (array == 9).all() and sum(resident_pages(array)) == pages
+    assert sum(resident_pages(new_zeros(pages * mmap.PAGESIZE, np.uint8))) == pages  # populated by default
+
+
+@pytest.mark.parametrize("new_world", [1, 2, 3])
+def test_a_cold_load_reads_direct_and_holds_what_a_cached_load_holds(tmp_path, small_slots, spans_read, monkeypatch, new_world):
+    """Saved at D=2, loaded at D = 1, 2, 3 from a cold checkpoint (direct reads) and from a
+    cached one: the same tensors bit for bit, the same bytes counted."""
+    from universal_helpers import save_synthetic
+
+    from zeroshard.checkpoint.loader import load_state
+    from zeroshard.checkpoint.native.source import NativeSource
+    from zeroshard.layout import ParamSpec, build_layout
+
+    specs = [[ParamSpec.of("w", (512, 300), "bf16"), ParamSpec.of("v", (300, 97), "bf16")], [ParamSpec.of("b", (300,), "bf16")]]
+    path = save_synthetic(tmp_path, build_layout(specs, 2), block_size=BLOCK)
+    if direct_reads.open_direct(next(path.glob("*.safetensors"))) is None:
+        pytest.skip(f"{tmp_path}: the file system reads nothing past the page cache (O_DIRECT)")
+    layout = build_layout(specs, new_world)
+
+    def load(rank, cold):
+        if cold:
+            for file in path.iterdir():
+                evict(file)
+        stats = ReadStats()
+        with NativeSource(path, stats=stats) as source:
+            state = load_state(source, layout, rank)
+        tensors = [*state.fp32_partitions, *(t for group in state.optimizer_states for _, t in sorted(group.items()))]
+        return tensors, (stats.data, stats.bytes_by_file)
+
+    for rank in range(new_world):
+        direct, direct_counts = load(rank, cold=True)
+        assert spans_read, f"rank {rank}: nothing read direct"
+        spans_read.clear()
+        monkeypatch.setattr(direct_reads, "ENABLED", False)
+        cached, cached_counts = load(rank, cold=False)
+        monkeypatch.setattr(direct_reads, "ENABLED", True)
+        assert spans_read == [] and direct_counts == cached_counts
+        assert len(direct) == len(cached) == 6
+        assert all(a.dtype == b.dtype and a.view(-1).view(torch.uint8).equal(b.view(-1).view(torch.uint8)) for a, b in zip(direct, cached))
