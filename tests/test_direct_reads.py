@@ -10,6 +10,7 @@ KiB take the direct path. Where the file system of the test's temp dir refuses O
 from __future__ import annotations
 
 import ctypes
+import gc
 import mmap
 import os
 import threading
@@ -23,7 +24,7 @@ from zeroshard.io import block_reader, direct_reads
 from zeroshard.io.block_reader import RangeReader
 from zeroshard.io.checksum import BlockHasher
 from zeroshard.io.damage import CheckpointDamagedError
-from zeroshard.io.direct_reads import ReadAhead, SlotRing, advise, cached_fraction
+from zeroshard.io.direct_reads import ReadAhead, SlotRing, cached_fraction
 from zeroshard.io.host_memory import new_zeros, populate
 from zeroshard.io.libc import libc
 
@@ -67,16 +68,33 @@ def cold_file(tmp_path, small_slots):
 
 @pytest.fixture
 def spans_read(monkeypatch):
-    """The spans each ReadAhead the reader starts was given."""
-    started: list[list[tuple[int, int]]] = []
+    """The spans announced to each reader's read-ahead, a list per announcement."""
+    announced: list[list[tuple[int, int]]] = []
 
     class Recording(ReadAhead):
-        def __init__(self, fd, spans, ring):
-            started.append(list(spans))
-            super().__init__(fd, spans, ring)
+        def announce(self, path, spans):
+            announced.append(list(spans))
+            super().announce(path, spans)
+
+        def take(self, path, spans):
+            pending = list(self._announced)
+            arrived = super().take(path, spans)
+            if arrived is None and pending:
+                DROPPED.append((path, spans, pending))
+            return arrived
 
     monkeypatch.setattr(block_reader, "ReadAhead", Recording)
-    return started
+    DROPPED.clear()
+    return announced
+
+
+DROPPED: list = []  # takes that found other spans announced, which were dropped
+
+
+def stopped_reading_threads() -> bool:
+    for thread in reading_threads():
+        thread.join(timeout=10)
+    return not reading_threads()
 
 
 def read_into(reader: RangeReader, path, record, begin: int, end: int) -> bytes:
@@ -102,7 +120,7 @@ def test_a_cold_range_is_read_direct_with_the_same_bytes_and_counts(cold_file, s
     assert read_into(RangeReader(stats=cached), path, record, begin, end) == payload[begin:end]
     assert len(spans_read) == 1
     assert (direct.data, direct.bytes_by_file) == (cached.data, cached.bytes_by_file)
-    assert not reading_threads()
+    assert stopped_reading_threads()
 
 
 def test_a_range_the_page_cache_holds_is_read_through_it(cold_file, spans_read):
@@ -131,7 +149,7 @@ def test_corrupted_bytes_read_direct_name_the_file_and_block(cold_file, spans_re
     evict(path)
     with pytest.raises(CheckpointDamagedError, match=rf"{path}: checksum mismatch in block 7 "):
         read_into(RangeReader(), path, record, 0, SIZE)
-    assert spans_read and not reading_threads()
+    assert spans_read and stopped_reading_threads()
 
 
 def test_a_file_truncated_under_a_direct_read_says_where_it_ends(cold_file, spans_read):
@@ -140,12 +158,11 @@ def test_a_file_truncated_under_a_direct_read_says_where_it_ends(cold_file, span
     evict(path)
     with pytest.raises(CheckpointDamagedError, match=rf"{path}: truncated: expected \d+ bytes, the file ends at {20 * BLOCK + 100}"):
         read_into(RangeReader(), path, record, 0, SIZE)
-    assert spans_read and not reading_threads()
+    assert spans_read and stopped_reading_threads()
 
 
 def test_read_ahead_stays_a_ring_ahead_and_stops_when_the_loop_does(cold_file):
     path, payload, _ = cold_file
-    fd = direct_reads.open_direct(path)
     spans = [(start, min(start + SLOT, SIZE)) for start in range(0, SIZE, SLOT)]
     calls = []
     real = direct_reads._read_until_end
@@ -156,43 +173,67 @@ def test_read_ahead_stays_a_ring_ahead_and_stops_when_the_loop_does(cold_file):
 
     try:
         direct_reads._read_until_end = counted
-        with ReadAhead(fd, spans, SlotRing(slots=2, slot_bytes=SLOT)) as arrived:
-            begin, data = next(arrived)
-            assert (begin, bytes(data)) == (0, payload[:SLOT])
-        assert not reading_threads()
+        ahead = ReadAhead(SlotRing(slots=2, slot_bytes=SLOT))
+        ahead.announce(path, spans)
+        arrived = ahead.take(path, spans)
+        assert bytes(next(arrived)) == payload[:SLOT]
+        arrived.close()  # the loader stops early: what was announced is dropped
+        assert stopped_reading_threads()
         assert len(calls) <= 3 < len(spans)  # the slot handed back, the one free, nothing past them
+        assert ahead.take(path, spans[1:]) is None
     finally:
         direct_reads._read_until_end = real
-        os.close(fd)
 
 
-def test_read_ahead_raises_the_threads_error_and_refuses_unaligned_spans(tmp_path):
-    path = tmp_path / "w"
-    path.write_bytes(b"x" * SLOT)
-    fd = os.open(path, os.O_WRONLY)  # reads fail: EBADF
-    try:
-        with pytest.raises(OSError):
-            with ReadAhead(fd, [(0, SLOT)], SlotRing(slots=1, slot_bytes=SLOT)) as arrived:
-                list(arrived)
-        assert not reading_threads()
-        with pytest.raises(ValueError, match="unaligned"):
-            ReadAhead(fd, [(100, 200)], SlotRing(slots=1, slot_bytes=SLOT))
-        with pytest.raises(ValueError, match="longer than a slot"):
-            ReadAhead(fd, [(0, 2 * SLOT)], SlotRing(slots=1, slot_bytes=SLOT))
-    finally:
-        os.close(fd)
+def test_read_ahead_raises_the_threads_error_and_refuses_bad_spans(tmp_path):
+    ahead = ReadAhead(SlotRing(slots=1, slot_bytes=SLOT))
+    missing = tmp_path / "missing"
+    ahead.announce(missing, [(0, SLOT)])
+    with pytest.raises(FileNotFoundError):
+        list(ahead.take(missing, [(0, SLOT)]))
+    assert stopped_reading_threads()
+    for spans, problem in (([(100, 200)], "unaligned"), ([(0, 2 * SLOT)], "longer than a slot"), ([(0, 0)], "empty")):
+        with pytest.raises(ValueError, match=problem):
+            ahead.announce(missing, spans)
 
 
-def test_advise_leaves_cold_big_ranges_to_the_direct_reads(cold_file, monkeypatch):
-    path, _, _ = cold_file
+def test_announced_ranges_are_read_ahead_across_reads_and_out_of_order_reads_still_right(cold_file, spans_read):
+    path, payload, record = cold_file
+    first, second = (2 * BLOCK + 5, 12 * BLOCK), (12 * BLOCK, 30 * BLOCK + 3)
+    reader = RangeReader()
+    for begin, end in (first, second):
+        reader.announce(path, record, begin, end)
+    assert len(spans_read) == 2 and spans_read[0][0][0] == 3 * BLOCK and spans_read[1][-1][1] == 30 * BLOCK
+    assert read_into(reader, path, record, *first) == payload[slice(*first)]
+    assert read_into(reader, path, record, *second) == payload[slice(*second)]
+    assert len(spans_read) == 2  # both came from the read-ahead: nothing announced again
+    reader.clear()
+    assert stopped_reading_threads()
+
+    evict(path)
+    reader = RangeReader()
+    for begin, end in (first, second):
+        reader.announce(path, record, begin, end)
+    assert read_into(reader, path, record, *second) == payload[slice(*second)]  # not the next announced
+    assert read_into(reader, path, record, *first) == payload[slice(*first)]
+    assert len(spans_read) == 6  # dropped, each then read on its own
+    del reader
+    gc.collect()
+    assert stopped_reading_threads()  # a reader's thread ends with it
+
+
+def test_announce_reads_cold_big_ranges_ahead_and_hints_the_rest(cold_file, spans_read, monkeypatch):
+    path, _, record = cold_file
     hinted = []
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, begin, length, advice: hinted.append((begin, length)))
-    advise(path, 0, SIZE)
-    advise(path, BLOCK, BLOCK)  # too small to read direct: hinted
-    assert hinted == [(BLOCK, BLOCK)]
+    reader = RangeReader()
+    reader.announce(path, record, 0, SIZE)
+    reader.announce(path, record, BLOCK, 2 * BLOCK)  # too small to read direct
+    assert hinted == [(BLOCK, BLOCK)] and len(spans_read) == 1
+    reader.clear()
     monkeypatch.setattr(direct_reads, "ENABLED", False)
-    advise(path, 0, SIZE)
-    assert hinted[-1] == (0, SIZE)
+    reader.announce(path, record, 0, SIZE)
+    assert hinted[-1] == (0, SIZE) and len(spans_read) == 1
 
 
 def resident_pages(array: np.ndarray) -> list[int]:
@@ -248,6 +289,7 @@ def test_a_cold_load_reads_direct_and_holds_what_a_cached_load_holds(tmp_path, s
     for rank in range(new_world):
         direct, direct_counts = load(rank, cold=True)
         assert spans_read, f"rank {rank}: nothing read direct"
+        assert DROPPED == [], f"rank {rank}: the loader read other ranges than it announced"
         spans_read.clear()
         monkeypatch.setattr(direct_reads, "ENABLED", False)
         cached, cached_counts = load(rank, cold=False)

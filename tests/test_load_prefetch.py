@@ -11,9 +11,8 @@ from universal_helpers import save_synthetic
 
 from zeroshard.checkpoint import loader
 from zeroshard.checkpoint.loader import load_state
-from zeroshard.checkpoint.native import source as native_source
 from zeroshard.checkpoint.native.source import NativeSource
-from zeroshard.io import direct_reads
+from zeroshard.io import block_reader, direct_reads
 from zeroshard.io.dtypes import dtype_info
 from zeroshard.layout import ParamSpec, build_layout
 
@@ -75,7 +74,7 @@ def test_hints_stop_at_the_budget(tmp_path, monkeypatch):
 def test_a_hint_names_the_bytes_the_read_returns(tmp_path, monkeypatch):
     path = save_synthetic(tmp_path, build_layout(SPECS, 2))
     advised = []
-    monkeypatch.setattr(native_source, "advise", lambda file, begin, length: advised.append((file, begin, length)))
+    monkeypatch.setattr(block_reader, "advise", lambda file, begin, length: advised.append((file, begin, length)))
     with NativeSource(path) as source:
         for group, key, start, end in ((0, "fp32", 3, 40), (0, "exp_avg_sq", 0, 17), (1, "exp_avg", 2, 5)):
             source.prefetch(1, group, key, start, end)

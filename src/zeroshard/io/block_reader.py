@@ -36,7 +36,8 @@ import numpy as np
 from .checksum import FileRecord
 from .damage import CheckpointDamagedError
 from .digest import FUSED, combine, crc32
-from .direct_reads import ALIGN, ReadAhead, SlotRing, open_direct, worth_reading_direct
+from . import direct_reads
+from .direct_reads import ALIGN, ReadAhead, advise, open_direct, worth_reading_direct
 from .host_memory import populate
 from .dtypes import from_bytes
 from .members import open_member
@@ -53,7 +54,7 @@ class RangeReader:
 
     def __init__(self, stats: ReadStats | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self.stats = stats
-        self._ring = SlotRing()
+        self._ahead = ReadAhead()
         self._cache: OrderedDict[tuple[str, int], bytes | memoryview] = OrderedDict()
         self._cache_bytes = cache_bytes
         self._cached = 0
@@ -106,13 +107,26 @@ class RangeReader:
         first, last = blocks[0], blocks[-1]
         if not _inside(record, first, begin, end):
             self._copy_edge(path, record, first, begin, out, observe)
-            first += 1
-        if first <= last and not _inside(record, last, begin, end):
+        if last != first and not _inside(record, last, begin, end):
             self._copy_edge(path, record, last, begin, out, observe)
-            last -= 1
+        first, last = _inner_blocks(record, begin, end)
         if first <= last:
             start = record.block_range(first)[0]
             self._read_checked(path, record, first, last, out[start - begin :], observe, start - begin)
+
+    def announce(self, path: Path, record: FileRecord, begin: int, end: int) -> None:
+        """Say that :meth:`read_into` of bytes [begin, end) of ``path`` comes next, after
+        those announced before. Its blocks are read ahead past the page cache where that is
+        worth it (:mod:`.direct_reads`), else the kernel is asked to start reading them
+        into the page cache (``posix_fadvise(WILLNEED)``). A hint: nothing is checked or
+        counted before the read."""
+        first, last = _inner_blocks(record, begin, end)
+        if first <= last:
+            span_begin, span_end = record.block_range(first)[0], record.block_range(last)[1]
+            if self._worth_direct(path, record, span_begin, span_end):
+                self._ahead.announce(path, self._spans(record, first, last))
+                return
+        advise(path, begin, end - begin)
 
     def _copy_edge(self, path: Path, record: FileRecord, index: int, begin: int, out: memoryview, observe: Any = None) -> None:
         """Copy the part of block ``index`` that ``out`` (bytes from ``begin``) holds."""
@@ -150,37 +164,64 @@ class RangeReader:
         read direct, a few chunks ahead on a thread (:mod:`.direct_reads`); the rest with a
         pread per chunk. Each chunk's pages of ``out`` are mapped just before it lands."""
         origin, span_end = record.block_range(first)[0], record.block_range(last)[1]
-        direct = self._direct_descriptor(path, fd, record, origin, span_end)
-        if direct is None:
+        arrived = self._direct_arrivals(path, fd, record, first, last)
+        if arrived is None:
             for chunk_first, chunk_last, begin, end in _chunks(record, first, last, READ_CHUNK):
                 target = out[begin - origin : end - origin]
                 populate(target)
                 pread_into(fd, target, begin, path)
                 yield chunk_first, chunk_last, begin, target
             return
-        try:
-            chunks = _chunks(record, first, last, self._ring.slot_bytes)
-            with ReadAhead(direct, [(begin, end) for _, _, begin, end in chunks], self._ring) as arrived:
-                for (chunk_first, chunk_last, begin, end), (_, data) in zip(chunks, arrived):
-                    if len(data) < end - begin:
-                        size = os.fstat(fd).st_size
-                        raise CheckpointDamagedError(f"{path}: truncated: expected {end} bytes, the file ends at {size}")
-                    target = out[begin - origin : end - origin]
-                    populate(target)
-                    target[:] = data
-                    yield chunk_first, chunk_last, begin, target
-        finally:
-            os.close(direct)
+        chunks = _chunks(record, first, last, self._ahead.slot_bytes)
+        # The slots first: the read-ahead learns that the last one is done when asked for more.
+        for data, (chunk_first, chunk_last, begin, end) in zip(arrived, chunks, strict=True):
+            if len(data) < end - begin:
+                raise CheckpointDamagedError(f"{path}: truncated: expected {end} bytes, the file ends at {os.fstat(fd).st_size}")
+            target = out[begin - origin : end - origin]
+            populate(target)
+            target[:] = data
+            yield chunk_first, chunk_last, begin, target
 
-    def _direct_descriptor(self, path: Path, fd: int, record: FileRecord, begin: int, end: int) -> int | None:
-        """A descriptor reading ``path`` past the page cache when bytes [begin, end) are
-        worth it (big, aligned, not cached: :func:`.direct_reads.worth_reading_direct`)
-        and its blocks fit a slot whole; else None."""
-        if record.block_size % ALIGN or record.block_size > self._ring.slot_bytes:
-            return None
-        if not worth_reading_direct(fd, begin, end):
-            return None
-        return open_direct(path)
+    def _direct_arrivals(self, path: Path, fd: int, record: FileRecord, first: int, last: int) -> Iterator[memoryview] | None:
+        """The slots blocks first..last arrive in when read past the page cache: read ahead
+        already when announced, else read now when worth it; None to read them through it."""
+        span_begin, span_end = record.block_range(first)[0], record.block_range(last)[1]
+        if not self._direct_sized(record, span_begin, span_end):
+            return None  # never announced; and no reason to drop what is
+        spans = self._spans(record, first, last)
+        arrived = self._ahead.take(path, spans)
+        if arrived is None and self._worth_direct(path, record, span_begin, span_end, fd):
+            self._ahead.announce(path, spans)
+            arrived = self._ahead.take(path, spans)
+        return arrived
+
+    def _direct_sized(self, record: FileRecord, begin: int, end: int) -> bool:
+        """Whether a run of whole blocks [begin, end) has a direct read's shape: its blocks
+        start aligned and fit a slot whole, and it is big enough to be worth a thread."""
+        block_size = record.block_size
+        return block_size % ALIGN == 0 and block_size <= self._ahead.slot_bytes and end - begin >= direct_reads.DIRECT_MIN_BYTES
+
+    def _worth_direct(self, path: Path, record: FileRecord, begin: int, end: int, fd: int | None = None) -> bool:
+        """Whether blocks [begin, end) of ``path`` should be read past the page cache: of a
+        direct read's shape, mostly not cached, on a file system that allows it."""
+        if not self._direct_sized(record, begin, end):
+            return False
+        own = fd is None
+        fd = open_member(path) if own else fd
+        try:
+            if not worth_reading_direct(fd, begin, end):
+                return False
+        finally:
+            if own:
+                os.close(fd)
+        direct = open_direct(path)
+        if direct is None:
+            return False
+        os.close(direct)
+        return True
+
+    def _spans(self, record: FileRecord, first: int, last: int) -> list[tuple[int, int]]:
+        return [(begin, end) for _, _, begin, end in _chunks(record, first, last, self._ahead.slot_bytes)]
 
     def _edge_block(self, path: Path, record: FileRecord, index: int) -> memoryview:
         """Block ``index`` of ``path``, checked: from the cache, or read and kept there."""
@@ -263,9 +304,10 @@ class RangeReader:
             self._cached -= len(dropped)
 
     def clear(self) -> None:
-        """Drop every cached edge block."""
+        """Drop every cached edge block, and what is announced (the read-ahead thread ends)."""
         self._cache.clear()
         self._cached = 0
+        self._ahead.close()
 
 
 def observe_bytes(view: memoryview, lo: int, hi: int, observe: Any, at: int = 0) -> None:
@@ -310,6 +352,19 @@ def _chunks(record: FileRecord, first: int, last: int, chunk_bytes: int) -> list
         chunk_last = min(chunk_first + per_chunk - 1, last)
         runs.append((chunk_first, chunk_last, record.block_range(chunk_first)[0], record.block_range(chunk_last)[1]))
     return runs
+
+
+def _inner_blocks(record: FileRecord, begin: int, end: int) -> tuple[int, int]:
+    """The first and last of the blocks wholly inside bytes [begin, end) (first > last: none)."""
+    blocks = record.blocks_covering(begin, end)
+    if not blocks:
+        return 0, -1
+    first, last = blocks[0], blocks[-1]
+    if not _inside(record, first, begin, end):
+        first += 1
+    if first <= last and not _inside(record, last, begin, end):
+        last -= 1
+    return first, last
 
 
 def _inside(record: FileRecord, index: int, begin: int, end: int) -> bool:

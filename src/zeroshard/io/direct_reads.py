@@ -23,8 +23,13 @@ import mmap
 import os
 import queue
 import threading
+import weakref
+from collections import deque
 from collections.abc import Iterator, Sequence
+from itertools import islice
 from pathlib import Path
+
+import numpy as np
 
 from .libc import libc as _libc
 from .members import open_member
@@ -54,9 +59,8 @@ def open_direct(path: Path) -> int | None:
 def advise(path: Path, begin: int, length: int) -> None:
     """Ask the kernel to start reading bytes [begin, begin + length) of the regular file
     ``path`` into the page cache (``posix_fadvise(WILLNEED)``); a hint, returning before the
-    reads do. Nothing for a range the loader will read direct (the read-ahead thread does
-    it, and cached pages would only cost), where the platform has no ``posix_fadvise``, or
-    where the file cannot be opened (its read will say why)."""
+    reads do. Nothing where the platform has no ``posix_fadvise``, or where the file cannot
+    be opened (its read will say why)."""
     if not hasattr(os, "posix_fadvise") or length <= 0:
         return
     try:
@@ -64,8 +68,6 @@ def advise(path: Path, begin: int, length: int) -> None:
     except (OSError, ValueError):
         return
     try:
-        if worth_reading_direct(fd, begin - begin % ALIGN, begin + length):
-            return
         os.posix_fadvise(fd, begin, length, os.POSIX_FADV_WILLNEED)
     except OSError:
         pass  # a file system without read-ahead: the reads go on without the hint
@@ -100,7 +102,7 @@ def cached_fraction(fd: int, begin: int, end: int) -> float:
         resident = (ctypes.c_ubyte * pages)()
         if libc.mincore(ctypes.c_void_p(address), length, resident) != 0:
             return 1.0
-        return sum(flag & 1 for flag in bytes(resident)) / pages
+        return int(np.count_nonzero(np.frombuffer(resident, dtype=np.uint8) & 1)) / pages
     finally:
         libc.munmap(ctypes.c_void_p(address), length)
 
@@ -120,68 +122,148 @@ class SlotRing:
         return [memoryview(slot) for slot in self._slots]
 
 
-class ReadAhead:
-    """Reads ``spans`` (file offsets ``(begin, end)``, each at most a slot, ``begin``
-    aligned) of the direct descriptor ``fd`` on a thread, into the ring's slots, in order.
+Span = tuple[Path, int, int]  # a file and the offsets [begin, end) of one direct read
 
-    Iterating yields ``(begin, data)`` per span as it arrives: ``data`` is the slot's view,
-    shorter than the span only where the file ends first, and valid until the next step.
-    Leaving the ``with`` block (done, or on an error) stops the thread and waits for it; an
-    error of the thread's read is raised in the loop.
+
+class ReadAhead:
+    """Reads announced spans of files past the page cache, in the order announced, on a
+    thread of its own, into a ring of slots: at most a ring ahead of the loader taking them.
+
+    A loader announces the ranges it will read next (:meth:`announce`, before mapping the
+    memory they go to) and takes them in the same order (:meth:`take`), so the storage keeps
+    reading between one range and the next. Taking anything but the next announced spans
+    (a read that changed its mind) drops what was announced and read ahead, and says so
+    (None): the caller reads on its own. :meth:`close` stops the thread; so does the
+    reader's garbage collection.
     """
 
-    _POLL_SECONDS = 1.0  # how often a waiting loader checks that the thread still lives
+    _POLL_SECONDS = 1.0  # how often a waiting side checks whether the other still lives
 
-    def __init__(self, fd: int, spans: Sequence[tuple[int, int]], ring: SlotRing) -> None:
-        if any(end - begin > ring.slot_bytes or begin % ALIGN for begin, end in spans):
-            raise ValueError("ReadAhead: a span is longer than a slot or starts unaligned")
-        self._fd = fd
-        self._spans = list(spans)
-        self._slots = ring.slots()
-        self._stop = threading.Event()
-        self._free: queue.Queue[int | None] = queue.Queue()
-        self._arrived: queue.Queue[tuple[int, int, int] | BaseException] = queue.Queue()
-        self._thread = threading.Thread(target=self._read_all, name="zeroshard-read-ahead", daemon=True)
+    def __init__(self, ring: SlotRing | None = None) -> None:
+        self._ring = ring or SlotRing()
+        self.slot_bytes = self._ring.slot_bytes
+        self._lock = threading.Lock()
+        self._announced: deque[Span] = deque()  # announced, not yet taken
+        self._runs: list[_Run] = []  # the running thread's, if any; signalled when this reader is collected
+        weakref.finalize(self, _Run.signal_all, self._runs)
 
-    def __enter__(self) -> Iterator[tuple[int, memoryview]]:
-        for index in range(len(self._slots)):
-            self._free.put(index)
-        self._thread.start()
-        return self._arrivals()
+    def announce(self, path: Path, spans: Sequence[tuple[int, int]]) -> None:
+        """Read ``spans`` of ``path`` (each at most a slot, ``begin`` aligned) next, after
+        those announced before."""
+        if any(end - begin > self._ring.slot_bytes or begin % ALIGN or end <= begin for begin, end in spans):
+            raise ValueError("ReadAhead: a span is empty, longer than a slot or starts unaligned")
+        with self._lock:
+            if not self._runs:
+                self._runs.append(_Run(self._ring.slots()))
+            for begin, end in spans:
+                self._announced.append((path, begin, end))
+                self._runs[0].to_read.put((path, begin, end))
 
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._free.put(None)
-        self._thread.join()
+    def take(self, path: Path, spans: Sequence[tuple[int, int]]) -> Iterator[memoryview] | None:
+        """The bytes of ``spans`` of ``path``, a slot's view per span as it arrives (shorter
+        only where the file ends first; valid until the next step), when they are the next
+        announced; else None, once everything announced is dropped. An error of the read
+        is raised in the loop; leaving the loop early drops what is announced too."""
+        wanted = [(path, begin, end) for begin, end in spans]
+        with self._lock:
+            if not self._runs or list(islice(self._announced, len(wanted))) != wanted:
+                self._stop()
+                return None
+            for _ in wanted:
+                self._announced.popleft()
+            run = self._runs[0]
+        return self._deliver(run, wanted)
 
-    def _read_all(self) -> None:
+    def close(self) -> None:
+        """Drop what is announced and stop the thread (waiting for its read in flight)."""
+        with self._lock:
+            self._stop()
+
+    def _deliver(self, run: _Run, wanted: list[Span]) -> Iterator[memoryview]:
+        complete = False
         try:
-            for begin, end in self._spans:
-                index = self._free.get()
-                if index is None or self._stop.is_set():
-                    return
-                slot = self._slots[index]
-                length = min(len(slot), -(-(end - begin) // ALIGN) * ALIGN)
-                self._arrived.put((index, begin, _read_until_end(self._fd, slot[:length], begin)))
-        except BaseException as err:  # handed to the loader, which raises it
-            self._arrived.put(err)
+            for path, begin, end in wanted:
+                item = run.next_arrival()
+                if isinstance(item, BaseException):
+                    raise item
+                index, got = item
+                yield run.slots[index][: min(got, end - begin)]
+                run.free.put(index)
+            complete = True
+        finally:
+            if not complete:
+                self.close()
 
-    def _arrivals(self) -> Iterator[tuple[int, memoryview]]:
-        for begin, end in self._spans:
-            item = self._next()
-            if isinstance(item, BaseException):
-                raise item
-            index, _, got = item
-            yield begin, self._slots[index][: min(got, end - begin)]
-            self._free.put(index)
+    def _stop(self) -> None:
+        self._announced.clear()
+        while self._runs:
+            self._runs.pop().stop()
 
-    def _next(self) -> tuple[int, int, int] | BaseException:
+
+class _Run:
+    """One reading thread and the queues it shares with the loader; ends with :meth:`stop`."""
+
+    def __init__(self, slots: list[memoryview]) -> None:
+        self.slots = slots
+        self.to_read: queue.Queue[Span | None] = queue.Queue()
+        self.free: queue.Queue[int | None] = queue.Queue()
+        self.arrived: queue.Queue[tuple[int, int] | BaseException] = queue.Queue()
+        self.stopping = threading.Event()
+        for index in range(len(slots)):
+            self.free.put(index)
+        self.thread = threading.Thread(target=self._read_all, name="zeroshard-read-ahead", daemon=True)
+        self.thread.start()
+
+    def signal(self) -> None:
+        """Tell the thread to end (after its read in flight, if any)."""
+        self.stopping.set()
+        self.to_read.put(None)
+        self.free.put(None)
+
+    def stop(self) -> None:
+        """End the thread and wait for it."""
+        self.signal()
+        self.thread.join()
+
+    @staticmethod
+    def signal_all(runs: list[_Run]) -> None:
+        for run in runs:
+            run.signal()
+
+    def next_arrival(self) -> tuple[int, int] | BaseException:
         while True:
             try:
-                return self._arrived.get(timeout=self._POLL_SECONDS)
+                return self.arrived.get(timeout=ReadAhead._POLL_SECONDS)
             except queue.Empty:
-                if not self._thread.is_alive() and self._arrived.empty():
+                if not self.thread.is_alive() and self.arrived.empty():
                     return RuntimeError("the read-ahead thread ended before its reads")
+
+    def _read_all(self) -> None:
+        descriptors: dict[Path, int] = {}
+        try:
+            while True:
+                span = self.to_read.get()
+                index = None if span is None or self.stopping.is_set() else self.free.get()
+                if index is None or self.stopping.is_set():
+                    return
+                path, begin, end = span
+                if path not in descriptors:
+                    descriptors[path] = _must_open_direct(path)
+                slot = self.slots[index]
+                length = min(len(slot), -(-(end - begin) // ALIGN) * ALIGN)
+                self.arrived.put((index, _read_until_end(descriptors[path], slot[:length], begin)))
+        except BaseException as err:  # handed to the loader, which raises it
+            self.arrived.put(err)
+        finally:
+            for fd in descriptors.values():
+                os.close(fd)
+
+
+def _must_open_direct(path: Path) -> int:
+    fd = open_direct(path)
+    if fd is None:
+        raise OSError(errno.EINVAL, f"{path}: cannot be read past the page cache (O_DIRECT)")
+    return fd
 
 
 def _read_until_end(fd: int, view: memoryview, offset: int) -> int:

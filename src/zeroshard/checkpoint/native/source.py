@@ -18,7 +18,6 @@ from ..format import LATEST_FILE, MANIFEST_FILE, MODEL_FILE, fp32_key, rank_file
 from ..formats import SourceFormat
 from ..attest.digests import Terms, finished, tensors_digester
 from ...io.block_reader import RangeReader, array_view, observe_bytes
-from ...io.direct_reads import advise
 from ...io.checksum import FileRecord
 from ...io.dtypes import dtype_info, itemsize_of, to_float32
 from ...io.safetensors_io import ReadStats, TensorEntry, check_entries, read_header
@@ -90,10 +89,11 @@ class NativeSource:
 
     def prefetch(self, rank: int, group: int, key: str, start: int, end: int) -> None:
         """Say that elements [start, end) of ``rank``'s partition of ``key`` in ``group``
-        will be read next: the kernel starts reading them into the page cache
-        (``posix_fadvise(WILLNEED)``), so the disk keeps reading while the loader checks
-        what it has and maps new memory. A hint: nothing is checked or counted until the
-        bytes are read (with :meth:`read_into`).
+        will be read next (with :meth:`read_into`, after those announced before): a thread
+        starts reading them past the page cache where they are big and not cached, or the
+        kernel into it (:meth:`.RangeReader.announce`), so the disk keeps reading while the
+        loader checks what it has and maps new memory. A hint: nothing is checked or
+        counted until the bytes are read.
 
         Raises:
             KeyError: ``key`` is not a state of the group (as the read would).
@@ -101,7 +101,8 @@ class NativeSource:
                 file whose header or binding does not match the manifest."""
         file_name, entry, dtype = self._locate(rank, group, key, start, end)
         itemsize = itemsize_of(dtype)
-        advise(self.checkpoint.path(file_name), entry.begin + start * itemsize, (end - start) * itemsize)
+        begin = entry.begin + start * itemsize
+        self._reader.announce(self.checkpoint.path(file_name), self._record(file_name), begin, begin + (end - start) * itemsize)
 
     def scalars(self, group: int) -> dict[str, np.ndarray]:
         """The group's non-partitioned optimizer state: the same in every rank file, so
