@@ -14,6 +14,7 @@ import gc
 import mmap
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -183,6 +184,35 @@ def test_read_ahead_stays_a_ring_ahead_and_stops_when_the_loop_does(cold_file):
         assert ahead.take(path, spans[1:]) is None
     finally:
         direct_reads._read_until_end = real
+
+
+def test_reads_finishing_out_of_order_arrive_in_order_and_an_error_in_its_turn(cold_file, monkeypatch):
+    """Two threads read: the second span's read ends first, the fourth fails; the loader
+    still gets spans 0, 1, 2 in order with their bytes, then the error."""
+    path, payload, _ = cold_file
+    spans = [(start, start + SLOT) for start in range(0, 6 * SLOT, SLOT)]
+    real = direct_reads._read_until_end
+    finished = []
+
+    def uneven(fd, view, offset):
+        if offset == 0:
+            time.sleep(0.2)  # span 1, on the other thread, ends first
+        if offset == 3 * SLOT:
+            raise OSError(5, "the disk failed")
+        got = real(fd, view, offset)
+        finished.append(offset)
+        return got
+
+    monkeypatch.setattr(direct_reads, "_read_until_end", uneven)
+    ahead = ReadAhead(SlotRing(slots=4, slot_bytes=SLOT))
+    ahead.announce(path, spans)
+    arrived, delivered = ahead.take(path, spans), []
+    with pytest.raises(OSError, match="the disk failed"):
+        for data in arrived:
+            delivered.append(bytes(data))
+    assert finished.index(SLOT) < finished.index(0)  # out of order on the disk
+    assert delivered == [payload[begin:end] for begin, end in spans[:3]]
+    assert stopped_reading_threads()
 
 
 def test_read_ahead_raises_the_threads_error_and_refuses_bad_spans(tmp_path):

@@ -7,10 +7,12 @@ benchmarks/README.md, whose balloon takes freed memory back), and no load reads 
 bytes twice. So a big range that is not in the page cache is read with ``O_DIRECT``: the
 disk writes into a few reused slots, and the loader copies each slot into the state.
 
-The reads run on a thread of their own (:class:`ReadAhead`), a few slots ahead of the
-loader, so the storage keeps reading while the loader maps the state's new memory, copies
-and checks what has arrived: the load then takes about the read's time, as the disk's
-read-ahead gave before. A range the page cache holds (a checkpoint just written, or read
+The reads run on a thread of their own (:class:`ReadAhead`), which reads the ranges the
+loader announces (``NativeSource.prefetch``, a group's ranges before the group is read) in
+their order, a few slots ahead of the loader: the storage keeps reading while the loader
+maps the state's new memory, copies and checks what has arrived, and from one range to the
+next, so a load takes about its read time, as the kernel's read-ahead into the page cache
+gave before. A range the page cache holds (a checkpoint just written, or read
 before) is read through it, which is faster than any disk; so are small ranges, files on
 file systems without ``O_DIRECT`` (tmpfs) and platforms without it.
 """
@@ -37,6 +39,7 @@ from .members import open_member
 ALIGN = 4096  # file offsets, lengths and addresses of direct reads: a page, a multiple of any disk's sector
 SLOT_BYTES = 8 << 20  # one direct read (the disk's request size here is 4 MiB)
 SLOTS = 4  # reads in flight or waiting for the loader: 32 MiB a reader
+READERS = 2  # threads reading, each with a read in flight: the disk stays busy while one waits for a core
 DIRECT_MIN_BYTES = SLOT_BYTES  # smaller ranges go through the page cache: too short for the thread to pay
 COLD_FRACTION = 0.5  # a range with less than this much of it in the page cache is read direct
 
@@ -116,8 +119,8 @@ class SlotRing:
         self._slots: list[mmap.mmap] = []
 
     def slots(self) -> list[memoryview]:
-        if not self._slots:
-            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        if not self._slots:  # mapped as the reading thread's first reads fill them, not here
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
             self._slots = [mmap.mmap(-1, self.slot_bytes, flags=flags) for _ in range(self._count)]
         return [memoryview(slot) for slot in self._slots]
 
@@ -201,29 +204,41 @@ class ReadAhead:
 
 
 class _Run:
-    """One reading thread and the queues it shares with the loader; ends with :meth:`stop`."""
+    """The reading threads and the queues they share with the loader; they end with :meth:`stop`.
 
-    def __init__(self, slots: list[memoryview]) -> None:
+    Each thread claims a free slot and the next span together, so spans get slots in their
+    order and the span the loader waits for never waits for a slot; READERS threads keep as
+    many reads in flight, so the disk is not idle while a thread waits to be scheduled."""
+
+    def __init__(self, slots: list[memoryview], readers: int = 0) -> None:
         self.slots = slots
         self.to_read: queue.Queue[Span | None] = queue.Queue()
         self.free: queue.Queue[int | None] = queue.Queue()
-        self.arrived: queue.Queue[tuple[int, int] | BaseException] = queue.Queue()
+        self.arrived: queue.Queue[tuple[int, tuple[int, int] | BaseException]] = queue.Queue()
         self.stopping = threading.Event()
+        self._claim = threading.Lock()
+        self._claimed = 0  # spans handed to threads so far (under _claim): the next one's number
+        self._delivered = 0  # spans handed to the loader so far
+        self._early: dict[int, tuple[int, int] | BaseException] = {}  # arrived before their turn
         for index in range(len(slots)):
             self.free.put(index)
-        self.thread = threading.Thread(target=self._read_all, name="zeroshard-read-ahead", daemon=True)
-        self.thread.start()
+        count = max(1, min(readers or READERS, len(slots)))
+        self.threads = [threading.Thread(target=self._read_all, name="zeroshard-read-ahead", daemon=True) for _ in range(count)]
+        for thread in self.threads:
+            thread.start()
 
     def signal(self) -> None:
-        """Tell the thread to end (after its read in flight, if any)."""
+        """Tell the threads to end (each after its read in flight, if any)."""
         self.stopping.set()
-        self.to_read.put(None)
-        self.free.put(None)
+        for _ in self.threads:
+            self.to_read.put(None)
+            self.free.put(None)
 
     def stop(self) -> None:
-        """End the thread and wait for it."""
+        """End the threads and wait for them."""
         self.signal()
-        self.thread.join()
+        for thread in self.threads:
+            thread.join()
 
     @staticmethod
     def signal_all(runs: list[_Run]) -> None:
@@ -231,29 +246,39 @@ class _Run:
             run.signal()
 
     def next_arrival(self) -> tuple[int, int] | BaseException:
-        while True:
+        """The slot and byte count of the next span in announced order, or its read's error."""
+        while self._delivered not in self._early:
             try:
-                return self.arrived.get(timeout=ReadAhead._POLL_SECONDS)
+                number, item = self.arrived.get(timeout=ReadAhead._POLL_SECONDS)
             except queue.Empty:
-                if not self.thread.is_alive() and self.arrived.empty():
-                    return RuntimeError("the read-ahead thread ended before its reads")
+                if not any(thread.is_alive() for thread in self.threads) and self.arrived.empty():
+                    return RuntimeError("the read-ahead threads ended before their reads")
+                continue
+            self._early[number] = item
+        self._delivered += 1
+        return self._early.pop(self._delivered - 1)
 
     def _read_all(self) -> None:
         descriptors: dict[Path, int] = {}
         try:
             while True:
-                span = self.to_read.get()
-                index = None if span is None or self.stopping.is_set() else self.free.get()
-                if index is None or self.stopping.is_set():
+                with self._claim:
+                    index = self.free.get()
+                    span = None if index is None or self.stopping.is_set() else self.to_read.get()
+                    number = self._claimed
+                    self._claimed += 1
+                if span is None or self.stopping.is_set():
                     return
-                path, begin, end = span
-                if path not in descriptors:
-                    descriptors[path] = _must_open_direct(path)
-                slot = self.slots[index]
-                length = min(len(slot), -(-(end - begin) // ALIGN) * ALIGN)
-                self.arrived.put((index, _read_until_end(descriptors[path], slot[:length], begin)))
-        except BaseException as err:  # handed to the loader, which raises it
-            self.arrived.put(err)
+                try:
+                    path, begin, end = span
+                    if path not in descriptors:
+                        descriptors[path] = _must_open_direct(path)
+                    slot = self.slots[index]
+                    length = min(len(slot), -(-(end - begin) // ALIGN) * ALIGN)
+                    self.arrived.put((number, (index, _read_until_end(descriptors[path], slot[:length], begin))))
+                except BaseException as err:  # handed to the loader, which raises it in its turn
+                    self.arrived.put((number, err))
+                    return
         finally:
             for fd in descriptors.values():
                 os.close(fd)
