@@ -327,3 +327,16 @@ def test_a_cold_load_reads_direct_and_holds_what_a_cached_load_holds(tmp_path, s
         assert spans_read == [] and direct_counts == cached_counts
         assert len(direct) == len(cached) == 6
         assert all(a.dtype == b.dtype and a.view(-1).view(torch.uint8).equal(b.view(-1).view(torch.uint8)) for a, b in zip(direct, cached))
+
+
+@pytest.mark.parametrize("value, enabled", [("0", False), ("1", hasattr(os, "O_DIRECT")), (None, hasattr(os, "O_DIRECT"))])
+def test_the_environment_turns_direct_reads_off(value, enabled):
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "ZEROSHARD_DIRECT_READS"}
+    if value is not None:
+        env["ZEROSHARD_DIRECT_READS"] = value
+    code = "from zeroshard.io import direct_reads; print(direct_reads.ENABLED)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == str(enabled)

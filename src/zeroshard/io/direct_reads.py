@@ -14,7 +14,9 @@ maps the state's new memory, copies and checks what has arrived, and from one ra
 next, so a load takes about its read time, as the kernel's read-ahead into the page cache
 gave before. A range the page cache holds (a checkpoint just written, or read
 before) is read through it, which is faster than any disk; so are small ranges, files on
-file systems without ``O_DIRECT`` (tmpfs) and platforms without it.
+file systems without ``O_DIRECT`` (tmpfs) and platforms without it. The price: a load read
+past the page cache leaves nothing there, so loading the same checkpoint again reads the
+disk again (``ZEROSHARD_DIRECT_READS=0`` turns direct reads off).
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ READERS = 2  # threads reading, each with a read in flight: the disk stays busy 
 DIRECT_MIN_BYTES = SLOT_BYTES  # smaller ranges go through the page cache: too short for the thread to pay
 COLD_FRACTION = 0.5  # a range with less than this much of it in the page cache is read direct
 
-ENABLED = hasattr(os, "O_DIRECT")  # tests switch it off to compare the two paths
+# ZEROSHARD_DIRECT_READS=0 reads everything through the page cache (a machine that loads the
+# same checkpoint again and again, and would rather it stayed cached); tests switch it too.
+ENABLED = hasattr(os, "O_DIRECT") and os.environ.get("ZEROSHARD_DIRECT_READS", "1") != "0"
 
 
 def open_direct(path: Path) -> int | None:
