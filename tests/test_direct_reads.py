@@ -35,12 +35,10 @@ SIZE = 40 * BLOCK + 1234  # the last block ends off a page boundary
 
 
 def evict(path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    """Out of the page cache: written back, then dropped."""
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+        os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def reading_threads() -> list[threading.Thread]:

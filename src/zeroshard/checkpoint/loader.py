@@ -287,11 +287,13 @@ def _read_group(
 
 
 def _prefetch(source: ShardSource, plan: GroupPlan, keys: list[str]) -> None:
-    """Hint the ranges of ``keys`` that this rank reads for a group, in the order it reads
-    them, up to PREFETCH_BYTES: the storage keeps reading while the loader maps the new
-    group's memory and checks what has arrived (a load from shared storage then takes about
-    its read time; benchmarks/load_bytes.py ``--read-bps``). Bounded, so that hinted bytes
-    are not evicted from the page cache before their read."""
+    """Announce the ranges of ``keys`` that this rank reads for a group, in the order it
+    reads them, up to PREFETCH_BYTES: the storage keeps reading (past the page cache, or
+    into it, see :mod:`zeroshard.io.direct_reads`) while the loader maps the group's memory
+    and checks what has arrived, so a load from shared storage takes about its read time
+    (benchmarks/load_bytes.py ``--read-bps``). Bounded, so that bytes hinted into the page
+    cache are not evicted before their read; ranges past the budget are read
+    ahead within their own read."""
     hint = getattr(source, "prefetch", None)
     if hint is None:
         return

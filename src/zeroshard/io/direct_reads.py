@@ -123,6 +123,7 @@ class SlotRing:
         self._slots: list[mmap.mmap] = []
 
     def slots(self) -> list[memoryview]:
+        """A writable view of each slot (the same memory on every call)."""
         if not self._slots:  # mapped as the reading thread's first reads fill them, not here
             flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
             self._slots = [mmap.mmap(-1, self.slot_bytes, flags=flags) for _ in range(self._count)]
