@@ -10,6 +10,8 @@ KiB take the direct path. Where the file system of the test's temp dir refuses O
 from __future__ import annotations
 
 import ctypes
+import errno
+import fcntl
 import gc
 import mmap
 import os
@@ -210,6 +212,24 @@ def test_reads_finishing_out_of_order_arrive_in_order_and_an_error_in_its_turn(c
             delivered.append(bytes(data))
     assert finished.index(SLOT) < finished.index(0)  # out of order on the disk
     assert delivered == [payload[begin:end] for begin, end in spans[:3]]
+    assert stopped_reading_threads()
+
+
+def test_a_file_system_refusing_the_alignment_is_read_through_the_page_cache(cold_file, monkeypatch):
+    path, payload, _ = cold_file
+    spans = [(start, min(start + SLOT, SIZE)) for start in range(0, SIZE, SLOT)]
+    real = direct_reads._read_until_end
+
+    def picky(fd, view, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, view, offset)
+
+    monkeypatch.setattr(direct_reads, "_read_until_end", picky)
+    ahead = ReadAhead(SlotRing(slots=2, slot_bytes=SLOT))
+    ahead.announce(path, spans)
+    assert b"".join(bytes(data) for data in ahead.take(path, spans)) == payload
+    ahead.close()
     assert stopped_reading_threads()
 
 

@@ -280,7 +280,16 @@ class _Run:
                         descriptors[path] = _must_open_direct(path)
                     slot = self.slots[index]
                     length = min(len(slot), -(-(end - begin) // ALIGN) * ALIGN)
-                    self.arrived.put((number, (index, _read_until_end(descriptors[path], slot[:length], begin))))
+                    try:
+                        got = _read_until_end(descriptors[path], slot[:length], begin)
+                    except OSError as err:
+                        if err.errno != errno.EINVAL:
+                            raise
+                        # A file system asking another alignment: this file through the page cache.
+                        os.close(descriptors.pop(path))
+                        descriptors[path] = open_member(path)
+                        got = _read_until_end(descriptors[path], slot[:length], begin)
+                    self.arrived.put((number, (index, got)))
                 except BaseException as err:  # handed to the loader, which raises it in its turn
                     self.arrived.put((number, err))
                     return
