@@ -306,6 +306,10 @@ def test_populate_maps_the_pages_under_a_view_and_keeps_their_bytes():
     populate(memoryview(array))
     assert (array == 9).all() and sum(resident_pages(array)) == pages
     assert sum(resident_pages(new_zeros(pages * mmap.PAGESIZE, np.uint8))) == pages  # populated by default
+    other = new_zeros(pages * mmap.PAGESIZE, np.uint8, populated=False)
+    populate(memoryview(other)[::2])  # not one run of memory: left alone
+    populate(memoryview(other).toreadonly())
+    assert sum(resident_pages(other)) == 0
 
 
 @pytest.mark.parametrize("new_world", [1, 2, 3])

@@ -35,11 +35,11 @@ import numpy as np
 
 from .checksum import FileRecord
 from .damage import CheckpointDamagedError
-from .digest import FUSED, combine, crc32
 from . import direct_reads
+from .digest import FUSED, combine, crc32
 from .direct_reads import ALIGN, ReadAhead, advise, open_direct, worth_reading_direct
-from .host_memory import populate
 from .dtypes import from_bytes
+from .host_memory import populate
 from .members import open_member
 from .read_stats import ReadStats, count_read
 from .safetensors_io import check_blocks, map_range, pread_into
@@ -163,7 +163,7 @@ class RangeReader:
         block, its file offset and its part of ``out``. A big range the page cache lacks is
         read direct, a few chunks ahead on a thread (:mod:`.direct_reads`); the rest with a
         pread per chunk. Each chunk's pages of ``out`` are mapped just before it lands."""
-        origin, span_end = record.block_range(first)[0], record.block_range(last)[1]
+        origin = record.block_range(first)[0]
         arrived = self._direct_arrivals(path, fd, record, first, last)
         if arrived is None:
             for chunk_first, chunk_last, begin, end in _chunks(record, first, last, READ_CHUNK):

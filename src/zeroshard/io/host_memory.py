@@ -23,6 +23,7 @@ first read.
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 
 import numpy as np
@@ -51,10 +52,10 @@ def populate(view: memoryview) -> None:
     """Map the pages under the writable bytes ``view`` in one call, ahead of writing them
     (a hint: nothing where the kernel or platform cannot)."""
     library = libc()
-    if library is None or _populate_refused or len(view) == 0 or view.readonly:
+    if library is None or _populate_refused or len(view) == 0 or view.readonly or not view.c_contiguous:
         return
     address = ctypes.addressof(ctypes.c_char.from_buffer(view))
     start = address - address % mmap.PAGESIZE
     if library.madvise(ctypes.c_void_p(start), address + len(view) - start, MADV_POPULATE_WRITE) != 0:
-        if ctypes.get_errno() == 22:  # EINVAL: a kernel without it; do not ask again
+        if ctypes.get_errno() == errno.EINVAL:  # a kernel without it: do not ask again
             _populate_refused.append(True)
