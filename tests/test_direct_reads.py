@@ -16,7 +16,6 @@ import gc
 import mmap
 import os
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -193,14 +192,17 @@ def test_reads_finishing_out_of_order_arrive_in_order_and_an_error_in_its_turn(c
     spans = [(start, start + SLOT) for start in range(0, 6 * SLOT, SLOT)]
     real = direct_reads._read_until_end
     finished = []
+    second_done = threading.Event()
 
     def uneven(fd, view, offset):
         if offset == 0:
-            time.sleep(0.2)  # span 1, on the other thread, ends first
+            assert second_done.wait(timeout=60)  # span 1, on the other thread, ends first
         if offset == 3 * SLOT:
             raise OSError(5, "the disk failed")
         got = real(fd, view, offset)
         finished.append(offset)
+        if offset == SLOT:
+            second_done.set()
         return got
 
     monkeypatch.setattr(direct_reads, "_read_until_end", uneven)
