@@ -79,7 +79,7 @@ def spans_read(monkeypatch):
         def take(self, path, spans):
             pending = list(self._announced)
             arrived = super().take(path, spans)
-            if arrived is None and pending:
+            if arrived is None and pending and not self._announced:
                 DROPPED.append((path, spans, pending))
             return arrived
 
@@ -88,7 +88,7 @@ def spans_read(monkeypatch):
     return announced
 
 
-DROPPED: list = []  # takes that found other spans announced, which were dropped
+DROPPED: list = []  # takes that dropped the spans announced before them
 
 
 def stopped_reading_threads() -> bool:
@@ -270,6 +270,22 @@ def test_announced_ranges_are_read_ahead_across_reads_and_out_of_order_reads_sti
     del reader
     gc.collect()
     assert stopped_reading_threads()  # a reader's thread ends with it
+
+
+def test_a_cached_range_read_between_announced_ones_drops_nothing(cold_file, spans_read, tmp_path):
+    path, payload, record = cold_file
+    cached = tmp_path / "cached.bin"
+    cached.write_bytes(payload)  # just written: in the page cache
+    first, second = (0, 12 * BLOCK), (12 * BLOCK, 30 * BLOCK)
+    reader = RangeReader()
+    for begin, end in (first, second):
+        reader.announce(path, record, begin, end)
+    assert read_into(reader, path, record, *first) == payload[slice(*first)]
+    assert read_into(reader, cached, record, 0, SIZE) == payload  # big, never announced
+    assert read_into(reader, path, record, *second) == payload[slice(*second)]
+    assert DROPPED == [] and len(spans_read) == 2
+    reader.clear()
+    assert stopped_reading_threads()
 
 
 def test_announce_reads_cold_big_ranges_ahead_and_hints_the_rest(cold_file, spans_read, monkeypatch):

@@ -191,6 +191,7 @@ class RangeReader:
         spans = self._spans(record, first, last)
         arrived = self._ahead.take(path, spans)
         if arrived is None and self._worth_direct(path, record, span_begin, span_end, fd):
+            self._ahead.close()  # read now: anything announced would be read ahead of it
             self._ahead.announce(path, spans)
             arrived = self._ahead.take(path, spans)
         return arrived

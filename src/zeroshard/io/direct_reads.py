@@ -170,12 +170,15 @@ class ReadAhead:
     def take(self, path: Path, spans: Sequence[tuple[int, int]]) -> Iterator[memoryview] | None:
         """The bytes of ``spans`` of ``path``, a slot's view per span as it arrives (shorter
         only where the file ends first; valid until the next step), when they are the next
-        announced; else None, once everything announced is dropped. An error of the read
-        is raised in the loop; leaving the loop early drops what is announced too."""
+        announced; else None: for spans announced later (the reads changed order) once
+        everything announced is dropped, for spans never announced with nothing dropped. An
+        error of the read is raised in the loop; leaving the loop early drops what is
+        announced too."""
         wanted = [(path, begin, end) for begin, end in spans]
         with self._lock:
             if not self._runs or list(islice(self._announced, len(wanted))) != wanted:
-                self._stop()
+                if wanted and wanted[0] in self._announced:
+                    self._stop()  # read ahead in an order the loader left: of no use now
                 return None
             for _ in wanted:
                 self._announced.popleft()
@@ -199,8 +202,10 @@ class ReadAhead:
                 run.free.put(index)
             complete = True
         finally:
-            if not complete:
-                self.close()
+            if not complete:  # drop what this run read ahead, not a later run's
+                with self._lock:
+                    if self._runs and self._runs[0] is run:
+                        self._stop()
 
     def _stop(self) -> None:
         self._announced.clear()
