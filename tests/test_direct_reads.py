@@ -28,7 +28,7 @@ from zeroshard.io.checksum import BlockHasher
 from zeroshard.io.damage import CheckpointDamagedError
 from zeroshard.io.direct_reads import ReadAhead, SlotRing, cached_fraction
 from zeroshard.io.host_memory import new_zeros, populate
-from zeroshard.io.libc import libc
+from zeroshard.io.libc import cached_pages, libc
 
 BLOCK = 16 << 10
 SLOT = 64 << 10
@@ -133,6 +133,26 @@ def test_a_range_the_page_cache_holds_is_read_through_it(cold_file, spans_read):
         os.close(fd)
     assert read_into(RangeReader(), path, record, 0, SIZE) == payload
     assert spans_read == []
+
+
+@pytest.mark.skipif(libc() is None, reason="no C library to ask the page cache")
+def test_cachestat_and_mincore_count_the_same_cached_pages(cold_file, monkeypatch):
+    path, _, _ = cold_file
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead: only the pages read are cached
+        for page in (0, 3, 4, 17):
+            os.pread(fd, 1, page * mmap.PAGESIZE)
+        if cached_pages(fd, 0, SIZE) is None:
+            pytest.skip("the kernel has no cachestat")
+        ranges = [(0, SIZE), (0, mmap.PAGESIZE), (mmap.PAGESIZE, 5 * mmap.PAGESIZE), (2 * mmap.PAGESIZE + 9, SIZE - 3)]
+        by_cachestat = [cached_fraction(fd, begin, end) for begin, end in ranges]
+        monkeypatch.setattr(direct_reads, "cached_pages", lambda *_: None)
+        by_mincore = [cached_fraction(fd, begin, end) for begin, end in ranges]
+    finally:
+        os.close(fd)
+    assert by_cachestat == by_mincore
+    assert 0 < by_cachestat[0] < 0.5 and by_cachestat[1] == 1.0
 
 
 def test_small_ranges_are_read_through_the_page_cache(cold_file, spans_read):
@@ -300,6 +320,29 @@ def test_announce_reads_cold_big_ranges_ahead_and_hints_the_rest(cold_file, span
     monkeypatch.setattr(direct_reads, "ENABLED", False)
     reader.announce(path, record, 0, SIZE)
     assert hinted[-1] == (0, SIZE) and len(spans_read) == 1
+
+
+@pytest.mark.skipif(libc() is None, reason="no C library to ask the page cache")
+def test_a_header_and_a_block_read_alone_bring_only_their_pages_into_the_page_cache(tmp_path):
+    """The kernel's read-ahead after a header or an edge block would read from the disk what
+    the ranges beside them read direct (a second time)."""
+    from safetensors.numpy import save_file
+
+    from zeroshard.io.members import open_member
+    from zeroshard.io.safetensors_io import read_header
+
+    path = tmp_path / "rank.safetensors"
+    save_file({"x": np.arange(2 << 20, dtype=np.float32)}, str(path))  # 8 MiB
+    size = path.stat().st_size
+    evict(path)
+    read_header(path, size)
+    fd = open_member(path, read_ahead=False)
+    try:
+        os.pread(fd, 16 << 10, 0)  # the first block, read alone
+        cached = cached_fraction(fd, 0, size) * size
+    finally:
+        os.close(fd)
+    assert cached <= (16 << 10) + mmap.PAGESIZE, f"{cached} bytes cached after reading 16 KiB"
 
 
 def resident_pages(array: np.ndarray) -> list[int]:

@@ -137,12 +137,23 @@ class RangeReader:
             observe_bytes(out, lo - begin, hi - begin, observe)
 
     def _read_checked(
-        self, path: Path, record: FileRecord, first: int, last: int, out: memoryview, observe: Any = None, at: int = 0
+        self,
+        path: Path,
+        record: FileRecord,
+        first: int,
+        last: int,
+        out: memoryview,
+        observe: Any = None,
+        at: int = 0,
+        *,
+        alone: bool = False,
     ) -> None:
         """Read blocks first..last into ``out`` (which starts at block ``first``, and at
-        ``observe``'s offset ``at``), checking each chunk of them as it lands."""
+        ``observe``'s offset ``at``), checking each chunk of them as it lands. ``alone``: the
+        blocks are read on their own, so the kernel reads nothing past them into the page
+        cache (its read-ahead would read again what the range beside them reads direct)."""
         origin = record.block_range(first)[0]
-        fd = open_member(path)
+        fd = open_member(path, read_ahead=not alone)
         try:
             with closing(self._arrivals(path, fd, record, first, last, out)) as arrivals:
                 for chunk_first, chunk_last, begin, target in arrivals:
@@ -233,7 +244,7 @@ class RangeReader:
             return memoryview(cached)
         begin, end = record.block_range(index)
         block = memoryview(np.empty(end - begin, dtype=np.uint8))
-        self._read_checked(path, record, index, index, block)
+        self._read_checked(path, record, index, index, block, alone=True)
         block = block.toreadonly()
         self._store(key, block)
         return block

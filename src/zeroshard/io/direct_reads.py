@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .libc import cached_pages
 from .libc import libc as _libc
 from .members import open_member
 
@@ -95,17 +96,21 @@ def worth_reading_direct(fd: int, begin: int, end: int) -> bool:
 
 def cached_fraction(fd: int, begin: int, end: int) -> float:
     """The fraction of the pages of bytes [begin, end) of ``fd`` that the page cache holds
-    (``mincore`` of a mapping that touches none of them); 1.0 where that cannot be asked."""
+    (``cachestat``, or else ``mincore`` of a mapping that touches none of them); 1.0 where
+    that cannot be asked."""
     libc = _libc()
     if libc is None or end <= begin:
         return 1.0
     start = begin - begin % mmap.PAGESIZE
     length = end - start
+    pages = -(-length // mmap.PAGESIZE)
+    cached = cached_pages(fd, start, length)
+    if cached is not None:
+        return min(cached / pages, 1.0)
     address = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
     if address in (None, ctypes.c_void_p(-1).value):
         return 1.0
     try:
-        pages = -(-length // mmap.PAGESIZE)
         resident = (ctypes.c_ubyte * pages)()
         if libc.mincore(ctypes.c_void_p(address), length, resident) != 0:
             return 1.0

@@ -60,11 +60,14 @@ def member_path(directory: Path, name: str) -> Path:
     return path
 
 
-def open_member(path: Path, *, follow_links: bool = False, direct: bool = False) -> int:
+def open_member(path: Path, *, follow_links: bool = False, direct: bool = False, read_ahead: bool = True) -> int:
     """A read-only descriptor of the regular file ``path``; ValueError for a symbolic link
     (in the last component, unless ``follow_links``) or anything but a regular file, which is
     never waited on (a FIFO would block an open or a read for ever). ``direct``: its reads
-    skip the page cache (``O_DIRECT``; OSError EINVAL where the file system refuses)."""
+    skip the page cache (``O_DIRECT``; OSError EINVAL where the file system refuses).
+    ``read_ahead=False``: its reads bring only their own bytes into the page cache
+    (``POSIX_FADV_RANDOM``), for a header or a block read alone beside ranges read direct,
+    which the kernel's read-ahead would otherwise read from the disk a second time."""
     flags = os.O_RDONLY | (0 if follow_links else _NO_FOLLOW) | _CLOEXEC | _NONBLOCK
     try:
         fd = os.open(path, flags | (os.O_DIRECT if direct else 0))
@@ -75,6 +78,8 @@ def open_member(path: Path, *, follow_links: bool = False, direct: bool = False)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise ValueError(f"{path}: not a regular file")
+    if not read_ahead and hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # this descriptor's reads only
     return fd
 
 

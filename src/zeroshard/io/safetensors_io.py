@@ -304,7 +304,8 @@ def read_metadata(path: Path) -> dict[str, Any]:
 
 def _header_object(path: Path, file_size: int, stats: ReadStats | None) -> tuple[dict[str, Any], int]:
     """A safetensors file's header as a JSON object, and its length in bytes."""
-    with open(open_member(path), "rb", buffering=0) as handle:
+    # No read-ahead: the tensors after the header are read by ranges, many of them direct.
+    with open(open_member(path, read_ahead=False), "rb", buffering=0) as handle:
         prefix = handle.read(8)
         if len(prefix) < 8:
             raise CheckpointDamagedError(f"{path}: truncated: no safetensors header")
