@@ -26,7 +26,10 @@ rounds whose order rotates every round, every rank times:
 
 Bytes come from ``ReadStats`` (tensor data; what opening files cost is shown apart), and
 the job's total is compared with what the job needs: every partition's masters and states
-once, the shared tensors once. Per round the slower rank's time counts; the table gives
+once, the shared tensors once. Column ``disk x``: what the kernel read from storage for the
+job's ranks (``/proc/self/io``: direct reads, page-cache reads and the read-ahead they set
+off) over what the job needs, with cold reads the check that nothing is read twice below
+the loader's own counts. Per round the slower rank's time counts; the table gives
 medians over rounds and the median per-round ratio to the floor and to DeepSpeed, wall and
 CPU time (user + system of the rank's process).
 
@@ -161,9 +164,24 @@ def _measure(run, cold: Path | None) -> dict[str, float]:
     if cold is not None and dist.get_rank() == 0:
         evict(cold)
     dist.barrier()
-    cpu_start, start = time.process_time(), time.perf_counter()
+    disk_start, cpu_start, start = _disk_bytes(), time.process_time(), time.perf_counter()
     run()
-    return {"seconds": time.perf_counter() - start, "cpu": time.process_time() - cpu_start}
+    record = {"seconds": time.perf_counter() - start, "cpu": time.process_time() - cpu_start}
+    if disk_start is not None:
+        record["disk"] = _disk_bytes() - disk_start
+    return record
+
+
+def _disk_bytes() -> int | None:
+    """Bytes this process (all its threads) has had read from storage: direct reads, reads
+    through the page cache and the kernel's read-ahead they caused (``/proc/self/io``
+    ``read_bytes``); None where the kernel does not say."""
+    try:
+        with open("/proc/self/io") as counters:
+            fields = dict(line.split(": ") for line in counters.read().splitlines())
+        return int(fields["read_bytes"])
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 def worker(out_path: Path, work: Path, name: str, rounds: int, with_deepspeed: bool, cold: bool) -> None:
@@ -257,7 +275,7 @@ def report(result: dict) -> None:
         f"the job needs {sum(needed) / 1e6:.1f} MB (per rank {', '.join(f'{n / 1e6:.1f}' for n in needed)}); "
         f"{len(ranks[0]['records']['floor'])} rounds, {_reads_from(result)}; load average {os.getloadavg()[0]:.1f}"
     )
-    header = f"{'step':<11}{'MB/rank (max)':>14}{'MB job':>9}{'x needed':>9}{'open MB':>8}{'wall s':>8}{'/floor':>7}{'/DS':>6}{'cpu s':>7}{'/floor':>7}{'/DS':>6}"
+    header = f"{'step':<11}{'MB/rank (max)':>14}{'MB job':>9}{'x needed':>9}{'open MB':>8}{'disk x':>7}{'wall s':>8}{'/floor':>7}{'/DS':>6}{'cpu s':>7}{'/floor':>7}{'/DS':>6}"
     print(header)
     print("-" * len(header))
     for step in ranks[0]["records"]:
@@ -270,6 +288,7 @@ def report(result: dict) -> None:
             row = f"{step:<11}{max(needed) / 1e6:>14.1f}{sum(needed) / 1e6:>9.1f}{1:>9.3f}{'':>8}"
         else:
             row = f"{step:<11}{'':>14}{'':>9}{'':>9}{'':>8}"
+        row += _disk_ratio(ranks, step, sum(needed))
         for key in ("seconds", "cpu"):
             median = statistics.median(per_round(result, step, key))
             vs_ds = f"{round_ratio(result, step, 'deepspeed', key):>6.2f}" if "deepspeed" in ranks[0]["records"] else f"{'':>6}"
@@ -279,6 +298,16 @@ def report(result: dict) -> None:
     load = per_round(result, "zeroshard", "seconds")
     ratio = statistics.median(a / b for a, b in zip(load, both))
     print(f"{'floor+gather':<11}{'':>14}{'':>9}{'':>9}{'':>8}{statistics.median(both):>8.3f}   zeroshard / (floor+gather): {ratio:.2f}")
+
+
+def _disk_ratio(ranks: list[dict], step: str, needed: int) -> str:
+    """The job's bytes read from storage by ``step`` over what it needs, median over rounds
+    (with cold reads; from the page cache, about 0)."""
+    records = [rank["records"][step] for rank in ranks]
+    if any("disk" not in record for rank_records in records for record in rank_records):
+        return f"{'':>7}"
+    job = [sum(rank_records[i]["disk"] for rank_records in records) for i in range(len(records[0]))]
+    return f"{statistics.median(job) / needed:>7.3f}"
 
 
 def _reads_from(result: dict) -> str:

@@ -27,7 +27,7 @@ from zeroshard.io.block_reader import RangeReader
 from zeroshard.io.checksum import BlockHasher
 from zeroshard.io.damage import CheckpointDamagedError
 from zeroshard.io.direct_reads import ReadAhead, SlotRing, cached_fraction
-from zeroshard.io.host_memory import new_zeros, populate
+from zeroshard.io.host_memory import MappingAhead, new_zeros, populate
 from zeroshard.io.libc import cached_pages, libc
 
 BLOCK = 16 << 10
@@ -46,11 +46,18 @@ def reading_threads() -> list[threading.Thread]:
     return [thread for thread in threading.enumerate() if thread.name == "zeroshard-read-ahead"]
 
 
+def mapping_threads() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name == "zeroshard-map-ahead"]
+
+
 @pytest.fixture
 def small_slots(monkeypatch):
     monkeypatch.setattr(direct_reads, "SLOT_BYTES", SLOT)
     monkeypatch.setattr(direct_reads, "SLOTS", 2)
     monkeypatch.setattr(direct_reads, "DIRECT_MIN_BYTES", 2 * BLOCK)
+    # Ranges from 4 blocks up have their pages mapped on a thread, 3 blocks a call.
+    monkeypatch.setattr(block_reader, "MAP_AHEAD_BYTES", 4 * BLOCK)
+    monkeypatch.setattr(block_reader, "MAP_AHEAD_PIECE", 3 * BLOCK)
 
 
 @pytest.fixture
@@ -120,7 +127,7 @@ def test_a_cold_range_is_read_direct_with_the_same_bytes_and_counts(cold_file, s
     assert read_into(RangeReader(stats=cached), path, record, begin, end) == payload[begin:end]
     assert len(spans_read) == 1
     assert (direct.data, direct.bytes_by_file) == (cached.data, cached.bytes_by_file)
-    assert stopped_reading_threads()
+    assert stopped_reading_threads() and mapping_threads() == []
 
 
 def test_a_range_the_page_cache_holds_is_read_through_it(cold_file, spans_read):
@@ -371,6 +378,29 @@ def test_populate_maps_the_pages_under_a_view_and_keeps_their_bytes():
     populate(memoryview(other)[::2])  # not one run of memory: left alone
     populate(memoryview(other).toreadonly())
     assert sum(resident_pages(other)) == 0
+
+
+@pytest.mark.skipif(libc() is None, reason="no C library to ask mincore")
+def test_mapping_ahead_maps_the_views_in_order_keeps_their_bytes_and_stops_between_two():
+    pages, piece = 512, 16
+    array = new_zeros(pages * mmap.PAGESIZE, np.uint8, populated=False)
+    array[-1] = 7  # the last page mapped, and a byte to keep
+    views = [memoryview(array)[start : start + piece * mmap.PAGESIZE] for start in range(0, array.nbytes, piece * mmap.PAGESIZE)]
+    mapping = MappingAhead(views)
+    mapping._thread.join(timeout=60)
+    mapping.close()
+    if sum(resident_pages(array)) == 1:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+    assert sum(resident_pages(array)) == pages and not array[:-1].any() and array[-1] == 7
+
+    other = new_zeros(pages * mmap.PAGESIZE, np.uint8, populated=False)
+    views = [memoryview(other)[start : start + piece * mmap.PAGESIZE] for start in range(0, other.nbytes, piece * mmap.PAGESIZE)]
+    with MappingAhead(views):
+        pass  # left at once: it stops after the view it is mapping
+    assert mapping_threads() == []
+    resident = resident_pages(other)
+    mapped = sum(resident)
+    assert mapped % piece == 0 and resident == [1] * mapped + [0] * (pages - mapped), "mapped out of order, or a view in part"
 
 
 @pytest.mark.parametrize("new_world", [1, 2, 3])

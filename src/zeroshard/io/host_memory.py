@@ -14,10 +14,11 @@ Not numpy's allocator: above 4 MiB numpy asks for transparent huge pages
 has taken those blocks back (the same 512 MiB: 0.02 s or 1.4 s here). A load should take
 the same time every time.
 
-A load that reads into the array as it goes asks for it unpopulated and maps each chunk's
-pages just before the chunk lands (:func:`populate`, ``MADV_POPULATE_WRITE``): the same
-kernel work, done while the disk reads ahead (:mod:`.direct_reads`) instead of before the
-first read.
+A load that reads into the array as it goes asks for it unpopulated and has its pages
+mapped as the reads go (:func:`populate`, ``MADV_POPULATE_WRITE``): the same kernel work,
+done while the disk reads ahead (:mod:`.direct_reads`) instead of before the first read; for
+a big range on a thread of its own (:class:`MappingAhead`), a few chunks ahead of the
+loader, which then only copies and checks.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from __future__ import annotations
 import ctypes
 import errno
 import mmap
+import threading
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -59,3 +62,32 @@ def populate(view: memoryview) -> None:
     if library.madvise(ctypes.c_void_p(start), address + len(view) - start, MADV_POPULATE_WRITE) != 0:
         if ctypes.get_errno() == errno.EINVAL:  # a kernel without it: do not ask again
             _populate_refused.append(True)
+
+
+class MappingAhead:
+    """Maps the pages under ``views`` (writable bytes, in the order they will be written) on a
+    thread of its own, so the kernel's work of mapping new memory runs on another core while
+    the caller fills the views. A hint, as :func:`populate`: a view written before its turn
+    has its pages mapped by the writes. :meth:`close` (or leaving the ``with`` block) stops
+    the thread after the view it is mapping."""
+
+    def __init__(self, views: Sequence[memoryview]) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._map, args=(list(views),), name="zeroshard-map-ahead", daemon=True)
+        self._thread.start()
+
+    def _map(self, views: list[memoryview]) -> None:
+        for view in views:
+            if self._stop.is_set():
+                return
+            populate(view)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def __enter__(self) -> MappingAhead:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
