@@ -221,26 +221,36 @@ def test_state_dict_round_trip_resumes_bit_for_bit_in_bf16():
     )
 
 
-def test_import_state_copies_the_optimizer_state_unless_it_is_taken():
+def test_import_state_copies_the_optimizer_state_and_masters_unless_they_are_taken():
     """By default the caller's state is left alone by later steps; ``take=True`` (a checkpoint
-    load, which built the state for the call) hands its tensors to the optimizer uncopied."""
+    load, which built the state for the call) hands its tensors to the optimizer and its fp32
+    partitions to the masters uncopied."""
     batches = _batches(3, seed=2)
     model = _model()
     engine = _engine(model)
     _steps(engine, model, batches[:1])
     given = engine.export_state()
     before = {key: value.clone() for key, value in given.optimizer_states[0].items()}
+    masters_before = [master.clone() for master in given.fp32_partitions]
+    pointers = [master.data_ptr() for master in engine.masters]
     engine.import_state(given)
+    assert [master.data_ptr() for master in engine.masters] == pointers
     _steps(engine, model, batches[1:2])
     assert all(torch.equal(given.optimizer_states[0][key], value) for key, value in before.items())
+    assert all(torch.equal(a, b) for a, b in zip(given.fp32_partitions, masters_before))
 
     taken = engine.export_state()
     imported = taken.optimizer_states[0]["exp_avg"].clone()
+    imported_master = taken.fp32_partitions[0].clone()
+    masters = list(engine.masters)
     engine.import_state(taken, take=True)
+    assert [m is n for m, n in zip(engine.masters, masters)] == [True] * len(masters)  # the same parameters
+    assert [m.data_ptr() for m in engine.masters] == [t.data_ptr() for t in taken.fp32_partitions]
     live = engine.optimizer.state[engine.masters[0]]
     assert all(live[key].data_ptr() == taken.optimizer_states[0][key].data_ptr() for key in before)
     _steps(engine, model, batches[2:])  # steps on the taken tensors themselves
     assert not torch.equal(taken.optimizer_states[0]["exp_avg"], imported)
+    assert not torch.equal(taken.fp32_partitions[0], imported_master)
 
 
 def _refused(engine: ZeroOptimizer, state_dict, match: str) -> None:

@@ -119,7 +119,7 @@ def load_checkpoint_attested(
     module_state = engine.model.state_dict()
     base = None if strict else engine.export_state()  # what the checkpoint lacks keeps the run's values
 
-    gather = _WeightsGather(engine) if engine.world_size > 1 else None
+    gather = _WeightsGather(engine)
 
     def read(evidence: Evidence) -> tuple[ShardedState, ModuleShare | None, dict[str, str]]:
         try:
@@ -127,15 +127,14 @@ def load_checkpoint_attested(
                 share = None
                 if not _reads_saved_weights(engine, source, load_optimizer_states and not load_module_only):
                     share = share_checkpoint(source.info.model_entries, layout, rank, None if strict else module_state)
-                on_masters = gather.start if gather is not None and share is not None else None
+                on_masters = gather.start if share is not None else None
                 state = load_state(
                     source, layout, rank, evidence=evidence, module_state=module_state, base=base, share=share,
                     on_masters=on_masters, **options,
                 )  # fmt: skip
                 return state, share, dict(source.info.aliases)
         finally:
-            if gather is not None:
-                gather.start_rest()  # a rank that failed still starts every gather the others start
+            gather.start_rest()  # a rank that failed still starts every gather the others start
 
     def fingerprint(read: tuple[ShardedState, ModuleShare | None, dict[str, str]]) -> int:
         return read[1].fingerprint() if read[1] is not None else 0
@@ -148,14 +147,12 @@ def load_checkpoint_attested(
             # Only now, every rank agreed: no rank waits for a tensor another failed to read.
             shared = broadcast_module(engine.comm, share, state.model_state)
             state.model_state = {**shared, **{alias: shared[target] for alias, target in aliases.items() if target in shared}}
-        if gather is not None:
-            gather.wait()
+        gather.wait()
         # Read for this call: no copies.
-        gathered = gather is not None and gather.loaded
+        gathered = gather.loaded
         engine.import_state(state, **options, take=True, weights_from_masters=share is not None, params_gathered=gathered)
     except Exception:
-        if gather is not None:  # every rank raises alike (agreed): put back the weights the run had
-            gather.restore()
+        gather.restore()  # every rank raises alike (agreed): put back the weights the run had
         raise
     if lr_scheduler is not None and LR_SCHEDULER_KEY in state.extra and not load_module_only:
         lr_scheduler.load_state_dict(state.extra[LR_SCHEDULER_KEY])
@@ -163,9 +160,10 @@ def load_checkpoint_attested(
 
 
 class _WeightsGather:
-    """The weights of a load gathered while it reads (ranks > 1): each layout group's fp32
-    partition cast into this rank's slices of the parameter buffer and all-gathered as soon
-    as the loader has it, so the gather runs while the optimizer state is read. The buffer
+    """The weights of a load gathered while it reads: each layout group's fp32 partition
+    cast into this rank's slices of the parameter buffer and all-gathered as soon as the
+    loader has it, so the cast and the gather run while the optimizer state is read (alone,
+    D = 1, the cast, which is all there is). The buffer
     is the run's own: a load that fails on any rank puts the run's weights back by
     gathering them again from its masters, which a load changes only once every rank has
     agreed. Every rank starts the same gathers in the same order (group by group), also a
@@ -186,7 +184,10 @@ class _WeightsGather:
         self.loaded = self.next_group == len(self.engine.layout.groups)
 
     def start_rest(self) -> None:
-        """Start the gathers of the groups not yet started, from the run's own masters."""
+        """Start the gathers of the groups not yet started, from the run's own masters (alone,
+        none: no other rank waits on them, and the import casts what it needs)."""
+        if self.engine.world_size == 1:
+            return
         for group in range(self.next_group, len(self.engine.layout.groups)):
             self.handles += self.engine.start_params_gather(group)
         self.next_group = len(self.engine.layout.groups)

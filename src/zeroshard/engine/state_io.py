@@ -121,9 +121,9 @@ def import_state(
     """Collective: every rank of the engine's process group calls it with its own state.
     Load ``state`` (already laid out for this engine) into the engine.
 
-    ``take=True`` hands ``state`` over: the optimizer keeps its state tensors as they are
-    instead of copies (the caller must not use them afterwards; a checkpoint load that built
-    the state for this call does so).
+    ``take=True`` hands ``state`` over: the optimizer keeps its state tensors, and the
+    masters their fp32 partitions, as they are instead of copies (the caller must not use
+    them afterwards; a checkpoint load that built the state for this call does so).
 
     Every rank validates its state first and the ranks agree on the outcome: either every
     rank loads, or every rank raises the same error and nothing changes.
@@ -156,7 +156,7 @@ def import_state(
     engine.reducer.zero_grad()
     if not full:
         if weights_from_masters:
-            _set_masters(engine, state)
+            _set_masters(engine, state, take)
             if not params_gathered:
                 engine.sync_params_from_masters()
         else:
@@ -165,7 +165,7 @@ def import_state(
             engine.optimizer.state.clear()
             engine.matrices.clear()
         return
-    _set_masters(engine, state)
+    _set_masters(engine, state, take)
     engine.optimizer.load_state_dict(_torch_optimizer_state(engine, state, take))
     engine.matrices.adopt(engine.optimizer.state)
     engine.matrices.agreed = False
@@ -176,9 +176,17 @@ def import_state(
         engine.sync_params_from_masters()
 
 
-def _set_masters(engine: EngineParts, state: ShardedState) -> None:
-    for master, values in zip(engine.masters, state.fp32_partitions):
-        master.data.copy_(values)
+def _set_masters(engine: EngineParts, state: ShardedState, take: bool) -> None:
+    """The state's fp32 partitions into the masters: copied, or, when ``take`` and a
+    partition is already what the master holds (dtype, device, contiguous), the master takes
+    its memory (no copy of the masters on a load). An owner group's masters are always
+    copied: its matrices' parameters are views of them."""
+    for master, values, views in zip(engine.masters, state.fp32_partitions, engine.matrices.views):
+        fits = values.dtype == master.dtype and values.device == master.device and values.is_contiguous()
+        if take and fits and views is None and values.shape == master.shape:
+            master.data = values.detach()
+        else:
+            master.data.copy_(values)
 
 
 def _rebuilt_names(engine: EngineParts) -> set[str]:
