@@ -15,7 +15,9 @@ rounds whose order rotates every round, every rank times:
 * ``floor``: per round, the faster of the two: the read floor every ratio is taken to;
 * ``zeroshard``: ``load_checkpoint`` into the running engine (each rank reads its own
   partitions; the weights are rebuilt from the masters and all-gathered; the shared tensors
-  read by one rank each and broadcast);
+  read by one rank each and broadcast), which then frees the state it held;
+* ``resume``: the same load into the engine as a resumed run's is (masters, and no
+  optimizer state yet: it is dropped before the timing), which has less memory to free;
 * ``before``: the load as it was before issue 33 (every rank reads its partitions and all of
   model.safetensors, then the same import), for the bytes and the time it took;
 * ``deepspeed``: DeepSpeed's ``engine.load_checkpoint`` of its own checkpoint;
@@ -130,6 +132,13 @@ def _zeroshard_engine(name: str, rank: int, root: Path):
     return engine
 
 
+def _drop_optimizer_state(engine) -> None:
+    """The engine as a resumed run's is before its load: masters, no optimizer state yet
+    (torch's optimizers make theirs at the first step)."""
+    engine.optimizer.state.clear()
+    engine.matrices.clear()
+
+
 def _needed_extents(checkpoint_dir: Path, engine) -> list[tuple[Path, int, int]]:
     """The byte ranges this rank's share of a load needs: its partitions (masters and states)
     of every rank file it draws from, and the shared tensors it is given to read."""
@@ -157,9 +166,13 @@ def _load_before(engine, path: Path, stats):
 
 def _measure(run, cold: Path | None) -> dict[str, float]:
     """Time ``run`` on every rank from a common start; with ``cold``, the files under it are
-    dropped from the page cache first."""
+    dropped from the page cache first. A ``(prepare, run)`` pair has ``prepare`` run before,
+    untimed."""
     import torch.distributed as dist
 
+    if isinstance(run, tuple):
+        prepare, run = run
+        prepare()
     gc.collect()
     if cold is not None and dist.get_rank() == 0:
         evict(cold)
@@ -223,6 +236,10 @@ def worker(out_path: Path, work: Path, name: str, rounds: int, with_deepspeed: b
         "floor-cache": lambda: read_floor(extents, into=floor_buffer),
         **({"floor-dio": lambda: direct_read_floor(extents, direct_buffer)} if direct_buffer is not None else {}),
         "zeroshard": counting("zeroshard", lambda stats: load_checkpoint(zs_engine, native, stats=stats)),
+        "resume": (
+            lambda: _drop_optimizer_state(zs_engine),
+            counting("resume", lambda stats: load_checkpoint(zs_engine, native, stats=stats)),
+        ),
         "before": counting("before", lambda stats: _load_before(zs_engine, native, stats)),
         "gather": zs_engine.sync_params_from_masters,  # the cast and all-gather inside the load
     }

@@ -163,11 +163,11 @@ class _WeightsGather:
     """The weights of a load gathered while it reads: each layout group's fp32 partition
     cast into this rank's slices of the parameter buffer and all-gathered as soon as the
     loader has it, so the cast and the gather run while the optimizer state is read (alone,
-    D = 1, the cast, which is all there is). The buffer
-    is the run's own: a load that fails on any rank puts the run's weights back by
-    gathering them again from its masters, which a load changes only once every rank has
-    agreed. Every rank starts the same gathers in the same order (group by group), also a
-    rank whose read failed (:meth:`start_rest`), so no collective is left unmatched."""
+    D = 1, the cast, which is all there is). The buffer is the run's own: a load that fails
+    on any rank puts the run's weights back by gathering them again from its masters, which
+    a load changes only once every rank has agreed. Every rank starts the same gathers in
+    the same order (group by group), also a rank whose read failed (:meth:`start_rest`), so
+    no collective is left unmatched."""
 
     def __init__(self, engine: ZeroOptimizer) -> None:
         self.engine = engine
@@ -199,7 +199,10 @@ class _WeightsGather:
         self.handles = []
 
     def restore(self) -> None:
-        """Collective, after a failed load: the run's weights again, from its masters."""
+        """Collective, after a failed load: the run's weights again, from its masters (alone,
+        only where the load wrote some)."""
+        if self.engine.world_size == 1 and self.next_group == 0:
+            return
         self.start_rest()
         self.wait()
         self.engine.sync_params_from_masters()

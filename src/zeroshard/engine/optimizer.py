@@ -297,9 +297,10 @@ class ZeroOptimizer(FragmentAccess, TorchOptimizerAPI, torch.optim.Optimizer):
     ) -> None:
         """Collective: every rank of ``process_group`` calls it with its own state. Load a
         state laid out for this engine; see ``state_io.import_state`` (``take=True``: the
-        optimizer keeps the state's tensors and the masters its partitions, not copies; ``weights_from_masters=True``: the
-        parameters are the state's fp32 partitions cast, its model state holds none;
-        ``params_gathered=True``: and they already hold them, see ``start_params_gather``).
+        optimizer keeps the state's tensors and the masters its fp32 partitions, not copies;
+        ``weights_from_masters=True``: the parameters are the state's fp32 partitions cast, its
+        model state holds none; ``params_gathered=True``: and they already hold them, see
+        ``start_params_gather``).
 
         Raises:
             ValueError: on every rank alike, when any rank's state does not fit (another

@@ -175,7 +175,9 @@ class RangeReader:
         """Per chunk of blocks first..last, once its bytes are in ``out``: its first and last
         block, its file offset and its part of ``out``. A big range the page cache lacks is
         read direct, a few chunks ahead on a thread (:mod:`.direct_reads`); the rest with a
-        pread per chunk. Each chunk's pages of ``out`` are mapped just before it lands."""
+        pread per chunk. The new pages of ``out`` are mapped on a thread ahead of the reads
+        for a big range (:class:`~.host_memory.MappingAhead`), else each chunk's just before
+        it lands."""
         origin = record.block_range(first)[0]
         arrived = self._direct_arrivals(path, fd, record, first, last)
         with _mapping(out[: record.block_range(last)[1] - origin]) as populate_here:

@@ -83,6 +83,7 @@ class MappingAhead:
             populate(view)
 
     def close(self) -> None:
+        """Stop mapping once the view being mapped is done, and wait for that."""
         self._stop.set()
         self._thread.join()
 
