@@ -18,6 +18,9 @@ rounds whose order rotates every round, every rank times:
   read by one rank each and broadcast), which then frees the state it held;
 * ``resume``: the same load into the engine as a resumed run's is (masters, and no
   optimizer state yet: it is dropped before the timing), which has less memory to free;
+* ``universal``: ``load_checkpoint`` of the same state converted to a universal checkpoint
+  (rank 0 converts it once, before the rounds), whose bytes per partition are the native
+  ones less the padding, so it is held to the same floor;
 * ``before``: the load as it was before issue 33 (every rank reads its partitions and all of
   model.safetensors, then the same import), for the bytes and the time it took;
 * ``deepspeed``: DeepSpeed's ``engine.load_checkpoint`` of its own checkpoint;
@@ -218,6 +221,12 @@ def worker(out_path: Path, work: Path, name: str, rounds: int, with_deepspeed: b
         dist.init_process_group("gloo")
     zs_engine = _zeroshard_engine(name, dist.get_rank(), work / "zeroshard")
     native = work / "zeroshard" / "t"
+    universal = work / "universal"
+    if dist.get_rank() == 0:
+        from zeroshard.checkpoint.universal import to_universal
+
+        to_universal(native, universal, progress=False)
+    dist.barrier()
     extents = _needed_extents(native, zs_engine)
     # Touched once, before any round: the floor is the reads alone, not the first-touch page
     # faults of new memory, which vary more than the reads on this VM (and which the load pays).
@@ -240,6 +249,7 @@ def worker(out_path: Path, work: Path, name: str, rounds: int, with_deepspeed: b
             lambda: _drop_optimizer_state(zs_engine),
             counting("resume", lambda stats: load_checkpoint(zs_engine, native, stats=stats)),
         ),
+        "universal": counting("universal", lambda stats: load_checkpoint(zs_engine, universal, stats=stats)),
         "before": counting("before", lambda stats: _load_before(zs_engine, native, stats)),
         "gather": zs_engine.sync_params_from_masters,  # the cast and all-gather inside the load
     }
@@ -261,7 +271,7 @@ def worker(out_path: Path, work: Path, name: str, rounds: int, with_deepspeed: b
     mine = {"records": records, "reads": reads, "needed": needed, "state": state}
     params = sum(p.numel() for p in zs_engine.model.parameters() if p.requires_grad)
     kinds = ("deepspeed", "zeroshard") if with_deepspeed else ("zeroshard",)
-    sizes = {kind: sum(f.stat().st_size for f in (work / kind).rglob("*") if f.is_file()) for kind in kinds}
+    sizes = {kind: sum(f.stat().st_size for f in (work / kind).rglob("*") if f.is_file()) for kind in (*kinds, "universal")}
     write_gathered(out_path, mine, params=params, disk=sizes, model=name, cold=cold)
     dist.destroy_process_group()
     sys.stdout.flush()

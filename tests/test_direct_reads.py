@@ -403,18 +403,26 @@ def test_mapping_ahead_maps_the_views_in_order_keeps_their_bytes_and_stops_betwe
     assert mapped % piece == 0 and resident == [1] * mapped + [0] * (pages - mapped), "mapped out of order, or a view in part"
 
 
+@pytest.mark.parametrize("kind", ["native", "universal"])
 @pytest.mark.parametrize("new_world", [1, 2, 3])
-def test_a_cold_load_reads_direct_and_holds_what_a_cached_load_holds(tmp_path, small_slots, spans_read, monkeypatch, new_world):
-    """Saved at D=2, loaded at D = 1, 2, 3 from a cold checkpoint (direct reads) and from a
-    cached one: the same tensors bit for bit, the same bytes counted."""
+def test_a_cold_load_reads_direct_and_holds_what_a_cached_load_holds(tmp_path, small_slots, spans_read, monkeypatch, new_world, kind):
+    """Saved at D=2 (and converted to a universal checkpoint), loaded at D = 1, 2, 3 from a
+    cold checkpoint (direct reads) and from a cached one: the same tensors bit for bit, the
+    same bytes counted."""
     from universal_helpers import save_synthetic
 
     from zeroshard.checkpoint.loader import load_state
     from zeroshard.checkpoint.native.source import NativeSource
+    from zeroshard.checkpoint.attest.attestation import Evidence
+    from zeroshard.checkpoint.shared_module import share_checkpoint
+    from zeroshard.checkpoint.universal import UniversalSource, to_universal
     from zeroshard.layout import ParamSpec, build_layout
 
     specs = [[ParamSpec.of("w", (512, 300), "bf16"), ParamSpec.of("v", (300, 97), "bf16")], [ParamSpec.of("b", (300,), "bf16")]]
     path = save_synthetic(tmp_path, build_layout(specs, 2), block_size=BLOCK)
+    if kind == "universal":
+        path = to_universal(path, tmp_path / "universal", block_size=BLOCK, progress=False)
+    opened = NativeSource if kind == "native" else UniversalSource
     if direct_reads.open_direct(next(path.glob("*.safetensors"))) is None:
         pytest.skip(f"{tmp_path}: the file system reads nothing past the page cache (O_DIRECT)")
     layout = build_layout(specs, new_world)
@@ -424,8 +432,11 @@ def test_a_cold_load_reads_direct_and_holds_what_a_cached_load_holds(tmp_path, s
             for file in path.iterdir():
                 evict(file)
         stats = ReadStats()
-        with NativeSource(path, stats=stats) as source:
-            state = load_state(source, layout, rank)
+        with opened(path, stats=stats) as source:
+            # As load_checkpoint loads a universal checkpoint: the weights rebuilt from the
+            # masters the partitions hold (a share), not read whole beforehand.
+            shared = {} if kind == "native" else {"share": share_checkpoint(source.info.model_entries, layout, rank), "evidence": Evidence()}
+            state = load_state(source, layout, rank, **shared)
         tensors = [*state.fp32_partitions, *(t for group in state.optimizer_states for _, t in sorted(group.items()))]
         return tensors, (stats.data, stats.bytes_by_file)
 

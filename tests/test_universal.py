@@ -296,6 +296,42 @@ def test_read_param_on_a_native_source_matches_the_pattern(tmp_path):
             source.read(0, 0, "momentum", 0, 1)
 
 
+def test_a_universal_load_reads_each_group_and_key_as_one_range(tmp_path, monkeypatch):
+    """The shards hold each layout group's masters, then each state, its parameters back to
+    back (a load's order), so a load reads each run of them with one read: with an edge cache
+    of one block, no block is read twice, and the load reads at most the shard's bytes."""
+    from zeroshard.checkpoint.attest.attestation import Evidence
+    from zeroshard.checkpoint.shared_module import share_checkpoint
+    from zeroshard.io import block_reader
+
+    specs = [[ParamSpec.of(f"w{i}", (37 + 11 * i, 13), "bf16") for i in range(5)], [ParamSpec.of(f"b{i}", (29 + i,), "bf16") for i in range(4)]]
+    block = 64
+    native = save_synthetic(tmp_path / "a", build_layout(specs, 3), block_size=block)
+    path = to_universal(native, tmp_path / "u", block_size=block, progress=False)
+    (shard,) = path.glob("universal-*.safetensors")
+    raw = shard.read_bytes()
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    stored = sorted((entry["data_offsets"][0], key) for key, entry in header.items() if key.startswith("param/"))
+    assert [key for _, key in stored] == [f"param/{p.name}/{key}" for group in specs for key in ("fp32", *ADAM_STATES) for p in group]
+
+    monkeypatch.setattr(block_reader, "DEFAULT_CACHE_BYTES", block)  # edge blocks are not kept for later reads
+    reads = []
+    read_into = block_reader.RangeReader.read_into
+    monkeypatch.setattr(block_reader.RangeReader, "read_into", lambda self, *args, **kw: reads.append(args[2]) or read_into(self, *args, **kw))
+    new = build_layout(specs, 1, COMPACT)
+    stats = ReadStats()
+    with UniversalSource(path, stats=stats) as source:
+        share = share_checkpoint(source.info.model_entries, new, 0)
+        loaded = load_state(source, new, 0, share=share, evidence=Evidence())
+    assert len(reads) == len(specs) * (1 + len(ADAM_STATES)), f"{len(reads)} reads, at {reads}"
+    reference = load_sharded(native, new, 0)
+    for group in range(len(new.groups)):
+        assert torch.equal(loaded.fp32_partitions[group], reference.fp32_partitions[group])
+        for key in ADAM_STATES:
+            assert torch.equal(loaded.optimizer_states[group][key], reference.optimizer_states[group][key])
+    assert stats.data <= shard.stat().st_size, f"{stats.data} bytes read of the shard's {shard.stat().st_size}"
+
+
 def test_universal_source_reads_ranges_across_parameters_in_place(tmp_path):
     """Ranges of a universal source's compact partition that span parameters and the tail's
     padding: read() and read_into() (which fills the caller's array, padding as zeros) agree

@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import functools
 from pathlib import Path
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -22,7 +23,9 @@ from ..layout import GroupLayout, Layout, LayoutPolicy, ParamSlot
 # Parameters back to back, each group's tail padded to 16 bytes.
 PACKED_POLICY = LayoutPolicy.native(compact=True)
 
-ReadParam = Callable[[str, int, int], np.ndarray]
+ReadParam = Callable[[str, int, int], np.ndarray]  # (name, start, end) -> elements, fp32
+ReadParamInto = Callable[[str, int, np.ndarray], None]  # (name, start, out): elements into out
+AnnounceParam = Callable[[str, int, int], None]  # (name, start, end): read next
 
 if TYPE_CHECKING:
     from .source import SourceInfo
@@ -43,12 +46,23 @@ class PackedPartitions:
         if slots and slots[0].offset <= start and end <= slots[0].end:  # within one parameter: no copy
             return read_param(slots[0].name, start - slots[0].offset, end - slots[0].offset)
         out = np.empty(end - start, dtype=np.float32)
-        self._fill(slots, start, out, read_param)
+        self.read_into(rank, group, start, out, functools.partial(_copy_into, read_param))
         return out
 
-    def read_into(self, rank: int, group: int, start: int, out: np.ndarray, read_param: ReadParam) -> None:
-        """:meth:`read` into ``out``: each parameter's range lands there, with no buffer between."""
-        self._fill(self._slots(rank, group, start, start + out.size), start, out, read_param)
+    def read_into(self, rank: int, group: int, start: int, out: np.ndarray, read_param_into: ReadParamInto) -> None:
+        """:meth:`read` into ``out``: each parameter's range read into its place in ``out``
+        (``read_param_into``); padding between them is zeros."""
+        end, cursor = start + out.size, start
+        for slot, lo, hi in self.overlaps(rank, group, start, end):
+            out[cursor - start : lo - start] = 0
+            read_param_into(slot.name, lo - slot.offset, out[lo - start : hi - start])
+            cursor = hi
+        out[cursor - start :] = 0
+
+    def announce(self, rank: int, group: int, start: int, end: int, announce_param: AnnounceParam) -> None:
+        """Announce the parameter ranges a read of elements [start, end) reads, in its order."""
+        for slot, lo, hi in self.overlaps(rank, group, start, end):
+            announce_param(slot.name, lo - slot.offset, hi - slot.offset)
 
     def group(self, group: int) -> GroupLayout:
         """Layout group ``group``; ValueError naming the checkpoint when there is no such group."""
@@ -67,19 +81,19 @@ class PackedPartitions:
             raise ValueError(f"range [{start}, {end}) is outside group {group}'s partition of {numel} elements")
         return layout_group.params[bisect.bisect_right(self._param_ends[group], start) :]
 
-    @staticmethod
-    def _fill(slots: tuple[ParamSlot, ...], start: int, out: np.ndarray, read_param: ReadParam) -> None:
-        """Elements [start, start + len(out)) from ``slots``; padding between them is zeros."""
-        end, cursor = start + out.size, start
-        for slot in slots:
+    def overlaps(self, rank: int, group: int, start: int, end: int) -> Iterator[tuple[ParamSlot, int, int]]:
+        """Each parameter that elements [start, end) reach into, in order, and the part of
+        the range it holds, [lo, hi) in the partition's elements."""
+        for slot in self._slots(rank, group, start, end):
             if slot.offset >= end:
-                break
+                return
             lo, hi = max(slot.offset, start), min(slot.end, end)
             if lo < hi:
-                out[cursor - start : lo - start] = 0
-                out[lo - start : hi - start] = read_param(slot.name, lo - slot.offset, hi - slot.offset)
-                cursor = hi
-        out[cursor - start :] = 0
+                yield slot, lo, hi
+
+
+def _copy_into(read_param: ReadParam, name: str, start: int, out: np.ndarray) -> None:
+    out[...] = read_param(name, start, start + out.size)
 
 
 class PackedSource:
@@ -101,7 +115,12 @@ class PackedSource:
 
     def read_into(self, rank: int, group: int, key: str, start: int, out: np.ndarray) -> None:
         """:meth:`read` into ``out``: each parameter's range lands there, with no buffer between."""
-        self._packed.read_into(rank, group, start, out, functools.partial(self._read_param, key=key))
+        self._packed.read_into(rank, group, start, out, functools.partial(self._read_param_into, key=key))
 
     def _read_param(self, name: str, start: int, end: int, *, key: str) -> np.ndarray:
         raise NotImplementedError
+
+    def _read_param_into(self, name: str, start: int, out: np.ndarray, *, key: str) -> None:
+        """Elements [start, start + out.size) of parameter ``name``'s ``key`` into ``out``:
+        read, then copied (a source that can read into place does so instead)."""
+        _copy_into(functools.partial(self._read_param, key=key), name, start, out)

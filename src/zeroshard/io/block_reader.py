@@ -403,6 +403,12 @@ def _inside(record: FileRecord, index: int, begin: int, end: int) -> bool:
     return begin <= block_start and block_end <= end
 
 
+def bytes_of(array: np.ndarray) -> memoryview:
+    """The writable bytes of a contiguous array (of any dtype, bfloat16 included), for
+    :meth:`RangeReader.read_into`."""
+    return memoryview(array.reshape(-1).view(np.uint8))
+
+
 def array_view(data: memoryview, dtype: str) -> np.ndarray:
     """A 1-D array of dtype ``dtype`` over ``data`` (shared when aligned for it, else a copy)."""
     array = from_bytes(data, dtype)

@@ -17,7 +17,7 @@ import numpy as np
 from ..format import LATEST_FILE, MANIFEST_FILE, MODEL_FILE, fp32_key, rank_file_name, scalar_key, state_key
 from ..formats import SourceFormat
 from ..attest.digests import Terms, finished, tensors_digester
-from ...io.block_reader import RangeReader, array_view, observe_bytes
+from ...io.block_reader import RangeReader, array_view, bytes_of, observe_bytes
 from ...io.checksum import FileRecord
 from ...io.dtypes import dtype_info, itemsize_of, to_float32
 from ...io.safetensors_io import ReadStats, TensorEntry, check_entries, read_header
@@ -85,7 +85,7 @@ class NativeSource:
             return
         begin = entry.begin + start * itemsize_of(dtype)
         path, record = self.checkpoint.path(file_name), self._record(file_name)
-        self._reader.read_into(path, record, begin, _bytes_of(out), observe)
+        self._reader.read_into(path, record, begin, bytes_of(out), observe)
 
     def prefetch(self, rank: int, group: int, key: str, start: int, end: int) -> None:
         """Say that elements [start, end) of ``rank``'s partition of ``key`` in ``group``
@@ -235,11 +235,6 @@ def _adjacent_runs(names: list[str], entry_of: Callable[[str], TensorEntry]) -> 
         else:
             runs.append([name])
     return runs
-
-
-def _bytes_of(array: np.ndarray) -> memoryview:
-    """The writable bytes of a contiguous array (of any dtype, bfloat16 included)."""
-    return memoryview(array.reshape(-1).view(np.uint8))
 
 
 def is_native_checkpoint(path: Path) -> bool:

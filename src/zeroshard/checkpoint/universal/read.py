@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from ...layout import Layout, LayoutPolicy, build_layout
-from ...io.block_reader import RangeReader, array_view
+from ...io.block_reader import RangeReader, array_view, bytes_of
+from ...io.checksum import FileRecord
 from ...io.damage import CheckpointDamagedError
 from ..directory import check_files_present
 from ...io.dtypes import itemsize_of
@@ -40,6 +41,32 @@ class UniversalCheckpoint:
         state), flattened in the parameter's own shape, as an fp32 array the caller may keep
         (possibly read-only: a view of a mapping of the shard or of a cached block, see
         :mod:`.block_reader`)."""
+        stored, end = self._param_range(name, key, start, end)
+        return self._read(stored, start * 4, end * 4, "float32")
+
+    def param_location(self, name: str, key: str, start: int, end: int) -> tuple[Path, FileRecord, int]:
+        """Where elements [start, end) of parameter ``name``'s ``key`` lie: the shard, its
+        record, and the byte offset of element ``start`` in it (checked as :meth:`read_param`
+        checks), for :meth:`read_range_into` and :meth:`announce_range`."""
+        stored, _ = self._param_range(name, key, start, end)
+        path, record, begin = self._located(stored)
+        return path, record, begin + start * 4
+
+    def read_range_into(self, path: Path, record: FileRecord, begin: int, out: np.ndarray) -> None:
+        """Bytes from ``begin`` of the shard ``path`` (``record`` its record) into ``out`` (a
+        contiguous, writable array), checked, with no buffer between: a big range the page
+        cache lacks is read past it (:mod:`...io.direct_reads`)."""
+        self._reader.read_into(path, record, begin, bytes_of(out))
+
+    def announce_range(self, path: Path, record: FileRecord, begin: int, end: int) -> None:
+        """Say that :meth:`read_range_into` of bytes [begin, end) of ``path`` comes next, after
+        those announced before: the storage starts reading them (:meth:`.RangeReader.announce`).
+        A hint: nothing is checked or counted until the read."""
+        self._reader.announce(path, record, begin, end)
+
+    def _param_range(self, name: str, key: str, start: int, end: int | None) -> tuple[str, int]:
+        """The stored tensor of parameter ``name``'s ``key``, and the range's end (None: the
+        parameter's), once the range is within it."""
         param = self.manifest.params.get(name)
         if param is None:
             raise KeyError(f"{self.directory}: no trained parameter {name!r}")
@@ -48,7 +75,7 @@ class UniversalCheckpoint:
         end = param.numel if end is None else end
         if not 0 <= start <= end <= param.numel:
             raise ValueError(f"range [{start}, {end}) is outside parameter {name!r}'s {param.numel} elements")
-        return self._read(param_key(name, key), start * 4, end * 4, "float32")
+        return param_key(name, key), end
 
     def model_tensor(self, name: str) -> np.ndarray:
         """A buffer or frozen parameter in its own dtype and shape (aliases followed)."""
@@ -92,10 +119,13 @@ class UniversalCheckpoint:
 
     def _read(self, key: str, begin: int, end: int, dtype: str) -> np.ndarray:
         """Bytes [begin, end) of tensor ``key``'s data as a 1-D ``dtype`` array the caller owns."""
+        path, record, data_begin = self._located(key)
+        return array_view(self._reader.read(path, record, data_begin + begin, data_begin + end), dtype)
+
+    def _located(self, key: str) -> tuple[Path, FileRecord, int]:
+        """The shard holding tensor ``key``, its record, and where the tensor's data begins."""
         shard = self.manifest.weight_map[key]
-        entry = self._header(shard)[key]
-        data = self._reader.read(self.directory / shard, self.manifest.shards[shard], entry.begin + begin, entry.begin + end)
-        return array_view(data, dtype)
+        return self.directory / shard, self.manifest.shards[shard], self._header(shard)[key].begin
 
     def _header(self, shard: str) -> dict[str, TensorEntry]:
         header = self._headers.get(shard)

@@ -16,6 +16,7 @@ reshards a universal checkpoint to any (W, EP) as it does a native one.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ import numpy as np
 from ...layout import Layout, build_layout
 from ...state import ParamGroupState
 from ...io.dtypes import cast
+from ...io.checksum import FileRecord
 from ...io.safetensors_io import ReadStats
 from ..formats import SourceFormat
 from ..packed import PACKED_POLICY, PackedPartitions, PackedSource
@@ -83,6 +85,56 @@ class UniversalSource(PackedSource):
             position += run
         return out
 
+    def read_into(self, rank: int, group: int, key: str, start: int, out: np.ndarray) -> None:
+        """:meth:`read` into ``out``. The parameters a range covers lie back to back in the
+        shards, in the order a load reads them (``write.output_tensors``), so each run of
+        them is read with one read straight into ``out``; a stacked expert weight is
+        assembled, then copied; padding is zeros."""
+        if out.dtype != np.float32 or not out.flags.c_contiguous or not out.flags.writeable:
+            super().read_into(rank, group, key, start, out)
+            return
+        cursor = start
+        for run in self._runs(rank, group, key, start, start + out.size):
+            out[cursor - start : run.start - start] = 0
+            into = out[run.start - start : run.end - start]
+            if run.path is None:
+                self._read_param_into(run.name, run.param_start, into, key=key)
+            else:
+                self.checkpoint.read_range_into(run.path, run.record, run.begin, into)
+            cursor = run.end
+        out[cursor - start :] = 0
+
+    def prefetch(self, rank: int, group: int, key: str, start: int, end: int) -> None:
+        """Say that elements [start, end) of the partition of ``key`` in layout group
+        ``group`` will be read next (:meth:`read_into`, after those announced before): the
+        storage starts reading the runs of stored parameters they cover (see
+        :meth:`~zeroshard.checkpoint.native.source.NativeSource.prefetch`). A hint.
+
+        Raises:
+            ValueError: no such group, a rank other than 0, or a range outside the partition.
+            KeyError: ``key`` is not a state of a parameter the range covers."""
+        for run in self._runs(rank, group, key, start, end):
+            if run.path is not None:
+                self.checkpoint.announce_range(run.path, run.record, run.begin, run.begin + (run.end - run.start) * 4)
+
+    def _runs(self, rank: int, group: int, key: str, start: int, end: int) -> list[_Run]:
+        """The partition's elements [start, end) as runs, in order: each a stretch of stored
+        parameters that lie back to back both in the partition and in one shard, or one
+        expert weight (no file range)."""
+        runs: list[_Run] = []
+        for slot, lo, hi in self._packed.overlaps(rank, group, start, end):
+            param_start = lo - slot.offset
+            if slot.name in self.checkpoint.manifest.experts:
+                runs.append(_Run(lo, hi, slot.name, param_start))
+                continue
+            path, record, begin = self.checkpoint.param_location(slot.name, key, param_start, hi - slot.offset)
+            last = runs[-1] if runs else None
+            if last is not None and last.path == path and last.end == lo and last.begin + (last.end - last.start) * 4 == begin:
+                last.end = hi
+            else:
+                runs.append(_Run(lo, hi, slot.name, param_start, path, record, begin))
+        return runs
+
     def _stacked_expert(self, name: str, key: str, expert: int) -> np.ndarray:
         """One expert's ``key`` tensor in the stacked orientation [in, out], flat. The last one
         read is kept: a rank's reads of one expert come in a row."""
@@ -124,6 +176,21 @@ class UniversalSource(PackedSource):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclasses.dataclass
+class _Run:
+    """Elements [start, end) of a partition: from ``param_start`` of parameter ``name`` on,
+    and, for stored parameters, bytes from ``begin`` of the shard ``path`` (None: an expert
+    weight, assembled from its experts' tensors)."""
+
+    start: int
+    end: int
+    name: str
+    param_start: int
+    path: Path | None = None
+    record: FileRecord | None = None
+    begin: int = 0
 
 
 def _digests_by_layout_group(digests: StateDigests | None, owner: list[int]) -> StateDigests | None:

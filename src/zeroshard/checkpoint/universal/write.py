@@ -30,7 +30,7 @@ from ..format import DEFAULT_BLOCK_SIZE
 from ..formats import open_source
 from ..output_dir import OutputKind, output_path, staged_output
 from ...io.safetensors_io import PlannedTensor
-from ..experts import UNIVERSAL_FORM, exported_params, read_exported
+from ..experts import UNIVERSAL_FORM, ExportedParam, exported_params, read_exported
 from ..attest.read_digests import ReadChecker
 from ..model_config import STORED_NAMES, stored_name, write_config
 from ..param_groups import universal_param_groups
@@ -171,14 +171,23 @@ def output_tensors(
     source: ShardSource, manifest: UniversalManifest, checker: ReadChecker | None = None
 ) -> list[OutputTensor]:
     """Every tensor of the universal shards, in write order, each with its producer (which
-    ``checker``, if given, checks and digests)."""
+    ``checker``, if given, checks and digests).
+
+    The order is a load's: per layout group, per key ("fp32", then each state), its
+    parameters in layout order. A loader reads a group's masters, then each state, each a
+    run of the group's parameters back to back (:mod:`..packed`), so each such run is one
+    range of a shard: read with one read, no checksum block read twice."""
     layout = source.info.layout
     check = checker.param if checker is not None else None
-    tensors: list[OutputTensor] = []
+    by_group: dict[int, list[ExportedParam]] = {}
     for param in exported_params(layout, UNIVERSAL_FORM):
-        for key in ("fp32", *source.info.state_keys[layout.param(param.param)[0].index]):
-            planned = PlannedTensor(param_key(param.name, key), "float32", param.shape)
-            tensors.append(OutputTensor(planned, functools.partial(read_exported, source, param, key, check)))
+        by_group.setdefault(layout.param(param.param)[0].index, []).append(param)
+    tensors: list[OutputTensor] = []
+    for group, params in by_group.items():
+        for key in ("fp32", *source.info.state_keys[group]):
+            for param in params:
+                planned = PlannedTensor(param_key(param.name, key), "float32", param.shape)
+                tensors.append(OutputTensor(planned, functools.partial(read_exported, source, param, key, check)))
     for name, entry in manifest.model_entries.items():
         planned = PlannedTensor(model_key(name), entry.dtype, entry.shape)
         tensors.append(OutputTensor(planned, functools.partial(_model_tensor, source, name, planned, checker)))
