@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import bisect
 import functools
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
