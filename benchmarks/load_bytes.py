@@ -255,6 +255,7 @@ def worker(out_path: Path, work: Path, name: str, rounds: int, with_deepspeed: b
     }
     if with_deepspeed:
         steps["deepspeed"] = lambda: ds_engine.load_checkpoint(str(work / "deepspeed"), tag="t")
+        steps["from-ds"] = counting("from-ds", lambda stats: load_checkpoint(zs_engine, work / "deepspeed" / "t", stats=stats))
     names = list(steps)
     records: dict[str, list[dict]] = {step: [] for step in names}
     for round_index in range(rounds + 1):  # the first round (warming the page cache) is not kept

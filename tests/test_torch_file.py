@@ -734,8 +734,9 @@ def test_a_flipped_bit_in_tensor_data_fails_the_record_crc(saved, tmp_path):
 
 @pytest.mark.parametrize("flip", [None, 0, 12 << 20, (24 << 20) - 1])
 def test_read_into_fills_the_array_and_checks_the_record(tmp_path, monkeypatch, flip):
-    """read_into equals read; over the whole record it checks the CRC on the bytes it read
-    (no separate pass), over part of it the record first; a flipped byte fails either way."""
+    """read_into equals read; it checks the record's CRC in the same pass (the bytes before
+    the range, the range as it lands in the array, the bytes after), so each byte of the
+    record is read once; a flipped byte before, in or after the range fails it."""
     from zeroshard.torchfile import torch_records
 
     path = tmp_path / "big.pt"
@@ -744,19 +745,23 @@ def test_read_into_fills_the_array_and_checks_the_record(tmp_path, monkeypatch, 
         data = bytearray(path.read_bytes())
         data[load_torch_file(path)["big"].data_offset + flip] ^= 0x10
         path.write_bytes(bytes(data))
-    passes = []
-    original = torch_records._record_crc
-    monkeypatch.setattr(torch_records, "_record_crc", lambda *args: passes.append(1) or original(*args))
-    for start, count in ((0, 6 << 20), (3, 1000)):  # the whole record, then a part of it
+    read = []
+    original = torch_records.count_read
+    monkeypatch.setattr(torch_records, "count_read", lambda stats, name, count, **kw: read.append(count) or original(stats, name, count, **kw))
+    for start, count in ((0, 6 << 20), (3, 1000), (3 << 20, 3 << 20)):  # the whole record, then parts of it
         tensor = load_torch_file(path)["big"]  # a new load: nothing checked yet
         out = np.empty(count, np.float32)
+        read.clear()
         if flip is not None:
             with pytest.raises(TorchFileError, match=r"record big/data/0 is corrupt: its CRC-32 is "):
                 tensor.read_into(start, out)
             continue
         tensor.read_into(start, out)
         assert np.array_equal(out, np.arange(start, start + count, dtype=np.float32))
-    assert len(passes) == 1  # only the partial read needed a pass of its own
+        assert sum(read) == 24 << 20, (start, count, read)  # the record once, the range not again
+        read.clear()
+        tensor.read_into(start, out)  # checked already in this load: the range alone
+        assert sum(read) == count * 4
     with pytest.raises(ValueError, match="an array of its dtype"):
         load_torch_file(path)["big"].read_into(0, np.empty(4, np.float64))
 
