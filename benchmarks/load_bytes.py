@@ -24,6 +24,9 @@ rounds whose order rotates every round, every rank times:
 * ``before``: the load as it was before issue 33 (every rank reads its partitions and all of
   model.safetensors, then the same import), for the bytes and the time it took;
 * ``deepspeed``: DeepSpeed's ``engine.load_checkpoint`` of its own checkpoint;
+* ``from-ds``: zeroshard's ``load_checkpoint`` of that DeepSpeed checkpoint (a migration);
+  its bytes are held to the native floor, though a rank that reads any of a zip record
+  reads all of it to check its CRC-32;
 * ``gather``: the engine's masters cast and its parameter buffers all-gathered alone
   (``sync_params_from_masters``), which the ``zeroshard`` load does once it has read: the
   work that replaces reading the weights, shown apart from the floor (row ``floor+gather``:
