@@ -25,7 +25,6 @@ PACKED_POLICY = LayoutPolicy.native(compact=True)
 
 ReadParam = Callable[[str, int, int], np.ndarray]  # (name, start, end) -> elements, fp32
 ReadParamInto = Callable[[str, int, np.ndarray], None]  # (name, start, out): elements into out
-AnnounceParam = Callable[[str, int, int], None]  # (name, start, end): read next
 
 if TYPE_CHECKING:
     from .source import SourceInfo
@@ -58,11 +57,6 @@ class PackedPartitions:
             read_param_into(slot.name, lo - slot.offset, out[lo - start : hi - start])
             cursor = hi
         out[cursor - start :] = 0
-
-    def announce(self, rank: int, group: int, start: int, end: int, announce_param: AnnounceParam) -> None:
-        """Announce the parameter ranges a read of elements [start, end) reads, in its order."""
-        for slot, lo, hi in self.overlaps(rank, group, start, end):
-            announce_param(slot.name, lo - slot.offset, hi - slot.offset)
 
     def group(self, group: int) -> GroupLayout:
         """Layout group ``group``; ValueError naming the checkpoint when there is no such group."""
