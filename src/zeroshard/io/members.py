@@ -79,7 +79,10 @@ def open_member(path: Path, *, follow_links: bool = False, direct: bool = False,
         os.close(fd)
         raise ValueError(f"{path}: not a regular file")
     if not read_ahead and hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # this descriptor's reads only
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # this descriptor's reads only
+        except OSError:
+            pass  # a hint: a file system that takes none reads the same bytes
     return fd
 
 
