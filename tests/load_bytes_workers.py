@@ -182,32 +182,43 @@ def universal_needed(path: Path, layout, rank: int, full: bool, shared: list[str
 
 def deepspeed_needed(path: Path, layout, rank: int, full: bool, shared: list[str]) -> int:
     """Bytes of the zip records ``rank`` needs of a DeepSpeed checkpoint: a record's CRC-32 is
-    its only checksum, so a rank that reads any of it needs all of it (once)."""
+    its only checksum, so the job needs all of every record any rank reads a part of, once:
+    here each record counts to the lowest rank that reads any of it. Rank 0's scalars (the
+    step), which every rank reads, count to each."""
     source = open_source(path)
-    records: dict[tuple[str, str], int] = {}
 
-    def need(stored) -> None:
-        records[(str(stored.storage.path), stored.storage.record_name)] = stored.storage.record_size
+    def records_of(reader: int) -> dict[tuple[str, str], int]:
+        records: dict[tuple[str, str], int] = {}
 
-    loaded = set(layout.param_names)
-    if reads_saved_weights(layout, full):
-        shared, loaded = [*shared, *layout.param_names], set()
-    for plan in plan_reads(source.info.layout, layout, rank, loaded):
-        for copy in plan.copies:
-            tensors = source._ranks[copy.source_rank]
-            need(tensors.fp32[copy.source_group])
-            if full:
-                for stored in tensors.states[copy.source_group].values():
-                    need(stored)
-    for name in shared:
-        need(source._model.module[name])
+        def need(stored) -> None:
+            records[(str(stored.storage.path), stored.storage.record_name)] = stored.storage.record_size
+
+        loaded = set(layout.param_names)
+        names = share_checkpoint(source.info.model_entries, layout, reader).mine
+        if reads_saved_weights(layout, full):
+            names, loaded = [*names, *layout.param_names], set()
+        for plan in plan_reads(source.info.layout, layout, reader, loaded):
+            for copy in plan.copies:
+                tensors = source._ranks[copy.source_rank]
+                need(tensors.fp32[copy.source_group])
+                if full:
+                    for stored in tensors.states[copy.source_group].values():
+                        need(stored)
+        for name in names:
+            need(source._model.module[name])
+        return records
+
+    mine = records_of(rank)
+    for lower in range(rank):
+        for key in records_of(lower):
+            mine.pop(key, None)
     first = read_rank_shard(rank_file_paths(source.path)[0], 0)  # every rank reads rank 0's scalars (step)
     for group in first.scalars:
         for value in group.values():
             if isinstance(value, StoredTensor):
-                need(value)
+                mine[(str(value.storage.path), value.storage.record_name)] = value.storage.record_size
     source.close()
-    return sum(records.values())
+    return sum(mine.values())
 
 
 NEEDED = {"native": native_needed, "universal": universal_needed, "deepspeed": deepspeed_needed}

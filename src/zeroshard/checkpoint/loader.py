@@ -22,7 +22,9 @@ without optimizer state, strict or not, resharded) behaves the same for each:
   master partitions cast (the engine all-gathers them), attested against the saved weights
   piece by piece; of the buffers and frozen parameters it reads only those ``share`` gives
   it (:mod:`.shared_module`); without optimizer state it reads its master partitions and
-  nothing else. So the job reads each byte it needs once.
+  nothing else. A source whose records are checked whole (a DeepSpeed checkpoint's zip
+  records) has them checked by the ranks together, each rank reading only its part. So the
+  job reads each byte it needs once.
 
 The result is built in new tensors and returned only when everything passed, so a failed
 load leaves the caller's state as it was. Every load attests (:mod:`.attest`): the loader
@@ -131,6 +133,9 @@ def _load(
     evidence.begin(source, layout, rank, loadable, full)
     if share is not None:
         kind = (full, load_module_only)
+        check_together = getattr(source, "check_records_with", None)
+        if check_together is not None and evidence.enabled:
+            check_together(loadable, evidence.record_terms())  # judged with every rank's, in the agreement
         return _load_shared(source, layout, rank, plans, kind, param_groups, base, evidence, share, on_masters)
     # Weights cast from whole fp32 masters: their fragments also fill the rank's fp32
     # partitions, so no master byte is read twice.

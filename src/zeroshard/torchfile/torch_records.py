@@ -23,9 +23,11 @@ from typing import Any
 import numpy as np
 
 from ..io.budget import DICT_ITEM_BYTES, named
+from ..io.digest import raw_crc
 from ..io.dtypes import dtype_info
 from ..io.read_stats import count_read
 from ..io.safetensors_io import map_range
+from .record_checks import SharedRecordChecks
 
 try:
     from zlib_ng.zlib_ng import crc32
@@ -217,16 +219,22 @@ class StoredTensor:
             raise IndexError(f"elements [{start}, {end}) are outside a tensor of {numel} elements")
         return _read(self.storage, self.dtype, self.storage_offset + start, end - start)
 
-    def read_into(self, start: int, out: np.ndarray) -> None:
+    def read_into(self, start: int, out: np.ndarray, together: SharedRecordChecks | None = None) -> None:
         """Elements ``[start, start + out.size)`` of the flattened tensor (contiguous tensors
         only) read straight into ``out``, a contiguous 1-D array of the tensor's dtype; the
         record's CRC-32 is checked as for :meth:`read`, on ``out`` itself when it holds the
-        whole record."""
+        whole record. ``together``: the record is checked with the other ranks of a load
+        instead (:mod:`.record_checks`): this rank reads the range and the gaps it owns, and
+        adds their CRCs to ``together.terms``."""
         if not self.is_contiguous() or out.dtype != dtype_info(self.dtype).numpy or not out.flags.c_contiguous:
             raise ValueError(f"{self.path}: read_into() needs a contiguous tensor and an array of its dtype")
         if not 0 <= start <= start + out.size <= self.numel():
             raise IndexError(f"elements [{start}, {start + out.size}) are outside a tensor of {self.numel()} elements")
-        _read_into(self.storage, (self.storage_offset + start) * out.itemsize, out)
+        begin = (self.storage_offset + start) * out.itemsize
+        if together is None:
+            _read_into(self.storage, begin, out)
+        else:
+            _read_into_shared(self.storage, begin, out, together)
 
     def record(self) -> np.ndarray:
         """The whole zip record holding the storage, read once into a new byte array and
@@ -330,6 +338,32 @@ def _read_into(storage: StorageRecord, begin: int, out: np.ndarray) -> None:
         raise TorchFileError(f"{storage.path}: cannot be read: {err.strerror or err}") from None
 
 
+def _read_into_shared(storage: StorageRecord, begin: int, out: np.ndarray, together: SharedRecordChecks) -> None:
+    """:func:`_read_into` for a record the ranks check together: the raw CRC of the range,
+    taken as it arrives, and of each gap this rank owns, go to ``together.terms``."""
+    buffer = memoryview(out.view(np.uint8))
+    key, end = (str(storage.path), storage.record_name), begin + len(buffer)
+    try:
+        fd = os.open(storage.path, os.O_RDONLY | _NONBLOCK)
+        try:
+            count_read(None, storage.path.name, len(buffer))
+            raw = 0  # the raw CRC of no bytes
+            for done in range(0, len(buffer), _HOT_CHUNK):
+                chunk = buffer[done : done + _HOT_CHUNK]
+                if _pread_full(fd, chunk, storage.data_offset + begin + done) < len(chunk):
+                    raise _ends_early(storage)
+                raw = raw_crc(chunk, raw)
+            record = (key, storage.record_size, storage.crc32)
+            together.terms.add(*record, begin, end, raw)
+            for gap_begin, gap_end in together.gaps(key, storage.record_size, begin, end):
+                gap = _span_crc(storage, fd, gap_begin, gap_end, _ALL_ONES) ^ _ALL_ONES
+                together.terms.add(*record, gap_begin, gap_end, gap)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        raise TorchFileError(f"{storage.path}: cannot be read: {err.strerror or err}") from None
+
+
 def _pread_full(fd: int, buffer: memoryview, offset: int) -> int:
     """Bytes read into ``buffer`` from ``offset``: all of it unless the file ends first."""
     done = 0
@@ -365,6 +399,7 @@ def _read_range(storage: StorageRecord, fd: int, numpy_dtype: np.dtype, begin: i
 
 
 _CRC_WINDOW = 16 << 20
+_ALL_ONES = 0xFFFFFFFF  # zlib.crc32 from this start, inverted, is the raw CRC (io.digest)
 _SMALL_RECORD_BYTES = 256 << 10  # read whole with one pread (mapping one costs more than copying it)
 _WHOLE_READS, _WHOLE_BYTES = 16, 16 << 10  # ... when at most 16 times the range plus 16 KiB
 _VERIFIED_LIMIT = 1 << 14

@@ -43,6 +43,7 @@ from .digests import (
 from ...io.damage import CheckpointDamagedError
 from ...io.digest import FUSED, digest
 from ...io.dtypes import cast, dtype_info
+from ...torchfile.record_checks import RecordTerms, record_problems
 
 if TYPE_CHECKING:
     from ..source import ShardSource
@@ -74,6 +75,7 @@ class RankEvidence:
     checked: int = 0  # digests compared alone
     fingerprint: int = 0  # of the saved digests this rank compares with
     rebuilt: dict[int, int] = field(default_factory=dict)  # new group -> element size of weights cast from masters
+    records: RecordTerms = field(default_factory=RecordTerms)  # zip records checked with the other ranks
 
 
 @dataclass(frozen=True)
@@ -230,6 +232,11 @@ class Evidence:
             chunk = cast(masters[start : start + _CAST_CHUNK], dtype)  # as the engine casts its masters
             partition_terms(pieces, REBUILT, chunk, self._evidence.held, start)
 
+    def record_terms(self) -> RecordTerms:
+        """Where a source adds the CRC-32 terms of the record pieces this rank reads, for
+        :func:`judge` to combine with every rank's (:mod:`...torchfile.record_checks`)."""
+        return self._evidence.records
+
     def partial(self) -> RankEvidence | None:
         """This rank's evidence so far, for :func:`judge` (None when disabled or not begun)."""
         return self._evidence
@@ -303,6 +310,8 @@ def judge(
             problems.append(f"{describe_key(key)}: the ranks hold digest {value:08x}, but it {what}")
     if expected is None and complete:
         problems += _scalars_disagree(evidences)
+    if complete:
+        problems += record_problems(evidence.records for evidence in evidences)
     rebuilt, problems_rebuilt = _judge_rebuilt(held, layout, expected, first, complete)
     checked += rebuilt
     problems += problems_rebuilt

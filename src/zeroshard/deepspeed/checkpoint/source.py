@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ import numpy as np
 
 from ...checkpoint.format import state_name_problem
 from ...io.budget import BudgetExceeded, quoted
-from ...io.dtypes import to_float32
+from ...io.dtypes import itemsize_of, to_float32
 from ...checkpoint.source import ModelEntry, SourceInfo
 from ...collector import collector_paused
 from ...layout import GroupLayout, GroupSpec, Layout, LayoutPolicy, ParamSpec, build_layout, canonical_dtype
@@ -44,6 +44,7 @@ from .paths import MODEL_STATES_FILE, model_states_path, rank_file_paths, refuse
 from .pickled import DeepSpeedFormatError
 from ...torchfile.torch_file import StoredTensor, TorchFileError
 from ...torchfile.record_cache import RecordCache, record_elements
+from ...torchfile.record_checks import RecordTerms, SharedRecordChecks
 from ...torchfile.torch_records import one_line
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +89,7 @@ class DeepSpeedSource:
         self._scalars = [read_scalars(group) for group in first.scalars]
         self.autoep = self._model.autoep  # None unless DeepSpeed AutoEP made the run
         self._records = RecordCache()  # see read_into
+        self._together: SharedRecordChecks | None = None  # see check_records_with
         self.experts = self._read_expert_files() if self.autoep is not None else None
 
     def _read_expert_files(self) -> ExpertWeights:
@@ -130,12 +132,47 @@ class DeepSpeedSource:
             return
         stop = max(start, min(end, saved.numel())) if key == "fp32" else end  # fp32: saved without tail padding
         with _named_errors():
-            kept = self._records.elements(saved, start, stop)
-            if kept is not None:
-                out[: stop - start] = kept
+            if self._together is not None:
+                if stop > start:
+                    saved.read_into(start, out[: stop - start], self._together)
             else:
-                saved.read_into(start, out[: stop - start])
+                kept = self._records.elements(saved, start, stop)
+                if kept is not None:
+                    out[: stop - start] = kept
+                else:
+                    saved.read_into(start, out[: stop - start])
         out[stop - start :] = 0
+
+    def check_records_with(self, params: Collection[str], terms: RecordTerms) -> None:
+        """From now on, check the fp32 partitions and optimizer states that :meth:`read_into`
+        reads together with the other ranks of a load that reads ``params`` (every rank
+        alike): each read adds the CRC-32 terms of its range, and of the bytes nobody needs
+        that this rank owns, to ``terms``, which the load's agreement combines and judges
+        (:mod:`...torchfile.record_checks`). Each byte is then read once over the job, where
+        checking a record alone needs all of it on every rank that reads a part."""
+        tensors: dict[tuple[str, str], list[tuple[int, int, StoredTensor]]] = {}
+        for rank, shard in enumerate(self._ranks):
+            for group, (fp32, states) in enumerate(zip(shard.fp32, shard.states)):
+                for saved in (fp32, *states.values()):
+                    if isinstance(saved, StoredTensor):
+                        key = (str(saved.storage.path), saved.storage.record_name)
+                        tensors.setdefault(key, []).append((rank, group, saved))
+        wanted = set(params)
+
+        def needed(key: tuple[str, str]) -> list[tuple[int, int]]:
+            return [run for rank, group, saved in tensors[key] for run in self._needed_bytes(rank, group, saved, wanted)]
+
+        self._together = SharedRecordChecks(needed, terms)
+
+    def _needed_bytes(self, rank: int, group: int, saved: StoredTensor, params: set[str]) -> list[tuple[int, int]]:
+        """The bytes of ``saved``'s record that hold ``params``' elements in ``rank``'s partition of ``group``."""
+        layout_group = self.layout.groups[group]
+        itemsize = itemsize_of(saved.dtype)
+        return [
+            ((saved.storage_offset + f.partition_start) * itemsize, (saved.storage_offset + f.partition_start + f.length) * itemsize)
+            for f in layout_group.fragments(shard_rank(layout_group, rank))
+            if f.name in params
+        ]
 
     def _saved(self, rank: int, group: int, key: str, start: int, end: int) -> StoredTensor | PartitionMomentum:
         self._group(group)

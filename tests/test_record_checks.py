@@ -1,0 +1,236 @@
+"""Zip records checked by the ranks of a load together, each byte read once (issue 33).
+
+The rule (torchfile/record_checks.py): every needed byte is read by one rank, the gap after
+a needed run by the rank that reads the run's last byte, a record's head by the rank that
+reads its first needed byte; the ranks' CRC-32 terms combine to the record's. Property tests
+split records among ranks at random; then real DeepSpeed checkpoints loaded by thread ranks
+at their own and other world sizes: the job reads each record it touches once, holds what
+was saved, and a byte changed anywhere in a record (a needed one, or padding nobody needs)
+is refused by every rank naming the file and the record.
+"""
+
+from __future__ import annotations
+
+import shutil
+import zlib
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zeroshard.checkpoint import run_ranks
+from zeroshard.checkpoint.attest.attestation import AttestationError
+from zeroshard.checkpoint.attest.attested import attested_load
+from zeroshard.checkpoint.loader import load_state
+from zeroshard.checkpoint.shared_module import share_checkpoint
+from zeroshard.io.digest import raw_crc
+from zeroshard.io.read_stats import ReadStats
+from zeroshard.torchfile.record_checks import RecordTerms, SharedRecordChecks, record_problems
+
+KEY = ("ranks.pt", "archive/data/0")
+
+
+@st.composite
+def split_records(draw):
+    """A record of ``size`` bytes, its needed runs, and each needed byte given to one of
+    ``ranks`` ranks as pieces: (size, runs, pieces by rank)."""
+    size = draw(st.integers(1, 200))
+    cuts = sorted(set(draw(st.lists(st.integers(0, size), max_size=12))) | {0, size})
+    runs = [(a, b) for a, b, keep in zip(cuts, cuts[1:], draw(st.lists(st.booleans(), min_size=len(cuts)))) if keep]
+    ranks = draw(st.integers(1, 5))
+    pieces: list[list[tuple[int, int]]] = [[] for _ in range(ranks)]
+    for begin, end in runs:
+        inner = sorted(set(draw(st.lists(st.integers(begin + 1, max(begin + 1, end - 1)), max_size=3))) - {end})
+        bounds = [begin, *(c for c in inner if begin < c < end), end]
+        for a, b in zip(bounds, bounds[1:]):
+            pieces[draw(st.integers(0, ranks - 1))].append((a, b))
+    return size, runs, pieces
+
+
+def read_by_ranks(data: bytes, runs, pieces, crc: int | None = None) -> list[RecordTerms]:
+    """Each rank's terms: its pieces and the gaps the rule gives it, raw CRCs from ``data``,
+    the record's CRC-32 ``crc`` (default: ``data``'s)."""
+    crc, every_rank = zlib.crc32(data) if crc is None else crc, []
+    for mine in pieces:
+        checks = SharedRecordChecks(lambda key: list(runs), RecordTerms())
+        for begin, end in mine:
+            checks.terms.add(KEY, len(data), crc, begin, end, raw_crc(data[begin:end]))
+            for gap_begin, gap_end in checks.gaps(KEY, len(data), begin, end):
+                checks.terms.add(KEY, len(data), crc, gap_begin, gap_end, raw_crc(data[gap_begin:gap_end]))
+        every_rank.append(checks.terms)
+    return every_rank
+
+
+@settings(max_examples=300, deadline=None)
+@given(split_records(), st.randoms(use_true_random=False))
+def test_the_pieces_and_gaps_tile_the_record_and_give_its_crc(split, random):
+    size, runs, pieces = split
+    data = random.randbytes(size)
+    every_rank = read_by_ranks(data, runs, pieces)
+    if not runs:  # nobody needs any of it: nobody reads it, nothing is judged
+        assert not any(terms.values for terms in every_rank)
+        return
+    assert record_problems(every_rank) == []
+    # Any one byte changed is caught, wherever it is: needed or a gap.
+    position = random.randrange(size)
+    damaged = bytearray(data)
+    damaged[position] ^= 1 << random.randrange(8)
+    problems = record_problems(read_by_ranks(bytes(damaged), runs, pieces, zlib.crc32(data)))
+    assert len(problems) == 1 and f"{KEY[0]}: record {KEY[1]} is corrupt: its CRC-32 is" in problems[0], problems
+
+
+def test_a_piece_missing_or_read_twice_is_named():
+    data = bytes(range(100))
+    runs, pieces = [(10, 40), (60, 90)], [[(10, 40)], [(60, 90)]]
+    assert record_problems(read_by_ranks(data, runs, pieces)) == []
+    twice = read_by_ranks(data, runs, [[(10, 40)], [(60, 90)], [(60, 90)]])
+    assert record_problems(twice) == [f"{KEY[0]}: the ranks read 140 bytes of record {KEY[1]}'s 100"]
+    missing = read_by_ranks(data, runs, [[(10, 40)]])
+    assert record_problems(missing) == [f"{KEY[0]}: the ranks read 60 bytes of record {KEY[1]}'s 100"]
+
+
+def test_ranks_that_read_different_zip_directories_are_refused():
+    one, other = RecordTerms(), RecordTerms()
+    one.add(KEY, 100, 0x1234, 0, 50, 0)
+    other.add(KEY, 100, 0x4321, 50, 100, 0)
+    assert record_problems([one, other]) == [f"{KEY[0]}: the ranks read different zip directories for record {KEY[1]}"]
+
+
+# ---- real DeepSpeed checkpoints, loaded by thread ranks --------------------------------------
+
+
+pytestmark_deepspeed = pytest.mark.skipif(
+    __import__("importlib").util.find_spec("deepspeed") is None, reason="deepspeed is not installed"
+)
+
+
+def load_together(save_dir, world: int, full: bool) -> list:
+    """Every rank of a DeepSpeed policy layout at ``world`` loads ``save_dir`` sharing the
+    reads (each rank's records checked with the others'): per rank, its state and the
+    ReadStats of its load, or the exception it raised."""
+    from zeroshard.deepspeed.checkpoint import open_deepspeed
+
+    with open_deepspeed(save_dir) as source:
+        layout = source.info.layout.with_world_size(world)
+
+    def one_rank(coord):
+        stats = ReadStats()
+
+        def read(evidence):
+            with open_deepspeed(save_dir) as source:
+                share = share_checkpoint(source.info.model_entries, layout, coord.rank)
+                return load_state(source, layout, coord.rank, evidence=evidence, share=share, load_optimizer_states=full)
+
+        state, _ = attested_load(coord, str(save_dir), read, layout, stats=stats)
+        return state, stats
+
+    return run_ranks(world, one_rank, return_exceptions=True)
+
+
+def records_touched(save_dir, world: int, full: bool) -> int:
+    """Bytes of the records any rank of the load reads a part of, once each: the rank files'
+    and the module tensors the trained weights are not rebuilt from."""
+    from zeroshard.checkpoint import plan_reads
+    from zeroshard.deepspeed.checkpoint import open_deepspeed
+
+    with open_deepspeed(save_dir) as source:
+        layout = source.info.layout.with_world_size(world)
+        records = {}
+        for rank in range(world):
+            for plan in plan_reads(source.info.layout, layout, rank):
+                for copy in plan.copies:
+                    tensors = source._ranks[copy.source_rank]
+                    for stored in [tensors.fp32[copy.source_group], *(tensors.states[copy.source_group].values() if full else ())]:
+                        records[(str(stored.storage.path), stored.storage.record_name)] = stored.storage.record_size
+        for entry in source.info.model_entries:  # buffers and frozen weights: one rank reads each
+            stored = source._model.module[entry.name]
+            records[(str(stored.storage.path), stored.storage.record_name)] = stored.storage.record_size
+    return sum(records.values())
+
+
+@pytestmark_deepspeed
+@pytest.mark.parametrize("fixture, world", [("w2_s2", 2), ("w2_s1_align", 3), ("w4_s2_align", 2), ("w8_s2_align_tiny", 3)])
+@pytest.mark.parametrize("full", [True, False], ids=["full", "weights"])
+def test_the_job_reads_each_record_once_and_holds_what_was_saved(deepspeed_runs, fixture, world, full):
+    from zeroshard.deepspeed.checkpoint import open_deepspeed
+
+    save_dir = deepspeed_runs[fixture].save_dir
+    results = load_together(save_dir, world, full)
+    assert not any(isinstance(r, BaseException) for r in results), results
+    with open_deepspeed(save_dir) as source:
+        scalars = sum(value.storage.record_size for value in _rank0_scalars(source))
+    data = sum(stats.data for _, stats in results)
+    assert data == records_touched(save_dir, world, full) + world * scalars, (data, world, scalars)
+    # The states are the ones a load alone, checking each record whole, gives.
+    with open_deepspeed(save_dir) as source:
+        layout = source.info.layout.with_world_size(world)
+        for rank, (state, _) in enumerate(results):
+            alone = load_state(source, layout, rank, load_optimizer_states=full)
+            for mine, theirs in zip(state.fp32_partitions, alone.fp32_partitions):
+                assert np.array_equal(mine.numpy(), theirs.numpy())
+            for mine, theirs in zip(state.optimizer_states, alone.optimizer_states):
+                assert mine.keys() == theirs.keys() and all(np.array_equal(mine[k].numpy(), theirs[k].numpy()) for k in mine)
+
+
+def _rank0_scalars(source):
+    """Rank 0's scalar tensors (the step), which every rank of a load reads."""
+    from zeroshard.deepspeed.checkpoint.files import read_rank_shard
+    from zeroshard.deepspeed.checkpoint.paths import rank_file_paths
+    from zeroshard.torchfile.torch_records import StoredTensor
+
+    first = read_rank_shard(rank_file_paths(source.path)[0], 0)
+    return [value for group in first.scalars for value in group.values() if isinstance(value, StoredTensor)]
+
+
+def flipped_copy(save_dir, tmp_path, rank: int, pick) -> tuple:
+    """A copy of a DeepSpeed checkpoint with one byte of rank ``rank``'s file flipped: at
+    the byte ``pick(source, rank)`` gives (an absolute file offset). The copy's save folder
+    and the flipped file's name."""
+    from zeroshard.deepspeed.checkpoint import open_deepspeed
+
+    copy = tmp_path / "copy"
+    shutil.copytree(save_dir, copy)
+    with open_deepspeed(copy) as source:
+        offset, record = pick(source, rank)
+        path = source._ranks[rank].fp32[0].storage.path
+        for group in source._ranks[rank].states:
+            for stored in group.values():
+                if stored.storage.record_name == record:
+                    path = stored.storage.path
+    with open(path, "r+b") as file:
+        file.seek(offset)
+        byte = file.read(1)
+        file.seek(offset)
+        file.write(bytes([byte[0] ^ 0x10]))
+    return copy, path.name, record
+
+
+def tail_padding(source, rank):
+    """A byte of the group-0 exp_avg tail padding of rank ``rank``: no load needs it."""
+    group = source.layout.groups[0]
+    stored = source._ranks[rank].states[0]["exp_avg"]
+    last = max(f.partition_start + f.length for f in group.fragments(rank))
+    assert last < group.partition_numel, "this rank's exp_avg has no tail padding"
+    return stored.storage.data_offset + (last + (group.partition_numel - last) // 2) * 4, stored.storage.record_name
+
+
+def middle_of_fp32(source, rank):
+    """The middle byte of rank ``rank``'s group-0 fp32 partition: a needed one."""
+    stored = source._ranks[rank].fp32[0]
+    return stored.storage.data_offset + stored.storage.nbytes // 2, stored.storage.record_name
+
+
+@pytestmark_deepspeed
+@pytest.mark.parametrize("pick", [tail_padding, middle_of_fp32], ids=["padding", "needed"])
+def test_a_byte_changed_anywhere_in_a_record_is_refused_by_every_rank(deepspeed_runs, tmp_path, pick):
+    """w8_s2_align_tiny at 3 ranks: the last old rank's exp_avg ends in padding nobody loads,
+    read only by the rank that owns the gap; the byte is found by the ranks' combined CRC."""
+    copy, file_name, record = flipped_copy(deepspeed_runs["w8_s2_align_tiny"].save_dir, tmp_path, 7, pick)
+    results = load_together(copy, 3, full=True)
+    assert all(isinstance(r, AttestationError) for r in results), results
+    messages = {str(r) for r in results}
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert "\n" not in message and "not loaded (nothing changed)" in message
+    assert f"{file_name}: record {record} is corrupt: its CRC-32 is" in message, message
