@@ -145,12 +145,16 @@ def _block_bytes(record, index: int) -> int:
 
 
 def universal_needed(path: Path, layout, rank: int, full: bool, shared: list[str]) -> int:
-    """Bytes of the checksum blocks ``rank`` needs of a universal checkpoint."""
+    """Bytes of the checksum blocks ``rank`` needs of a universal checkpoint: a block that
+    several ranks read parts of (a parameter split where the new partitions meet, a buffer
+    beside a master) is read once over the job, its parts by each rank and checked
+    together, so it counts to the lowest of them."""
     from zeroshard.checkpoint.universal.read import open_universal
 
     checkpoint = open_universal(path)
     manifest = checkpoint.manifest
-    packed = open_source(path).info.layout
+    opened = open_source(path)
+    packed, entries = opened.info.layout, opened.info.model_entries
     headers: dict[str, Any] = {}
 
     def located(key: str):
@@ -159,24 +163,30 @@ def universal_needed(path: Path, layout, rank: int, full: bool, shared: list[str
             headers[shard] = read_header(path / shard, manifest.shards[shard].size)
         return shard, headers[shard][key]
 
-    blocks: set[tuple[str, int]] = set()
-    for plan in plan_reads(packed, layout, rank, set(layout.param_names)):
-        for copy in plan.copies:
-            group = packed.groups[copy.source_group]
-            for fragment in group.fragments(0):
-                lo = max(fragment.partition_start, copy.source_start)
-                hi = min(fragment.partition_start + fragment.length, copy.source_start + copy.length)
-                if lo >= hi:
-                    continue
-                start = fragment.param_start + lo - fragment.partition_start
-                param = manifest.params[fragment.name]
-                for kind in ("fp32", *(param.states if full else ())):
-                    shard, found = located(param_key(fragment.name, kind))
-                    begin = found.begin + 4 * start
-                    blocks |= _blocks(manifest.shards[shard], begin, begin + 4 * (hi - lo), shard)
-    for name in shared:
-        shard, found = located(model_key(name))
-        blocks |= _blocks(manifest.shards[shard], found.begin, found.end, shard)
+    def blocks_of(reader: int) -> set[tuple[str, int]]:
+        blocks: set[tuple[str, int]] = set()
+        for plan in plan_reads(packed, layout, reader, set(layout.param_names)):
+            for copy in plan.copies:
+                group = packed.groups[copy.source_group]
+                for fragment in group.fragments(0):
+                    lo = max(fragment.partition_start, copy.source_start)
+                    hi = min(fragment.partition_start + fragment.length, copy.source_start + copy.length)
+                    if lo >= hi:
+                        continue
+                    start = fragment.param_start + lo - fragment.partition_start
+                    param = manifest.params[fragment.name]
+                    for kind in ("fp32", *(param.states if full else ())):
+                        shard, found = located(param_key(fragment.name, kind))
+                        begin = found.begin + 4 * start
+                        blocks |= _blocks(manifest.shards[shard], begin, begin + 4 * (hi - lo), shard)
+        for name in share_checkpoint(entries, layout, reader).mine if reader != rank else shared:
+            shard, found = located(model_key(name))
+            blocks |= _blocks(manifest.shards[shard], found.begin, found.end, shard)
+        return blocks
+
+    blocks = blocks_of(rank)
+    for lower in range(rank):
+        blocks -= blocks_of(lower)
     return sum(_block_bytes(manifest.shards[name], index) for name, index in blocks)
 
 

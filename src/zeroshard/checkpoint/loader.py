@@ -49,7 +49,7 @@ from .attest.attestation import Evidence, attest_alone
 from .compat import Mismatch, compare_module, compare_params
 from ..io.dtypes import arrays_to_torch, cast, dtype_info, dtype_of, to_numpy, to_torch
 from ..io.host_memory import new_zeros
-from .reshard import GroupPlan, plan_reads
+from .reshard import GroupPlan, JobReads, plan_reads
 from .shared_module import ModuleShare
 from .param_groups import map_param_groups
 from .source import ShardSource, read_into, read_model_tensors, read_param, read_whole_param
@@ -134,8 +134,9 @@ def _load(
     if share is not None:
         kind = (full, load_module_only)
         check_together = getattr(source, "check_records_with", None)
-        if check_together is not None and evidence.enabled:
-            check_together(loadable, evidence.record_terms())  # judged with every rank's, in the agreement
+        if check_together is not None and evidence.enabled:  # judged with every rank's, in the agreement
+            module = tuple(tensor.name for tensor in share.tensors)
+            check_together(evidence.record_terms(), JobReads(info.layout, layout, frozenset(loadable), full, module))
         return _load_shared(source, layout, rank, plans, kind, param_groups, base, evidence, share, on_masters)
     # Weights cast from whole fp32 masters: their fragments also fill the rank's fp32
     # partitions, so no master byte is read twice.

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Collection
 
 from ..layout import Layout, locate_global, rank_runs
+from ..layout.coordinates import shard_rank
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,41 @@ def plan_reads(old: Layout, new: Layout, rank: int, params: Collection[str] | No
         )
     wanted = None if params is None else set(params)
     return tuple(_plan_group(old, new, group_index, rank, wanted) for group_index in range(len(new.groups)))
+
+
+@dataclass(frozen=True)
+class JobReads:
+    """What the ranks of a load read together, worked out alike on every rank (no
+    collective): of ``old``'s partitions, the elements some rank's plan into ``new`` copies
+    (:meth:`elements`), of ``params``; the optimizer states too when ``full``; and the
+    module tensors ``module`` (stored names; each read by one rank)."""
+
+    old: Layout
+    new: Layout
+    params: frozenset[str]
+    full: bool
+    module: tuple[str, ...] = ()
+
+    def elements(self, rank: int, group: int) -> list[tuple[int, int]]:
+        """:func:`source_runs` of old rank ``rank``'s partition of old group ``group``."""
+        return source_runs(self.old, self.new, self.params, rank, group)
+
+
+def source_runs(old: Layout, new: Layout, params: Collection[str], rank: int, group: int) -> list[tuple[int, int]]:
+    """The elements of old rank ``rank``'s partition of old group ``group`` that some new
+    rank's :func:`plan_reads` (of ``params``) copies, as ``(start, end)`` runs in partition
+    order: the same on every rank, so the ranks of a load can tell which bytes of a file no
+    rank reads (:mod:`zeroshard.io.shared_checks`) without a collective."""
+    old_group = old.groups[group]
+    if old == new and set(params) >= set(new.param_names):  # plan_reads copies whole partitions
+        return [(0, old_group.partition_numel)] if old_group.partition_numel else []
+    wanted = set(params)
+    new_names = set(new.param_names)
+    return [
+        (fragment.partition_start, fragment.partition_start + fragment.length)
+        for fragment in old_group.fragments(shard_rank(old_group, rank))
+        if fragment.name in wanted and fragment.name in new_names
+    ]
 
 
 def _plan_group(old: Layout, new: Layout, group_index: int, rank: int, wanted: set[str] | None) -> GroupPlan:

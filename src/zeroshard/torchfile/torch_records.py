@@ -18,7 +18,7 @@ import os
 import threading
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from ..io.digest import raw_crc
 from ..io.dtypes import dtype_info
 from ..io.read_stats import count_read
 from ..io.safetensors_io import map_range
-from .record_checks import SharedRecordChecks
+from ..io.shared_checks import ByteRuns, SharedRecordChecks
 
 try:
     from zlib_ng.zlib_ng import crc32
@@ -219,13 +219,20 @@ class StoredTensor:
             raise IndexError(f"elements [{start}, {end}) are outside a tensor of {numel} elements")
         return _read(self.storage, self.dtype, self.storage_offset + start, end - start)
 
-    def read_into(self, start: int, out: np.ndarray, together: SharedRecordChecks | None = None) -> None:
+    def read_into(
+        self,
+        start: int,
+        out: np.ndarray,
+        together: SharedRecordChecks | None = None,
+        needed: Callable[[], ByteRuns] | None = None,
+    ) -> None:
         """Elements ``[start, start + out.size)`` of the flattened tensor (contiguous tensors
         only) read straight into ``out``, a contiguous 1-D array of the tensor's dtype; the
         record's CRC-32 is checked as for :meth:`read`, on ``out`` itself when it holds the
         whole record. ``together``: the record is checked with the other ranks of a load
-        instead (:mod:`.record_checks`): this rank reads the range and the gaps it owns, and
-        adds their CRCs to ``together.terms``."""
+        instead (:mod:`..io.shared_checks`): this rank reads the range and the gaps it owns, and
+        adds their CRCs to ``together.terms``; ``needed()`` gives the bytes of the record
+        that the load needs."""
         if not self.is_contiguous() or out.dtype != dtype_info(self.dtype).numpy or not out.flags.c_contiguous:
             raise ValueError(f"{self.path}: read_into() needs a contiguous tensor and an array of its dtype")
         if not 0 <= start <= start + out.size <= self.numel():
@@ -234,7 +241,7 @@ class StoredTensor:
         if together is None:
             _read_into(self.storage, begin, out)
         else:
-            _read_into_shared(self.storage, begin, out, together)
+            _read_into_shared(self.storage, begin, out, together, needed or list)
 
     def record(self) -> np.ndarray:
         """The whole zip record holding the storage, read once into a new byte array and
@@ -338,11 +345,13 @@ def _read_into(storage: StorageRecord, begin: int, out: np.ndarray) -> None:
         raise TorchFileError(f"{storage.path}: cannot be read: {err.strerror or err}") from None
 
 
-def _read_into_shared(storage: StorageRecord, begin: int, out: np.ndarray, together: SharedRecordChecks) -> None:
+def _read_into_shared(
+    storage: StorageRecord, begin: int, out: np.ndarray, together: SharedRecordChecks, needed: Callable[[], ByteRuns]
+) -> None:
     """:func:`_read_into` for a record the ranks check together: the raw CRC of the range,
     taken as it arrives, and of each gap this rank owns, go to ``together.terms``."""
     buffer = memoryview(out.view(np.uint8))
-    key, end = (str(storage.path), storage.record_name), begin + len(buffer)
+    key, end = (str(storage.path), f"record {named(storage.record_name)}"), begin + len(buffer)
     try:
         fd = os.open(storage.path, os.O_RDONLY | _NONBLOCK)
         try:
@@ -355,7 +364,7 @@ def _read_into_shared(storage: StorageRecord, begin: int, out: np.ndarray, toget
                 raw = raw_crc(chunk, raw)
             record = (key, storage.record_size, storage.crc32)
             together.terms.add(*record, begin, end, raw)
-            for gap_begin, gap_end in together.gaps(key, storage.record_size, begin, end):
+            for gap_begin, gap_end in together.gaps(key, storage.record_size, begin, end, needed):
                 gap = _span_crc(storage, fd, gap_begin, gap_end, _ALL_ONES) ^ _ALL_ONES
                 together.terms.add(*record, gap_begin, gap_end, gap)
         finally:

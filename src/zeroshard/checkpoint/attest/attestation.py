@@ -43,7 +43,7 @@ from .digests import (
 from ...io.damage import CheckpointDamagedError
 from ...io.digest import FUSED, digest
 from ...io.dtypes import cast, dtype_info
-from ...torchfile.record_checks import RecordTerms, record_problems
+from ...io.shared_checks import RecordTerms, record_problems
 
 if TYPE_CHECKING:
     from ..source import ShardSource
@@ -234,7 +234,7 @@ class Evidence:
 
     def record_terms(self) -> RecordTerms:
         """Where a source adds the CRC-32 terms of the record pieces this rank reads, for
-        :func:`judge` to combine with every rank's (:mod:`...torchfile.record_checks`)."""
+        :func:`judge` to combine with every rank's (:mod:`...io.shared_checks`)."""
         return self._evidence.records
 
     def partial(self) -> RankEvidence | None:

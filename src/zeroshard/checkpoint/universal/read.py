@@ -10,16 +10,17 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from ...layout import Layout, LayoutPolicy, build_layout
 from ...io.block_reader import RangeReader, array_view, bytes_of
+from ...io.shared_checks import SharedRecordChecks
 from ...io.checksum import FileRecord
 from ...io.damage import CheckpointDamagedError
 from ..directory import check_files_present
-from ...io.dtypes import itemsize_of
+from ...io.dtypes import dtype_info, itemsize_of
 from ...io.safetensors_io import ReadStats, TensorEntry, check_entries, read_header
 from ..model_config import STORED_NAMES, read_config
 from .format import UniversalManifest, model_key, param_key, read_universal_manifest, shard_version_problem
@@ -35,6 +36,7 @@ class UniversalCheckpoint:
         self._reader = RangeReader(stats)
         self._headers: dict[str, dict[str, TensorEntry]] = {}
         self._specs = manifest.tensor_specs()
+        self._shared = False  # see check_with_others
 
     def read_param(self, name: str, key: str = "fp32", start: int = 0, end: int | None = None) -> np.ndarray:
         """Elements [start, end) of parameter ``name``'s ``key`` ("fp32" or an optimizer
@@ -64,6 +66,37 @@ class UniversalCheckpoint:
         A hint: nothing is checked or counted until the read."""
         self._reader.announce(path, record, begin, end)
 
+    def check_with_others(
+        self, together: SharedRecordChecks, wanted: dict[tuple[str, str], list[tuple[int, int]]], module: Sequence[str]
+    ) -> None:
+        """Check the blocks that :meth:`read_range_into` and :meth:`model_tensor` read only
+        part of together with the other ranks of a load (:meth:`.RangeReader.check_with_others`).
+        ``wanted``: per (parameter, key), the element runs some rank of the load reads;
+        ``module``: the module tensors the load reads, each by one rank (the same on every
+        rank). A shard's needed bytes are worked out when it is first read from."""
+        by_shard: dict[str, list[tuple[str, str, list[tuple[int, int]]]]] = {}
+        for (name, key), runs in wanted.items():
+            by_shard.setdefault(self.manifest.weight_map[param_key(name, key)], []).append((name, key, runs))
+        stored = {model_key(self.manifest.aliases.get(name, name)) for name in module}
+        for key in sorted(stored):
+            by_shard.setdefault(self.manifest.weight_map[key], []).append((key, "", []))
+
+        def needed(path: Path) -> list[tuple[int, int]] | None:
+            if path.name not in by_shard:
+                return None
+            found = []
+            for name, key, runs in by_shard[path.name]:
+                if not key:  # a module tensor: all of it
+                    entry = self._header(path.name)[name]
+                    found.append((entry.begin, entry.end))
+                for start, end in runs:
+                    begin = self.param_location(name, key, start, end)[2]
+                    found.append((begin, begin + (end - start) * 4))
+            return found
+
+        self._shared = True
+        self._reader.check_with_others(together, needed)
+
     def _param_range(self, name: str, key: str, start: int, end: int | None) -> tuple[str, int]:
         """The stored tensor of parameter ``name``'s ``key``, and the range's end (None: the
         parameter's), once the range is within it."""
@@ -85,6 +118,11 @@ class UniversalCheckpoint:
             raise KeyError(f"{self.directory}: no buffer or frozen parameter {name!r}")
         dtype, shape = self._specs[model_key(stored)]
         size = itemsize_of(dtype) * math.prod(shape)
+        if self._shared:  # one rank of a load reads it: its edge blocks in parts, checked with the others
+            out = np.empty(math.prod(shape), dtype=dtype_info(dtype).numpy)
+            path, record, begin = self._located(model_key(stored))
+            self._reader.read_into(path, record, begin, bytes_of(out))
+            return out.reshape(shape)
         return self._read(model_key(stored), 0, size, dtype).reshape(shape)
 
     def scalars(self, group: int) -> dict[str, Any]:

@@ -28,6 +28,8 @@ from ...state import ParamGroupState
 from ...io.dtypes import cast
 from ...io.checksum import FileRecord
 from ...io.safetensors_io import ReadStats
+from ...io.shared_checks import RecordTerms, SharedRecordChecks
+from ..reshard import JobReads
 from ..formats import SourceFormat
 from ..packed import PACKED_POLICY, PackedPartitions, PackedSource
 from ..attest.digests import StateDigests
@@ -116,6 +118,26 @@ class UniversalSource(PackedSource):
         for run in self._runs(rank, group, key, start, end):
             if run.path is not None:
                 self.checkpoint.announce_range(run.path, run.record, run.begin, run.begin + (run.end - run.start) * 4)
+
+    def check_records_with(self, terms: RecordTerms, reads: JobReads) -> None:
+        """From now on, a checksum block that this rank reads only part of is checked
+        together with the other ranks of a load (:mod:`...io.shared_checks`): this rank reads
+        its part (and the block's bytes it owns that no rank needs) and adds their CRCs to
+        ``terms``, which the load's agreement combines. ``reads``: what the ranks of the load
+        read (the same on every rank). A block between two ranks' ranges (a parameter split
+        where the new layout's partitions meet, a buffer beside a master) is then read once
+        over the job, not once by each. Expert weights, which every rank holding a part of
+        an expert reads whole, keep their edge blocks checked whole."""
+        wanted: dict[tuple[str, str], list[tuple[int, int]]] = {}
+        experts = self.checkpoint.manifest.experts
+        for group in self.info.layout.groups:
+            keys = ["fp32", *(self.info.state_keys[group.index] if reads.full else ())]
+            for start, end in reads.elements(0, group.index):
+                for slot, lo, hi in self._packed.overlaps(0, group.index, start, end):
+                    if slot.name not in experts:
+                        for key in keys:
+                            wanted.setdefault((slot.name, key), []).append((lo - slot.offset, hi - slot.offset))
+        self.checkpoint.check_with_others(SharedRecordChecks(terms), wanted, reads.module)
 
     def _runs(self, rank: int, group: int, key: str, start: int, end: int) -> list[_Run]:
         """The partition's elements [start, end) as runs, in order: each a stretch of stored

@@ -44,7 +44,8 @@ from .paths import MODEL_STATES_FILE, model_states_path, rank_file_paths, refuse
 from .pickled import DeepSpeedFormatError
 from ...torchfile.torch_file import StoredTensor, TorchFileError
 from ...torchfile.record_cache import RecordCache, record_elements
-from ...torchfile.record_checks import RecordTerms, SharedRecordChecks
+from ...io.shared_checks import NeededElements, RecordTerms, SharedRecordChecks
+from ...checkpoint.reshard import JobReads
 from ...torchfile.torch_records import one_line
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +91,8 @@ class DeepSpeedSource:
         self.autoep = self._model.autoep  # None unless DeepSpeed AutoEP made the run
         self._records = RecordCache()  # see read_into
         self._together: SharedRecordChecks | None = None  # see check_records_with
+        self._views: dict[tuple[str, str], list[tuple[int, int, StoredTensor]]] = {}
+        self._needed_elements: NeededElements = lambda rank, group: []
         self.experts = self._read_expert_files() if self.autoep is not None else None
 
     def _read_expert_files(self) -> ExpertWeights:
@@ -134,7 +137,7 @@ class DeepSpeedSource:
         with _named_errors():
             if self._together is not None:
                 if stop > start:
-                    saved.read_into(start, out[: stop - start], self._together)
+                    saved.read_into(start, out[: stop - start], self._together, lambda: self._needed(saved))
             else:
                 kept = self._records.elements(saved, start, stop)
                 if kept is not None:
@@ -143,36 +146,34 @@ class DeepSpeedSource:
                     saved.read_into(start, out[: stop - start])
         out[stop - start :] = 0
 
-    def check_records_with(self, params: Collection[str], terms: RecordTerms) -> None:
-        """From now on, check the fp32 partitions and optimizer states that :meth:`read_into`
-        reads together with the other ranks of a load that reads ``params`` (every rank
-        alike): each read adds the CRC-32 terms of its range, and of the bytes nobody needs
-        that this rank owns, to ``terms``, which the load's agreement combines and judges
-        (:mod:`...torchfile.record_checks`). Each byte is then read once over the job, where
-        checking a record alone needs all of it on every rank that reads a part."""
-        tensors: dict[tuple[str, str], list[tuple[int, int, StoredTensor]]] = {}
+    def check_records_with(self, terms: RecordTerms, reads: JobReads) -> None:
+        """From now on, check the zip records of the fp32 partitions and optimizer states that
+        :meth:`read_into` reads together with the other ranks of a load: each read adds the
+        CRC-32 terms of its range, and of the bytes nobody needs that this rank owns, to
+        ``terms``, which the load's agreement combines and judges (:mod:`...io.shared_checks`).
+        ``reads``: what the ranks of the load read (the same on every rank). Each byte is
+        then read once over the job, where checking a record alone needs all of it on every
+        rank that reads a part. (The model-states file's tensors, each read by one rank, are
+        records of their own and checked whole.)"""
+        views: dict[tuple[str, str], list[tuple[int, int, StoredTensor]]] = {}
         for rank, shard in enumerate(self._ranks):
             for group, (fp32, states) in enumerate(zip(shard.fp32, shard.states)):
                 for saved in (fp32, *states.values()):
                     if isinstance(saved, StoredTensor):
-                        key = (str(saved.storage.path), saved.storage.record_name)
-                        tensors.setdefault(key, []).append((rank, group, saved))
-        wanted = set(params)
+                        views.setdefault((str(saved.storage.path), saved.storage.record_name), []).append((rank, group, saved))
+        self._together = SharedRecordChecks(terms)
+        self._views, self._needed_elements = views, reads.elements
 
-        def needed(key: tuple[str, str]) -> list[tuple[int, int]]:
-            return [run for rank, group, saved in tensors[key] for run in self._needed_bytes(rank, group, saved, wanted)]
-
-        self._together = SharedRecordChecks(needed, terms)
-
-    def _needed_bytes(self, rank: int, group: int, saved: StoredTensor, params: set[str]) -> list[tuple[int, int]]:
-        """The bytes of ``saved``'s record that hold ``params``' elements in ``rank``'s partition of ``group``."""
-        layout_group = self.layout.groups[group]
-        itemsize = itemsize_of(saved.dtype)
-        return [
-            ((saved.storage_offset + f.partition_start) * itemsize, (saved.storage_offset + f.partition_start + f.length) * itemsize)
-            for f in layout_group.fragments(shard_rank(layout_group, rank))
-            if f.name in params
-        ]
+    def _needed(self, saved: StoredTensor) -> list[tuple[int, int]]:
+        """The bytes of ``saved``'s record that the load needs, over every tensor viewing it."""
+        found = []
+        for rank, group, view in self._views[(str(saved.storage.path), saved.storage.record_name)]:
+            itemsize = itemsize_of(view.dtype)
+            for start, end in self._needed_elements(rank, group):
+                end = min(end, view.numel())  # an fp32 partition is saved without its tail padding
+                if end > start:
+                    found.append(((view.storage_offset + start) * itemsize, (view.storage_offset + end) * itemsize))
+        return found
 
     def _saved(self, rank: int, group: int, key: str, start: int, end: int) -> StoredTensor | PartitionMomentum:
         self._group(group)

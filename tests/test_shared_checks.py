@@ -1,6 +1,6 @@
 """Zip records checked by the ranks of a load together, each byte read once (issue 33).
 
-The rule (torchfile/record_checks.py): every needed byte is read by one rank, the gap after
+The rule (io/shared_checks.py): every needed byte is read by one rank, the gap after
 a needed run by the rank that reads the run's last byte, a record's head by the rank that
 reads its first needed byte; the ranks' CRC-32 terms combine to the record's. Property tests
 split records among ranks at random; then real DeepSpeed checkpoints loaded by thread ranks
@@ -16,6 +16,7 @@ import zlib
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,9 +27,9 @@ from zeroshard.checkpoint.loader import load_state
 from zeroshard.checkpoint.shared_module import share_checkpoint
 from zeroshard.io.digest import raw_crc
 from zeroshard.io.read_stats import ReadStats
-from zeroshard.torchfile.record_checks import RecordTerms, SharedRecordChecks, record_problems
+from zeroshard.io.shared_checks import RecordTerms, SharedRecordChecks, record_problems
 
-KEY = ("ranks.pt", "archive/data/0")
+KEY = ("ranks.pt", "record archive/data/0")
 
 
 @st.composite
@@ -53,10 +54,10 @@ def read_by_ranks(data: bytes, runs, pieces, crc: int | None = None) -> list[Rec
     the record's CRC-32 ``crc`` (default: ``data``'s)."""
     crc, every_rank = zlib.crc32(data) if crc is None else crc, []
     for mine in pieces:
-        checks = SharedRecordChecks(lambda key: list(runs), RecordTerms())
+        checks = SharedRecordChecks(RecordTerms())
         for begin, end in mine:
             checks.terms.add(KEY, len(data), crc, begin, end, raw_crc(data[begin:end]))
-            for gap_begin, gap_end in checks.gaps(KEY, len(data), begin, end):
+            for gap_begin, gap_end in checks.gaps(KEY, len(data), begin, end, lambda: list(runs)):
                 checks.terms.add(KEY, len(data), crc, gap_begin, gap_end, raw_crc(data[gap_begin:gap_end]))
         every_rank.append(checks.terms)
     return every_rank
@@ -77,7 +78,7 @@ def test_the_pieces_and_gaps_tile_the_record_and_give_its_crc(split, random):
     damaged = bytearray(data)
     damaged[position] ^= 1 << random.randrange(8)
     problems = record_problems(read_by_ranks(bytes(damaged), runs, pieces, zlib.crc32(data)))
-    assert len(problems) == 1 and f"{KEY[0]}: record {KEY[1]} is corrupt: its CRC-32 is" in problems[0], problems
+    assert len(problems) == 1 and f"{KEY[0]}: {KEY[1]} is corrupt: its CRC-32 is" in problems[0], problems
 
 
 def test_a_piece_missing_or_read_twice_is_named():
@@ -85,16 +86,16 @@ def test_a_piece_missing_or_read_twice_is_named():
     runs, pieces = [(10, 40), (60, 90)], [[(10, 40)], [(60, 90)]]
     assert record_problems(read_by_ranks(data, runs, pieces)) == []
     twice = read_by_ranks(data, runs, [[(10, 40)], [(60, 90)], [(60, 90)]])
-    assert record_problems(twice) == [f"{KEY[0]}: the ranks read 140 bytes of record {KEY[1]}'s 100"]
+    assert record_problems(twice) == [f"{KEY[0]}: the ranks read 140 bytes of the 100 of {KEY[1]}"]
     missing = read_by_ranks(data, runs, [[(10, 40)]])
-    assert record_problems(missing) == [f"{KEY[0]}: the ranks read 60 bytes of record {KEY[1]}'s 100"]
+    assert record_problems(missing) == [f"{KEY[0]}: the ranks read 60 bytes of the 100 of {KEY[1]}"]
 
 
 def test_ranks_that_read_different_zip_directories_are_refused():
     one, other = RecordTerms(), RecordTerms()
     one.add(KEY, 100, 0x1234, 0, 50, 0)
     other.add(KEY, 100, 0x4321, 50, 100, 0)
-    assert record_problems([one, other]) == [f"{KEY[0]}: the ranks read different zip directories for record {KEY[1]}"]
+    assert record_problems([one, other]) == [f"{KEY[0]}: the ranks read different sizes or CRC-32s for {KEY[1]}"]
 
 
 # ---- real DeepSpeed checkpoints, loaded by thread ranks --------------------------------------
@@ -234,3 +235,108 @@ def test_a_byte_changed_anywhere_in_a_record_is_refused_by_every_rank(deepspeed_
     message = messages.pop()
     assert "\n" not in message and "not loaded (nothing changed)" in message
     assert f"{file_name}: record {record} is corrupt: its CRC-32 is" in message, message
+
+
+# ---- universal checkpoints: checksum blocks split between ranks ------------------------------
+
+
+@pytest.fixture(scope="module")
+def universal(tmp_path_factory):
+    """A synthetic dense run saved at D=2, converted to universal with 4 KiB blocks."""
+    from test_moe_checkpoint import dense_layout
+    from universal_helpers import save_synthetic
+
+    from zeroshard.checkpoint.universal import to_universal
+
+    root = tmp_path_factory.mktemp("shared_universal")
+    native = save_synthetic(root / "native", dense_layout(2))
+    return to_universal(native, root / "universal", progress=False, block_size=4096), dense_layout
+
+
+def load_universal_together(path, layout, full: bool = True) -> list:
+    """Every rank of ``layout`` loads the universal checkpoint ``path`` sharing the reads."""
+    from zeroshard.checkpoint.universal import open_universal
+
+    def one_rank(coord):
+        stats = ReadStats()
+
+        def read(evidence):
+            with UniversalSource(open_universal(path)) as source:
+                share = share_checkpoint(source.info.model_entries, layout, coord.rank)
+                return load_state(source, layout, coord.rank, evidence=evidence, share=share, load_optimizer_states=full)
+
+        state, _ = attested_load(coord, str(path), read, layout, stats=stats)
+        return state, stats
+
+    return run_ranks(layout.world_size, one_rank, return_exceptions=True)
+
+
+from zeroshard.checkpoint.universal.source import UniversalSource  # noqa: E402
+
+
+@pytest.mark.parametrize("world", [1, 3, 4])
+@pytest.mark.parametrize("full", [True, False], ids=["full", "weights"])
+def test_a_universal_load_reads_each_block_once_and_holds_what_was_saved(universal, world, full):
+    """Blocks where two ranks' parts of a parameter meet are read in parts, once over the
+    job: the job reads the blocks any rank needs, each once (the module tensors' blocks
+    aside, checked whole by the rank that reads them)."""
+    from load_bytes_workers import universal_needed
+
+    from zeroshard.checkpoint.testing import ADAM_STATES, expected_partition
+
+    path, make_layout = universal
+    layout = make_layout(world)
+    results = load_universal_together(path, layout, full)
+    assert not any(isinstance(r, BaseException) for r in results), results
+    for rank, (state, _) in enumerate(results):  # the testing pattern's values, bit for bit
+        for group in range(len(layout.groups)):
+            masters = expected_partition(layout, rank, group, "fp32")
+            if not full:  # without optimizer state the masters are the weights: the masters cast
+                masters = masters.to(torch.bfloat16).float()
+            assert torch.equal(state.fp32_partitions[group], masters)
+            for name in ADAM_STATES if full else ():
+                assert torch.equal(state.optimizer_states[group][name], expected_partition(layout, rank, group, name))
+    with UniversalSource(path) as source:
+        entries = source.info.model_entries
+    needed = sum(
+        universal_needed(path, layout, rank, full, share_checkpoint(entries, layout, rank).mine) for rank in range(world)
+    )
+    data = sum(stats.data for _, stats in results)
+    assert data == needed, (data, needed)
+
+
+def flip_byte(path, offset: int) -> None:
+    with open(path, "r+b") as file:
+        file.seek(offset)
+        byte = file.read(1)
+        file.seek(offset)
+        file.write(bytes([byte[0] ^ 0x04]))
+
+
+def test_a_universal_block_split_between_ranks_is_checked_together(universal, tmp_path):
+    """At D=3 a rank's partition starts inside a parameter: the block there is read in two
+    parts by two ranks. A byte flipped in the second rank's part is found by the ranks'
+    combined CRC, on every rank; so is one flipped where no rank reads (a weights-only load
+    reads no exp_avg, but the block holding the masters' end also holds exp_avg's start)."""
+    from zeroshard.checkpoint.universal import open_universal
+
+    path, make_layout = universal
+    layout = make_layout(3)
+    fragment = next(f for f in layout.groups[0].fragments(1) if f.param_start > 0)  # a parameter split at rank 1
+    with open_universal(path) as checkpoint:
+        shard, record, begin = checkpoint.param_location(fragment.name, "fp32", fragment.param_start, fragment.param_start + 1)
+        assert begin % record.block_size, "the split falls on a block boundary: nothing is shared"
+        last = layout.groups[0].params[-1]
+        _, _, masters_end = checkpoint.param_location(last.name, "fp32", last.numel, last.numel)
+        assert masters_end % record.block_size, "the masters end on a block boundary"
+    for offset, full in ((begin + 1, True), (masters_end + 2, False)):
+        copy = tmp_path / f"copy-{offset}"
+        shutil.copytree(path, copy)
+        flip_byte(copy / shard.name, offset)
+        results = load_universal_together(copy, layout, full)
+        assert all(isinstance(r, AttestationError) for r in results), results
+        messages = {str(r) for r in results}
+        assert len(messages) == 1, messages
+        message = messages.pop()
+        block = offset // record.block_size
+        assert f"{shard.name}: checksum block {block} is corrupt: its CRC-32 is" in message, message
