@@ -91,6 +91,18 @@ def test_a_piece_missing_or_read_twice_is_named():
     assert record_problems(missing) == [f"{KEY[0]}: the ranks read 60 bytes of the 100 of {KEY[1]}"]
 
 
+def test_a_record_one_rank_checked_whole_excuses_the_others_pieces():
+    """A rank that reads a record whole checks it alone (an expert weight every holder reads
+    whole, a module tensor's block read for a scalar): the others' pieces of it are not
+    combined, and a piece missing is then no problem; a record nobody checked whole still is."""
+    data = bytes(range(100))
+    partial = read_by_ranks(data, [(0, 100)], [[(10, 40)]])
+    assert record_problems(partial) != []
+    whole = RecordTerms()
+    whole.whole.add(KEY)
+    assert record_problems([*partial, whole]) == []
+
+
 def test_ranks_that_read_different_zip_directories_are_refused():
     one, other = RecordTerms(), RecordTerms()
     one.add(KEY, 100, 0x1234, 0, 50, 0)
@@ -340,3 +352,42 @@ def test_a_universal_block_split_between_ranks_is_checked_together(universal, tm
         message = messages.pop()
         block = offset // record.block_size
         assert f"{shard.name}: checksum block {block} is corrupt: its CRC-32 is" in message, message
+
+
+# ---- which elements the job reads: source_runs against every rank's plan ----------------------
+
+
+def _union_of_plans(old, new, params) -> dict[tuple[int, int], list[tuple[int, int]]]:
+    from zeroshard.checkpoint.reshard import plan_reads
+    from zeroshard.io.shared_checks import merged
+
+    found: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for rank in range(new.world_size):
+        for plan in plan_reads(old, new, rank, params):
+            for copy in plan.copies:
+                found.setdefault((copy.source_rank, copy.source_group), []).append(
+                    (copy.source_start, copy.source_start + copy.length)
+                )
+    return {key: merged(runs) for key, runs in found.items()}
+
+
+@pytest.mark.parametrize(
+    "old_world, old_ep, new_world, new_ep, subset",
+    [(4, 2, 4, 2, False), (4, 2, 2, 1, False), (2, 1, 3, 1, False), (4, 2, 8, 4, False), (4, 2, 4, 2, True), (3, 1, 5, 1, True)],
+)
+def test_source_runs_are_what_every_ranks_plan_reads(old_world, old_ep, new_world, new_ep, subset):
+    """What the ranks agree on without a collective (JobReads.elements) is exactly what their
+    plans copy: same layout (whole partitions, padding included), resharded across DP and
+    EP, and with only some parameters loaded."""
+    from test_moe_checkpoint import moe_layout
+
+    from zeroshard.checkpoint.reshard import JobReads
+    from zeroshard.io.shared_checks import merged
+
+    old, new = moe_layout(old_world, old_ep), moe_layout(new_world, new_ep)
+    params = [name for name in new.param_names if not (subset and name.endswith(("w2", "weight")))]
+    reads = JobReads(old, new, frozenset(params), True)
+    union = _union_of_plans(old, new, params)
+    for rank in range(old.world_size):
+        for group in range(len(old.groups)):
+            assert merged(reads.elements(rank, group)) == union.get((rank, group), []), (rank, group)
