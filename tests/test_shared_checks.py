@@ -391,3 +391,56 @@ def test_source_runs_are_what_every_ranks_plan_reads(old_world, old_ep, new_worl
     for rank in range(old.world_size):
         for group in range(len(old.groups)):
             assert merged(reads.elements(rank, group)) == union.get((rank, group), []), (rank, group)
+
+
+# ---- a big range of a zip record, read past the page cache ------------------------------------
+
+
+def test_big_ranges_of_a_record_are_read_past_the_page_cache_and_checked_together(tmp_path, monkeypatch):
+    """Two ranks' ranges of one 1.2 MB record, from a file not in the page cache, with
+    slots of 64 KiB: each lands whole and right although the record starts off a page, the
+    two ranks' terms give the record's CRC-32, and the page cache is left without them
+    (read direct). The same with a byte flipped on disk: the record is named."""
+    from test_direct_reads import evict
+
+    from zeroshard.io import direct_reads
+    from zeroshard.io.direct_reads import ReadAhead, cached_fraction
+    from zeroshard.torchfile.shared_reads import announce, read_shared
+    from zeroshard.torchfile.torch_file import load_torch_file
+
+    monkeypatch.setattr(direct_reads, "SLOT_BYTES", 64 << 10)
+    monkeypatch.setattr(direct_reads, "SLOTS", 2)
+    monkeypatch.setattr(direct_reads, "DIRECT_MIN_BYTES", 32 << 10)
+    numel = 300_007  # 1.2 MB: a file over 1 MiB is not read whole when opened
+    path = tmp_path / "t.pt"
+    torch.save({"small": torch.ones(3), "big": torch.arange(numel, dtype=torch.float32)}, path)
+    if direct_reads.open_direct(path) is None:
+        pytest.skip(f"{tmp_path}: the file system reads nothing past the page cache (O_DIRECT)")
+
+    def read_by_two_ranks() -> tuple[list[np.ndarray], list[RecordTerms]]:
+        evict(path)
+        saved = load_torch_file(path)["big"]
+        assert saved.storage.data_offset % 4096, "the record starts on a page: the test shows less"
+        cut = numel // 3
+        found, every_rank = [], []
+        for start, end in ((0, cut), (cut, numel)):
+            checks, ahead = SharedRecordChecks(RecordTerms()), ReadAhead()
+            announce(saved, start, end, ahead)
+            out = np.full(end - start, -1, dtype=np.float32)
+            read_shared(saved, start, out, checks, lambda: [(0, numel * 4)], ahead)
+            ahead.close()
+            found.append(out)
+            every_rank.append(checks.terms)
+        with open(path, "rb") as handle:
+            begin = saved.storage.data_offset
+            assert cached_fraction(handle.fileno(), begin + 4096, begin + numel * 4 - 4096) < 0.5
+        return found, every_rank
+
+    found, every_rank = read_by_two_ranks()
+    assert np.array_equal(np.concatenate(found), np.arange(numel, dtype=np.float32))
+    assert record_problems(every_rank) == []
+    big = load_torch_file(path)["big"].storage
+    flip_byte(path, big.data_offset + 5 * numel // 2)
+    _, every_rank = read_by_two_ranks()
+    (problem,) = record_problems(every_rank)
+    assert f"{path}: record {big.record_name} is corrupt: its CRC-32 is" in problem, problem

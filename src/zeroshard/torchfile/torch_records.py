@@ -18,16 +18,14 @@ import os
 import threading
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from ..io.budget import DICT_ITEM_BYTES, named
-from ..io.digest import raw_crc
 from ..io.dtypes import dtype_info
 from ..io.read_stats import count_read
 from ..io.safetensors_io import map_range
-from ..io.shared_checks import ByteRuns, SharedRecordChecks
 
 try:
     from zlib_ng.zlib_ng import crc32
@@ -65,7 +63,7 @@ STORAGE_CLASSES: dict[str, str | None] = {
 _READ_CHUNK = 1 << 30
 _HOT_CHUNK = 1 << 20  # read and checked while still in the CPU's cache
 MAP_BYTES = 8 << 20  # reads at least this big are memory-mapped, not copied in
-_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a file replaced by a FIFO since it was opened is not waited on
+NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a file replaced by a FIFO since it was opened is not waited on
 
 
 def refuses_state(cls: type) -> type:
@@ -219,29 +217,22 @@ class StoredTensor:
             raise IndexError(f"elements [{start}, {end}) are outside a tensor of {numel} elements")
         return _read(self.storage, self.dtype, self.storage_offset + start, end - start)
 
-    def read_into(
-        self,
-        start: int,
-        out: np.ndarray,
-        together: SharedRecordChecks | None = None,
-        needed: Callable[[], ByteRuns] | None = None,
-    ) -> None:
+    def read_into(self, start: int, out: np.ndarray) -> None:
         """Elements ``[start, start + out.size)`` of the flattened tensor (contiguous tensors
         only) read straight into ``out``, a contiguous 1-D array of the tensor's dtype; the
         record's CRC-32 is checked as for :meth:`read`, on ``out`` itself when it holds the
-        whole record. ``together``: the record is checked with the other ranks of a load
-        instead (:mod:`..io.shared_checks`): this rank reads the range and the gaps it owns, and
-        adds their CRCs to ``together.terms``; ``needed()`` gives the bytes of the record
-        that the load needs."""
+        whole record. (:mod:`.shared_reads` reads a range whose record the ranks of a load
+        check together.)"""
+        self.check_into(start, out)
+        _read_into(self.storage, (self.storage_offset + start) * out.itemsize, out)
+
+    def check_into(self, start: int, out: np.ndarray) -> None:
+        """Refuse ``out`` for elements ``[start, start + out.size)`` unless the tensor is
+        contiguous, ``out`` a contiguous 1-D array of its dtype, and the range inside it."""
         if not self.is_contiguous() or out.dtype != dtype_info(self.dtype).numpy or not out.flags.c_contiguous:
             raise ValueError(f"{self.path}: read_into() needs a contiguous tensor and an array of its dtype")
         if not 0 <= start <= start + out.size <= self.numel():
             raise IndexError(f"elements [{start}, {start + out.size}) are outside a tensor of {self.numel()} elements")
-        begin = (self.storage_offset + start) * out.itemsize
-        if together is None:
-            _read_into(self.storage, begin, out)
-        else:
-            _read_into_shared(self.storage, begin, out, together, needed or list)
 
     def record(self) -> np.ndarray:
         """The whole zip record holding the storage, read once into a new byte array and
@@ -261,7 +252,7 @@ class StoredTensor:
         numpy_dtype = dtype_info(self.dtype).numpy
         begin = self.storage.data_offset + (self.storage_offset + start) * numpy_dtype.itemsize
         try:
-            fd = os.open(self.storage.path, os.O_RDONLY | _NONBLOCK)
+            fd = os.open(self.storage.path, os.O_RDONLY | NONBLOCK)
             try:
                 return np.array(_read_range(self.storage, fd, numpy_dtype, begin, end - start))
             finally:
@@ -301,7 +292,7 @@ def _read(storage: StorageRecord, dtype: str, first: int, count: int) -> np.ndar
     begin = first * numpy_dtype.itemsize
     end = begin + count * numpy_dtype.itemsize
     try:
-        fd = os.open(storage.path, os.O_RDONLY | _NONBLOCK)
+        fd = os.open(storage.path, os.O_RDONLY | NONBLOCK)
         try:
             record = storage.record_size
             whole_read = record <= min(_SMALL_RECORD_BYTES, _WHOLE_READS * (end - begin) + _WHOLE_BYTES)
@@ -324,19 +315,19 @@ def _read_into(storage: StorageRecord, begin: int, out: np.ndarray) -> None:
     for ``out``). On a mismatch ``out`` is partly written and the caller must drop it."""
     buffer = memoryview(out.view(np.uint8))
     try:
-        fd = os.open(storage.path, os.O_RDONLY | _NONBLOCK)
+        fd = os.open(storage.path, os.O_RDONLY | NONBLOCK)
         try:
             checked = not _was_verified(storage, fd)
-            value = _span_crc(storage, fd, 0, begin) if checked else 0
+            value = span_crc(storage, fd, 0, begin) if checked else 0
             count_read(None, storage.path.name, len(buffer))
             for done in range(0, len(buffer), _HOT_CHUNK):
                 chunk = buffer[done : done + _HOT_CHUNK]
-                if _pread_full(fd, chunk, storage.data_offset + begin + done) < len(chunk):
-                    raise _ends_early(storage)
+                if pread_full(fd, chunk, storage.data_offset + begin + done) < len(chunk):
+                    raise ends_early(storage)
                 if checked:
                     value = crc32(chunk, value)
             if checked:
-                value = _span_crc(storage, fd, begin + len(buffer), storage.record_size, value)
+                value = span_crc(storage, fd, begin + len(buffer), storage.record_size, value)
                 _check_crc(storage, value)
                 _mark_verified(storage, fd)
         finally:
@@ -345,35 +336,7 @@ def _read_into(storage: StorageRecord, begin: int, out: np.ndarray) -> None:
         raise TorchFileError(f"{storage.path}: cannot be read: {err.strerror or err}") from None
 
 
-def _read_into_shared(
-    storage: StorageRecord, begin: int, out: np.ndarray, together: SharedRecordChecks, needed: Callable[[], ByteRuns]
-) -> None:
-    """:func:`_read_into` for a record the ranks check together: the raw CRC of the range,
-    taken as it arrives, and of each gap this rank owns, go to ``together.terms``."""
-    buffer = memoryview(out.view(np.uint8))
-    key, end = (str(storage.path), f"record {named(storage.record_name)}"), begin + len(buffer)
-    try:
-        fd = os.open(storage.path, os.O_RDONLY | _NONBLOCK)
-        try:
-            count_read(None, storage.path.name, len(buffer))
-            raw = 0  # the raw CRC of no bytes
-            for done in range(0, len(buffer), _HOT_CHUNK):
-                chunk = buffer[done : done + _HOT_CHUNK]
-                if _pread_full(fd, chunk, storage.data_offset + begin + done) < len(chunk):
-                    raise _ends_early(storage)
-                raw = raw_crc(chunk, raw)
-            record = (key, storage.record_size, storage.crc32)
-            together.terms.add(*record, begin, end, raw)
-            for gap_begin, gap_end in together.gaps(key, storage.record_size, begin, end, needed):
-                gap = _span_crc(storage, fd, gap_begin, gap_end, _ALL_ONES) ^ _ALL_ONES
-                together.terms.add(*record, gap_begin, gap_end, gap)
-        finally:
-            os.close(fd)
-    except OSError as err:
-        raise TorchFileError(f"{storage.path}: cannot be read: {err.strerror or err}") from None
-
-
-def _pread_full(fd: int, buffer: memoryview, offset: int) -> int:
+def pread_full(fd: int, buffer: memoryview, offset: int) -> int:
     """Bytes read into ``buffer`` from ``offset``: all of it unless the file ends first."""
     done = 0
     while done < len(buffer):
@@ -391,7 +354,7 @@ def _read_range(storage: StorageRecord, fd: int, numpy_dtype: np.dtype, begin: i
     if end - begin >= MAP_BYTES:
         view = map_range(fd, begin, end)
         if view is None:
-            raise _ends_early(storage)
+            raise ends_early(storage)
         return np.frombuffer(view, numpy_dtype)
     out = np.empty(count, numpy_dtype)
     buffer = memoryview(out.view(np.uint8))
@@ -399,7 +362,7 @@ def _read_range(storage: StorageRecord, fd: int, numpy_dtype: np.dtype, begin: i
     while done < len(buffer):
         got = _pread_into(fd, buffer[done : done + _READ_CHUNK], begin + done)
         if not got:
-            raise _ends_early(storage)
+            raise ends_early(storage)
         done += got
     return out
 
@@ -408,7 +371,6 @@ def _read_range(storage: StorageRecord, fd: int, numpy_dtype: np.dtype, begin: i
 
 
 _CRC_WINDOW = 16 << 20
-_ALL_ONES = 0xFFFFFFFF  # zlib.crc32 from this start, inverted, is the raw CRC (io.digest)
 _SMALL_RECORD_BYTES = 256 << 10  # read whole with one pread (mapping one costs more than copying it)
 _WHOLE_READS, _WHOLE_BYTES = 16, 16 << 10  # ... when at most 16 times the range plus 16 KiB
 _VERIFIED_LIMIT = 1 << 14
@@ -449,7 +411,7 @@ def _checked_record(storage: StorageRecord, fd: int) -> bytes:
     data = os.pread(fd, storage.record_size, storage.data_offset)
     count_read(None, storage.path.name, len(data))
     if len(data) != storage.record_size:
-        raise _ends_early(storage)
+        raise ends_early(storage)
     _check_crc(storage, crc32(data))
     return data
 
@@ -463,10 +425,10 @@ def _check_crc(storage: StorageRecord, found: int) -> None:
 
 
 def _record_crc(storage: StorageRecord, fd: int) -> int:
-    return _span_crc(storage, fd, 0, storage.record_size)
+    return span_crc(storage, fd, 0, storage.record_size)
 
 
-def _span_crc(storage: StorageRecord, fd: int, begin: int, end: int, value: int = 0) -> int:
+def span_crc(storage: StorageRecord, fd: int, begin: int, end: int, value: int = 0) -> int:
     """The CRC-32 ``value`` carried on over bytes [begin, end) of the record. Through
     mappings of a window at a time: 4x faster than copying the bytes in with pread, and each
     window is unmapped before the next, so resident memory stays flat."""
@@ -475,7 +437,7 @@ def _span_crc(storage: StorageRecord, fd: int, begin: int, end: int, value: int 
         window_end = min(done + _CRC_WINDOW, end)
         window = map_range(fd, storage.data_offset + done, storage.data_offset + window_end)
         if window is None:
-            raise _ends_early(storage)
+            raise ends_early(storage)
         value = crc32(window, value)
         count_read(None, storage.path.name, len(window))
         window.release()
@@ -483,7 +445,7 @@ def _span_crc(storage: StorageRecord, fd: int, begin: int, end: int, value: int 
     return value
 
 
-def _ends_early(storage: StorageRecord) -> TorchFileError:
+def ends_early(storage: StorageRecord) -> TorchFileError:
     return TorchFileError(
         f"{storage.path}: file ends inside storage record {named(storage.key)} (changed since it was loaded?)"
     )

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ...checkpoint.format import state_name_problem
-from ...io.budget import BudgetExceeded, quoted
+from ...io.budget import BudgetExceeded, named, quoted
 from ...io.dtypes import itemsize_of, to_float32
 from ...checkpoint.source import ModelEntry, SourceInfo
 from ...collector import collector_paused
@@ -44,6 +44,8 @@ from .paths import MODEL_STATES_FILE, model_states_path, rank_file_paths, refuse
 from .pickled import DeepSpeedFormatError
 from ...torchfile.torch_file import StoredTensor, TorchFileError
 from ...torchfile.record_cache import RecordCache, record_elements
+from ...torchfile.shared_reads import announce, read_shared
+from ...io.direct_reads import ReadAhead
 from ...io.shared_checks import NeededElements, RecordTerms, SharedRecordChecks
 from ...checkpoint.reshard import JobReads
 from ...torchfile.torch_records import one_line
@@ -91,6 +93,7 @@ class DeepSpeedSource:
         self.autoep = self._model.autoep  # None unless DeepSpeed AutoEP made the run
         self._records = RecordCache()  # see read_into
         self._together: SharedRecordChecks | None = None  # see check_records_with
+        self._ahead = ReadAhead()  # reads past the page cache, for a load checking records together
         self._views: dict[tuple[str, str], list[tuple[int, int, StoredTensor]]] = {}
         self._needed_elements: NeededElements = lambda rank, group: []
         self.experts = self._read_expert_files() if self.autoep is not None else None
@@ -125,19 +128,23 @@ class DeepSpeedSource:
         memory (the record's CRC-32 checked on the bytes as they arrive when it covers the
         record), without the mapping and the copy out of it that :meth:`read` costs.
 
-        A part of a record comes from the record read once and kept for the load's other
-        ranges of it (:class:`~...torchfile.record_cache.RecordCache`); :meth:`read`, which
-        converters use parameter by parameter, keeps nothing."""
+        In a load whose ranks check the records together (:meth:`check_records_with`) the
+        range is read alone, its CRC combined with the other ranks'; otherwise a part of a
+        record comes from the record read once and kept for the load's other ranges of it
+        (:class:`~...torchfile.record_cache.RecordCache`); :meth:`read`, which converters
+        use parameter by parameter, keeps nothing."""
         end = start + out.size
         saved = self._saved(rank, group, key, start, end)
         if out.dtype != np.float32 or saved.dtype != "float32" or not saved.is_contiguous():
-            out[...] = self.read(rank, group, key, start, end)
+            out[...] = self.read(rank, group, key, start, end)  # checks the whole record
+            if self._together is not None and isinstance(saved, StoredTensor):
+                self._together.terms.whole.add((str(saved.storage.path), f"record {named(saved.storage.record_name)}"))
             return
         stop = max(start, min(end, saved.numel())) if key == "fp32" else end  # fp32: saved without tail padding
         with _named_errors():
             if self._together is not None:
                 if stop > start:
-                    saved.read_into(start, out[: stop - start], self._together, lambda: self._needed(saved))
+                    read_shared(saved, start, out[: stop - start], self._together, lambda: self._needed(saved), self._ahead)
             else:
                 kept = self._records.elements(saved, start, stop)
                 if kept is not None:
@@ -145,6 +152,19 @@ class DeepSpeedSource:
                 else:
                     saved.read_into(start, out[: stop - start])
         out[stop - start :] = 0
+
+    def prefetch(self, rank: int, group: int, key: str, start: int, end: int) -> None:
+        """Say that :meth:`read_into` of elements [start, end) of ``rank``'s partition of
+        ``key`` in ``group`` comes next, after those announced before: in a load whose ranks
+        check the records together, a big range the page cache lacks starts being read past
+        it (:mod:`...torchfile.shared_reads`). A hint: nothing is checked or counted here."""
+        if self._together is None:
+            return  # the reads check whole records, through the page cache and the record cache
+        saved = self._saved(rank, group, key, start, end)
+        if isinstance(saved, StoredTensor) and saved.dtype == "float32" and saved.is_contiguous():
+            stop = max(start, min(end, saved.numel())) if key == "fp32" else end
+            if stop > start:
+                announce(saved, start, stop, self._ahead)
 
     def check_records_with(self, terms: RecordTerms, reads: JobReads) -> None:
         """From now on, check the zip records of the fp32 partitions and optimizer states that
@@ -238,6 +258,7 @@ class DeepSpeedSource:
         """Drop the rank files' tensors and the records kept; the source cannot be read after."""
         self._ranks = []
         self._records.clear()
+        self._ahead.close()
 
     def __enter__(self) -> DeepSpeedSource:
         return self
