@@ -6,8 +6,10 @@ from the loader: the checksum blocks (native, universal) or zip records (DeepSpe
 only checksum is a record's CRC-32) under the ranges of the fp32 masters (and, in full
 loads, the optimizer states) of its new partition, the blocks under the module tensors it
 is given to read (each buffer and frozen parameter by one rank of the job), and the blocks
-under the scalars of its first rank file. Opening the files (headers, manifests,
-directories, pickles) is counted apart by ReadStats and not compared.
+under the scalars of its first rank file. A universal block or DeepSpeed record that several
+ranks read parts of is checked by them together and read once over the job: it counts to
+the lowest of them. Opening the files (headers, manifests, directories, pickles) is counted
+apart by ReadStats and not compared.
 """
 
 from __future__ import annotations

@@ -446,6 +446,7 @@ def span_crc(storage: StorageRecord, fd: int, begin: int, end: int, value: int =
 
 
 def ends_early(storage: StorageRecord) -> TorchFileError:
+    """The error for a file that ends inside ``storage``'s bytes."""
     return TorchFileError(
         f"{storage.path}: file ends inside storage record {named(storage.key)} (changed since it was loaded?)"
     )
