@@ -19,12 +19,14 @@ past it, a few chunks ahead on a thread, and copied in from the slots it lands i
 (:mod:`.direct_reads`). Either way one copy and a checksum pass on hot memory: about the
 cost of reading the bytes once. Given an observer (a digester: ``cuts`` and ``segment``, see
 :mod:`..checkpoint.attest.digests`), it also hands over the CRC of every segment it checks, cut at the
-observer's boundaries too, so a load digests what it read with no pass of its own.
+observer's boundaries too, so a load digests what it read with no pass of its own. In a
+load whose ranks check the blocks at their ranges' ends together
+(:meth:`RangeReader.check_with_others`), such a block is read only in part
+(:mod:`.shared_blocks`).
 """
 
 from __future__ import annotations
 
-import bisect
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -37,14 +39,15 @@ import numpy as np
 from .checksum import FileRecord
 from .damage import CheckpointDamagedError
 from . import direct_reads
-from .digest import FUSED, combine, crc32, raw_crc
+from .digest import FUSED, combine, crc32
 from .direct_reads import ALIGN, ReadAhead, advise, open_direct, worth_reading_direct
 from .dtypes import from_bytes
 from .host_memory import MappingAhead, populate
 from .members import open_member
 from .read_stats import ReadStats, count_read
 from .safetensors_io import check_blocks, map_range, pread_into
-from .shared_checks import ByteRuns, SharedRecordChecks, merged
+from .shared_blocks import SharedBlocks
+from .shared_checks import ByteRuns, SharedRecordChecks
 
 DEFAULT_CACHE_BYTES = 32 << 20
 MAP_BYTES = 8 << 20  # spans at least this big are memory-mapped, not copied in
@@ -62,9 +65,7 @@ class RangeReader:
         self._cache: OrderedDict[tuple[str, int], bytes | memoryview] = OrderedDict()
         self._cache_bytes = cache_bytes
         self._cached = 0
-        self._together: SharedRecordChecks | None = None  # see check_with_others
-        self._needed_in: Callable[[Path], ByteRuns | None] = lambda path: None
-        self._needed_runs: dict[str, tuple[ByteRuns, list[int]] | None] = {}
+        self._shared: SharedBlocks | None = None  # see check_with_others
 
     def check_with_others(self, together: SharedRecordChecks, needed: Callable[[Path], ByteRuns | None]) -> None:
         """From now on, a block :meth:`read_into` needs only part of is checked together with
@@ -74,7 +75,7 @@ class RangeReader:
         bytes of the file that some rank of the load reads, the same on every rank; None
         for a file whose edge blocks are still read and checked whole (and marked so).
         Blocks :meth:`read` checks are marked checked whole."""
-        self._together, self._needed_in, self._needed_runs = together, needed, {}
+        self._shared = SharedBlocks(together, needed, self.stats)
 
     def read(self, path: Path, record: FileRecord, begin: int, end: int) -> memoryview:
         """Bytes [begin, end) of ``path``, every block under them checked against ``record``.
@@ -149,61 +150,20 @@ class RangeReader:
 
     def _edge(self, path: Path, record: FileRecord, index: int, begin: int, out: memoryview, observe: Any) -> None:
         """The part of block ``index`` that ``out`` (bytes from ``begin``) holds: read alone
-        and checked with the other ranks of the load, or from the whole block."""
-        shared = self._together is not None and (str(path), index) not in self._cache  # a cached block: checked
-        if shared and self._file_runs(path) is not None:
-            self._read_piece(path, record, index, begin, out, observe)
-        else:
+        and checked with the other ranks of the load, or from the whole block (the cache's,
+        or read and checked here)."""
+        shared = self._shared is not None and (str(path), index) not in self._cache and self._shared.covers(path)
+        if not shared:
             self._copy_edge(path, record, index, begin, out, observe)
-
-    def _read_piece(self, path: Path, record: FileRecord, index: int, begin: int, out: memoryview, observe: Any) -> None:
-        """Just the part of block ``index`` that ``out`` holds, and the gaps of the block
-        this rank owns, their raw CRCs added to the load's terms (checked in its agreement)."""
-        block_start, block_end = record.block_range(index)
-        lo, hi = max(begin, block_start), min(begin + len(out), block_end)
-        key, size = (str(path), f"checksum block {index}"), block_end - block_start
-        fd = open_member(path, read_ahead=False)
-        try:
-            target = out[lo - begin : hi - begin]
-            pread_into(fd, target, lo, path)
-            count_read(self.stats, path.name, hi - lo)
-            self._together.terms.add(key, size, record.crc32[index], lo - block_start, hi - block_start, raw_crc(target))
-            needed = lambda: self._block_runs(path, block_start, block_end)  # noqa: E731 - asked once per block
-            for gap_begin, gap_end in self._together.gaps(key, size, lo - block_start, hi - block_start, needed):
-                gap = memoryview(np.empty(gap_end - gap_begin, dtype=np.uint8))
-                pread_into(fd, gap, block_start + gap_begin, path)
-                count_read(self.stats, path.name, len(gap))
-                self._together.terms.add(key, size, record.crc32[index], gap_begin, gap_end, raw_crc(gap))
-        finally:
-            os.close(fd)
+            return
+        self._shared.read_part(path, record, index, begin, out)
         if observe is not None:
-            observe_bytes(out, lo - begin, hi - begin, observe)
-
-    def _file_runs(self, path: Path) -> tuple[ByteRuns, list[int]] | None:
-        """The bytes of ``path`` the load needs (merged) and their starts; None: not known."""
-        key = str(path)
-        if key not in self._needed_runs:
-            runs = self._needed_in(path)
-            runs = None if runs is None else merged(runs)
-            self._needed_runs[key] = None if runs is None else (runs, [begin for begin, _ in runs])
-        return self._needed_runs[key]
-
-    def _block_runs(self, path: Path, block_start: int, block_end: int) -> ByteRuns:
-        """The needed bytes of ``path`` inside [block_start, block_end), from the block's start."""
-        runs, starts = self._file_runs(path)
-        first = max(0, bisect.bisect_right(starts, block_start) - 1)
-        found = []
-        for run_begin, run_end in runs[first:]:
-            if run_begin >= block_end:
-                break
-            if run_end > block_start:
-                found.append((max(run_begin, block_start) - block_start, min(run_end, block_end) - block_start))
-        return found
+            block_start, block_end = record.block_range(index)
+            observe_bytes(out, max(begin, block_start) - begin, min(begin + len(out), block_end) - begin, observe)
 
     def _mark_whole(self, path: Path, index: int) -> None:
-        """Block ``index`` was checked whole here: the other ranks' pieces of it need no combining."""
-        if self._together is not None:
-            self._together.terms.whole.add((str(path), f"checksum block {index}"))
+        if self._shared is not None:
+            self._shared.mark_whole(path, index)
 
     def _copy_edge(self, path: Path, record: FileRecord, index: int, begin: int, out: memoryview, observe: Any = None) -> None:
         """Copy the part of block ``index`` that ``out`` (bytes from ``begin``) holds."""
