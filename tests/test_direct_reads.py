@@ -142,6 +142,25 @@ def test_a_range_the_page_cache_holds_is_read_through_it(cold_file, spans_read):
     assert spans_read == []
 
 
+def test_announce_hints_the_edge_blocks_of_a_range_read_direct(cold_file, spans_read, monkeypatch):
+    """A range read direct starts and ends inside blocks, which its read reads on its own
+    first: announced, those two blocks are hinted into the page cache (whole: the read
+    checks them whole, or reads their parts and gaps) while the inner ones are read ahead
+    past it; a range starting on a block boundary hints only its last block."""
+    path, payload, record = cold_file
+    hinted = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, begin, length, advice: hinted.append((begin, length)))
+    reader = RangeReader()
+    reader.announce(path, record, 3 * BLOCK + 5, 30 * BLOCK - 7)
+    assert hinted == [(3 * BLOCK, BLOCK), (29 * BLOCK, BLOCK)] and len(spans_read) == 1
+    assert spans_read[0][0][0] == 4 * BLOCK and spans_read[0][-1][1] == 29 * BLOCK
+    reader.clear()
+    hinted.clear()
+    reader.announce(path, record, 2 * BLOCK, 30 * BLOCK + 9)
+    assert hinted == [(30 * BLOCK, BLOCK)]
+    reader.clear()
+
+
 @pytest.mark.skipif(libc() is None, reason="no C library to ask the page cache")
 def test_cachestat_and_mincore_count_the_same_cached_pages(cold_file, monkeypatch):
     path, _, _ = cold_file

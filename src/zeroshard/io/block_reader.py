@@ -138,13 +138,19 @@ class RangeReader:
         """Say that :meth:`read_into` of bytes [begin, end) of ``path`` comes next, after
         those announced before. Its blocks are read ahead past the page cache where that is
         worth it (:mod:`.direct_reads`), else the kernel is asked to start reading them
-        into the page cache (``posix_fadvise(WILLNEED)``). A hint: nothing is checked or
-        counted before the read."""
+        into the page cache (``posix_fadvise(WILLNEED)``); so are the blocks at the range's
+        ends that it holds only part of, which the read reads on its own, whole or in part,
+        before anything else: asked for now, they are not waited for then. A hint: nothing
+        is checked or counted before the read."""
         first, last = _inner_blocks(record, begin, end)
         if first <= last:
             span_begin, span_end = record.block_range(first)[0], record.block_range(last)[1]
             if self._worth_direct(path, record, span_begin, span_end):
                 self._ahead.announce(path, self._spans(record, first, last))
+                for lo, hi in ((begin, span_begin), (span_end, end)):
+                    if hi > lo:
+                        edge_begin, edge_end = record.block_range(record.blocks_covering(lo, hi)[0])
+                        advise(path, edge_begin, edge_end - edge_begin)
                 return
         advise(path, begin, end - begin)
 
