@@ -444,3 +444,45 @@ def test_big_ranges_of_a_record_are_read_past_the_page_cache_and_checked_togethe
     _, every_rank = read_by_two_ranks()
     (problem,) = record_problems(every_rank)
     assert f"{path}: record {big.record_name} is corrupt: its CRC-32 is" in problem, problem
+
+
+# ---- at scale: every record tiled once, simulated without files ------------------------------
+
+
+@pytest.mark.parametrize("old_world, new_world", [(768, 512), (768, 1000), (512, 768)])
+def test_at_768_ranks_the_rule_tiles_every_record_once(old_world, new_world):
+    """A DeepSpeed-policy layout at hundreds of ranks, where a tiny group is padding on most
+    of them and the parameter alignment pads between parameters: every new rank's plan gives
+    its pieces of each old rank's fp32 and state records, each rank applies the gap rule
+    alone, and over the job the pieces and gaps cover every record touched exactly once
+    (records nobody needs, padding-only ranks', are not touched at all)."""
+    from zeroshard.checkpoint.reshard import JobReads, plan_reads
+    from zeroshard.layout import LayoutPolicy, ParamSpec, build_layout
+
+    specs = [
+        [ParamSpec.of(f"w{i}", (97 + 13 * i, 31), "bfloat16") for i in range(6)],
+        [ParamSpec.of("tiny.bias", (3,), "bfloat16")],
+    ]
+    old = build_layout(specs, old_world, LayoutPolicy.deepspeed(parameter_alignment=True))
+    new = build_layout(specs, new_world, LayoutPolicy.native())
+    reads = JobReads(old, new, frozenset(old.param_names), True)
+    covered: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for rank in range(new_world):
+        checks = SharedRecordChecks(RecordTerms())
+        for plan in plan_reads(old, new, rank):
+            for copy in plan.copies:
+                size = old.groups[copy.source_group].partition_numel * 4  # a state record: the whole partition
+                key = (f"rank {copy.source_rank}", f"group {copy.source_group}")
+                needed = [(4 * start, 4 * end) for start, end in reads.elements(copy.source_rank, copy.source_group)]
+                begin, end = 4 * copy.source_start, 4 * (copy.source_start + copy.length)
+                pieces = [(begin, end), *checks.gaps(key, size, begin, end, lambda: needed)]
+                covered.setdefault((copy.source_rank, copy.source_group), []).extend(pieces)
+    padding_only = [
+        (rank, group.index) for group in old.groups for rank in range(old_world) if not group.fragments(rank)
+    ]
+    assert padding_only and not set(padding_only) & set(covered)
+    for (rank, group), pieces in covered.items():
+        pieces.sort()
+        size = old.groups[group].partition_numel * 4
+        assert pieces[0][0] == 0 and pieces[-1][1] == size, (rank, group, pieces[:2], pieces[-2:])
+        assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:])), (rank, group)  # no gap, no overlap
