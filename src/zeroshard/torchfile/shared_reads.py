@@ -26,7 +26,7 @@ from ..io.dtypes import itemsize_of
 from ..io import direct_reads
 from ..io.direct_reads import ALIGN, ReadAhead, worth_reading_direct
 from ..io.read_stats import count_read
-from ..io.shared_checks import ByteRuns, SharedRecordChecks
+from ..io.shared_checks import ByteRuns, RecordKey, SharedRecordChecks
 from .torch_records import NONBLOCK, StorageRecord, StoredTensor, TorchFileError, ends_early, pread_full, span_crc
 
 _HOT_CHUNK = 1 << 20  # read and CRCed while still in the CPU's cache
@@ -51,7 +51,7 @@ def read_shared(
     buffer = memoryview(out.view(np.uint8))
     begin = (saved.storage_offset + start) * out.itemsize
     end = begin + len(buffer)
-    key = (str(storage.path), f"record {named(storage.record_name)}")
+    key = record_key(storage)
     try:
         fd = os.open(storage.path, os.O_RDONLY | NONBLOCK)
         try:
@@ -66,6 +66,11 @@ def read_shared(
             os.close(fd)
     except OSError as err:
         raise TorchFileError(f"{storage.path}: cannot be read: {err.strerror or err}") from None
+
+
+def record_key(storage: StorageRecord) -> RecordKey:
+    """How the load's terms name ``storage``'s zip record (:mod:`..io.shared_checks`)."""
+    return (str(storage.path), f"record {named(storage.record_name)}")
 
 
 def announce(saved: StoredTensor, start: int, end: int, ahead: ReadAhead) -> None:

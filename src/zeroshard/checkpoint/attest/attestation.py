@@ -75,7 +75,7 @@ class RankEvidence:
     checked: int = 0  # digests compared alone
     fingerprint: int = 0  # of the saved digests this rank compares with
     rebuilt: dict[int, int] = field(default_factory=dict)  # new group -> element size of weights cast from masters
-    records: RecordTerms = field(default_factory=RecordTerms)  # zip records checked with the other ranks
+    records: RecordTerms = field(default_factory=RecordTerms)  # records (zip, checksum blocks) checked with the other ranks
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ...checkpoint.format import state_name_problem
-from ...io.budget import BudgetExceeded, named, quoted
+from ...io.budget import BudgetExceeded, quoted
 from ...io.dtypes import itemsize_of, to_float32
 from ...checkpoint.source import ModelEntry, SourceInfo
 from ...collector import collector_paused
@@ -44,7 +44,7 @@ from .paths import MODEL_STATES_FILE, model_states_path, rank_file_paths, refuse
 from .pickled import DeepSpeedFormatError
 from ...torchfile.torch_file import StoredTensor, TorchFileError
 from ...torchfile.record_cache import RecordCache, record_elements
-from ...torchfile.shared_reads import announce, read_shared
+from ...torchfile.shared_reads import announce, read_shared, record_key
 from ...io.direct_reads import ReadAhead
 from ...io.shared_checks import NeededElements, RecordTerms, SharedRecordChecks
 from ...checkpoint.reshard import JobReads
@@ -138,7 +138,7 @@ class DeepSpeedSource:
         if out.dtype != np.float32 or saved.dtype != "float32" or not saved.is_contiguous():
             out[...] = self.read(rank, group, key, start, end)  # checks the whole record
             if self._together is not None and isinstance(saved, StoredTensor):
-                self._together.terms.whole.add((str(saved.storage.path), f"record {named(saved.storage.record_name)}"))
+                self._together.terms.whole.add(record_key(saved.storage))
             return
         stop = max(start, min(end, saved.numel())) if key == "fp32" else end  # fp32: saved without tail padding
         with _named_errors():
