@@ -37,7 +37,8 @@ from zeroshard.deepspeed.checkpoint import (
     open_deepspeed,
 )
 from zeroshard.deepspeed.checkpoint.optimizers import ADAM, ADAMW, MUON, group_optimizers
-from zeroshard.deepspeed.checkpoint.source import TORCH_OPTIMIZERS, check_rank, optimizer_class
+from zeroshard.deepspeed.checkpoint.layout_check import check_rank
+from zeroshard.deepspeed.checkpoint.source import TORCH_OPTIMIZERS, optimizer_class
 from zeroshard.deepspeed.checkpoint.files import read_rank_shard
 
 CONFIG_NAMES = [config.name for config in CONFIGS]
