@@ -126,10 +126,10 @@ class SharedRecordChecks:
 
 def merged(runs: ByteRuns) -> ByteRuns:
     """``runs`` sorted, empty ones dropped, touching or overlapping ones joined."""
-    merged: ByteRuns = []
+    joined: ByteRuns = []
     for begin, end in sorted(run for run in runs if run[1] > run[0]):
-        if merged and begin <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+        if joined and begin <= joined[-1][1]:
+            joined[-1] = (joined[-1][0], max(end, joined[-1][1]))
         else:
-            merged.append((begin, end))
-    return merged
+            joined.append((begin, end))
+    return joined
