@@ -25,7 +25,7 @@ from zeroshard.checkpoint.loader import load_state
 from zeroshard.checkpoint.shared_module import BATCH_BYTES, share_checkpoint, share_module
 from zeroshard.checkpoint.source import ModelEntry
 from zeroshard.checkpoint.testing import ADAM_STATES, expected_partition, local_pattern, pattern, synthesize_state
-from zeroshard.io.dtypes import torch_dtype
+from zeroshard.io.dtypes import dtype_info, torch_dtype
 from zeroshard.layout import LayoutPolicy, ParamSpec, build_layout
 
 SCALE = 2.0**-20  # the pattern's integers (< 2**23) scaled into fp16's range, still 23 significant bits
@@ -175,3 +175,65 @@ def test_a_job_shares_what_no_trained_parameter_gives_and_the_run_keeps():
     ]
     kept = [share_checkpoint(entries, layout, rank, {"frozen.weight", "positions", "w1"}) for rank in range(2)]
     assert sorted(kept[0].mine + kept[1].mine) == ["frozen.weight", "positions"]
+
+
+def test_the_attestation_digests_the_weights_the_caller_made(tmp_path):
+    """A caller of a shared load that makes the weights itself (the engine, casting each
+    group's masters into its parameter buffer) hands them back from ``on_masters``: the
+    attestation digests those, not a cast of its own. Handed the right cast, the load is
+    attested; handed a cast one element off (a bug in the engine's cast), it is refused,
+    naming the weight."""
+    layout = build_layout(specs("bfloat16"), 2)
+    path = saved_run(tmp_path, layout)
+    new = build_layout(specs("bfloat16"), 3)
+
+    def load_with(nudged: bool) -> list:
+        def one_rank(coord):
+            def made(group, masters):
+                weights = masters.astype(dtype_info("bfloat16").numpy)
+                if nudged and group == 0 and coord.rank == 1:
+                    at = new.groups[0].fragments(1)[0].partition_start  # an element of a weight, not padding
+                    weights[at] = -weights[at] if weights[at] else 1
+                return [(0, weights[:4]), (4, weights[4:])]  # two pieces, as buckets give them
+
+            def read(evidence):
+                with open_source(path) as source:
+                    share = share_checkpoint(source.info.model_entries, new, coord.rank)
+                    return load_state(source, new, coord.rank, evidence=evidence, share=share, on_masters=made)
+
+            return attested_load(coord, str(path), read, new)[1]
+
+        return run_ranks(new.world_size, one_rank, return_exceptions=True)
+
+    assert all(verdict.ok for verdict in load_with(nudged=False))
+    refused = load_with(nudged=True)
+    assert all(isinstance(r, AttestationError) for r in refused), refused
+    assert "weights cast from its fp32 master hold digest" in str(refused[0])
+
+
+def test_an_engine_whose_cast_goes_wrong_is_refused_and_keeps_its_weights(tmp_path, monkeypatch):
+    """load_checkpoint at D=1: the engine casts each group's loaded masters into its
+    parameter buffer, and the attestation digests that buffer. A cast that gets one element
+    wrong (simulated after the engine's own) is refused, and the run keeps its weights."""
+    from load_bytes_workers import train_and_save
+
+    from zeroshard.checkpoint.engine_io import load_checkpoint
+    from zeroshard.engine import ZeroOptimizer
+
+    engine = train_and_save(0, tmp_path, "t")
+    before = {name: t.clone() for name, t in engine.model.state_dict().items()}
+    load_checkpoint(engine, tmp_path / "t")  # the engine's own cast: attested
+    original = ZeroOptimizer.start_params_gather
+
+    def wrong_cast(self, group_index, partition=None):
+        handles = original(self, group_index, partition)
+        if partition is not None:  # a load's masters (None: the run's own, gathered back after a failure)
+            _, own = self.own_params(group_index)[0]
+            own[0] = -own[0] if own[0] != 0 else 1.0
+        return handles
+
+    monkeypatch.setattr(ZeroOptimizer, "start_params_gather", wrong_cast)
+    with pytest.raises(AttestationError, match="weights cast from its fp32 master hold digest"):
+        load_checkpoint(engine, tmp_path / "t")
+    after = engine.model.state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)

@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..io.dtypes import to_torch
+from ..io.dtypes import to_numpy, to_torch
 from ..io.read_stats import ReadStats
 from ..state import ShardedState
 from .coordinator import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
@@ -175,13 +175,20 @@ class _WeightsGather:
         self.next_group = 0
         self.loaded = False  # every group started from the loaded partitions
 
-    def start(self, group: int, fp32: Any) -> None:
-        """The loader's ``on_masters``: group ``group``'s loaded fp32 partition."""
+    def start(self, group: int, fp32: Any) -> list[tuple[int, Any]] | None:
+        """The loader's ``on_masters``: group ``group``'s loaded fp32 partition. Returns the
+        weights it made of it, this rank's slices of the parameter buffer (partition offset,
+        values), for the load's attestation to digest the weights the engine holds (None
+        where they are not in host memory: the attestation casts the partition itself)."""
         if group != self.next_group:
             raise AssertionError(f"weights of group {group} gathered out of order (expected {self.next_group})")
         self.handles += self.engine.start_params_gather(group, to_torch(fp32))
         self.next_group += 1
         self.loaded = self.next_group == len(self.engine.layout.groups)
+        own = self.engine.own_params(group)
+        if any(values.device.type != "cpu" for _, values in own):
+            return None
+        return [(start, to_numpy(values)) for start, values in own]
 
     def start_rest(self) -> None:
         """Start the gathers of the groups not yet started, from the run's own masters (alone,

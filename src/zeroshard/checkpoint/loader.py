@@ -70,7 +70,7 @@ def load_state(
     base: ShardedState | None = None,
     evidence: Evidence | None = None,
     share: ModuleShare | None = None,
-    on_masters: Callable[[int, np.ndarray], None] | None = None,
+    on_masters: Callable[[int, np.ndarray], Any] | None = None,
 ) -> ShardedState:
     """This rank's state under ``layout`` (the new run's), read from ``source``.
 
@@ -94,7 +94,10 @@ def load_state(
             (``import_state(..., weights_from_masters=True)``).
         on_masters: with ``share``: called with each group's index and fp32 partition as
             soon as it is read, before that group's optimizer state (in group order, every
-            group once), so the caller can gather the weights while the rest is read.
+            group once), so the caller can gather the weights while the rest is read. It may
+            return the weights it made of the partition (``(partition offset, values)``
+            pieces in the run's dtype, covering it): the attestation then digests those, the
+            weights the caller holds, instead of casting the partition again.
     """
     alone = evidence is None
     evidence = Evidence() if alone else evidence
@@ -118,7 +121,7 @@ def _load(
     base: ShardedState | None,
     evidence: Evidence,
     share: ModuleShare | None = None,
-    on_masters: Callable[[int, np.ndarray], None] | None = None,
+    on_masters: Callable[[int, np.ndarray], Any] | None = None,
 ) -> ShardedState:
     info = source.info
     if not 0 <= rank < layout.world_size:
@@ -195,25 +198,29 @@ def _load_shared(
     base: ShardedState | None,
     evidence: Evidence,
     share: ModuleShare,
-    on_masters: Callable[[int, np.ndarray], None] | None,
+    on_masters: Callable[[int, np.ndarray], Any] | None,
 ) -> ShardedState:
     """:func:`_load` of one rank of a job loading together (see the module docstring);
     ``kind``: whether the load is full (optimizer states too), and module only."""
     full, module_only = kind
     if share.rank != rank or share.world_size != layout.world_size:
         raise ValueError(f"the module share is rank {share.rank} of {share.world_size}'s, not rank {rank} of {layout.world_size}'s")
+    weights: dict[int, list[tuple[int, np.ndarray]] | None] = {}  # what on_masters made of each group
+
+    def masters_read(group: int, masters: np.ndarray) -> None:
+        weights[group] = on_masters(group, masters) if on_masters is not None else None
+
     fp32, states, scalars = [], [], []
     for plan in plans:
         dtype = layout.groups[plan.group].dtype
         if full:
-            group_fp32, group_states, group_scalars = _read_group(source, layout, plan, base, None, evidence, on_masters)
+            group_fp32, group_states, group_scalars = _read_group(source, layout, plan, base, None, evidence, masters_read)
         else:
             group_fp32 = _fill(source, plan, "fp32", _start(base, layout, plan.group, None, _stored_dtype(source, plan, "fp32")), evidence)
             group_states, group_scalars = {}, {}
-            if on_masters is not None:
-                on_masters(plan.group, group_fp32)
+            masters_read(plan.group, group_fp32)
         evidence.held(plan.group, group_fp32, group_states)
-        evidence.rebuilt(plan.group, group_fp32, dtype)
+        evidence.rebuilt(plan.group, group_fp32, dtype, weights.get(plan.group))
         fp32.append(group_fp32 if full else cast(cast(group_fp32, dtype), "float32"))  # without states: masters from the weights
         states.append(group_states)
         scalars.append(group_scalars)
@@ -261,7 +268,7 @@ def _read_group(
     base: ShardedState | None,
     fp32: np.ndarray | None,
     evidence: Evidence,
-    on_masters: Callable[[int, np.ndarray], None] | None = None,
+    on_masters: Callable[[int, np.ndarray], Any] | None = None,
 ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, torch.Tensor]]:
     """fp32 master (unless given: filled already), optimizer states and scalars of one new
     group; ``on_masters`` gets the master before the states are read."""

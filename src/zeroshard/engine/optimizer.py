@@ -342,6 +342,19 @@ class ZeroOptimizer(FragmentAccess, TorchOptimizerAPI, torch.optim.Optimizer):
             handles.append(comm.all_gather_into(buffer.bucket_view(bucket.index), own, async_op=True, sizes=sizes))
         return handles
 
+    def own_params(self, group_index: int) -> list[tuple[int, torch.Tensor]]:
+        """This rank's slices of layout group ``group_index``'s parameter buffer (the
+        parameters' values its fp32 partition makes, which :meth:`start_params_gather`
+        writes), each with its offset in the partition, in partition order; together they
+        cover the partition. Views, no copy."""
+        buffer, comm = self.buffers[group_index], self.group_comms[group_index]
+        found = []
+        for bucket in buffer.group.buckets:
+            begin, end, start = buffer.group.bucket_slice(bucket.index, comm.rank)
+            if end > begin:
+                found.append((start, buffer.data[begin:end]))
+        return sorted(found, key=lambda piece: piece[0])
+
     # ---- internals ----------------------------------------------------------------------------
 
     def _torch_param_groups(self) -> list[dict[str, Any]]:

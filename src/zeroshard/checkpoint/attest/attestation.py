@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -218,16 +218,24 @@ class Evidence:
             else:
                 partition_terms(pieces, kind, values, self._evidence.held)
 
-    def rebuilt(self, group: int, masters: np.ndarray, dtype: str) -> None:
+    def rebuilt(
+        self, group: int, masters: np.ndarray, dtype: str, weights: Sequence[tuple[int, np.ndarray]] | None = None
+    ) -> None:
         """The rank's fp32 partition of new group ``group``, whose cast to ``dtype`` (the run's)
         is the weights the engine makes of it. Their pieces, combined over the ranks
         (:func:`judge`), must give the digest of each weight the checkpoint saved (its model
-        file's), bit for bit. Cast a chunk at a time, so the weights are never held whole.
-        Expert groups are left out: no model file holds expert weights."""
+        file's), bit for bit. ``weights``: the weights the engine made, as ``(partition
+        offset, values)`` pieces covering the partition, digested as they are (what the run
+        holds); without them the masters are cast here a chunk at a time, so the weights are
+        never held whole. Expert groups are left out: no model file holds expert weights."""
         if not self.enabled or self.layout.groups[group].is_expert_group:
             return
         pieces = held_pieces(self.layout.groups[group], self._evidence.rank, self._evidence.params)
         self._evidence.rebuilt[group] = dtype_info(dtype).itemsize
+        if weights is not None and all(values.dtype.itemsize == self._evidence.rebuilt[group] for _, values in weights):
+            for start, values in weights:
+                partition_terms(pieces, REBUILT, values, self._evidence.held, start)
+            return
         for start in range(0, masters.size, _CAST_CHUNK):
             chunk = cast(masters[start : start + _CAST_CHUNK], dtype)  # as the engine casts its masters
             partition_terms(pieces, REBUILT, chunk, self._evidence.held, start)
