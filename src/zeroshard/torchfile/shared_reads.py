@@ -27,9 +27,8 @@ from ..io import direct_reads
 from ..io.direct_reads import ALIGN, ReadAhead, worth_reading_direct
 from ..io.read_stats import count_read
 from ..io.shared_checks import ByteRuns, RecordKey, SharedRecordChecks
-from .torch_records import NONBLOCK, StorageRecord, StoredTensor, TorchFileError, ends_early, pread_full, span_crc
+from .torch_records import HOT_CHUNK, NONBLOCK, StorageRecord, StoredTensor, TorchFileError, ends_early, pread_full, span_crc
 
-_HOT_CHUNK = 1 << 20  # read and CRCed while still in the CPU's cache
 _ALL_ONES = 0xFFFFFFFF  # zlib.crc32 from this start, inverted at the end, is the raw CRC (io.digest)
 
 
@@ -104,8 +103,8 @@ def _arrivals(storage: StorageRecord, fd: int, begin: int, buffer: memoryview, a
             arrived = ahead.take(storage.path, spans)
     if arrived is None:
         count_read(None, storage.path.name, len(buffer))
-        for done in range(0, len(buffer), _HOT_CHUNK):
-            chunk = buffer[done : done + _HOT_CHUNK]
+        for done in range(0, len(buffer), HOT_CHUNK):
+            chunk = buffer[done : done + HOT_CHUNK]
             if pread_full(fd, chunk, first + done) < len(chunk):
                 raise ends_early(storage)
             yield chunk

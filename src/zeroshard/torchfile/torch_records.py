@@ -61,7 +61,7 @@ STORAGE_CLASSES: dict[str, str | None] = {
     "uint64": None,
 }
 _READ_CHUNK = 1 << 30
-_HOT_CHUNK = 1 << 20  # read and checked while still in the CPU's cache
+HOT_CHUNK = 1 << 20  # read and checked while still in the CPU's cache
 MAP_BYTES = 8 << 20  # reads at least this big are memory-mapped, not copied in
 NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a file replaced by a FIFO since it was opened is not waited on
 
@@ -320,8 +320,8 @@ def _read_into(storage: StorageRecord, begin: int, out: np.ndarray) -> None:
             checked = not _was_verified(storage, fd)
             value = span_crc(storage, fd, 0, begin) if checked else 0
             count_read(None, storage.path.name, len(buffer))
-            for done in range(0, len(buffer), _HOT_CHUNK):
-                chunk = buffer[done : done + _HOT_CHUNK]
+            for done in range(0, len(buffer), HOT_CHUNK):
+                chunk = buffer[done : done + HOT_CHUNK]
                 if pread_full(fd, chunk, storage.data_offset + begin + done) < len(chunk):
                     raise ends_early(storage)
                 if checked:
