@@ -5,10 +5,11 @@ What a rank *needs* is worked out here from the layouts and the files' own recor
 from the loader: the checksum blocks (native, universal) or zip records (DeepSpeed, whose
 only checksum is a record's CRC-32) under the ranges of the fp32 masters (and, in full
 loads, the optimizer states) of its new partition, the blocks under the module tensors it
-is given to read (each buffer and frozen parameter by one rank of the job), and the blocks
-under the scalars of its first rank file. A universal block or DeepSpeed record that several
-ranks read parts of is checked by them together and read once over the job: it counts to
-the lowest of them. Opening the files (headers, manifests, directories, pickles) is counted
+is given to read (each buffer and frozen parameter by one rank of the job), and the
+optimizer scalars (native: their own bytes, read alone and attested; DeepSpeed: rank 0's
+records). A native or universal block or DeepSpeed record that several ranks
+read parts of is checked by them together and read once over the job: it counts to the
+lowest of them. Opening the files (headers, manifests, directories, pickles) is counted
 apart by ReadStats and not compared.
 """
 
@@ -103,7 +104,10 @@ def _blocks(record, begin: int, end: int, name: str) -> set[tuple[str, int]]:
 
 
 def native_needed(path: Path, layout, rank: int, full: bool, shared: list[str]) -> int:
-    """Bytes of the checksum blocks ``rank`` needs of a native checkpoint (see the module docstring)."""
+    """Bytes ``rank`` needs of a native checkpoint: the checksum blocks under its ranges (a
+    block that several ranks read parts of, where partitions meet in a resharded load, is
+    read once over the job and counts to the lowest of them), and its optimizer scalars'
+    own bytes (every rank reads them alone; the load attests them)."""
     checkpoint = open_checkpoint(path)
     manifest = checkpoint.manifest
     headers: dict[str, Any] = {}
@@ -113,32 +117,38 @@ def native_needed(path: Path, layout, rank: int, full: bool, shared: list[str]) 
             headers[file_name] = read_header(checkpoint.path(file_name), manifest.files[file_name].size)
         return headers[file_name][key]
 
-    blocks: set[tuple[str, int]] = set()
-    first_file = None
-    loaded = set(layout.param_names)
-    if reads_saved_weights(layout, full):
-        shared, loaded = [*shared, *layout.param_names], set()
-    for plan in plan_reads(manifest.layout, layout, rank, loaded):
-        for copy in plan.copies:
-            record = manifest.groups[copy.source_group]
-            keys = {fp32_key(copy.source_group): record.fp32_dtype}
-            if full:
-                keys.update({state_key(copy.source_group, n): dtype for n, dtype in record.states.items()})
-            file_name = rank_file_name(copy.source_rank, manifest.world_size)
-            first_file = first_file or file_name
-            for key, dtype in keys.items():
-                begin = entry(file_name, key).begin + copy.source_start * itemsize_of(dtype)
-                blocks |= _blocks(manifest.files[file_name], begin, begin + copy.length * itemsize_of(dtype), file_name)
-    if full:
-        first_file = first_file or rank_file_name(0, manifest.world_size)
-        for group, record in enumerate(manifest.groups):
-            for name in record.scalars:
-                found = entry(first_file, scalar_key(group, name))
-                blocks |= _blocks(manifest.files[first_file], found.begin, found.end, first_file)
-    for name in shared:
-        found = entry(MODEL_FILE, name)
-        blocks |= _blocks(manifest.files[MODEL_FILE], found.begin, found.end, MODEL_FILE)
-    return sum(_block_bytes(manifest.files[name], index) for name, index in blocks)
+    def blocks_of(reader: int) -> set[tuple[str, int]]:
+        blocks: set[tuple[str, int]] = set()
+        loaded, module = set(layout.param_names), shared if reader == rank else None
+        if module is None:
+            with open_source(path) as source:
+                module = share_checkpoint(source.info.model_entries, layout, reader).mine
+        if reads_saved_weights(layout, full):
+            module, loaded = [*module, *layout.param_names], set()
+        for plan in plan_reads(manifest.layout, layout, reader, loaded):
+            for copy in plan.copies:
+                record = manifest.groups[copy.source_group]
+                keys = {fp32_key(copy.source_group): record.fp32_dtype}
+                if full:
+                    keys.update({state_key(copy.source_group, n): dtype for n, dtype in record.states.items()})
+                file_name = rank_file_name(copy.source_rank, manifest.world_size)
+                for key, dtype in keys.items():
+                    begin = entry(file_name, key).begin + copy.source_start * itemsize_of(dtype)
+                    blocks |= _blocks(manifest.files[file_name], begin, begin + copy.length * itemsize_of(dtype), file_name)
+        for name in module:
+            found = entry(MODEL_FILE, name)
+            blocks |= _blocks(manifest.files[MODEL_FILE], found.begin, found.end, MODEL_FILE)
+        return blocks
+
+    blocks = blocks_of(rank)
+    for lower in range(rank):
+        blocks -= blocks_of(lower)
+    scalar_bytes = 0  # a full load always reads with the job's other ranks, even alone
+    for group, record in enumerate(manifest.groups if full else ()):
+        for name in record.scalars:
+            found = entry(rank_file_name(0, manifest.world_size), scalar_key(group, name))
+            scalar_bytes += found.end - found.begin
+    return scalar_bytes + sum(_block_bytes(manifest.files[name], index) for name, index in blocks)
 
 
 def _block_bytes(record, index: int) -> int:

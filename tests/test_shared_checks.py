@@ -6,7 +6,8 @@ reads its first needed byte; the ranks' CRC-32 terms combine to the record's. Pr
 split records among ranks at random; then real DeepSpeed checkpoints loaded by thread ranks
 at their own and other world sizes: the job reads each record it touches once, holds what
 was saved, and a byte changed anywhere in a record (a needed one, or padding nobody needs)
-is refused by every rank naming the file and the record.
+is refused by every rank naming the file and the record. The same for universal and native
+checkpoints, whose checksum blocks several ranks read parts of.
 """
 
 from __future__ import annotations
@@ -352,6 +353,123 @@ def test_a_universal_block_split_between_ranks_is_checked_together(universal, tm
         message = messages.pop()
         block = offset // record.block_size
         assert f"{shard.name}: checksum block {block} is corrupt: its CRC-32 is" in message, message
+
+
+# ---- native checkpoints, resharded: blocks where the new partitions meet -----------------------
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory):
+    """A synthetic dense run saved at D=2 with 256-byte checksum blocks (many of them cut
+    where a new layout's partitions meet)."""
+    from test_moe_checkpoint import dense_layout
+    from universal_helpers import save_synthetic
+
+    return save_synthetic(tmp_path_factory.mktemp("shared_native") / "native", dense_layout(2)), dense_layout
+
+
+def load_native_together(path, layout, full: bool = True) -> list:
+    """Every rank of ``layout`` loads the native checkpoint ``path`` sharing the reads."""
+    from zeroshard.checkpoint.native.source import NativeSource
+
+    def one_rank(coord):
+        stats = ReadStats()
+
+        def read(evidence):
+            with NativeSource(path) as source:
+                share = share_checkpoint(source.info.model_entries, layout, coord.rank)
+                return load_state(source, layout, coord.rank, evidence=evidence, share=share, load_optimizer_states=full)
+
+        state, _ = attested_load(coord, str(path), read, layout, stats=stats)
+        return state, stats
+
+    return run_ranks(layout.world_size, one_rank, return_exceptions=True)
+
+
+@pytest.mark.parametrize("world, full", [(1, True), (2, True), (2, False), (3, True), (3, False), (4, True), (4, False)])
+def test_a_native_load_reads_each_block_once_and_holds_what_was_saved(native, world, full):
+    """At the saved D and resharded, a rank-file or model-file block that two ranks need
+    parts of is read in parts, once over the job, and the optimizer scalars are read alone
+    (not their whole block): the job reads exactly the blocks needed, once each."""
+    from load_bytes_workers import native_needed
+
+    from zeroshard.checkpoint.native.source import NativeSource
+    from zeroshard.checkpoint.testing import ADAM_STATES, expected_partition
+
+    path, make_layout = native
+    layout = make_layout(world)
+    results = load_native_together(path, layout, full)
+    assert not any(isinstance(r, BaseException) for r in results), results
+    for rank, (state, _) in enumerate(results):  # the testing pattern's values, bit for bit
+        for group in range(len(layout.groups)):
+            masters = expected_partition(layout, rank, group, "fp32")
+            if not full:  # without optimizer state the masters are the weights: the masters cast
+                masters = masters.to(torch.bfloat16).float()
+            assert torch.equal(state.fp32_partitions[group], masters)
+            for name in ADAM_STATES if full else ():
+                assert torch.equal(state.optimizer_states[group][name], expected_partition(layout, rank, group, name))
+            assert state.optimizer_scalars[group]["step"].item() == 7.0 if full else not state.optimizer_scalars[group]
+    with NativeSource(path) as source:
+        entries = source.info.model_entries
+    needed = sum(native_needed(path, layout, rank, full, share_checkpoint(entries, layout, rank).mine) for rank in range(world))
+    data = sum(stats.data for _, stats in results)
+    assert data == needed, (data, needed)
+
+
+def test_a_native_block_split_between_ranks_is_checked_together(native, tmp_path):
+    """At D=3 from D=2, new rank 1's partition starts inside old rank 0's fp32 master, in a
+    block new rank 0 reads the rest of. A byte flipped in rank 1's part is found by the
+    ranks' combined CRC, on every rank; so is one where no rank reads (a weights-only load
+    reads no exp_avg, but the block holding the masters' end holds exp_avg's start too)."""
+    from zeroshard.checkpoint.format import fp32_key, rank_file_name, state_key
+    from zeroshard.checkpoint.native.source import NativeSource
+    from zeroshard.checkpoint.reshard import plan_reads
+
+    path, make_layout = native
+    layout = make_layout(3)
+    file_name = rank_file_name(0, 2)
+    copy = next(c for plan in plan_reads(make_layout(2), layout, 1) for c in plan.copies if c.source_rank == 0)
+    with NativeSource(path) as source:
+        header, record = source._header(file_name), source.checkpoint.manifest.files[file_name]
+    split = header[fp32_key(copy.source_group)].begin + 4 * copy.source_start
+    masters_end, states_start = header[fp32_key(0)].end, header[state_key(0, "exp_avg")].begin
+    assert split % record.block_size and masters_end % record.block_size, "nothing is shared"
+    assert masters_end // record.block_size == states_start // record.block_size
+    for offset, full in ((split + 1, True), (states_start + 2, False)):
+        damaged = tmp_path / f"copy-{offset}"
+        shutil.copytree(path, damaged)
+        flip_byte(damaged / file_name, offset)
+        results = load_native_together(damaged, layout, full)
+        assert all(isinstance(r, AttestationError) for r in results), results
+        messages = {str(r) for r in results}
+        assert len(messages) == 1, messages
+        message = messages.pop()
+        assert f"{file_name}: checksum block {offset // record.block_size} is corrupt: its CRC-32 is" in message, message
+
+
+def test_optimizer_scalars_read_alone_are_attested(native, tmp_path):
+    """Each rank of a resharded load reads the scalars' own bytes from the rank file it
+    opened first, unchecked by their block: a step changed in old rank 1's file (which new
+    rank 2 reads its scalars from) is refused by every rank, naming the scalar, and the
+    block's CRC, which the ranks reading its other bytes check together, names the block."""
+    from zeroshard.checkpoint.format import rank_file_name, scalar_key
+    from zeroshard.checkpoint.native.source import NativeSource
+
+    path, make_layout = native
+    file_name = rank_file_name(1, 2)
+    with NativeSource(path) as source:
+        entry = source._header(file_name)[scalar_key(0, "step")]
+        block = entry.begin // source.checkpoint.manifest.files[file_name].block_size
+    damaged = tmp_path / "copy"
+    shutil.copytree(path, damaged)
+    flip_byte(damaged / file_name, entry.begin + 2)
+    results = load_native_together(damaged, make_layout(3))
+    assert all(isinstance(r, AttestationError) for r in results), results
+    messages = {str(r) for r in results}
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert "group 0 scalar 'step' on rank 2 holds digest" in message, message
+    assert f"{file_name}: checksum block {block} is corrupt" in message, message  # whoever read the block's rest
 
 
 # ---- which elements the job reads: source_runs against every rank's plan ----------------------

@@ -23,9 +23,9 @@ without optimizer state, strict or not, resharded) behaves the same for each:
   piece by piece; of the buffers and frozen parameters it reads only those ``share`` gives
   it (:mod:`.shared_module`); without optimizer state it reads its master partitions and
   nothing else. A checksummed record that several ranks need parts of (a DeepSpeed zip
-  record, a universal shard's block) is checked by those ranks together, each reading only
-  its part (``check_records_with``, :mod:`..io.shared_checks`). So the job reads each byte
-  it needs once.
+  record, a native or universal checksum block) is checked by those ranks together, each
+  reading only its part (``check_records_with``, :mod:`..io.shared_checks`). So the job
+  reads each byte it needs once.
 
 The result is built in new tensors and returned only when everything passed, so a failed
 load leaves the caller's state as it was. Every load attests (:mod:`.attest`): the loader

@@ -83,6 +83,18 @@ class JobReads:
         """:func:`source_runs` of old rank ``rank``'s partition of old group ``group``."""
         return source_runs(self.old, self.new, self.params, rank, group)
 
+    @property
+    def own_partitions(self) -> bool:
+        """Whether each rank reads exactly its own old partitions, whole (equal layouts,
+        every parameter loaded): then no two ranks read from one old rank's partitions."""
+        return copies_whole_partitions(self.old, self.new, self.params)
+
+
+def copies_whole_partitions(old: Layout, new: Layout, params: Collection[str]) -> bool:
+    """Whether :func:`plan_reads` of ``params`` copies each old partition whole into the same
+    rank's new one: the layouts are equal and every parameter is loaded."""
+    return old == new and set(params) >= set(new.param_names)
+
 
 def source_runs(old: Layout, new: Layout, params: Collection[str], rank: int, group: int) -> list[tuple[int, int]]:
     """The elements of old rank ``rank``'s partition of old group ``group`` that some new
@@ -90,7 +102,7 @@ def source_runs(old: Layout, new: Layout, params: Collection[str], rank: int, gr
     order: the same on every rank, so the ranks of a load can tell which bytes of a file no
     rank reads (:mod:`zeroshard.io.shared_checks`) without a collective."""
     old_group = old.groups[group]
-    if old == new and set(params) >= set(new.param_names):  # plan_reads copies whole partitions
+    if copies_whole_partitions(old, new, params):
         return [(0, old_group.partition_numel)] if old_group.partition_numel else []
     wanted = set(params)
     new_names = set(new.param_names)

@@ -108,6 +108,22 @@ class RangeReader:
             self._keep(key, last, record, view, span_start)
         return view[begin - span_start : end - span_start]
 
+    def read_attested(self, path: Path, record: FileRecord, begin: int, end: int) -> memoryview:
+        """Bytes [begin, end) of ``path``, read alone and not checked here: for a few bytes
+        that every rank of a load reads (optimizer scalars) while the ranks check their
+        block together; the caller's attestation compares what they hold with its saved
+        digest. A new buffer, the caller's to keep."""
+        if not 0 <= begin <= end <= record.size:
+            raise ValueError(f"{path}: byte range [{begin}, {end}) is outside its {record.size} bytes")
+        data = memoryview(np.empty(end - begin, dtype=np.uint8))
+        fd = open_member(path, read_ahead=False)
+        try:
+            pread_into(fd, data, begin, path)
+        finally:
+            os.close(fd)
+        count_read(self.stats, path.name, len(data))
+        return data
+
     def read_into(self, path: Path, record: FileRecord, begin: int, out: memoryview, observe: Any = None) -> None:
         """Fill ``out`` (writable bytes) with bytes [begin, begin + len(out)) of ``path``, every
         block under them checked against ``record`` before this returns.

@@ -3,7 +3,8 @@
 Reads are range reads of the rank files, every checksum block under them verified (see
 :mod:`.block_reader`); each file's safetensors header is checked against the manifest the
 first time the file is read, and so is a rank file's binding (:mod:`.binding`: the layout,
-rank, shard groups and experts it was written for).
+rank, shard groups and experts it was written for). In a load with other ranks, a block that
+several of them read parts of is checked by them together (:meth:`NativeSource.check_records_with`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from ...io.block_reader import RangeReader, array_view, bytes_of, observe_bytes
 from ...io.checksum import FileRecord
 from ...io.dtypes import dtype_info, itemsize_of, to_float32
 from ...io.safetensors_io import ReadStats, TensorEntry, check_entries, read_header
+from ...io.shared_checks import ByteRuns, RecordTerms, SharedRecordChecks
+from ..reshard import JobReads
 from ..model_config import STORED_NAMES, read_config
 from ..source import ModelEntry, SourceInfo
 from .binding import check_binding
@@ -45,6 +48,7 @@ class NativeSource:
         self._headers: dict[str, dict[str, TensorEntry]] = {}
         self._rank_tensors = manifest.rank_file_tensors()
         self._binding_digest = manifest.binding_digest
+        self._scalars_attested = False  # see scalars
         self.info = SourceInfo(
             layout=manifest.layout,
             optimizer_class=manifest.optimizer_class,
@@ -106,15 +110,62 @@ class NativeSource:
 
     def scalars(self, group: int) -> dict[str, np.ndarray]:
         """The group's non-partitioned optimizer state: the same in every rank file, so
-        read from one already opened (they sit in its first block, next to the header)."""
+        read from one already opened (they sit in its first block, next to the header).
+        In a load whose ranks check blocks together, every rank reads just their bytes (a
+        whole first block each would be read again by the ranks reading parts of it); the
+        load attests them against their saved digests, and whoever reads that block's
+        other bytes checks its CRC with the others."""
         manifest = self.checkpoint.manifest
         file_name = next((name for name in self._headers if name != MODEL_FILE), None) or self._rank_file(0)
         header = self._header(file_name)
         found = {}
         for name, (dtype, shape) in manifest.groups[group].scalars.items():
             entry = header[scalar_key(group, name)]
-            data = self._read(file_name, entry.begin, entry.end)
+            if self._scalars_attested:
+                data = self._reader.read_attested(self.checkpoint.path(file_name), self._record(file_name), entry.begin, entry.end)
+            else:
+                data = self._read(file_name, entry.begin, entry.end)
             found[name] = array_view(data, dtype).reshape(shape)
+        return found
+
+    def check_records_with(self, terms: RecordTerms, reads: JobReads) -> None:
+        """From now on, a checksum block that this rank reads only part of is checked
+        together with the other ranks of a load (:mod:`...io.shared_checks`): this rank reads
+        its part (and the block's bytes it owns that no rank needs) and adds their CRCs to
+        ``terms``, which the load's agreement combines. ``reads``: what the ranks of the load
+        read (the same on every rank). A block where two ranks' ranges meet in a rank file
+        (a resharded load) or in the model file is then read once over the job, not once by
+        each. Where each rank reads only its own old rank file (equal layouts), the rank
+        files' blocks stay checked by their one reader as it reads them: a damaged one
+        fails that rank's read at once, naming it."""
+        manifest = self.checkpoint.manifest
+        module = {self._model_record(name)[0] for name in reads.module}
+        rank_files = {} if reads.own_partitions else {name: rank for rank, name in enumerate(manifest.rank_files())}
+
+        def needed(path: Path) -> ByteRuns | None:
+            if path.name == MODEL_FILE:
+                header = self._header(MODEL_FILE)
+                return [(header[name].begin, header[name].end) for name in module]
+            rank = rank_files.get(path.name)
+            return None if rank is None else self._needed_of_rank_file(rank, reads)
+
+        self._reader.check_with_others(SharedRecordChecks(terms), needed)
+        self._scalars_attested = self.info.digests is not None
+
+    def _needed_of_rank_file(self, rank: int, reads: JobReads) -> ByteRuns:
+        """The bytes of old rank ``rank``'s file that some rank of the load reads (its
+        partitions' runs that ``reads`` copies), from its start."""
+        manifest = self.checkpoint.manifest
+        header = self._header(self._rank_file(rank))
+        found = []
+        for group, record in enumerate(manifest.groups):
+            keys = {fp32_key(group): record.fp32_dtype}
+            if reads.full:
+                keys.update({state_key(group, name): dtype for name, dtype in record.states.items()})
+            runs = reads.elements(rank, group)
+            for key, dtype in keys.items():
+                begin, itemsize = header[key].begin, itemsize_of(dtype)
+                found += [(begin + start * itemsize, begin + end * itemsize) for start, end in runs]
         return found
 
     def model_tensor(self, name: str) -> np.ndarray:
