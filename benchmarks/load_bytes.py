@@ -15,7 +15,9 @@ rounds whose order rotates every round, every rank times:
 * ``floor``: per round, the faster of the two: the read floor every ratio is taken to;
 * ``zeroshard``: ``load_checkpoint`` into the running engine (each rank reads its own
   partitions; the weights are rebuilt from the masters and all-gathered; the shared tensors
-  read by one rank each and broadcast), which then frees the state it held;
+  read by one rank each and broadcast), which then frees the state it held on a thread
+  (waited for after the step, untimed, so that the next step does not pay for it; the
+  line ``freed after`` gives that wait);
 * ``resume``: the same load into the engine as a resumed run's is (masters, and no
   optimizer state yet: it is dropped before the timing), which has less memory to free;
 * ``universal``: ``load_checkpoint`` of the same state converted to a universal checkpoint
@@ -188,6 +190,12 @@ def _measure(run, cold: Path | None) -> dict[str, float]:
     record = {"seconds": time.perf_counter() - start, "cpu": time.process_time() - cpu_start}
     if disk_start is not None:
         record["disk"] = _disk_bytes() - disk_start
+    # A load frees the state it replaced on a thread; the next step must not pay for it.
+    from zeroshard.io.host_memory import wait_released
+
+    released = time.perf_counter()
+    wait_released()
+    record["release"] = time.perf_counter() - released
     return record
 
 
@@ -329,6 +337,8 @@ def report(result: dict) -> None:
     load = per_round(result, "zeroshard", "seconds")
     ratio = statistics.median(a / b for a, b in zip(load, both))
     print(f"{'floor+gather':<11}{'':>14}{'':>9}{'':>9}{'':>8}{statistics.median(both):>8.3f}   zeroshard / (floor+gather): {ratio:.2f}")
+    freed = per_round(result, "zeroshard", "release")
+    print(f"{'freed after':<11}{'':>14}{'':>9}{'':>9}{'':>8}{statistics.median(freed):>8.3f}   (the replaced state, on a thread once zeroshard returned)")
 
 
 def _disk_ratio(ranks: list[dict], step: str, needed: int) -> str:

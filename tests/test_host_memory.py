@@ -60,3 +60,48 @@ def test_a_load_builds_its_partitions_in_new_zeros_memory(tmp_path, monkeypatch)
         state = load_state(source, layout, 1)
     partitions = [*state.fp32_partitions, *(t for group in state.optimizer_states for t in group.values())]
     assert len(partitions) == 6 and sorted(t.data_ptr() for t in partitions) == sorted(made)
+
+
+def test_release_later_drops_on_a_thread_and_wait_released_waits_for_it():
+    """What release_later is given is dropped on another thread; wait_released returns
+    only once it is (a drop that takes a while, as unmapping a GiB does, included)."""
+    import threading
+    import time
+
+    from zeroshard.io.host_memory import release_later, wait_released
+
+    dropped = []
+
+    class Slow:
+        def __del__(self):
+            time.sleep(0.05)
+            dropped.append(threading.current_thread().name)
+
+    release_later([Slow(), Slow()])
+    wait_released()
+    assert dropped == ["zeroshard-release"] * 2
+
+
+def test_a_load_frees_the_state_it_replaced_on_a_thread(tmp_path):
+    """The masters and optimizer state a load replaces are dropped by the release thread,
+    not by the load (which returns before they are unmapped)."""
+    import threading
+    import weakref
+
+    from load_bytes_workers import train_and_save
+
+    from zeroshard.checkpoint.engine_io import load_checkpoint
+    from zeroshard.io.host_memory import wait_released
+
+    engine = train_and_save(0, tmp_path, "t")
+    old_masters = {master.data_ptr() for master in engine.masters}
+    states = [t for per_param in engine.optimizer.state.values() for t in per_param.values() if t.dim()]
+    dropped_by = []
+    for tensor in states:
+        weakref.finalize(tensor, lambda: dropped_by.append(threading.current_thread().name))
+    count = len(states)
+    del states, tensor
+    load_checkpoint(engine, tmp_path / "t")
+    wait_released()
+    assert dropped_by == ["zeroshard-release"] * count
+    assert not old_masters & {master.data_ptr() for master in engine.masters}  # the loaded state's memory

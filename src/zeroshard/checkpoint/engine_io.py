@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..io.dtypes import to_numpy, to_torch
+from ..io.host_memory import wait_released
 from ..io.read_stats import ReadStats
 from ..state import ShardedState
 from .coordinator import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
@@ -116,6 +117,7 @@ def load_checkpoint_attested(
     checked). Collective, and raises as :func:`load_checkpoint` does."""
     options = dict(load_optimizer_states=load_optimizer_states, load_module_only=load_module_only, strict=strict)
     layout, rank = engine.layout, engine.rank
+    wait_released()  # the state the last load replaced, freed before this one builds another
     module_state = engine.model.state_dict()
     base = None if strict else engine.export_state()  # what the checkpoint lacks keeps the run's values
 

@@ -8,10 +8,11 @@ anything changes.
 
 from __future__ import annotations
 
-from typing import Any, Collection
+from typing import Any, Collection, Iterable
 
 import torch
 
+from ..io.host_memory import release_later
 from ..state import ParamGroupState, ShardedState, model_config_files
 from .multi import MultiOptimizer, class_name
 from .parts import EngineParts
@@ -154,26 +155,39 @@ def import_state(
     with torch.no_grad():
         engine.model.load_state_dict(_cast_like(engine.model.state_dict(), state.model_state), strict=strict and not weights_from_masters)
     engine.reducer.zero_grad()
-    if not full:
-        if weights_from_masters:
-            _set_masters(engine, state, take)
-            if not params_gathered:
-                engine.sync_params_from_masters()
-        else:
-            _rebuild_masters_from_params(engine)
-        if not load_module_only:
-            engine.optimizer.state.clear()
-            engine.matrices.clear()
-        return
-    _set_masters(engine, state, take)
-    engine.optimizer.load_state_dict(_torch_optimizer_state(engine, state, take))
-    engine.matrices.adopt(engine.optimizer.state)
-    engine.matrices.agreed = False
-    engine.matrices.agree(engine.comm, engine.masters[0].device if engine.masters else engine.device)
-    engine.global_steps = int(state.extra.get("global_steps", 0))
-    engine.scaler.load_state_dict(state.extra.get("loss_scaler", engine.scaler.state_dict()))
-    if not (weights_from_masters and params_gathered):
-        engine.sync_params_from_masters()
+    # What the load replaces is freed on a thread: the caller need not wait for the unmapping.
+    replaced = _host_tensors(master.data for master in engine.masters) if take else []
+    if not load_module_only:
+        replaced += _host_tensors(t for per_param in engine.optimizer.state.values() for t in per_param.values())
+    try:
+        if not full:
+            if weights_from_masters:
+                _set_masters(engine, state, take)
+                if not params_gathered:
+                    engine.sync_params_from_masters()
+            else:
+                _rebuild_masters_from_params(engine)
+            if not load_module_only:
+                engine.optimizer.state.clear()
+                engine.matrices.clear()
+            return
+        _set_masters(engine, state, take)
+        engine.optimizer.load_state_dict(_torch_optimizer_state(engine, state, take))
+        engine.matrices.adopt(engine.optimizer.state)
+        engine.matrices.agreed = False
+        engine.matrices.agree(engine.comm, engine.masters[0].device if engine.masters else engine.device)
+        engine.global_steps = int(state.extra.get("global_steps", 0))
+        engine.scaler.load_state_dict(state.extra.get("loss_scaler", engine.scaler.state_dict()))
+        if not (weights_from_masters and params_gathered):
+            engine.sync_params_from_masters()
+    finally:
+        release_later(replaced)
+
+
+def _host_tensors(tensors: Iterable[Any]) -> list[torch.Tensor]:
+    """The CPU tensors among ``tensors``. Device memory is not held back: its allocator
+    frees it at once, and the next step may need it."""
+    return [t for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
 
 
 def _set_masters(engine: EngineParts, state: ShardedState, take: bool) -> None:

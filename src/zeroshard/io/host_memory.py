@@ -14,6 +14,11 @@ Not numpy's allocator: above 4 MiB numpy asks for transparent huge pages
 has taken those blocks back (the same 512 MiB: 0.02 s or 1.4 s here). A load should take
 the same time every time.
 
+The state a load replaces is freed on a thread (:func:`release_later`): unmapping a GiB of
+touched pages takes about 0.1 s of kernel time here, which the load need not wait for, and
+CPython releases the GIL while it unmaps. The next load waits for it first
+(:func:`wait_released`), so two loads never hold three states.
+
 A load that reads into the array as it goes asks for it unpopulated and has its pages
 mapped as the reads go (:func:`populate`, ``MADV_POPULATE_WRITE``): the same kernel work,
 done while the disk reads ahead (:mod:`.direct_reads`) instead of before the first read; for
@@ -92,3 +97,29 @@ class MappingAhead:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+_releasing: list[threading.Thread] = []
+_releasing_lock = threading.Lock()
+
+
+def release_later(objects: list) -> None:
+    """Drop ``objects`` (a list holding the last references to host memory the caller is
+    done with) on a thread of its own, which then ends; the caller keeps no other reference
+    to them. Their memory is back once :func:`wait_released` returns (the interpreter waits
+    for it at exit too)."""
+    if not objects:
+        return
+    thread = threading.Thread(target=objects.clear, name="zeroshard-release")
+    with _releasing_lock:
+        _releasing[:] = [running for running in _releasing if running.is_alive()]
+        _releasing.append(thread)
+    thread.start()
+
+
+def wait_released() -> None:
+    """Wait until what :func:`release_later` was given so far is dropped."""
+    with _releasing_lock:
+        running = list(_releasing)
+    for thread in running:
+        thread.join()
