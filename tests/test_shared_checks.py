@@ -266,15 +266,15 @@ def universal(tmp_path_factory):
     return to_universal(native, root / "universal", progress=False, block_size=4096), dense_layout
 
 
-def load_universal_together(path, layout, full: bool = True) -> list:
-    """Every rank of ``layout`` loads the universal checkpoint ``path`` sharing the reads."""
-    from zeroshard.checkpoint.universal import open_universal
+def load_sources_together(open_one, path, layout, full: bool = True) -> list:
+    """Every rank of ``layout`` loads ``path`` (a source from ``open_one(path)``) sharing the
+    reads: per rank, its state and the ReadStats of its load, or the exception it raised."""
 
     def one_rank(coord):
         stats = ReadStats()
 
         def read(evidence):
-            with UniversalSource(open_universal(path)) as source:
+            with open_one(path) as source:
                 share = share_checkpoint(source.info.model_entries, layout, coord.rank)
                 return load_state(source, layout, coord.rank, evidence=evidence, share=share, load_optimizer_states=full)
 
@@ -282,6 +282,28 @@ def load_universal_together(path, layout, full: bool = True) -> list:
         return state, stats
 
     return run_ranks(layout.world_size, one_rank, return_exceptions=True)
+
+
+def assert_pattern_loaded(results: list, layout, full: bool) -> None:
+    """Every rank loaded the testing pattern's values of ``layout``, bit for bit."""
+    from zeroshard.checkpoint.testing import ADAM_STATES, expected_partition
+
+    assert not any(isinstance(r, BaseException) for r in results), results
+    for rank, (state, _) in enumerate(results):
+        for group in range(len(layout.groups)):
+            masters = expected_partition(layout, rank, group, "fp32")
+            if not full:  # without optimizer state the masters are the weights: the masters cast
+                masters = masters.to(torch.bfloat16).float()
+            assert torch.equal(state.fp32_partitions[group], masters)
+            for name in ADAM_STATES if full else ():
+                assert torch.equal(state.optimizer_states[group][name], expected_partition(layout, rank, group, name))
+
+
+def load_universal_together(path, layout, full: bool = True) -> list:
+    """Every rank of ``layout`` loads the universal checkpoint ``path`` sharing the reads."""
+    from zeroshard.checkpoint.universal import open_universal
+
+    return load_sources_together(lambda opened: UniversalSource(open_universal(opened)), path, layout, full)
 
 
 from zeroshard.checkpoint.universal.source import UniversalSource  # noqa: E402
@@ -295,20 +317,10 @@ def test_a_universal_load_reads_each_block_once_and_holds_what_was_saved(univers
     aside, checked whole by the rank that reads them)."""
     from load_bytes_workers import universal_needed
 
-    from zeroshard.checkpoint.testing import ADAM_STATES, expected_partition
-
     path, make_layout = universal
     layout = make_layout(world)
     results = load_universal_together(path, layout, full)
-    assert not any(isinstance(r, BaseException) for r in results), results
-    for rank, (state, _) in enumerate(results):  # the testing pattern's values, bit for bit
-        for group in range(len(layout.groups)):
-            masters = expected_partition(layout, rank, group, "fp32")
-            if not full:  # without optimizer state the masters are the weights: the masters cast
-                masters = masters.to(torch.bfloat16).float()
-            assert torch.equal(state.fp32_partitions[group], masters)
-            for name in ADAM_STATES if full else ():
-                assert torch.equal(state.optimizer_states[group][name], expected_partition(layout, rank, group, name))
+    assert_pattern_loaded(results, layout, full)
     with UniversalSource(path) as source:
         entries = source.info.model_entries
     needed = sum(
@@ -372,18 +384,7 @@ def load_native_together(path, layout, full: bool = True) -> list:
     """Every rank of ``layout`` loads the native checkpoint ``path`` sharing the reads."""
     from zeroshard.checkpoint.native.source import NativeSource
 
-    def one_rank(coord):
-        stats = ReadStats()
-
-        def read(evidence):
-            with NativeSource(path) as source:
-                share = share_checkpoint(source.info.model_entries, layout, coord.rank)
-                return load_state(source, layout, coord.rank, evidence=evidence, share=share, load_optimizer_states=full)
-
-        state, _ = attested_load(coord, str(path), read, layout, stats=stats)
-        return state, stats
-
-    return run_ranks(layout.world_size, one_rank, return_exceptions=True)
+    return load_sources_together(NativeSource, path, layout, full)
 
 
 @pytest.mark.parametrize("world, full", [(1, True), (2, True), (2, False), (3, True), (3, False), (4, True), (4, False)])
@@ -394,21 +395,14 @@ def test_a_native_load_reads_each_block_once_and_holds_what_was_saved(native, wo
     from load_bytes_workers import native_needed
 
     from zeroshard.checkpoint.native.source import NativeSource
-    from zeroshard.checkpoint.testing import ADAM_STATES, expected_partition
 
     path, make_layout = native
     layout = make_layout(world)
     results = load_native_together(path, layout, full)
-    assert not any(isinstance(r, BaseException) for r in results), results
-    for rank, (state, _) in enumerate(results):  # the testing pattern's values, bit for bit
-        for group in range(len(layout.groups)):
-            masters = expected_partition(layout, rank, group, "fp32")
-            if not full:  # without optimizer state the masters are the weights: the masters cast
-                masters = masters.to(torch.bfloat16).float()
-            assert torch.equal(state.fp32_partitions[group], masters)
-            for name in ADAM_STATES if full else ():
-                assert torch.equal(state.optimizer_states[group][name], expected_partition(layout, rank, group, name))
-            assert state.optimizer_scalars[group]["step"].item() == 7.0 if full else not state.optimizer_scalars[group]
+    assert_pattern_loaded(results, layout, full)
+    for state, _ in results:
+        for scalars in state.optimizer_scalars:
+            assert scalars["step"].item() == 7.0 if full else not scalars
     with NativeSource(path) as source:
         entries = source.info.model_entries
     needed = sum(native_needed(path, layout, rank, full, share_checkpoint(entries, layout, rank).mine) for rank in range(world))
