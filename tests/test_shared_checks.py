@@ -119,6 +119,24 @@ pytestmark_deepspeed = pytest.mark.skipif(
 )
 
 
+def load_sources_together(open_one, path, layout, full: bool = True) -> list:
+    """Every rank of ``layout`` loads ``path`` (a source from ``open_one(path)``) sharing the
+    reads: per rank, its state and the ReadStats of its load, or the exception it raised."""
+
+    def one_rank(coord):
+        stats = ReadStats()
+
+        def read(evidence):
+            with open_one(path) as source:
+                share = share_checkpoint(source.info.model_entries, layout, coord.rank)
+                return load_state(source, layout, coord.rank, evidence=evidence, share=share, load_optimizer_states=full)
+
+        state, _ = attested_load(coord, str(path), read, layout, stats=stats)
+        return state, stats
+
+    return run_ranks(layout.world_size, one_rank, return_exceptions=True)
+
+
 def load_together(save_dir, world: int, full: bool) -> list:
     """Every rank of a DeepSpeed policy layout at ``world`` loads ``save_dir`` sharing the
     reads (each rank's records checked with the others'): per rank, its state and the
@@ -127,19 +145,7 @@ def load_together(save_dir, world: int, full: bool) -> list:
 
     with open_deepspeed(save_dir) as source:
         layout = source.info.layout.with_world_size(world)
-
-    def one_rank(coord):
-        stats = ReadStats()
-
-        def read(evidence):
-            with open_deepspeed(save_dir) as source:
-                share = share_checkpoint(source.info.model_entries, layout, coord.rank)
-                return load_state(source, layout, coord.rank, evidence=evidence, share=share, load_optimizer_states=full)
-
-        state, _ = attested_load(coord, str(save_dir), read, layout, stats=stats)
-        return state, stats
-
-    return run_ranks(world, one_rank, return_exceptions=True)
+    return load_sources_together(open_deepspeed, save_dir, layout, full)
 
 
 def records_touched(save_dir, world: int, full: bool) -> int:
@@ -264,24 +270,6 @@ def universal(tmp_path_factory):
     root = tmp_path_factory.mktemp("shared_universal")
     native = save_synthetic(root / "native", dense_layout(2))
     return to_universal(native, root / "universal", progress=False, block_size=4096), dense_layout
-
-
-def load_sources_together(open_one, path, layout, full: bool = True) -> list:
-    """Every rank of ``layout`` loads ``path`` (a source from ``open_one(path)``) sharing the
-    reads: per rank, its state and the ReadStats of its load, or the exception it raised."""
-
-    def one_rank(coord):
-        stats = ReadStats()
-
-        def read(evidence):
-            with open_one(path) as source:
-                share = share_checkpoint(source.info.model_entries, layout, coord.rank)
-                return load_state(source, layout, coord.rank, evidence=evidence, share=share, load_optimizer_states=full)
-
-        state, _ = attested_load(coord, str(path), read, layout, stats=stats)
-        return state, stats
-
-    return run_ranks(layout.world_size, one_rank, return_exceptions=True)
 
 
 def assert_pattern_loaded(results: list, layout, full: bool) -> None:
