@@ -91,7 +91,7 @@ def test_read_into_stops_at_a_short_file(payload_file):
     with pytest.raises(ValueError, match=r"truncated: expected 9000 bytes, the file ends at 5500$"):
         read_into(RangeReader(), path, record, 3000, 9000)
     with pytest.raises(ValueError, match="truncated: expected 10000 bytes, the file ends at 5500"):
-        read_into(RangeReader(), path, record, 6000, 9500)  # an edge block wholly past the end
+        read_into(RangeReader(), path, record, 9000, 9500)  # an edge block wholly past the end
 
 
 def test_read_into_refuses_a_range_outside_the_file(payload_file):

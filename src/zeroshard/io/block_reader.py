@@ -129,9 +129,9 @@ class RangeReader:
         block under them checked against ``record`` before this returns.
 
         Blocks wholly inside the range are read into ``out`` itself and checked there as
-        they arrive; a block the range holds only part of comes from the edge cache, or is
-        read whole into a buffer of its own, checked and kept there for the neighbouring
-        range, and its part copied. On a mismatch or a short file, ValueError naming
+        they arrive; then a block the range holds only part of comes from the edge cache, or
+        is read whole into a buffer of its own, checked and kept there for the neighbouring
+        range, and its part copied (or, checked with other ranks, just its part is read). On a mismatch or a short file, ValueError naming
         ``path``; ``out`` is then partly written and the caller must drop it. ``observe``
         (offsets from ``out``'s start) gets the CRC of every segment of ``out``."""
         end = begin + len(out)
@@ -140,15 +140,13 @@ class RangeReader:
         blocks = record.blocks_covering(begin, end)
         if not blocks:
             return
-        first, last = blocks[0], blocks[-1]
-        if not _inside(record, first, begin, end):
-            self._edge(path, record, first, begin, out, observe)
-        if last != first and not _inside(record, last, begin, end):
-            self._edge(path, record, last, begin, out, observe)
+        edges = [index for index in dict.fromkeys((blocks[0], blocks[-1])) if not _inside(record, index, begin, end)]
         first, last = _inner_blocks(record, begin, end)
         if first <= last:
             start = record.block_range(first)[0]
             self._read_checked(path, record, first, last, out[start - begin :], observe, start - begin)
+        for index in edges:  # after the interior: the kernel has read them ahead meanwhile (announce)
+            self._edge(path, record, index, begin, out, observe)
 
     def announce(self, path: Path, record: FileRecord, begin: int, end: int) -> None:
         """Say that :meth:`read_into` of bytes [begin, end) of ``path`` comes next, after
@@ -156,8 +154,8 @@ class RangeReader:
         worth it (:mod:`.direct_reads`), else the kernel is asked to start reading them
         into the page cache (``posix_fadvise(WILLNEED)``); so are the blocks at the range's
         ends that it holds only part of, which the read reads on its own, whole or in part,
-        before anything else: asked for now, they are not waited for then. A hint: nothing
-        is checked or counted before the read."""
+        after the blocks inside it: asked for now, they are in the page cache by then. A
+        hint: nothing is checked or counted before the read."""
         first, last = _inner_blocks(record, begin, end)
         if first <= last:
             span_begin, span_end = record.block_range(first)[0], record.block_range(last)[1]
