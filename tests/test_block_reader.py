@@ -94,6 +94,33 @@ def test_read_into_stops_at_a_short_file(payload_file):
         read_into(RangeReader(), path, record, 9000, 9500)  # an edge block wholly past the end
 
 
+def test_read_into_reads_the_edge_blocks_after_the_inner_ones(payload_file, monkeypatch):
+    """A range's partial blocks at its ends are read after its whole blocks (the kernel,
+    told of them by announce, reads them meanwhile), and the bytes are still the file's."""
+    path, payload, record = payload_file
+    reads = []
+    reader = RangeReader()
+    inner = reader._read_checked
+
+    def spy(path, record, first, last, *args, **options):
+        reads.append((first, last))
+        return inner(path, record, first, last, *args, **options)
+
+    monkeypatch.setattr(reader, "_read_checked", spy)
+    assert read_into(reader, path, record, 1500, 8500) == payload[1500:8500]
+    assert reads == [(2, 7), (1, 1), (8, 8)], reads  # blocks 2..7 whole, then edge blocks 1 and 8
+
+
+def test_read_unchecked_reads_the_bytes_and_refuses_what_the_file_lacks(payload_file):
+    path, payload, record = payload_file
+    assert bytes(RangeReader().read_unchecked(path, record, 1234, 1240)) == payload[1234:1240]
+    with pytest.raises(ValueError, match=r"byte range \[10000, 10600\) is outside its 10500 bytes"):
+        RangeReader().read_unchecked(path, record, 10_000, 10_600)
+    path.write_bytes(payload[:5500])
+    with pytest.raises(ValueError, match=r"f: truncated"):
+        RangeReader().read_unchecked(path, record, 5000, 6000)
+
+
 def test_read_into_refuses_a_range_outside_the_file(payload_file):
     path, _, record = payload_file
     with pytest.raises(ValueError, match=r"byte range \[10000, 10600\) is outside its 10500 bytes"):

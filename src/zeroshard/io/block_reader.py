@@ -108,11 +108,12 @@ class RangeReader:
             self._keep(key, last, record, view, span_start)
         return view[begin - span_start : end - span_start]
 
-    def read_attested(self, path: Path, record: FileRecord, begin: int, end: int) -> memoryview:
-        """Bytes [begin, end) of ``path``, read alone and not checked here: for a few bytes
-        that every rank of a load reads (optimizer scalars) while the ranks check their
-        block together; the caller's attestation compares what they hold with its saved
-        digest. A new buffer, the caller's to keep."""
+    def read_unchecked(self, path: Path, record: FileRecord, begin: int, end: int) -> memoryview:
+        """Bytes [begin, end) of ``path``, read alone and not checked against ``record``: for
+        a few bytes that every rank of a load reads (optimizer scalars) while the ranks check
+        their block together, and that the caller attests (compares with their saved
+        digest). A new buffer, the caller's to keep. ValueError for a range outside the
+        file's recorded size; CheckpointDamagedError naming ``path`` if the file ends first."""
         if not 0 <= begin <= end <= record.size:
             raise ValueError(f"{path}: byte range [{begin}, {end}) is outside its {record.size} bytes")
         data = memoryview(np.empty(end - begin, dtype=np.uint8))
@@ -131,9 +132,10 @@ class RangeReader:
         Blocks wholly inside the range are read into ``out`` itself and checked there as
         they arrive; then a block the range holds only part of comes from the edge cache, or
         is read whole into a buffer of its own, checked and kept there for the neighbouring
-        range, and its part copied (or, checked with other ranks, just its part is read). On a mismatch or a short file, ValueError naming
-        ``path``; ``out`` is then partly written and the caller must drop it. ``observe``
-        (offsets from ``out``'s start) gets the CRC of every segment of ``out``."""
+        range, and its part copied (checked with other ranks, just its part is read). On a
+        mismatch or a short file, ValueError naming ``path``; ``out`` is then partly written
+        and the caller must drop it. ``observe`` (offsets from ``out``'s start) gets the CRC
+        of every segment of ``out``."""
         end = begin + len(out)
         if not 0 <= begin <= end <= record.size:
             raise ValueError(f"{path}: byte range [{begin}, {end}) is outside its {record.size} bytes")
