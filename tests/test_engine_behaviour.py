@@ -123,6 +123,16 @@ def test_all_gather_into_equals_torchs_all_gather_however_called(per_rank):
         assert all(difference == 0.0 for difference in result.values()), result
 
 
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_all_gather_into_by_broadcasts_equals_torchs_all_gather(world_size):
+    """More than two gloo ranks broadcast each rank's input into its place instead of gloo's
+    all-gather: the same result, however it is called."""
+    per_rank = spawn(run_checks, world_size, ([("all-gather", "all_gather", ())],), timeout_s=120)
+    for result in (ranks["all-gather"] for ranks in per_rank):
+        assert len(result) == 8
+        assert all(difference == 0.0 for difference in result.values()), result
+
+
 # ---- reduce dtype ----------------------------------------------------------------------------------
 
 

@@ -225,14 +225,18 @@ class Collectives:
         may be this rank's slice of output; ``sizes``: every rank's input length, in rank
         order; None: equal). Returns a handle to ``wait()`` on.
 
-        Two gloo ranks swap their inputs with one all-to-all that sends nothing to itself:
-        the same bytes on the wire as gloo's all-gather, at about half its time and CPU on
-        loopback (benchmarks/README.md, engine_phases.py). Unequal inputs: gloo broadcasts
-        each rank's nonempty input into its place in output; other backends take the list
-        form of all-gather, which sizes each rank's part."""
+        gloo's all-gather receives into a new flat tensor and copies it out: at 90 MB over
+        four ranks, its first-touch page faults and the copy cost twice the time and three
+        times the CPU of moving the same bytes in place (benchmarks/README.md, stop 42). So
+        on gloo two ranks swap their inputs with one all-to-all that sends nothing to
+        itself, and more ranks each broadcast their input into its place in output (the
+        same bytes received per rank). Unequal inputs on other backends take the list form
+        of all-gather, which sizes each rank's part."""
         self.bytes_moved["all_gather"] += output.numel() * output.element_size()
+        if sizes is None and self.backend == "gloo" and self.world_size > 2:
+            sizes = [output.numel() // self.world_size] * self.world_size
         if sizes is not None:
-            return self._all_gather_uneven(output, input, list(sizes), async_op)
+            return self._all_gather_parts(output, input, list(sizes), async_op)
         own = output.view(self.world_size, -1)[self.rank]
         swap = self.world_size == 2 and self.backend == "gloo"
         if (self.world_size == 1 or swap) and input.data_ptr() != own.data_ptr():
@@ -243,7 +247,9 @@ class Collectives:
             return self._swap_with_peer(output.view(2, -1)[1 - self.rank], own, async_op) or _Done()
         return _all_gather(output, input, group=self.group, async_op=async_op) or _Done()
 
-    def _all_gather_uneven(self, output: torch.Tensor, input: torch.Tensor, sizes: list[int], async_op: bool):
+    def _all_gather_parts(self, output: torch.Tensor, input: torch.Tensor, sizes: list[int], async_op: bool):
+        """:meth:`all_gather_into` with each rank's part of ``output`` sized by ``sizes``: on
+        gloo, one broadcast per rank with a nonempty part, straight into that part."""
         parts = list(output.split(sizes))
         own = parts[self.rank]
         if input.data_ptr() != own.data_ptr() or input.numel() != own.numel():
