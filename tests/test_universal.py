@@ -333,6 +333,46 @@ def test_a_universal_load_reads_each_group_and_key_as_one_range(tmp_path, monkey
     assert stats.data <= shard.stat().st_size, f"{stats.data} bytes read of the shard's {shard.stat().st_size}"
 
 
+@pytest.mark.parametrize("world", [1, 3])
+def test_a_universal_load_checks_and_digests_what_it_reads_in_one_crc_pass(tmp_path, monkeypatch, world):
+    """The CRC a load computes to check a block's bytes also gives their digest terms for
+    the attestation: over the job, the bytes CRC'd are those read plus the weights rebuilt
+    from the masters (bf16, digested once), not twice the bytes read (2.2x at 45m before)."""
+    from zeroshard.checkpoint.attest.attested import attested_load
+    from zeroshard.checkpoint.shared_module import share_checkpoint
+    from zeroshard.io import block_reader, checksum, digest, safetensors_io
+
+    crc_bytes = []
+    for module in (block_reader, checksum, digest, safetensors_io):
+        monkeypatch.setattr(module, "crc32", lambda data, *start, crc=module.crc32: crc_bytes.append(memoryview(data).nbytes) or crc(data, *start))
+    specs = [[ParamSpec.of("w", (64, 48), "bf16"), ParamSpec.of("v", (96, 33), "bf16")], [ParamSpec.of("b", (48,), "bf16"), ParamSpec.of("c", (33,), "bf16")]]
+    native = save_synthetic(tmp_path / "a", build_layout(specs, 4, NATIVE), block_size=64)
+    path = to_universal(native, tmp_path / "u", block_size=64, progress=False)
+    new = build_layout(specs, world, COMPACT)
+    stats = [ReadStats() for _ in range(world)]
+
+    def one_rank(coord):
+        def read(evidence):
+            with UniversalSource(path, stats=stats[coord.rank]) as source:
+                share = share_checkpoint(source.info.model_entries, new, coord.rank)
+                return load_state(source, new, coord.rank, evidence=evidence, share=share)
+
+        return attested_load(coord, str(path), read, new, {})
+
+    crc_bytes.clear()
+    loaded = run_ranks(world, one_rank)
+    crc_total = sum(crc_bytes)
+    read = sum(rank_stats.data for rank_stats in stats)
+    rebuilt = 2 * sum(slot.numel for group in new.groups for slot in group.params)
+    # Beyond those: the module tensors, digested apart, and the parts of edge blocks a range
+    # holds (under 2 blocks of 64 bytes a range): under 5% of the bytes read here.
+    assert crc_total <= 1.05 * (read + rebuilt), f"{crc_total} bytes CRC'd, {read} read, {rebuilt} rebuilt"
+    for rank, (state, _) in enumerate(loaded):
+        reference = load_sharded(native, new, rank)
+        for group in range(len(new.groups)):
+            assert torch.equal(state.fp32_partitions[group], reference.fp32_partitions[group])
+
+
 def test_universal_source_reads_ranges_across_parameters_in_place(tmp_path):
     """Ranges of a universal source's compact partition that span parameters and the tail's
     padding: read() and read_into() (which fills the caller's array, padding as zeros) agree

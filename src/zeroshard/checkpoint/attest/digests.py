@@ -226,6 +226,11 @@ class PartitionDigester:
         shifted._base = base
         return shifted
 
+    def after(self, nbytes: int) -> PartitionDigester:
+        """The same digester, for a stream that starts ``nbytes`` further into the partition
+        than this one's (a part of what this one was asked to observe)."""
+        return self.at(self._base + nbytes)
+
     def cuts(self, begin: int, end: int) -> list[int]:
         """Where pieces start or end strictly inside the streamed bytes (begin, end)."""
         found = self._bounds[bisect.bisect_right(self._bounds, begin + self._base) : bisect.bisect_left(self._bounds, end + self._base)]

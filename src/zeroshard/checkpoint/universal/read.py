@@ -54,11 +54,13 @@ class UniversalCheckpoint:
         path, record, begin = self._located(stored)
         return path, record, begin + start * 4
 
-    def read_range_into(self, path: Path, record: FileRecord, begin: int, out: np.ndarray) -> None:
+    def read_range_into(self, path: Path, record: FileRecord, begin: int, out: np.ndarray, observe: Any = None) -> None:
         """Bytes from ``begin`` of the shard ``path`` (``record`` its record) into ``out`` (a
         contiguous, writable array), checked, with no buffer between: a big range the page
-        cache lacks is read past it (:mod:`...io.direct_reads`)."""
-        self._reader.read_into(path, record, begin, bytes_of(out))
+        cache lacks is read past it (:mod:`...io.direct_reads`). ``observe`` (offsets in
+        ``out``'s bytes) gets the CRC of every segment as its block is checked
+        (:meth:`.RangeReader.read_into`)."""
+        self._reader.read_into(path, record, begin, bytes_of(out), observe)
 
     def announce_range(self, path: Path, record: FileRecord, begin: int, end: int) -> None:
         """Say that :meth:`read_range_into` of bytes [begin, end) of ``path`` comes next, after

@@ -25,6 +25,7 @@ import numpy as np
 
 from ...layout import Layout, build_layout
 from ...state import ParamGroupState
+from ...io.block_reader import bytes_of, observe_bytes
 from ...io.dtypes import cast
 from ...io.checksum import FileRecord
 from ...io.safetensors_io import ReadStats
@@ -43,6 +44,7 @@ class UniversalSource(PackedSource):
     """An opened universal checkpoint, read range by range (the ShardSource protocol)."""
 
     kind = FORMAT_NAME
+    observes_reads = True  # read_into digests what it reads (``observe``): one CRC pass, not two
 
     def __init__(self, checkpoint: str | os.PathLike[str] | UniversalCheckpoint, *, stats: ReadStats | None = None) -> None:
         self.checkpoint = open_universal(checkpoint, stats=stats)
@@ -87,24 +89,40 @@ class UniversalSource(PackedSource):
             position += run
         return out
 
-    def read_into(self, rank: int, group: int, key: str, start: int, out: np.ndarray) -> None:
+    def read_into(self, rank: int, group: int, key: str, start: int, out: np.ndarray, observe: Any = None) -> None:
         """:meth:`read` into ``out``. The parameters a range covers lie back to back in the
         shards, in the order a load reads them (``write.output_tensors``), so each run of
         them is read with one read straight into ``out``; a stacked expert weight is
-        assembled, then copied; padding is zeros."""
+        assembled, then copied; padding is zeros. ``observe`` (a digester, offsets in
+        ``out``'s bytes) gets the CRC of every segment of ``out``: of a stored run, those its
+        checksum pass computes."""
         if out.dtype != np.float32 or not out.flags.c_contiguous or not out.flags.writeable:
             super().read_into(rank, group, key, start, out)
+            if observe is not None:
+                observe_bytes(memoryview(np.ascontiguousarray(out).reshape(-1).view(np.uint8)), 0, out.nbytes, observe)
             return
         cursor = start
         for run in self._runs(rank, group, key, start, start + out.size):
-            out[cursor - start : run.start - start] = 0
+            self._fill_zeros(out, cursor - start, run.start - start, observe)
             into = out[run.start - start : run.end - start]
             if run.path is None:
                 self._read_param_into(run.name, run.param_start, into, key=key)
+                if observe is not None:
+                    observe_bytes(bytes_of(out), (run.start - start) * 4, (run.end - start) * 4, observe)
             else:
-                self.checkpoint.read_range_into(run.path, run.record, run.begin, into)
+                shifted = observe.after((run.start - start) * 4) if observe is not None else None
+                self.checkpoint.read_range_into(run.path, run.record, run.begin, into, shifted)
             cursor = run.end
-        out[cursor - start :] = 0
+        self._fill_zeros(out, cursor - start, out.size, observe)
+
+    @staticmethod
+    def _fill_zeros(out: np.ndarray, lo: int, hi: int, observe: Any) -> None:
+        """Elements [lo, hi) of ``out`` (fp32) are padding: zeros, observed as such."""
+        if hi <= lo:
+            return
+        out[lo:hi] = 0
+        if observe is not None:
+            observe_bytes(bytes_of(out), lo * 4, hi * 4, observe)
 
     def prefetch(self, rank: int, group: int, key: str, start: int, end: int) -> None:
         """Say that elements [start, end) of the partition of ``key`` in layout group
