@@ -15,11 +15,14 @@ apart by ReadStats and not compared.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -36,7 +39,9 @@ from zeroshard.deepspeed.checkpoint.files import read_rank_shard
 from zeroshard.deepspeed.checkpoint.paths import rank_file_paths
 from zeroshard.engine import ZeroOptimizer
 from zeroshard.torchfile.torch_records import StoredTensor
+from zeroshard.io import block_reader, checksum, digest, safetensors_io
 from zeroshard.io.dtypes import itemsize_of, to_numpy
+from zeroshard.torchfile import torch_records
 from zeroshard.io.read_stats import ReadStats
 from zeroshard.io.safetensors_io import read_header
 
@@ -249,10 +254,25 @@ NEEDED = {"native": native_needed, "universal": universal_needed, "deepspeed": d
 # ---- one load ----------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def counting_crc() -> Iterator[list[int]]:
+    """The byte counts of every CRC-32 zeroshard computes meanwhile (the checksum checks and
+    the attestation's digests), in this process."""
+    counts: list[int] = []
+    with pytest.MonkeyPatch.context() as patch:
+        for module in (block_reader, checksum, digest, safetensors_io, torch_records):
+            crc = module.crc32
+            patch.setattr(module, "crc32", lambda data, *start, crc=crc: counts.append(memoryview(data).nbytes) or crc(data, *start))
+        yield counts
+
+
 def load_case(rank: int, world: int, kind: str, path: Path, option: str, engine: ZeroOptimizer) -> dict[str, Any]:
-    """Load ``path`` into ``engine`` with ``option``; what this rank read and needs."""
+    """Load ``path`` into ``engine`` with ``option``; what this rank read and needs, and the
+    bytes it CRC'd."""
     stats = ReadStats()
-    _, attestation = load_checkpoint_attested(engine, path, stats=stats, **OPTIONS[option])
+    with counting_crc() as crc_counts:
+        _, attestation = load_checkpoint_attested(engine, path, stats=stats, **OPTIONS[option])
+    crc_bytes = sum(crc_counts)
     with open_source(path) as source:
         shared = share_checkpoint(source.info.model_entries, engine.layout, rank).mine
     full = option == "full"
@@ -264,12 +284,14 @@ def load_case(rank: int, world: int, kind: str, path: Path, option: str, engine:
         "option": option,
         "path": str(path),
         "data": stats.data,
+        "crc": crc_bytes,
         "total": stats.total,
         "ranks": stats.ranks,
         "ranks_opening": stats.ranks_opening,
         "needed": needed,
         "files": dict(stats.bytes_by_file),
         "attested": attestation.line(),
+        "rebuilt_bytes": sum(p.numel() * p.element_size() for p in engine.model.parameters() if p.requires_grad),
     }
 
 

@@ -139,11 +139,10 @@ def read_model_tensors(
 ) -> dict[str, np.ndarray]:
     """``source.model_tensor`` of each name, the arrays the caller's. A source with a
     ``model_tensors`` method of this signature reads them together (the native one in a few
-    large reads); others one by one. A source that ``observes_reads`` and has that method
-    also puts in ``digests`` each one's ``(address, nbytes, digest)``, from the CRCs its read
-    computes."""
+    large reads); others one by one. A source that ``digests_model_tensors`` also puts in
+    ``digests`` each one's ``(address, nbytes, digest)``, from the CRCs its read computes."""
     read_all = getattr(source, "model_tensors", None)
-    if digests is not None and read_all is not None and getattr(source, "observes_reads", False):
+    if digests is not None and getattr(source, "digests_model_tensors", False):
         return read_all(names, digests)
     if read_all is not None:
         return read_all(names)

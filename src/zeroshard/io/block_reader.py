@@ -39,7 +39,7 @@ import numpy as np
 from .checksum import FileRecord
 from .damage import CheckpointDamagedError
 from . import direct_reads
-from .digest import FUSED, combine, crc32
+from .digest import FUSED, combine, crc32, shift, zeros_crc
 from .direct_reads import ALIGN, ReadAhead, advise, open_direct, worth_reading_direct
 from .dtypes import from_bytes
 from .host_memory import MappingAhead, populate
@@ -386,15 +386,19 @@ class RangeReader:
         self._ahead.close()
 
 
-def observe_bytes(view: memoryview, lo: int, hi: int, observe: Any, at: int = 0) -> None:
+def observe_bytes(view: memoryview, lo: int, hi: int, observe: Any, at: int = 0) -> int:
     """Hand ``observe`` the CRC of each segment of ``view[lo:hi]`` (its offsets: ``at`` + the
-    offset in ``view``), cut where it asks."""
-    position = lo
+    offset in ``view``), cut where it asks. Returns the raw CRC of ``view[lo:hi]``
+    (:func:`..digest.raw_crc`), from the segments' CRCs."""
+    position, raw = lo, 0
     for cut in [*observe.cuts(lo + at, hi + at), hi + at]:
         stop = min(cut - at, hi)
         if stop > position:
-            observe.segment(position + at, stop - position, crc32(view[position:stop]))
+            crc = crc32(view[position:stop])
+            observe.segment(position + at, stop - position, crc)
+            raw = shift(raw, stop - position) ^ crc ^ zeros_crc(stop - position)
             position = stop
+    return raw
 
 
 def _check_observed(

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
 from ..io.budget import named
-from ..io.digest import raw_crc
+from ..io.block_reader import observe_bytes
+from ..io.digest import raw_crc, shift
 from ..io.dtypes import itemsize_of
 from ..io import direct_reads
 from ..io.direct_reads import ALIGN, ReadAhead, worth_reading_direct
@@ -39,12 +41,15 @@ def read_shared(
     together: SharedRecordChecks,
     needed: Callable[[], ByteRuns],
     ahead: ReadAhead | None = None,
+    observe: Any = None,
 ) -> None:
     """Elements ``[start, start + out.size)`` of the contiguous tensor ``saved`` straight
     into ``out`` (a contiguous 1-D array of its dtype), and the gaps of its record this rank
     owns; the raw CRC of each goes to ``together.terms``. ``needed()``: the bytes of the
     record that the load needs (asked once per record). ``ahead``: reads past the page cache
-    where the range is big and not cached (announced before, or read now)."""
+    where the range is big and not cached (announced before, or read now). ``observe`` (a
+    digester, offsets in ``out``'s bytes) gets the CRC of every segment of ``out``, from the
+    same pass."""
     saved.check_into(start, out)
     storage = saved.storage
     buffer = memoryview(out.view(np.uint8))
@@ -54,9 +59,13 @@ def read_shared(
     try:
         fd = os.open(storage.path, os.O_RDONLY | NONBLOCK)
         try:
-            raw = 0  # the raw CRC of no bytes
+            raw, position = 0, 0  # the raw CRC of no bytes
             for chunk in _arrivals(storage, fd, begin, buffer, ahead):
-                raw = raw_crc(chunk, raw)
+                if observe is None:
+                    raw = raw_crc(chunk, raw)
+                else:
+                    raw = shift(raw, len(chunk)) ^ observe_bytes(chunk, 0, len(chunk), observe, position)
+                position += len(chunk)
             together.terms.add(key, storage.record_size, storage.crc32, begin, end, raw)
             for gap_begin, gap_end in together.gaps(key, storage.record_size, begin, end, needed):
                 gap = span_crc(storage, fd, gap_begin, gap_end, _ALL_ONES) ^ _ALL_ONES

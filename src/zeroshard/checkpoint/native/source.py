@@ -37,7 +37,8 @@ class NativeSource:
     """An opened native checkpoint, read range by range (the ShardSource protocol)."""
 
     kind = NATIVE_KIND
-    observes_reads = True  # read_into and model_tensors digest what they read (``observe``, ``digests``)
+    observes_reads = True  # read_into digests what it reads (``observe``)
+    digests_model_tensors = True  # and model_tensors (``digests``)
 
     def __init__(self, checkpoint: str | os.PathLike[str] | Checkpoint, *, stats: ReadStats | None = None) -> None:
         self.checkpoint = open_checkpoint(checkpoint)

@@ -41,6 +41,7 @@ from .pickled import DeepSpeedFormatError
 from ...torchfile.torch_file import StoredTensor, TorchFileError
 from ...torchfile.record_cache import RecordCache, record_elements
 from ...torchfile.shared_reads import announce, read_shared, record_key
+from ...io.block_reader import observe_bytes
 from ...io.direct_reads import ReadAhead
 from ...io.shared_checks import NeededElements, RecordTerms, SharedRecordChecks
 from ...checkpoint.reshard import JobReads
@@ -55,6 +56,8 @@ class RankTensors:
 
 class DeepSpeedSource:
     """A DeepSpeed ZeRO-1/2 checkpoint read range by range (the ShardSource protocol)."""
+
+    observes_reads = True  # read_into digests what it reads (``observe``)
 
     def __init__(self, tag_dir: Path) -> None:
         self.path = tag_dir
@@ -118,7 +121,7 @@ class DeepSpeedSource:
         except TorchFileError as err:
             raise DeepSpeedFormatError(str(err)) from None
 
-    def read_into(self, rank: int, group: int, key: str, start: int, out: np.ndarray) -> None:
+    def read_into(self, rank: int, group: int, key: str, start: int, out: np.ndarray, observe: Any = None) -> None:
         """:meth:`read` into the 1-D array ``out``: an fp32 partition read straight into its
         memory (the record's CRC-32 checked on the bytes as they arrive when it covers the
         record), without the mapping and the copy out of it that :meth:`read` costs.
@@ -127,26 +130,32 @@ class DeepSpeedSource:
         range is read alone, its CRC combined with the other ranks'; otherwise a part of a
         record comes from the record read once and kept for the load's other ranges of it
         (:class:`~...torchfile.record_cache.RecordCache`); :meth:`read`, which converters
-        use parameter by parameter, keeps nothing."""
+        use parameter by parameter, keeps nothing. ``observe`` (a digester, offsets in
+        ``out``'s bytes) gets the CRC of every segment of ``out``: of a range read alone,
+        from the pass that computes its CRC for the record's check."""
         end = start + out.size
         saved = self._saved(rank, group, key, start, end)
         if out.dtype != np.float32 or saved.dtype != "float32" or not saved.is_contiguous():
             out[...] = self.read(rank, group, key, start, end)  # checks the whole record
             if self._together is not None and isinstance(saved, StoredTensor):
                 self._together.terms.whole.add(record_key(saved.storage))
+            _observe_all(out, 0, observe)
             return
         stop = max(start, min(end, saved.numel())) if key == "fp32" else end  # fp32: saved without tail padding
         with _named_errors():
             if self._together is not None:
                 if stop > start:
-                    read_shared(saved, start, out[: stop - start], self._together, lambda: self._needed(saved), self._ahead)
+                    needed = lambda: self._needed(saved)  # noqa: E731
+                    read_shared(saved, start, out[: stop - start], self._together, needed, self._ahead, observe)
             else:
                 kept = self._records.elements(saved, start, stop)
                 if kept is not None:
                     out[: stop - start] = kept
                 else:
                     saved.read_into(start, out[: stop - start])
+                _observe_all(out[: stop - start], 0, observe)
         out[stop - start :] = 0
+        _observe_all(out[stop - start :], (stop - start) * out.itemsize, observe)
 
     def prefetch(self, rank: int, group: int, key: str, start: int, end: int) -> None:
         """Say that :meth:`read_into` of elements [start, end) of ``rank``'s partition of
@@ -286,6 +295,13 @@ def _named_errors() -> Iterator[None]:
         yield
     except TorchFileError as err:
         raise DeepSpeedFormatError(str(err)) from None
+
+
+def _observe_all(out: np.ndarray, at: int, observe: Any) -> None:
+    """Hand ``observe`` the CRCs of ``out``'s bytes, which lie at byte ``at`` of the array it
+    observes: a pass of their own, for reads whose checks computed none over them."""
+    if observe is not None and out.size:
+        observe_bytes(memoryview(np.ascontiguousarray(out).reshape(-1).view(np.uint8)), 0, out.nbytes, observe, at)
 
 
 def _read_zero_extended(saved: StoredTensor, start: int, end: int) -> np.ndarray:
