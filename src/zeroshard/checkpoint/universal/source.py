@@ -108,21 +108,21 @@ class UniversalSource(PackedSource):
             if run.path is None:
                 self._read_param_into(run.name, run.param_start, into, key=key)
                 if observe is not None:
-                    observe_bytes(bytes_of(out), (run.start - start) * 4, (run.end - start) * 4, observe)
+                    observe_bytes(bytes_of(out), (run.start - start) * out.itemsize, (run.end - start) * out.itemsize, observe)
             else:
-                shifted = observe.after((run.start - start) * 4) if observe is not None else None
+                shifted = observe.after((run.start - start) * out.itemsize) if observe is not None else None
                 self.checkpoint.read_range_into(run.path, run.record, run.begin, into, shifted)
             cursor = run.end
         self._fill_zeros(out, cursor - start, out.size, observe)
 
     @staticmethod
     def _fill_zeros(out: np.ndarray, lo: int, hi: int, observe: Any) -> None:
-        """Elements [lo, hi) of ``out`` (fp32) are padding: zeros, observed as such."""
+        """Elements [lo, hi) of ``out`` are padding: zeros, observed as such."""
         if hi <= lo:
             return
         out[lo:hi] = 0
         if observe is not None:
-            observe_bytes(bytes_of(out), lo * 4, hi * 4, observe)
+            observe_bytes(bytes_of(out), lo * out.itemsize, hi * out.itemsize, observe)
 
     def prefetch(self, rank: int, group: int, key: str, start: int, end: int) -> None:
         """Say that elements [start, end) of the partition of ``key`` in layout group

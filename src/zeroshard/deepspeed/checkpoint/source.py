@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,7 +146,7 @@ class DeepSpeedSource:
         with _named_errors():
             if self._together is not None:
                 if stop > start:
-                    needed = lambda: self._needed(saved)  # noqa: E731
+                    needed = functools.partial(self._needed, saved)
                     read_shared(saved, start, out[: stop - start], self._together, needed, self._ahead, observe)
             else:
                 kept = self._records.elements(saved, start, stop)
