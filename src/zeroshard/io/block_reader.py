@@ -389,7 +389,7 @@ class RangeReader:
 def observe_bytes(view: memoryview, lo: int, hi: int, observe: Any, at: int = 0) -> int:
     """Hand ``observe`` the CRC of each segment of ``view[lo:hi]`` (its offsets: ``at`` + the
     offset in ``view``), cut where it asks. Returns the raw CRC of ``view[lo:hi]``
-    (:func:`..digest.raw_crc`), from the segments' CRCs."""
+    (:func:`.digest.raw_crc`), from the segments' CRCs."""
     position, raw = lo, 0
     for cut in [*observe.cuts(lo + at, hi + at), hi + at]:
         stop = min(cut - at, hi)
