@@ -14,6 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zeroshard.checkpoint.attest.digests import (
+    HeldPiece,
+    JointDigester,
     PartitionDigester,
     Terms,
     array_digest,
@@ -187,6 +189,46 @@ def test_every_rank_digesting_its_partitions_gives_the_digests_of_the_logical_st
     for (name, expert), tensor in tensors.items():
         found = params[name]["fp32"] if expert is None else params[name]["fp32"][expert]
         assert found == zlib.crc32(tensor.tobytes()), (name, expert)
+
+
+@settings(max_examples=25, deadline=None)
+@given(layouts(), st.sampled_from([16, 52, 4096]), st.data())
+def test_one_pass_digests_what_it_reads_where_it_lands_and_where_it_lay(layout, block_size, draw):
+    """A load from a source without digests: one reader pass over each range feeds both the
+    digester of the partition the bytes lay in (the source's pieces) and one of where they
+    land (here: tensors cut anywhere else, at an offset), each getting exactly the terms a
+    pass of its own would give."""
+    from zeroshard.io.block_reader import RangeReader
+    from zeroshard.io.safetensors_io import read_header
+
+    tensors = logical_tensors(layout, "fp32")
+    group = layout.groups[0]
+    rank = draw.draw(st.integers(0, layout.world_size - 1))
+    partition = partition_of(layout, group, rank, tensors)
+    cuts = sorted(draw.draw(st.lists(st.integers(0, partition.size), max_size=5)))
+    ranges = [(a, b) for a, b in zip([0, *cuts], [*cuts, partition.size]) if a < b]
+    landing = draw.draw(st.integers(0, 7))  # where the stream lands in the other partition
+    splits = sorted(set(draw.draw(st.lists(st.integers(0, partition.size), max_size=6))) | {0, partition.size})
+    bounds = [(a, b) for a, b in zip(splits, splits[1:]) if a < b]  # each a tensor of its own
+    pieces = [HeldPiece(f"t{a}", None, landing + a, 0, b - a, b - a) for a, b in bounds]
+    lay, land = Terms(), Terms()
+    source = PartitionDigester(held_pieces(group, rank), "fp32", 4, lay)
+    dest = PartitionDigester(pieces, "fp32", 4, land)
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "partition.safetensors"
+        record = write_safetensors(path, [("p", partition)], block_size)
+        entry = read_header(path, record.size)["p"]
+        placed = np.zeros_like(partition)
+        reader = RangeReader(cache_bytes=block_size * 2)
+        for start, end in draw.draw(st.permutations(ranges)):
+            both = JointDigester(source.at(4 * start), dest.at(4 * (landing + start)))
+            reader.read_into(path, record, entry.begin + 4 * start, memoryview(placed[start:end].view(np.uint8)), both)
+    assert placed.tobytes() == partition.tobytes()
+    alone = Terms()
+    partition_terms(held_pieces(group, rank), "fp32", partition, alone)
+    assert lay.values == alone.values
+    found = {name: math_.finish(term, nbytes) for (name, _, _), (term, nbytes) in land.values.items()}
+    assert found == {f"t{a}": zlib.crc32(partition[a:b].tobytes()) for a, b in bounds}
 
 
 def test_a_piece_missing_or_counted_twice_is_named():

@@ -60,10 +60,11 @@ def test_the_job_reads_at_most_what_it_needs(loads, world):
     assert checked == {(kind, option) for kind in ("native", "universal", "deepspeed") for option in workers.OPTIONS}
 
 
-# CRC passes over the bytes a load reads: the check of each block, whose segment CRCs also give
-# the attestation's digests of what is held; a DeepSpeed checkpoint carries no digests, so
-# its attestation also digests what was read in the checkpoint's own layout: one pass more.
-CRC_PASSES = {"native": 1, "universal": 1, "deepspeed": 2}
+# CRC passes over the bytes a load reads: one, the check of each block or zip record, whose
+# segment CRCs also give the attestation's digests of what is held (and, a DeepSpeed
+# checkpoint carrying no digests, of what was read, in the checkpoint's own layout); plus
+# the parts of checksum blocks at a range's ends, CRC'd again (a zip record has no blocks).
+CRC_PASSES = {"native": 1.75, "universal": 1.75, "deepspeed": 1.1}
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -71,14 +72,15 @@ def test_the_job_crcs_what_it_reads_no_more_often_than_it_must(loads, world):
     """Over the job, the bytes CRC'd are the passes a kind needs over the bytes read, the
     rebuilt weights (digested once, in the parameters' dtype), and the parts of the blocks at
     a range's ends and of pieces split by the new partitions, CRC'd again for their digests
-    (under 0.6 of the bytes read here, where ranges are short against the blocks). A load
-    that digested its partitions in a pass of its own CRC'd a whole pass more (universal
-    2.1x, DeepSpeed 2.9x the bytes read)."""
+    (under 0.6 of the bytes read here, where ranges are short against the blocks; DeepSpeed
+    loads 1.013 passes in all). A load that digested its partitions in a pass of its own
+    CRC'd a whole pass more (universal 2.1x the bytes read; DeepSpeed 2.9x, then 1.97x with
+    the digests of what was read, in its layout, in a pass of their own)."""
     for records in cases(loads[world]):
         first = records[0]
         what = f"{first['kind']} {first['path'].rsplit('/', 2)[-2:]} {first['option']} at D={world}"
         data, crc = sum(r["data"] for r in records), sum(r["crc"] for r in records)
-        passes = CRC_PASSES[first["kind"]] + 0.75
+        passes = CRC_PASSES[first["kind"]]
         assert crc - first["rebuilt_bytes"] <= passes * data, (what, crc, data, first["rebuilt_bytes"])
 
 

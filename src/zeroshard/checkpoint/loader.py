@@ -326,10 +326,12 @@ def _fill(source: ShardSource, plan: GroupPlan, key: str, dest: np.ndarray, evid
     """Copy the plan's ranges of ``key`` into ``dest``, in place."""
     for copy in plan.copies:
         out = dest[copy.dest_start : copy.dest_start + copy.length]
-        observer = evidence.observer(plan.group, key, copy.dest_start, dest.dtype.itemsize)
+        read_from = (copy.source_rank, copy.source_group, copy.source_start)
+        observer = evidence.observer(plan.group, key, copy.dest_start, dest.dtype.itemsize, read_from)
         done = read_into(source, copy.source_rank, copy.source_group, key, copy.source_start, out, observer)
         evidence.observed(plan.group, key, done)
-        evidence.read(copy.source_rank, copy.source_group, key, copy.source_start, out)
+        if not done:  # else the observer digested the values as read too
+            evidence.read(copy.source_rank, copy.source_group, key, copy.source_start, out)
     return dest
 
 

@@ -13,7 +13,9 @@ rank before the engine changes, naming the parameter (and expert) and the checkp
 A source without digests (a DeepSpeed checkpoint, a native checkpoint of format version 1)
 is digested from the values as read, in the source's own coordinates, and compared with what
 the ranks hold after redistribution: that catches a range placed wrongly, not a wrong byte
-in the source itself (the files' own checksums catch those). Such a load says so once.
+in the source itself (the files' own checksums catch those). Such a load says so once. A
+source that digests its reads hands both sets of digests the CRCs of one pass
+(:class:`~.digests.JointDigester`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import numpy as np
 from ...layout import Layout
 from .digests import (
     HeldPiece,
+    JointDigester,
     PartitionDigester,
     StateDigests,
     Terms,
@@ -114,6 +117,7 @@ class Evidence:
         self._evidence: RankEvidence | None = None
         self._source_layout: Layout | None = None
         self._old_pieces: dict[tuple[int, int], tuple[list[HeldPiece], list[int]]] = {}
+        self._read_digesters: dict[tuple[int, int, str, int], PartitionDigester] = {}  # see observer
         # (new group, kind) -> the terms a source's reads handed over, whether every read did
         self._observed: dict[tuple[int, str], list] = {}
 
@@ -155,11 +159,15 @@ class Evidence:
             term, nbytes = range_term(values, position, numel)
             self._evidence.read.add((name, expert, kind), term, nbytes)
 
-    def observer(self, group: int, kind: str, dest_start: int, itemsize: int) -> PartitionDigester | None:
+    def observer(
+        self, group: int, kind: str, dest_start: int, itemsize: int, source: tuple[int, int, int] | None = None
+    ) -> PartitionDigester | JointDigester | None:
         """A digester for a read into new group ``group``'s partition of ``kind`` from element
-        ``dest_start``: a source that digests its reads (native) hands it the CRCs its checksum
-        pass computes, so :meth:`held` need not read the partition again. None where CRCs
-        cannot be combined (no zlib-ng)."""
+        ``dest_start``: a source that digests its reads hands it the CRCs its checksum pass
+        computes, so :meth:`held` need not read the partition again. ``source``: ``(old rank,
+        old group, old start)`` the read comes from; where the source has no digests the
+        digester also digests the values there (what :meth:`read` would), from the same CRCs.
+        None where CRCs cannot be combined (no zlib-ng)."""
         if not (self.enabled and FUSED):
             return None
         entry = self._observed.get((group, kind))
@@ -167,11 +175,21 @@ class Evidence:
             terms = Terms()
             pieces = held_pieces(self.layout.groups[group], self._evidence.rank, self._evidence.params)
             entry = self._observed[(group, kind)] = [terms, True, PartitionDigester(pieces, kind, itemsize, terms)]
-        return entry[2].at(dest_start * itemsize)
+        held = entry[2].at(dest_start * itemsize)
+        if not self.from_reads or source is None:
+            return held
+        source_rank, source_group, source_start = source
+        read = self._read_digesters.get((source_rank, source_group, kind, itemsize))
+        if read is None:
+            pieces, _ = self._pieces_of(source_rank, source_group)
+            read = PartitionDigester(pieces, kind, itemsize, self._evidence.read)
+            self._read_digesters[(source_rank, source_group, kind, itemsize)] = read
+        return JointDigester(held, read.at(source_start * itemsize))
 
     def observed(self, group: int, kind: str, done: bool) -> None:
         """Whether the source digested the read :meth:`observer` was asked for; one that did
-        not means :meth:`held` digests the whole partition of ``kind`` itself."""
+        not means :meth:`held` digests the whole partition of ``kind`` itself (and the
+        loader hands the values to :meth:`read`)."""
         entry = self._observed.get((group, kind))
         if entry is not None and not done:
             entry[1] = False

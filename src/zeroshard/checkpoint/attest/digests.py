@@ -244,8 +244,11 @@ class PartitionDigester:
         if index < 0 or length == 0:
             return
         piece, begin = self._pieces[index], self._starts[index]
-        if offset >= begin + piece.length * self._itemsize:
+        piece_end = begin + piece.length * self._itemsize
+        if offset >= piece_end:
             return  # padding after the piece
+        if offset + length > piece_end:  # its term would be wrong (and shifting by a negative count never ends)
+            raise ValueError(f"a segment crossing the end of {piece.name!r}'s piece at byte {piece_end}: cut it where cuts() asks")
         position = piece.position * self._itemsize + offset - begin
         trailing = piece.tensor_numel * self._itemsize - position - length
         self._terms.add((piece.name, piece.expert, self._kind), piece_term(crc ^ zeros_crc(length), trailing), length)
@@ -268,6 +271,30 @@ class PartitionDigester:
             key = (piece.name, piece.expert, self._kind)
             self._terms.add(key, piece_term(crc, trailing), piece.length * self._itemsize)
             self._next, self._running = self._next + 1, None
+
+
+class JointDigester:
+    """Several :class:`PartitionDigester` fed by one pass over the same bytes: segments are
+    cut wherever any of them asks, and each segment's CRC goes to all (a segment that no
+    boundary of one digester cuts is still within one of its pieces). A load from a source
+    without digests uses it to digest what it reads both where the bytes land and where
+    they lay in the source, from the CRCs of the source's own checks."""
+
+    def __init__(self, *digesters: PartitionDigester) -> None:
+        self._digesters = digesters
+
+    def after(self, nbytes: int) -> JointDigester:
+        """Each digester's :meth:`PartitionDigester.after`."""
+        return JointDigester(*(digester.after(nbytes) for digester in self._digesters))
+
+    def cuts(self, begin: int, end: int) -> list[int]:
+        """Where any digester's pieces start or end strictly inside (begin, end)."""
+        return sorted({cut for digester in self._digesters for cut in digester.cuts(begin, end)})
+
+    def segment(self, offset: int, length: int, crc: int) -> None:
+        """The CRC of streamed bytes [offset, offset + length), to every digester."""
+        for digester in self._digesters:
+            digester.segment(offset, length, crc)
 
 
 def tensors_digester(tensors: Mapping[str, tuple[int, int]], terms: Terms) -> PartitionDigester:
