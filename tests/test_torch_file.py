@@ -766,14 +766,46 @@ def test_read_into_fills_the_array_and_checks_the_record(tmp_path, monkeypatch, 
         load_torch_file(path)["big"].read_into(0, np.empty(4, np.float64))
 
 
+@pytest.mark.parametrize("flip", [None, 0, 1 << 19, (1 << 20) - 1])
+def test_read_of_a_record_neither_small_nor_mapped_reads_each_byte_once(tmp_path, monkeypatch, flip):
+    """read() of a range of a record too big to read whole in one pread and too small to
+    map (a DeepSpeed model file's 2 MiB frozen weight) checks the record in the pass that
+    reads the range, so the range is not read again after the check; a flipped byte before,
+    in or after the range fails it."""
+    from zeroshard.torchfile import torch_records
+
+    numel = 256 << 10  # 1 MiB of float32: over the 256 KiB read whole, under the 8 MiB mapped
+    path = tmp_path / "mid.pt"
+    torch.save({"mid": torch.arange(numel, dtype=torch.float32)}, path)
+    if flip is not None:
+        data = bytearray(path.read_bytes())
+        data[load_torch_file(path)["mid"].data_offset + flip] ^= 0x10
+        path.write_bytes(bytes(data))
+    read = []
+    original = torch_records.count_read
+    monkeypatch.setattr(torch_records, "count_read", lambda stats, name, count, **kw: read.append(count) or original(stats, name, count, **kw))
+    for start, end in ((0, numel), (3000, 103000)):
+        tensor = load_torch_file(path)["mid"]  # a new load: nothing checked yet
+        read.clear()
+        if flip is not None:
+            with pytest.raises(TorchFileError, match=r"record mid/data/0 is corrupt: its CRC-32 is "):
+                tensor.read(start, end)
+            continue
+        assert np.array_equal(tensor.read(start, end), np.arange(start, end, dtype=np.float32))
+        assert sum(read) == numel * 4, (start, end, read)  # the record once, the range not again
+        read.clear()
+        tensor.read(start, end)  # checked already in this load: the range alone
+        assert sum(read) == (end - start) * 4
+
+
 def test_records_are_checked_once_and_with_flat_memory(tmp_path, monkeypatch):
     from zeroshard.torchfile import torch_records
 
     path = tmp_path / "big.pt"
     torch.save({"big": torch.ones(6 << 20)}, path)  # 24 MiB: several CRC chunks
     calls = []
-    original = torch_records._record_crc
-    monkeypatch.setattr(torch_records, "_record_crc", lambda *args: calls.append(1) or original(*args))
+    original = torch_records._check_crc
+    monkeypatch.setattr(torch_records, "_check_crc", lambda *args: calls.append(1) or original(*args))
     tensor = load_torch_file(path)["big"]
     before = resident_bytes()
     assert float(tensor.read(5, 6)[0]) == 1.0

@@ -285,18 +285,22 @@ def span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
 
 def _read(storage: StorageRecord, dtype: str, first: int, count: int) -> np.ndarray:
     """``count`` elements of ``dtype`` from element ``first`` of a storage: mapped when big,
-    else read with pread. The record's CRC is checked first (once per load); a small record
-    is read whole, with its check, in one pread, unless the range is a small part of it (a
-    layout of many tiny parameters would read the record again for each)."""
+    the record's CRC checked first (once per load); a small record read whole, with its
+    check, in one pread, unless the range is a small part of it (a layout of many tiny
+    parameters would read the record again for each); any other range read with pread, the
+    record checked in the same pass (:func:`_read_into`), so its bytes are read once."""
     numpy_dtype = dtype_info(dtype).numpy
     begin = first * numpy_dtype.itemsize
     end = begin + count * numpy_dtype.itemsize
+    whole_read = storage.record_size <= min(_SMALL_RECORD_BYTES, _WHOLE_READS * (end - begin) + _WHOLE_BYTES)
+    if end - begin < MAP_BYTES and not whole_read:
+        out = np.empty(count, numpy_dtype)
+        _read_into(storage, begin, out)
+        return out
     try:
         fd = os.open(storage.path, os.O_RDONLY | NONBLOCK)
         try:
-            record = storage.record_size
-            whole_read = record <= min(_SMALL_RECORD_BYTES, _WHOLE_READS * (end - begin) + _WHOLE_BYTES)
-            if end - begin < MAP_BYTES and whole_read:
+            if end - begin < MAP_BYTES:
                 whole = _checked_record(storage, fd)
                 return np.frombuffer(memoryview(whole)[begin:end], numpy_dtype).copy()
             verify_record(storage, fd)
