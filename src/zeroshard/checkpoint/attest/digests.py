@@ -247,8 +247,10 @@ class PartitionDigester:
         piece_end = begin + piece.length * self._itemsize
         if offset >= piece_end:
             return  # padding after the piece
-        if offset + length > piece_end:  # its term would be wrong (and shifting by a negative count never ends)
-            raise ValueError(f"a segment crossing the end of {piece.name!r}'s piece at byte {piece_end}: cut it where cuts() asks")
+        if offset + length > piece_end:  # its term would be wrong (and a shift by a negative count never ends)
+            raise ValueError(
+                f"a segment crossing the end of {piece.name!r}'s piece at byte {piece_end}: cut it where cuts() asks"
+            )
         position = piece.position * self._itemsize + offset - begin
         trailing = piece.tensor_numel * self._itemsize - position - length
         self._terms.add((piece.name, piece.expert, self._kind), piece_term(crc ^ zeros_crc(length), trailing), length)
