@@ -737,17 +737,8 @@ def test_read_into_fills_the_array_and_checks_the_record(tmp_path, monkeypatch, 
     """read_into equals read; it checks the record's CRC in the same pass (the bytes before
     the range, the range as it lands in the array, the bytes after), so each byte of the
     record is read once; a flipped byte before, in or after the range fails it."""
-    from zeroshard.torchfile import torch_records
-
-    path = tmp_path / "big.pt"
-    torch.save({"big": torch.arange(6 << 20, dtype=torch.float32)}, path)  # 24 MiB: many chunks
-    if flip is not None:
-        data = bytearray(path.read_bytes())
-        data[load_torch_file(path)["big"].data_offset + flip] ^= 0x10
-        path.write_bytes(bytes(data))
-    read = []
-    original = torch_records.count_read
-    monkeypatch.setattr(torch_records, "count_read", lambda stats, name, count, **kw: read.append(count) or original(stats, name, count, **kw))
+    path = arange_file(tmp_path, "big", 6 << 20, flip)  # 24 MiB: many chunks
+    read = counted_reads(monkeypatch)
     for start, count in ((0, 6 << 20), (3, 1000), (3 << 20, 3 << 20)):  # the whole record, then parts of it
         tensor = load_torch_file(path)["big"]  # a new load: nothing checked yet
         out = np.empty(count, np.float32)
@@ -772,18 +763,9 @@ def test_read_of_a_record_neither_small_nor_mapped_reads_each_byte_once(tmp_path
     map (a DeepSpeed model file's 2 MiB frozen weight) checks the record in the pass that
     reads the range, so the range is not read again after the check; a flipped byte before,
     in or after the range fails it."""
-    from zeroshard.torchfile import torch_records
-
     numel = 256 << 10  # 1 MiB of float32: over the 256 KiB read whole, under the 8 MiB mapped
-    path = tmp_path / "mid.pt"
-    torch.save({"mid": torch.arange(numel, dtype=torch.float32)}, path)
-    if flip is not None:
-        data = bytearray(path.read_bytes())
-        data[load_torch_file(path)["mid"].data_offset + flip] ^= 0x10
-        path.write_bytes(bytes(data))
-    read = []
-    original = torch_records.count_read
-    monkeypatch.setattr(torch_records, "count_read", lambda stats, name, count, **kw: read.append(count) or original(stats, name, count, **kw))
+    path = arange_file(tmp_path, "mid", numel, flip)
+    read = counted_reads(monkeypatch)
     for start, end in ((0, numel), (3000, 103000)):
         tensor = load_torch_file(path)["mid"]  # a new load: nothing checked yet
         read.clear()
@@ -796,6 +778,33 @@ def test_read_of_a_record_neither_small_nor_mapped_reads_each_byte_once(tmp_path
         read.clear()
         tensor.read(start, end)  # checked already in this load: the range alone
         assert sum(read) == (end - start) * 4
+
+
+def arange_file(tmp_path: Path, name: str, numel: int, flip: int | None) -> Path:
+    """``torch.save`` of ``{name: arange(numel)}`` (float32), the byte ``flip`` of its data
+    (if given) flipped."""
+    path = tmp_path / f"{name}.pt"
+    torch.save({name: torch.arange(numel, dtype=torch.float32)}, path)
+    if flip is not None:
+        data = bytearray(path.read_bytes())
+        data[load_torch_file(path)[name].data_offset + flip] ^= 0x10
+        path.write_bytes(bytes(data))
+    return path
+
+
+def counted_reads(monkeypatch) -> list[int]:
+    """The byte counts of every read of a torch file's records from now on, in order."""
+    from zeroshard.torchfile import torch_records
+
+    read: list[int] = []
+    original = torch_records.count_read
+
+    def counting(stats, name, count, **options):
+        read.append(count)
+        original(stats, name, count, **options)
+
+    monkeypatch.setattr(torch_records, "count_read", counting)
+    return read
 
 
 def test_records_are_checked_once_and_with_flat_memory(tmp_path, monkeypatch):
