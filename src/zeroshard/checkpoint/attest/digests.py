@@ -238,7 +238,9 @@ class PartitionDigester:
 
     def segment(self, offset: int, length: int, crc: int) -> None:
         """Streamed bytes [offset, offset + length), which no piece boundary cuts, have
-        ``zlib.crc32`` value ``crc``: the term of that run of its piece (none for padding)."""
+        ``zlib.crc32`` value ``crc``: the term of that run of its piece (none for padding).
+        ValueError for a run that crosses the end of its piece (not cut where :meth:`cuts`
+        asks)."""
         offset += self._base
         index = bisect.bisect_right(self._starts, offset) - 1
         if index < 0 or length == 0:
