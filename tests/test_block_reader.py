@@ -8,6 +8,7 @@ of edge blocks. ``NativeSource.model_tensors`` reads neighbouring tensors in one
 from __future__ import annotations
 
 import itertools
+import zlib
 
 import numpy as np
 import pytest
@@ -210,3 +211,41 @@ def test_loaded_state_equals_the_saved_one_and_owns_writable_memory(saved, world
             assert tensor.is_contiguous() and tensor.data_ptr() % tensor.element_size() == 0, name
         tensor = loaded.model_state["e"]
         tensor.add_(1)  # writable: torch would warn on a read-only buffer
+
+
+@pytest.mark.parametrize("begin, end", [(500, 4500), (10, 20), (2500, 2600), (3000, 10_500)])
+def test_an_edge_block_read_now_gives_its_parts_crcs_from_its_check(payload_file, monkeypatch, begin, end):
+    """A range's digests come from the CRCs of its blocks' checks: an edge block read whole
+    (the range holds part of it) is cut at the part's ends, not CRC'd again for the part; a
+    second read of a neighbouring range, its edge block from the cache, CRCs just its part.
+    The digester's terms combine to the CRC of the range either way."""
+    from zeroshard.checkpoint.attest.digests import HeldPiece, PartitionDigester, Terms
+    from zeroshard.io import digest as digest_math
+
+    path, payload, record = payload_file
+    from zeroshard.io import checksum
+
+    crcd = []
+    for module in (block_reader, checksum):  # every CRC the reader and the blocks' checks take
+        original = module.crc32
+        counting = lambda data, *more, crc32=original: crcd.append(len(memoryview(data))) or crc32(data, *more)  # noqa: E731
+        monkeypatch.setattr(module, "crc32", counting)
+    blocks = record.blocks_covering(begin, end)
+    read_bytes = record.block_range(blocks[-1])[1] - record.block_range(blocks[0])[0]
+    reader = RangeReader()
+    for lo, hi in ((begin, end), (end, min(end + 300, len(payload)))):
+        if hi <= lo:
+            continue
+        terms = Terms()
+        observe = PartitionDigester([HeldPiece("r", None, 0, 0, hi - lo, hi - lo)], "fp32", 1, terms)
+        crcd.clear()
+        out = np.empty(hi - lo, dtype=np.uint8)
+        reader.read_into(path, record, lo, memoryview(out), observe)
+        assert out.tobytes() == payload[lo:hi]
+        (term, nbytes), = terms.values.values()
+        assert digest_math.finish(term, nbytes) == zlib.crc32(payload[lo:hi])
+        if lo == begin:
+            assert sum(crcd) == read_bytes, (crcd, read_bytes)  # each block's bytes CRC'd once
+        else:
+            first = record.block_range(record.blocks_covering(lo, hi)[0])
+            assert sum(crcd) <= (hi - lo) + (first[1] - first[0]), crcd  # the cached edge's part again, at most

@@ -63,7 +63,9 @@ def test_the_job_reads_at_most_what_it_needs(loads, world):
 # CRC passes over the bytes a load reads: one, the check of each block or zip record, whose
 # segment CRCs also give the attestation's digests of what is held (and, a DeepSpeed
 # checkpoint carrying no digests, of what was read, in the checkpoint's own layout); plus
-# the parts of checksum blocks at a range's ends, CRC'd again (a zip record has no blocks).
+# the parts of checksum blocks at a range's ends that were checked without them (from the
+# edge cache, or read alone and checked with the other ranks), CRC'd again (a zip record
+# has no blocks).
 CRC_PASSES = {"native": 1.75, "universal": 1.75, "deepspeed": 1.1}
 
 

@@ -188,11 +188,15 @@ class RangeReader:
             self._shared.mark_whole(path, index)
 
     def _copy_edge(self, path: Path, record: FileRecord, index: int, begin: int, out: memoryview, observe: Any = None) -> None:
-        """Copy the part of block ``index`` that ``out`` (bytes from ``begin``) holds."""
+        """Copy the part of block ``index`` that ``out`` (bytes from ``begin``) holds. A block
+        read now hands ``observe`` its part's CRCs from the block's check; one from the
+        cache (checked by the neighbouring range) has its part CRC'd again."""
         block_start, block_end = record.block_range(index)
         lo, hi = max(begin, block_start), min(begin + len(out), block_end)
-        out[lo - begin : hi - begin] = self._edge_block(path, record, index)[lo - block_start : hi - block_start]
-        if observe is not None:
+        part = None if observe is None else _PartObserver(observe, lo - block_start, hi - block_start, block_start - begin)
+        block, observed = self._edge_block(path, record, index, part)
+        out[lo - begin : hi - begin] = block[lo - block_start : hi - block_start]
+        if observe is not None and not observed:
             observe_bytes(out, lo - begin, hi - begin, observe)
 
     def _read_checked(
@@ -298,20 +302,23 @@ class RangeReader:
     def _spans(self, record: FileRecord, first: int, last: int) -> list[tuple[int, int]]:
         return [(begin, end) for _, _, begin, end in _chunks(record, first, last, self._ahead.slot_bytes)]
 
-    def _edge_block(self, path: Path, record: FileRecord, index: int) -> memoryview:
-        """Block ``index`` of ``path``, checked: from the cache, or read and kept there."""
+    def _edge_block(self, path: Path, record: FileRecord, index: int, observe: Any = None) -> tuple[memoryview, bool]:
+        """Block ``index`` of ``path``, checked: from the cache, or read and kept there; and
+        whether ``observe`` (offsets in the block) got the CRCs of the read's check, which
+        it does where the block is read now and CRCs can be combined."""
         key = (str(path), index)
         cached = self._cache.get(key)
         if cached is not None:
             self._cache.move_to_end(key)
-            return memoryview(cached)
+            return memoryview(cached), False
         begin, end = record.block_range(index)
         block = memoryview(np.empty(end - begin, dtype=np.uint8))
-        self._read_checked(path, record, index, index, block, alone=True)
+        observe = observe if FUSED else None
+        self._read_checked(path, record, index, index, block, observe, alone=True)
         self._mark_whole(path, index)
         block = block.toreadonly()
         self._store(key, block)
-        return block
+        return block, observe is not None
 
     def _copy(self, path: Path, record: FileRecord, first: int, last: int, span_start: int, span_end: int) -> memoryview:
         """Blocks first..last of ``path`` read into a new buffer and checked, the edge
@@ -384,6 +391,25 @@ class RangeReader:
         self._cache.clear()
         self._cached = 0
         self._ahead.close()
+
+
+class _PartObserver:
+    """An observer of a whole block that passes on to ``observe`` only the segments of its
+    part [lo, hi) (block offsets), at offset + ``shift`` in ``observe``'s coordinates: the
+    block's check is cut at the part's ends and wherever ``observe`` asks within it."""
+
+    def __init__(self, observe: Any, lo: int, hi: int, shift: int) -> None:
+        self._observe, self._lo, self._hi, self._shift = observe, lo, hi, shift
+
+    def cuts(self, begin: int, end: int) -> list[int]:
+        ends = [bound for bound in (self._lo, self._hi) if begin < bound < end]
+        lo, hi = max(begin, self._lo), min(end, self._hi)
+        inner = [cut - self._shift for cut in self._observe.cuts(lo + self._shift, hi + self._shift)] if lo < hi else []
+        return sorted({*ends, *inner})
+
+    def segment(self, offset: int, length: int, crc: int) -> None:
+        if self._lo <= offset and offset + length <= self._hi:
+            self._observe.segment(offset + self._shift, length, crc)
 
 
 def observe_bytes(view: memoryview, lo: int, hi: int, observe: Any, at: int = 0) -> int:
