@@ -39,7 +39,7 @@ from zeroshard.deepspeed.checkpoint.files import read_rank_shard
 from zeroshard.deepspeed.checkpoint.paths import rank_file_paths
 from zeroshard.engine import ZeroOptimizer
 from zeroshard.torchfile.torch_records import StoredTensor
-from zeroshard.io import block_reader, checksum, digest, safetensors_io
+from zeroshard.io import block_reader, checksum, digest, observe, safetensors_io
 from zeroshard.io.dtypes import itemsize_of, to_numpy
 from zeroshard.torchfile import torch_records
 from zeroshard.io.read_stats import ReadStats
@@ -260,7 +260,7 @@ def counting_crc() -> Iterator[list[int]]:
     the attestation's digests), in this process."""
     counts: list[int] = []
     with pytest.MonkeyPatch.context() as patch:
-        for module in (block_reader, checksum, digest, safetensors_io, torch_records):
+        for module in (block_reader, checksum, digest, observe, safetensors_io, torch_records):
             crc = module.crc32
             patch.setattr(module, "crc32", lambda data, *start, crc=crc: counts.append(memoryview(data).nbytes) or crc(data, *start))
         yield counts

@@ -223,10 +223,10 @@ def test_an_edge_block_read_now_gives_its_parts_crcs_from_its_check(payload_file
     from zeroshard.io import digest as digest_math
 
     path, payload, record = payload_file
-    from zeroshard.io import checksum
+    from zeroshard.io import checksum, observe
 
     crcd = []
-    for module in (block_reader, checksum):  # every CRC the reader and the blocks' checks take
+    for module in (block_reader, checksum, observe):  # every CRC the reader and the blocks' checks take
         original = module.crc32
         counting = lambda data, *more, crc32=original: crcd.append(len(memoryview(data))) or crc32(data, *more)  # noqa: E731
         monkeypatch.setattr(module, "crc32", counting)

@@ -340,10 +340,10 @@ def test_a_universal_load_checks_and_digests_what_it_reads_in_one_crc_pass(tmp_p
     from the masters (bf16, digested once), not twice the bytes read (2.2x at 45m before)."""
     from zeroshard.checkpoint.attest.attested import attested_load
     from zeroshard.checkpoint.shared_module import share_checkpoint
-    from zeroshard.io import block_reader, checksum, digest, safetensors_io
+    from zeroshard.io import block_reader, checksum, digest, observe, safetensors_io
 
     crc_bytes = []
-    for module in (block_reader, checksum, digest, safetensors_io):
+    for module in (block_reader, checksum, digest, observe, safetensors_io):
         monkeypatch.setattr(module, "crc32", lambda data, *start, crc=module.crc32: crc_bytes.append(memoryview(data).nbytes) or crc(data, *start))
     specs = [[ParamSpec.of("w", (64, 48), "bf16"), ParamSpec.of("v", (96, 33), "bf16")], [ParamSpec.of("b", (48,), "bf16"), ParamSpec.of("c", (33,), "bf16")]]
     native = save_synthetic(tmp_path / "a", build_layout(specs, 4, NATIVE), block_size=64)

@@ -39,10 +39,11 @@ import numpy as np
 from .checksum import FileRecord
 from .damage import CheckpointDamagedError
 from . import direct_reads
-from .digest import FUSED, combine, crc32, shift, zeros_crc
+from .digest import FUSED, combine, crc32
 from .direct_reads import ALIGN, ReadAhead, advise, open_direct, worth_reading_direct
 from .dtypes import from_bytes
 from .host_memory import MappingAhead, populate
+from .observe import PartObserver, observe_bytes
 from .members import open_member
 from .read_stats import ReadStats, count_read
 from .safetensors_io import check_blocks, map_range, pread_into
@@ -193,7 +194,7 @@ class RangeReader:
         cache (checked by the neighbouring range) has its part CRC'd again."""
         block_start, block_end = record.block_range(index)
         lo, hi = max(begin, block_start), min(begin + len(out), block_end)
-        part = None if observe is None else _PartObserver(observe, lo - block_start, hi - block_start, block_start - begin)
+        part = None if observe is None else PartObserver(observe, lo - block_start, hi - block_start, block_start - begin)
         block, observed = self._edge_block(path, record, index, part)
         out[lo - begin : hi - begin] = block[lo - block_start : hi - block_start]
         if observe is not None and not observed:
@@ -391,40 +392,6 @@ class RangeReader:
         self._cache.clear()
         self._cached = 0
         self._ahead.close()
-
-
-class _PartObserver:
-    """An observer of a whole block that passes on to ``observe`` only the segments of its
-    part [lo, hi) (block offsets), at offset + ``shift`` in ``observe``'s coordinates: the
-    block's check is cut at the part's ends and wherever ``observe`` asks within it."""
-
-    def __init__(self, observe: Any, lo: int, hi: int, shift: int) -> None:
-        self._observe, self._lo, self._hi, self._shift = observe, lo, hi, shift
-
-    def cuts(self, begin: int, end: int) -> list[int]:
-        ends = [bound for bound in (self._lo, self._hi) if begin < bound < end]
-        lo, hi = max(begin, self._lo), min(end, self._hi)
-        inner = [cut - self._shift for cut in self._observe.cuts(lo + self._shift, hi + self._shift)] if lo < hi else []
-        return sorted({*ends, *inner})
-
-    def segment(self, offset: int, length: int, crc: int) -> None:
-        if self._lo <= offset and offset + length <= self._hi:
-            self._observe.segment(offset + self._shift, length, crc)
-
-
-def observe_bytes(view: memoryview, lo: int, hi: int, observe: Any, at: int = 0) -> int:
-    """Hand ``observe`` the CRC of each segment of ``view[lo:hi]`` (its offsets: ``at`` + the
-    offset in ``view``), cut where it asks. Returns the raw CRC of ``view[lo:hi]``
-    (:func:`.digest.raw_crc`), from the segments' CRCs."""
-    position, raw = lo, 0
-    for cut in [*observe.cuts(lo + at, hi + at), hi + at]:
-        stop = min(cut - at, hi)
-        if stop > position:
-            crc = crc32(view[position:stop])
-            observe.segment(position + at, stop - position, crc)
-            raw = shift(raw, stop - position) ^ crc ^ zeros_crc(stop - position)
-            position = stop
-    return raw
 
 
 def _check_observed(

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..io.budget import named
-from ..io.block_reader import observe_bytes
+from ..io.observe import observe_bytes
 from ..io.digest import raw_crc, shift
 from ..io.dtypes import itemsize_of
 from ..io import direct_reads

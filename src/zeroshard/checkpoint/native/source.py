@@ -18,7 +18,8 @@ import numpy as np
 from ..format import LATEST_FILE, MANIFEST_FILE, MODEL_FILE, fp32_key, rank_file_name, scalar_key, state_key
 from ..formats import SourceFormat
 from ..attest.digests import Terms, finished, tensors_digester
-from ...io.block_reader import RangeReader, array_view, bytes_of, observe_bytes
+from ...io.block_reader import RangeReader, array_view, bytes_of
+from ...io.observe import observe_bytes
 from ...io.checksum import FileRecord
 from ...io.dtypes import dtype_info, itemsize_of, to_float32
 from ...io.safetensors_io import ReadStats, TensorEntry, check_entries, read_header

@@ -25,7 +25,8 @@ import numpy as np
 
 from ...layout import Layout, build_layout
 from ...state import ParamGroupState
-from ...io.block_reader import bytes_of, observe_bytes
+from ...io.block_reader import bytes_of
+from ...io.observe import observe_bytes
 from ...io.dtypes import cast
 from ...io.checksum import FileRecord
 from ...io.safetensors_io import ReadStats

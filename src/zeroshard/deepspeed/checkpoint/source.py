@@ -42,7 +42,7 @@ from .pickled import DeepSpeedFormatError
 from ...torchfile.torch_file import StoredTensor, TorchFileError
 from ...torchfile.record_cache import RecordCache, record_elements
 from ...torchfile.shared_reads import announce, read_shared, record_key
-from ...io.block_reader import observe_bytes
+from ...io.observe import observe_bytes
 from ...io.direct_reads import ReadAhead
 from ...io.shared_checks import NeededElements, RecordTerms, SharedRecordChecks
 from ...checkpoint.reshard import JobReads
