@@ -213,31 +213,43 @@ def test_loaded_state_equals_the_saved_one_and_owns_writable_memory(saved, world
         tensor.add_(1)  # writable: torch would warn on a read-only buffer
 
 
+def counted_crcs(monkeypatch) -> list[int]:
+    """The lengths of every CRC the reader, the blocks' checks and the observers take from now on."""
+    from zeroshard.io import checksum, digest, observe
+
+    crcd: list[int] = []
+    for module in (block_reader, checksum, observe, digest):
+        original = module.crc32
+        counting = lambda data, *more, crc32=original: crcd.append(len(memoryview(data))) or crc32(data, *more)  # noqa: E731
+        monkeypatch.setattr(module, "crc32", counting)
+    return crcd
+
+
+def range_digester(length: int):
+    """A digester of one piece of ``length`` bytes, and the terms it fills."""
+    from zeroshard.checkpoint.attest.digests import HeldPiece, PartitionDigester, Terms
+
+    terms = Terms()
+    return PartitionDigester([HeldPiece("r", None, 0, 0, length, length)], "fp32", 1, terms), terms
+
+
 @pytest.mark.parametrize("begin, end", [(500, 4500), (10, 20), (2500, 2600), (3000, 10_500)])
 def test_an_edge_block_read_now_gives_its_parts_crcs_from_its_check(payload_file, monkeypatch, begin, end):
     """A range's digests come from the CRCs of its blocks' checks: an edge block read whole
     (the range holds part of it) is cut at the part's ends, not CRC'd again for the part; a
     second read of a neighbouring range, its edge block from the cache, CRCs just its part.
     The digester's terms combine to the CRC of the range either way."""
-    from zeroshard.checkpoint.attest.digests import HeldPiece, PartitionDigester, Terms
     from zeroshard.io import digest as digest_math
 
     path, payload, record = payload_file
-    from zeroshard.io import checksum, observe
-
-    crcd = []
-    for module in (block_reader, checksum, observe):  # every CRC the reader and the blocks' checks take
-        original = module.crc32
-        counting = lambda data, *more, crc32=original: crcd.append(len(memoryview(data))) or crc32(data, *more)  # noqa: E731
-        monkeypatch.setattr(module, "crc32", counting)
+    crcd = counted_crcs(monkeypatch)
     blocks = record.blocks_covering(begin, end)
     read_bytes = record.block_range(blocks[-1])[1] - record.block_range(blocks[0])[0]
     reader = RangeReader()
     for lo, hi in ((begin, end), (end, min(end + 300, len(payload)))):
         if hi <= lo:
             continue
-        terms = Terms()
-        observe = PartitionDigester([HeldPiece("r", None, 0, 0, hi - lo, hi - lo)], "fp32", 1, terms)
+        observe, terms = range_digester(hi - lo)
         crcd.clear()
         out = np.empty(hi - lo, dtype=np.uint8)
         reader.read_into(path, record, lo, memoryview(out), observe)
@@ -249,3 +261,36 @@ def test_an_edge_block_read_now_gives_its_parts_crcs_from_its_check(payload_file
         else:
             first = record.block_range(record.blocks_covering(lo, hi)[0])
             assert sum(crcd) <= (hi - lo) + (first[1] - first[0]), crcd  # the cached edge's part again, at most
+
+
+@pytest.mark.parametrize("begin, end", [(500, 4500), (10, 20), (2500, 2600), (3000, 10_500), (1000, 3000)])
+def test_an_edge_part_checked_with_the_other_ranks_is_crcd_once(payload_file, monkeypatch, begin, end):
+    """In a load whose ranks check edge blocks together, a range's edge parts are read alone:
+    one CRC of each part gives both the load's record terms and the range's digests. Every
+    byte of the file is needed by some rank (no gaps to read), so the reader CRCs exactly the
+    range: fails with the part CRC'd twice (once for each)."""
+    from zeroshard.io import digest as digest_math
+    from zeroshard.io.shared_checks import RecordTerms, SharedRecordChecks, record_problems
+
+    path, payload, record = payload_file
+    crcd = counted_crcs(monkeypatch)
+    reader, checks = RangeReader(), SharedRecordChecks(RecordTerms())
+    reader.check_with_others(checks, lambda _: [(0, len(payload))])
+    observe, terms = range_digester(end - begin)
+    out = np.empty(end - begin, dtype=np.uint8)
+    reader.read_into(path, record, begin, memoryview(out), observe)
+    assert out.tobytes() == payload[begin:end]
+    (term, nbytes), = terms.values.values()
+    assert digest_math.finish(term, nbytes) == zlib.crc32(payload[begin:end])
+    assert sum(crcd) == end - begin, crcd
+    # The other ranks' parts: the rest of the file, their terms combined with this rank's.
+    others = SharedRecordChecks(RecordTerms())
+    for lo, hi in ((0, begin), (end, len(payload))):
+        for index in record.blocks_covering(lo, hi) if hi > lo else ():
+            block_start, block_end = record.block_range(index)
+            part_lo, part_hi = max(lo, block_start), min(hi, block_end)
+            if (part_lo, part_hi) != (block_start, block_end):
+                key = (str(path), f"checksum block {index}")
+                crc = digest_math.raw_crc(payload[part_lo:part_hi])
+                others.terms.add(key, block_end - block_start, record.crc32[index], part_lo - block_start, part_hi - block_start, crc)
+    assert record_problems([checks.terms, others.terms]) == []

@@ -63,10 +63,11 @@ def test_the_job_reads_at_most_what_it_needs(loads, world):
 # CRC passes over the bytes a load reads: one, the check of each block or zip record, whose
 # segment CRCs also give the attestation's digests of what is held (and, a DeepSpeed
 # checkpoint carrying no digests, of what was read, in the checkpoint's own layout); plus
-# the parts of checksum blocks at a range's ends that were checked without them (from the
-# edge cache, or read alone and checked with the other ranks), CRC'd again (a zip record
-# has no blocks).
-CRC_PASSES = {"native": 1.75, "universal": 1.75, "deepspeed": 1.1}
+# the parts of checksum blocks at a range's ends taken from the edge cache (checked whole
+# for the neighbouring range), CRC'd again (a zip record has no blocks). A part read alone
+# and checked with the other ranks gives both from one CRC (native loads resharded to D=4
+# CRC'd 1.59x the bytes read when it took two); measured here: native 1.05, universal 1.11.
+CRC_PASSES = {"native": 1.2, "universal": 1.2, "deepspeed": 1.1}
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -74,8 +75,8 @@ def test_the_job_crcs_what_it_reads_no_more_often_than_it_must(loads, world):
     """Over the job, the bytes CRC'd are the passes a kind needs over the bytes read, the
     rebuilt weights (digested once, in the parameters' dtype), and the parts of the blocks at
     a range's ends and of pieces split by the new partitions, CRC'd again for their digests
-    (under 0.6 of the bytes read here, where ranges are short against the blocks; DeepSpeed
-    loads 1.013 passes in all). A load that digested its partitions in a pass of its own
+    (at most 0.11 of the bytes read here, where ranges are short against the blocks;
+    DeepSpeed loads 1.013 passes in all). A load that digested its partitions in a pass of its own
     CRC'd a whole pass more (universal 2.1x the bytes read; DeepSpeed 2.9x, then 1.97x with
     the digests of what was read, in its layout, in a pass of their own)."""
     for records in cases(loads[world]):

@@ -179,10 +179,7 @@ class RangeReader:
         if not shared:
             self._copy_edge(path, record, index, begin, out, observe)
             return
-        self._shared.read_part(path, record, index, begin, out)
-        if observe is not None:
-            block_start, block_end = record.block_range(index)
-            observe_bytes(out, max(begin, block_start) - begin, min(begin + len(out), block_end) - begin, observe)
+        self._shared.read_part(path, record, index, begin, out, observe)
 
     def _mark_whole(self, path: Path, index: int) -> None:
         if self._shared is not None:

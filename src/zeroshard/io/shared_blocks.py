@@ -14,12 +14,14 @@ import bisect
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from .checksum import FileRecord
 from .digest import raw_crc
 from .members import open_member
+from .observe import observe_bytes
 from .read_stats import ReadStats, count_read
 from .safetensors_io import pread_into
 from .shared_checks import ByteRuns, RecordKey, SharedRecordChecks, merged
@@ -40,9 +42,10 @@ class SharedBlocks:
         """Whether the blocks of ``path`` are checked together (its needed bytes are known)."""
         return self._file_runs(path) is not None
 
-    def read_part(self, path: Path, record: FileRecord, index: int, begin: int, out: memoryview) -> None:
+    def read_part(self, path: Path, record: FileRecord, index: int, begin: int, out: memoryview, observe: Any = None) -> None:
         """The part of block ``index`` that ``out`` (bytes from ``begin``) holds, read into
-        it, and the gaps of the block this rank owns; their raw CRCs go to the load's terms."""
+        it, and the gaps of the block this rank owns; their raw CRCs go to the load's terms.
+        ``observe`` (offsets in ``out``) gets the part's segment CRCs from the same pass."""
         block_start, block_end = record.block_range(index)
         lo, hi = max(begin, block_start), min(begin + len(out), block_end)
         key, size, crc = _key(path, index), block_end - block_start, record.crc32[index]
@@ -51,7 +54,8 @@ class SharedBlocks:
             target = out[lo - begin : hi - begin]
             pread_into(fd, target, lo, path)
             count_read(self._stats, path.name, hi - lo)
-            self._together.terms.add(key, size, crc, lo - block_start, hi - block_start, raw_crc(target))
+            part_crc = raw_crc(target) if observe is None else observe_bytes(target, 0, len(target), observe, lo - begin)
+            self._together.terms.add(key, size, crc, lo - block_start, hi - block_start, part_crc)
             needed = lambda: self._block_runs(path, block_start, block_end)  # noqa: E731 - asked once per block
             for gap_begin, gap_end in self._together.gaps(key, size, lo - block_start, hi - block_start, needed):
                 gap = memoryview(np.empty(gap_end - gap_begin, dtype=np.uint8))
