@@ -205,10 +205,11 @@ def _load_shared(
     full, module_only = kind
     if share.rank != rank or share.world_size != layout.world_size:
         raise ValueError(f"the module share is rank {share.rank} of {share.world_size}'s, not rank {rank} of {layout.world_size}'s")
-    weights: dict[int, list[tuple[int, np.ndarray]] | None] = {}  # what on_masters made of each group
 
     def masters_read(group: int, masters: np.ndarray) -> None:
-        weights[group] = on_masters(group, masters) if on_masters is not None else None
+        made = on_masters(group, masters) if on_masters is not None else None
+        # Digested now, while the storage reads the group's optimizer states ahead.
+        evidence.rebuilt(group, masters, layout.groups[group].dtype, made)
 
     fp32, states, scalars = [], [], []
     for plan in plans:
@@ -220,7 +221,6 @@ def _load_shared(
             group_states, group_scalars = {}, {}
             masters_read(plan.group, group_fp32)
         evidence.held(plan.group, group_fp32, group_states)
-        evidence.rebuilt(plan.group, group_fp32, dtype, weights.get(plan.group))
         fp32.append(group_fp32 if full else cast(cast(group_fp32, dtype), "float32"))  # without states: masters from the weights
         states.append(group_states)
         scalars.append(group_scalars)

@@ -117,6 +117,7 @@ class Evidence:
         self._evidence: RankEvidence | None = None
         self._source_layout: Layout | None = None
         self._old_pieces: dict[tuple[int, int], tuple[list[HeldPiece], list[int]]] = {}
+        self._new_pieces: dict[int, list[HeldPiece]] = {}  # see _held_pieces
         self._read_digesters: dict[tuple[int, int, str, int], PartitionDigester] = {}  # see observer
         # (new group, kind) -> the terms a source's reads handed over, whether every read did
         self._observed: dict[tuple[int, str], list] = {}
@@ -134,6 +135,7 @@ class Evidence:
         self._source_layout = source.info.layout
         self.path, self.kind = str(source.path), getattr(source, "kind", type(source).__name__)
         self.layout, self.full = layout, full
+        self._new_pieces.clear()
         fingerprint = 0 if self._expected is None else digest(repr(self._expected.to_dict()).encode())
         self._evidence = RankEvidence(rank, tuple(sorted(params)), {}, fingerprint=fingerprint)
 
@@ -173,7 +175,7 @@ class Evidence:
         entry = self._observed.get((group, kind))
         if entry is None:
             terms = Terms()
-            pieces = held_pieces(self.layout.groups[group], self._evidence.rank, self._evidence.params)
+            pieces = self._held_pieces(group)
             entry = self._observed[(group, kind)] = [terms, True, PartitionDigester(pieces, kind, itemsize, terms)]
         held = entry[2].at(dest_start * itemsize)
         if not self.from_reads or source is None:
@@ -226,7 +228,7 @@ class Evidence:
         """Rank's finished partitions of new group ``group`` (full loads)."""
         if not self.enabled:
             return
-        pieces = held_pieces(self.layout.groups[group], self._evidence.rank, self._evidence.params)
+        pieces = self._held_pieces(group)
         kinds = {"fp32": fp32, **states}
         self._evidence.itemsizes[group] = {kind: values.dtype.itemsize for kind, values in kinds.items()}
         for kind, values in kinds.items():
@@ -248,7 +250,7 @@ class Evidence:
         never held whole. Expert groups are left out: no model file holds expert weights."""
         if not self.enabled or self.layout.groups[group].is_expert_group:
             return
-        pieces = held_pieces(self.layout.groups[group], self._evidence.rank, self._evidence.params)
+        pieces = self._held_pieces(group)
         self._evidence.rebuilt[group] = dtype_info(dtype).itemsize
         if weights is not None and all(values.dtype.itemsize == self._evidence.rebuilt[group] for _, values in weights):
             for start, values in weights:
@@ -275,6 +277,14 @@ class Evidence:
             self._evidence.problems.append(f"{what} has no saved digest")
         elif saved != found:
             self._evidence.problems.append(_mismatch(what, found, saved, self._evidence.rank))
+
+    def _held_pieces(self, group: int) -> list[HeldPiece]:
+        """What this rank holds of new group ``group`` (asked once per kind read, and again
+        by :meth:`held` and :meth:`rebuilt`): listed once per load."""
+        found = self._new_pieces.get(group)
+        if found is None:
+            found = self._new_pieces[group] = held_pieces(self.layout.groups[group], self._evidence.rank, self._evidence.params)
+        return found
 
     def _pieces_of(self, rank: int, group: int) -> tuple[list[HeldPiece], list[int]]:
         found = self._old_pieces.get((rank, group))
