@@ -1,7 +1,7 @@
 """Real DeepSpeed AutoEP ZeRO-1/2 checkpoints of a tiny transformers Qwen3-MoE, built in the test session.
 
 As :mod:`deepspeed_fixtures`, two halves in one file: :func:`generate` (test process) launches
-this file with torchrun once per world size; the workers train every configuration of their
+this file's ranks once per world size; the ranks train every configuration of their
 world size for a few steps with DeepSpeed's AutoEP (``"expert_parallel": {"enabled": true,
 "autoep_size": EP, "preset_model": "qwen3_moe"}``), save, and rank 0 runs DeepSpeed's own
 ``ds_to_universal`` on the checkpoint (the reference the tests compare with) and tries
@@ -25,8 +25,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from deepspeed_fixtures import finish_worker, init_cpu_distributed, launch_torchrun
+from deepspeed_fixtures import finish_worker, init_cpu_distributed, launch_ranks
 
+# Imported once before the ranks fork (transformers from TRANSFORMERS_DIR, on PYTHONPATH).
+AUTOEP_MODULES = ("transformers", "transformers.models.qwen3_moe.modeling_qwen3_moe")
 TRANSFORMERS_VERSION = "5.9.0"
 TRANSFORMERS_DIR = Path(__file__).resolve().parents[1] / ".side" / "transformers-5.9"
 TAG = "step3"
@@ -108,41 +110,25 @@ _GENERATED: dict[AutoEPConfig, AutoEPFixture] = {}
 
 def generate(root: Path, configs: tuple[AutoEPConfig, ...] = CONFIGS) -> dict[str, AutoEPFixture]:
     """Run DeepSpeed AutoEP for every configuration not yet run in this process under ``root``:
-    one torchrun launch per world size, the launches side by side (each spends most of its time
-    starting ranks, and the ranks of one launch wait on each other)."""
+    a job per world size, side by side (the ranks of one job wait on each other)."""
     import os
-    from concurrent.futures import ThreadPoolExecutor
 
     root.mkdir(parents=True, exist_ok=True)
     path = os.pathsep.join(p for p in (str(TRANSFORMERS_DIR), os.environ.get("PYTHONPATH", "")) if p)
     missing = [config for config in configs if config not in _GENERATED]
-    launches = {}
+    jobs = {}
     for world_size in sorted({config.world_size for config in missing}):
         batch = [config for config in missing if config.world_size == world_size]
-        spec = root / f"autoep_configs_w{world_size}.json"
-        spec.write_text(json.dumps([asdict(config) for config in batch]))
-        launches[world_size] = (batch, spec)
-    with ThreadPoolExecutor(max_workers=max(1, len(launches))) as pool:
-        futures = [
-            pool.submit(
-                launch_torchrun,
-                Path(__file__),
-                root,
-                world_size,
-                spec,
-                what="DeepSpeed AutoEP fixture launch",
-                env={"PYTHONPATH": path},
-            )
-            for world_size, (_, spec) in launches.items()
-        ]
-        for future in futures:
-            future.result()
-    for batch, _ in launches.values():
-        _GENERATED.update({config: fixture_paths(config, root) for config in batch})
+        jobs[world_size] = root / f"autoep_configs_w{world_size}.json"
+        jobs[world_size].write_text(json.dumps([asdict(config) for config in batch]))
+    if jobs:
+        what = "DeepSpeed AutoEP fixture launch"
+        launch_ranks(Path(__file__), root, jobs, what=what, env={"PYTHONPATH": path}, preload=AUTOEP_MODULES)
+    _GENERATED.update({config: fixture_paths(config, root) for config in missing})
     return {config.name: _GENERATED[config] for config in configs}
 
 
-# ---- torchrun worker side ------------------------------------------------------------------
+# ---- rank side ------------------------------------------------------------------------------
 
 
 def ds_config(config: AutoEPConfig) -> dict:

@@ -2,9 +2,9 @@
 
 Two halves in one file:
 
-* :func:`generate` (test process): launches this file with torchrun once per world size and
-  returns a :class:`Fixture` per configuration;
-* :func:`_worker_main` (torchrun workers, ``python deepspeed_fixtures.py OUT``): trains every
+* :func:`generate` (test process): launches this file's ranks once per world size
+  (:func:`launch_ranks`) and returns a :class:`Fixture` per configuration;
+* :func:`_worker_main` (each rank, ``RANK`` etc. in its environment as torchrun's): trains every
   configuration of its world size for a few steps in one process group, records DeepSpeed's
   own per-parameter accessors right before ``save_checkpoint``, saves, and on rank 0 runs
   DeepSpeed's ``zero_to_fp32`` on the result. Both references go to safetensors files.
@@ -25,6 +25,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -145,48 +146,55 @@ _GENERATED: dict[FixtureConfig, Fixture] = {}
 
 
 def generate(root: Path, configs: tuple[FixtureConfig, ...] = CONFIGS) -> dict[str, Fixture]:
-    """Run DeepSpeed for every configuration not yet run in this process (one torchrun launch
-    per world size) under ``root``; earlier runs are returned where they were made."""
+    """Run DeepSpeed for every configuration not yet run in this process (a job per world
+    size, side by side) under ``root``; earlier runs are returned where they were made."""
     root.mkdir(parents=True, exist_ok=True)
     missing = [config for config in configs if config not in _GENERATED]
+    jobs = {}
     for world_size in sorted({config.world_size for config in missing}):
         batch = [config for config in missing if config.world_size == world_size]
-        _launch(root, world_size, batch)
-        _GENERATED.update({config: fixture_paths(config, root) for config in batch})
+        jobs[world_size] = root / f"configs_w{world_size}.json"
+        jobs[world_size].write_text(json.dumps([asdict(config) for config in batch]))
+    if jobs:
+        launch_ranks(Path(__file__), root, jobs, what="DeepSpeed fixture launch")
+    _GENERATED.update({config: fixture_paths(config, root) for config in missing})
     return {config.name: _GENERATED[config] for config in configs}
 
 
-def _launch(root: Path, world_size: int, configs: list[FixtureConfig]) -> None:
-    spec = root / f"configs_w{world_size}.json"
-    spec.write_text(json.dumps([asdict(config) for config in configs]))
-    launch_torchrun(Path(__file__), root, world_size, spec, what="DeepSpeed fixture launch")
-
-
-def launch_torchrun(
-    script: Path, root: Path, world_size: int, spec: Path, *, what: str, env: dict[str, str] | None = None
+def launch_ranks(
+    script: Path,
+    root: Path,
+    jobs: dict[int, Path],
+    *,
+    what: str,
+    env: dict[str, str] | None = None,
+    preload: tuple[str, ...] = (),
 ) -> None:
-    """``torchrun script ROOT SPEC`` on ``world_size`` CPU ranks; its log goes to ROOT. The
-    launch counts as done when every rank wrote its finished marker (see _worker_main)."""
+    """``script``'s ``_worker_main(ROOT, SPEC)`` on CPU ranks, for each world size -> SPEC of
+    ``jobs``: every job's ranks side by side, forked from one process that imported torch,
+    DeepSpeed and ``preload`` once (tests/forked_ranks.py); the log goes to ROOT. A job
+    counts as done when every rank of it wrote its finished marker (see _worker_main)."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size),
-        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(script), str(root), str(spec),
-    ]  # fmt: skip
+    spelled = ",".join(f"{world_size}:{_free_port()}:{spec}" for world_size, spec in jobs.items())
+    command = [sys.executable, str(Path(__file__).with_name("forked_ranks.py")), str(script), str(root), spelled, *preload]
+    sizes = ", ".join(str(world_size) for world_size in jobs)
     started = time.perf_counter()
+    # A session of its own: a launch that times out is killed with every rank it forked.
+    launch = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        done = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+        stdout, stderr = launch.communicate(timeout=LAUNCH_TIMEOUT_S)
     except subprocess.TimeoutExpired as err:
-        raise RuntimeError(f"{what} (world size {world_size}) timed out after {LAUNCH_TIMEOUT_S} s") from err
-    finished = all(finished_marker(root, world_size, rank).is_file() for rank in range(world_size))
-    if done.returncode != 0 and not finished:
+        os.killpg(launch.pid, signal.SIGKILL)
+        launch.communicate()
+        raise RuntimeError(f"{what} (world sizes {sizes}) timed out after {LAUNCH_TIMEOUT_S} s") from err
+    finished = all(finished_marker(root, size, rank).is_file() for size in jobs for rank in range(size))
+    if launch.returncode != 0 and not finished:
         raise RuntimeError(
-            f"{what} (world size {world_size}) failed with exit code {done.returncode}:\n"
-            f"{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+            f"{what} (world sizes {sizes}) failed with exit code {launch.returncode}:\n{stdout[-4000:]}\n{stderr[-8000:]}"
         )
-    note = "" if done.returncode == 0 else f"exit code {done.returncode} after every rank finished: ignored\n"
-    (root / f"launch_w{world_size}.log").write_text(
-        f"{time.perf_counter() - started:.1f} s\n{note}{done.stdout}\n{done.stderr}"
-    )
+    note = "" if launch.returncode == 0 else f"exit code {launch.returncode} after every rank finished: ignored\n"
+    name = "launch_w" + "_w".join(str(size) for size in jobs)
+    (root / f"{name}.log").write_text(f"{time.perf_counter() - started:.1f} s\n{note}{stdout}\n{stderr}")
 
 
 def finished_marker(root: Path, world_size: int, rank: int) -> Path:
@@ -200,7 +208,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-# ---- torchrun worker side ------------------------------------------------------------------
+# ---- rank side ------------------------------------------------------------------------------
 
 
 def build_model(tiny_no_decay: bool):
@@ -350,7 +358,7 @@ def _worker_main(root: Path, spec: Path) -> None:
 
 
 def init_cpu_distributed() -> None:
-    """DeepSpeed's process group on gloo, in a torchrun worker."""
+    """DeepSpeed's process group on gloo, in a fixture rank."""
     import importlib
 
     import deepspeed

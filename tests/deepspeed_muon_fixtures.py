@@ -1,7 +1,7 @@
 """Real DeepSpeed ZeRO-1/2 Muon checkpoints (``MuonWithAuxAdam``), built in the test session.
 
 As :mod:`deepspeed_fixtures` (whose launcher and worker set-up this reuses): :func:`generate`
-launches this file with torchrun once per world size; the workers train every configuration
+launches this file's ranks once per world size; the ranks train every configuration
 of their world size for a few steps with DeepSpeed's ``"optimizer": {"type": "Muon"}``, record
 what DeepSpeed holds in memory right before ``save_checkpoint``, save, and on rank 0 run
 DeepSpeed's own ``ds_to_universal`` on the result and record how it fails.
@@ -40,12 +40,14 @@ from deepspeed_fixtures import (
     finish_worker,
     global_batch,
     init_cpu_distributed,
-    launch_torchrun,
+    launch_ranks,
     rank_rows,
 )
 
 TAG = "step3"
 STEPS = 3
+# Imported once before the ranks fork: DeepSpeed's Muon pulls in torch.compile (5 s a rank).
+MUON_MODULES = ("deepspeed.runtime.zero.muon.muon_optimizer",)
 MUON_LR, ADAM_LR, MOMENTUM, WEIGHT_DECAY, BETAS, CLIP = 2e-2, 1e-3, 0.95, 0.1, (0.9, 0.95), 1.0
 MUON_PARAMS = ("fc1.weight", "fc2.weight", "fc3.weight")  # the parameters DeepSpeed puts on Muon
 ADAM_PARAMS = ("embed.weight", "fc1.bias", "norm.weight", "norm.bias", "fc3.bias")
@@ -98,20 +100,26 @@ _GENERATED: dict[MuonConfig, MuonFixture] = {}
 
 
 def generate(root: Path, configs: tuple[MuonConfig, ...] = CONFIGS) -> dict[str, MuonFixture]:
-    """Run DeepSpeed Muon for every configuration not yet run in this process (one torchrun
-    launch per world size) under ``root``; earlier runs are returned where they were made."""
+    """Run DeepSpeed Muon for every configuration not yet run in this process (a job per
+    world size, side by side) under ``root``; earlier runs are returned where they were made."""
     root.mkdir(parents=True, exist_ok=True)
     missing = [config for config in configs if config not in _GENERATED]
+    jobs = {}
     for world_size in sorted({config.world_size for config in missing}):
         batch = [config for config in missing if config.world_size == world_size]
-        spec = root / f"muon_configs_w{world_size}.json"
-        spec.write_text(json.dumps([asdict(config) for config in batch]))
-        launch_torchrun(Path(__file__), root, world_size, spec, what="DeepSpeed Muon fixture launch")
-        _GENERATED.update({config: fixture_paths(config, root) for config in batch})
+        jobs[world_size] = root / f"muon_configs_w{world_size}.json"
+        jobs[world_size].write_text(json.dumps([asdict(config) for config in batch]))
+    if jobs:
+        # DeepSpeed's Muon compiles its Newton-Schulz iteration with torch.compile at the first
+        # step (6 s a rank here): these runs take it eagerly, the same algorithm; the tests
+        # compare with what the runs themselves held, recorded before each save.
+        env = {"TORCH_COMPILE_DISABLE": "1"}
+        launch_ranks(Path(__file__), root, jobs, what="DeepSpeed Muon fixture launch", env=env, preload=MUON_MODULES)
+    _GENERATED.update({config: fixture_paths(config, root) for config in missing})
     return {config.name: _GENERATED[config] for config in configs}
 
 
-# ---- torchrun worker side ------------------------------------------------------------------
+# ---- rank side ------------------------------------------------------------------------------
 
 
 def build_model():
