@@ -6,6 +6,13 @@ import time
 
 import pytest
 
+from zeroshard import launch
+
+# What the tests' ranks import beyond torch and zeroshard: imported once, in the forkserver
+# they fork from, instead of 2-4 s of CPU a rank here (tests/trainer_workers.py,
+# hf_moe_workers.py, resume_workers.py, autoep_workers.py).
+launch.preload("transformers.trainer", "lightning.pytorch", "transformers.models.qwen3_moe.modeling_qwen3_moe")
+
 
 @pytest.fixture(scope="session")
 def deepspeed_runs(tmp_path_factory):

@@ -59,3 +59,10 @@ def demo_phase_then_destroy(rank: int, world_size: int, out_dir: str) -> dict:
         and any(isinstance(default, dist.ProcessGroup) for default in (value.__defaults__ or ()))
     )
     return {"group_freed": world() is None, "functions_holding_a_group": holders}
+
+
+def imported_at_start(rank: int, world_size: int, names: tuple[str, ...]) -> dict[str, bool]:
+    """Which of ``names`` the rank had imported before it ran anything of its own."""
+    import sys
+
+    return {name: name in sys.modules for name in names}

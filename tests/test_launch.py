@@ -45,3 +45,17 @@ def test_the_process_group_is_freed_when_destroyed_after_the_demo_phase(tmp_path
     results = spawn(launch_workers.demo_phase_then_destroy, 2, (str(tmp_path),), timeout_s=240)
     for result in results:
         assert result == {"group_freed": True, "functions_holding_a_group": []}
+
+
+def test_a_rank_starts_with_the_preloaded_modules_imported():
+    # conftest.py preloads what the tests' ranks import (2-4 s of CPU each a rank otherwise).
+    names = ("lightning.pytorch", "transformers.trainer", "zeroshard.engine")
+    assert spawn(launch_workers.imported_at_start, 2, (names,), timeout_s=120) == [dict.fromkeys(names, True)] * 2
+
+
+def test_preloading_once_the_forkserver_runs_is_refused():
+    from zeroshard import launch
+
+    spawn(launch_workers.imported_at_start, 1, ((),), timeout_s=120)
+    with pytest.raises(RuntimeError, match="forkserver is running already"):
+        launch.preload("json")
