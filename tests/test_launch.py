@@ -57,5 +57,12 @@ def test_preloading_once_the_forkserver_runs_is_refused():
     from zeroshard import launch
 
     spawn(launch_workers.imported_at_start, 1, ((),), timeout_s=120)
-    with pytest.raises(RuntimeError, match="forkserver is running already"):
+    with pytest.raises(RuntimeError, match=r"preload\(json\): the ranks. forkserver is running already"):
         launch.preload("json")
+
+
+def test_preloading_a_module_the_forkserver_has_is_no_error():
+    from zeroshard import launch
+
+    spawn(launch_workers.imported_at_start, 1, ((),), timeout_s=120)
+    launch.preload("lightning.pytorch")  # conftest.py's, before any spawn

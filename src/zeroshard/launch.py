@@ -94,11 +94,13 @@ def preload(*modules: str) -> None:
     2-core VM). A module that cannot be imported there is skipped, as by multiprocessing.
 
     Raises:
-        RuntimeError: a spawn has run already (its forkserver is started: call this first).
+        RuntimeError: a module not preloaded yet, once a spawn has started the forkserver
+            (call this before the first spawn).
     """
-    if _spawned:
-        raise RuntimeError("zeroshard.launch.preload: the ranks' forkserver is running already; call it before the first spawn")
-    _also_preloaded.extend(name for name in modules if name not in _also_preloaded)
+    new = [name for name in dict.fromkeys(modules) if name not in _also_preloaded]
+    if new and _spawned:
+        raise RuntimeError(f"zeroshard.launch.preload({', '.join(new)}): the ranks' forkserver is running already; call it before the first spawn")
+    _also_preloaded.extend(new)
 
 
 def _rank_context() -> Any:

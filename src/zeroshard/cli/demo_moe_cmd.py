@@ -22,6 +22,8 @@ from ..layout import ExpertMesh, Layout
 from ..moe.recorder import GroupedMMCall
 from .expert_report import format_ids, shard_group_lines
 
+HF_MODEL_MODULE = "transformers.models.qwen3_moe.modeling_qwen3_moe"  # what --hf's ranks build the model from
+
 
 def run_moe(args: argparse.Namespace, under_torchrun: bool = False) -> int:
     """``zeroshard demo --moe``: train at (W, EP), resume at the other (W, EP), convert and
@@ -93,8 +95,10 @@ def _run_arc(config: MoEDemoConfig, args: argparse.Namespace, phases: tuple[Phas
     """Phase 1 trains every step and saves halfway; phase 2 resumes that checkpoint at the
     other (W, EP) and trains the second half again, so its losses can be held against the
     uninterrupted run's."""
-    from ..launch import spawn
+    from ..launch import preload, spawn
 
+    if config.hf:  # every rank builds the transformers model: its module imported once, before they fork
+        preload(HF_MODEL_MODULE)
     first_phase, second_phase = phases
     half, last = config.steps // 2, config.steps - 1
 
