@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from zeroshard.checkpoint import ReadStats
-from zeroshard.io import block_reader, direct_reads
+from zeroshard.io import block_reader, direct_reads, host_memory
 from zeroshard.io.block_reader import RangeReader
 from zeroshard.io.checksum import BlockHasher
 from zeroshard.io.damage import CheckpointDamagedError
@@ -56,8 +56,8 @@ def small_slots(monkeypatch):
     monkeypatch.setattr(direct_reads, "SLOTS", 2)
     monkeypatch.setattr(direct_reads, "DIRECT_MIN_BYTES", 2 * BLOCK)
     # Ranges from 4 blocks up have their pages mapped on a thread, 3 blocks a call.
-    monkeypatch.setattr(block_reader, "MAP_AHEAD_BYTES", 4 * BLOCK)
-    monkeypatch.setattr(block_reader, "MAP_AHEAD_PIECE", 3 * BLOCK)
+    monkeypatch.setattr(host_memory, "MAP_AHEAD_BYTES", 4 * BLOCK)
+    monkeypatch.setattr(host_memory, "MAP_AHEAD_PIECE", 3 * BLOCK)
 
 
 @pytest.fixture

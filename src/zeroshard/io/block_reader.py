@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from contextlib import closing, contextmanager
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,7 @@ from . import direct_reads
 from .digest import FUSED, combine, crc32
 from .direct_reads import ALIGN, ReadAhead, advise, open_direct, worth_reading_direct
 from .dtypes import from_bytes
-from .host_memory import MappingAhead, populate
+from .host_memory import mapping_ahead
 from .observe import PartObserver, observe_bytes
 from .members import open_member
 from .read_stats import ReadStats, count_read
@@ -53,8 +53,6 @@ from .shared_checks import ByteRuns, SharedRecordChecks
 DEFAULT_CACHE_BYTES = 32 << 20
 MAP_BYTES = 8 << 20  # spans at least this big are memory-mapped, not copied in
 READ_CHUNK = 1 << 20  # read_into reads whole blocks in preads of about this much, then checks them
-MAP_AHEAD_BYTES = 8 << 20  # read_into maps the new pages of a range this big on a thread ahead of its reads
-MAP_AHEAD_PIECE = 4 << 20  # that thread's call (it stops between two when the read ends early)
 
 
 class RangeReader:
@@ -239,7 +237,7 @@ class RangeReader:
         it lands."""
         origin = record.block_range(first)[0]
         arrived = self._direct_arrivals(path, fd, record, first, last)
-        with _mapping(out[: record.block_range(last)[1] - origin]) as populate_here:
+        with mapping_ahead(out[: record.block_range(last)[1] - origin]) as populate_here:
             if arrived is None:
                 for chunk_first, chunk_last, begin, end in _chunks(record, first, last, READ_CHUNK):
                     target = out[begin - origin : end - origin]
@@ -422,19 +420,6 @@ def _chunks(record: FileRecord, first: int, last: int, chunk_bytes: int) -> list
         chunk_last = min(chunk_first + per_chunk - 1, last)
         runs.append((chunk_first, chunk_last, record.block_range(chunk_first)[0], record.block_range(chunk_last)[1]))
     return runs
-
-
-@contextmanager
-def _mapping(out: memoryview) -> Iterator[Callable[[memoryview], None]]:
-    """While reading into ``out``: its pages mapped on a thread ahead of the reads when it is
-    big (the caller maps nothing itself), else each chunk's by the caller just before it
-    lands (the populate this yields)."""
-    if len(out) < MAP_AHEAD_BYTES:
-        yield populate
-        return
-    pieces = [out[start : start + MAP_AHEAD_PIECE] for start in range(0, len(out), MAP_AHEAD_PIECE)]
-    with MappingAhead(pieces):
-        yield lambda _: None
 
 
 def _inner_blocks(record: FileRecord, begin: int, end: int) -> tuple[int, int]:

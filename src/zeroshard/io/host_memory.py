@@ -32,13 +32,16 @@ import ctypes
 import errno
 import mmap
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 
 from .libc import libc
 
 SMALL = 1 << 20  # bytes; below this, numpy's allocator (a mapping per array would waste pages)
+MAP_AHEAD_BYTES = 8 << 20  # mapping_ahead maps the pages of a range this big on a thread ahead of its reads
+MAP_AHEAD_PIECE = 4 << 20  # that thread's call (it stops between two when the read ends early)
 _POSIX = hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MAP_ANONYMOUS")
 _FLAGS = (mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) if _POSIX else 0
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
@@ -97,6 +100,19 @@ class MappingAhead:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+@contextmanager
+def mapping_ahead(out: memoryview) -> Iterator[Callable[[memoryview], None]]:
+    """While reading into ``out`` (new memory, in order): its pages mapped on a thread ahead
+    of the reads when it is big (the caller maps nothing itself), else each chunk's by the
+    caller just before it lands (the populate this yields)."""
+    if len(out) < MAP_AHEAD_BYTES:
+        yield populate
+        return
+    pieces = [out[start : start + MAP_AHEAD_PIECE] for start in range(0, len(out), MAP_AHEAD_PIECE)]
+    with MappingAhead(pieces):
+        yield lambda _: None
 
 
 _releasing: list[threading.Thread] = []

@@ -27,6 +27,7 @@ from ..io.digest import raw_crc, shift
 from ..io.dtypes import itemsize_of
 from ..io import direct_reads
 from ..io.direct_reads import ALIGN, ReadAhead, worth_reading_direct
+from ..io.host_memory import mapping_ahead
 from ..io.read_stats import count_read
 from ..io.shared_checks import ByteRuns, RecordKey, SharedRecordChecks
 from .torch_records import HOT_CHUNK, NONBLOCK, StorageRecord, StoredTensor, TorchFileError, ends_early, pread_full, span_crc
@@ -100,7 +101,8 @@ def announce(saved: StoredTensor, start: int, end: int, ahead: ReadAhead) -> Non
 
 def _arrivals(storage: StorageRecord, fd: int, begin: int, buffer: memoryview, ahead: ReadAhead | None) -> Iterator[memoryview]:
     """The parts of ``buffer`` (the record's bytes from ``begin``), in order, each once its
-    bytes have landed: from slots read past the page cache, or with a pread per chunk."""
+    bytes have landed: from slots read past the page cache, or with a pread per chunk; the
+    buffer's new pages mapped ahead of them (:func:`~..io.host_memory.mapping_ahead`)."""
     first = storage.data_offset + begin
     spans = _direct_spans(first, first + len(buffer), ahead.slot_bytes) if ahead is not None else None
     arrived = None
@@ -110,22 +112,25 @@ def _arrivals(storage: StorageRecord, fd: int, begin: int, buffer: memoryview, a
             ahead.close()  # read now: anything announced would be read ahead of it
             ahead.announce(storage.path, spans)
             arrived = ahead.take(storage.path, spans)
-    if arrived is None:
-        count_read(None, storage.path.name, len(buffer))
-        for done in range(0, len(buffer), HOT_CHUNK):
-            chunk = buffer[done : done + HOT_CHUNK]
-            if pread_full(fd, chunk, first + done) < len(chunk):
+    with mapping_ahead(buffer) as populate_here:
+        if arrived is None:
+            count_read(None, storage.path.name, len(buffer))
+            for done in range(0, len(buffer), HOT_CHUNK):
+                chunk = buffer[done : done + HOT_CHUNK]
+                populate_here(chunk)
+                if pread_full(fd, chunk, first + done) < len(chunk):
+                    raise ends_early(storage)
+                yield chunk
+            return
+        for data, (span_begin, span_end) in zip(arrived, spans, strict=True):
+            lo, hi = max(span_begin, first), min(span_end, first + len(buffer))
+            if len(data) < hi - span_begin:
                 raise ends_early(storage)
-            yield chunk
-        return
-    for data, (span_begin, span_end) in zip(arrived, spans, strict=True):
-        lo, hi = max(span_begin, first), min(span_end, first + len(buffer))
-        if len(data) < hi - span_begin:
-            raise ends_early(storage)
-        count_read(None, storage.path.name, span_end - span_begin)
-        target = buffer[lo - first : hi - first]
-        target[:] = data[lo - span_begin : hi - span_begin]
-        yield target
+            count_read(None, storage.path.name, span_end - span_begin)
+            target = buffer[lo - first : hi - first]
+            populate_here(target)
+            target[:] = data[lo - span_begin : hi - span_begin]
+            yield target
 
 
 def _direct_spans(begin: int, end: int, slot_bytes: int) -> list[tuple[int, int]] | None:
