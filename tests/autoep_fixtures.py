@@ -22,10 +22,10 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-from deepspeed_fixtures import finish_worker, init_cpu_distributed, launch_ranks
+from deepspeed_fixtures import finish_worker, init_cpu_distributed, job_specs, launch_ranks
 
 # Imported once before the ranks fork (transformers from TRANSFORMERS_DIR, on PYTHONPATH).
 AUTOEP_MODULES = ("transformers", "transformers.models.qwen3_moe.modeling_qwen3_moe")
@@ -116,11 +116,7 @@ def generate(root: Path, configs: tuple[AutoEPConfig, ...] = CONFIGS) -> dict[st
     root.mkdir(parents=True, exist_ok=True)
     path = os.pathsep.join(p for p in (str(TRANSFORMERS_DIR), os.environ.get("PYTHONPATH", "")) if p)
     missing = [config for config in configs if config not in _GENERATED]
-    jobs = {}
-    for world_size in sorted({config.world_size for config in missing}):
-        batch = [config for config in missing if config.world_size == world_size]
-        jobs[world_size] = root / f"autoep_configs_w{world_size}.json"
-        jobs[world_size].write_text(json.dumps([asdict(config) for config in batch]))
+    jobs = job_specs(root, missing, "autoep_configs")
     if jobs:
         what = "DeepSpeed AutoEP fixture launch"
         launch_ranks(Path(__file__), root, jobs, what=what, env={"PYTHONPATH": path}, preload=AUTOEP_MODULES)

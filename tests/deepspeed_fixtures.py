@@ -150,15 +150,22 @@ def generate(root: Path, configs: tuple[FixtureConfig, ...] = CONFIGS) -> dict[s
     size, side by side) under ``root``; earlier runs are returned where they were made."""
     root.mkdir(parents=True, exist_ok=True)
     missing = [config for config in configs if config not in _GENERATED]
-    jobs = {}
-    for world_size in sorted({config.world_size for config in missing}):
-        batch = [config for config in missing if config.world_size == world_size]
-        jobs[world_size] = root / f"configs_w{world_size}.json"
-        jobs[world_size].write_text(json.dumps([asdict(config) for config in batch]))
+    jobs = job_specs(root, missing, "configs")
     if jobs:
         launch_ranks(Path(__file__), root, jobs, what="DeepSpeed fixture launch")
     _GENERATED.update({config: fixture_paths(config, root) for config in missing})
     return {config.name: _GENERATED[config] for config in configs}
+
+
+def job_specs(root: Path, configs: list, prefix: str) -> dict[int, Path]:
+    """A job per world size of ``configs`` (dataclasses with a ``world_size``): its spec file,
+    ``ROOT/PREFIX_wN.json``, listing the configurations its ranks run."""
+    jobs = {}
+    for world_size in sorted({config.world_size for config in configs}):
+        batch = [asdict(config) for config in configs if config.world_size == world_size]
+        jobs[world_size] = root / f"{prefix}_w{world_size}.json"
+        jobs[world_size].write_text(json.dumps(batch))
+    return jobs
 
 
 def launch_ranks(

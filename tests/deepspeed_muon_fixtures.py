@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import sys
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from deepspeed_fixtures import (
@@ -40,6 +40,7 @@ from deepspeed_fixtures import (
     finish_worker,
     global_batch,
     init_cpu_distributed,
+    job_specs,
     launch_ranks,
     rank_rows,
 )
@@ -104,11 +105,7 @@ def generate(root: Path, configs: tuple[MuonConfig, ...] = CONFIGS) -> dict[str,
     world size, side by side) under ``root``; earlier runs are returned where they were made."""
     root.mkdir(parents=True, exist_ok=True)
     missing = [config for config in configs if config not in _GENERATED]
-    jobs = {}
-    for world_size in sorted({config.world_size for config in missing}):
-        batch = [config for config in missing if config.world_size == world_size]
-        jobs[world_size] = root / f"muon_configs_w{world_size}.json"
-        jobs[world_size].write_text(json.dumps([asdict(config) for config in batch]))
+    jobs = job_specs(root, missing, "muon_configs")
     if jobs:
         # DeepSpeed's Muon compiles its Newton-Schulz iteration with torch.compile at the first
         # step (6 s a rank here): these runs take it eagerly, the same algorithm; the tests

@@ -66,3 +66,16 @@ def test_preloading_a_module_the_forkserver_has_is_no_error():
 
     spawn(launch_workers.imported_at_start, 1, ((),), timeout_s=120)
     launch.preload("lightning.pytorch")  # conftest.py's, before any spawn
+
+
+def test_the_hf_demo_runs_after_other_spawns_without_its_preload(monkeypatch):
+    """The HF demo's preload is an optimisation: in a process whose forkserver runs already
+    without the model module, the demo goes on (its ranks import it themselves)."""
+    from zeroshard import launch
+    from zeroshard.cli import demo_moe_cmd
+
+    spawn(launch_workers.imported_at_start, 1, ((),), timeout_s=120)
+    monkeypatch.setattr(launch, "_also_preloaded", [])
+    with pytest.raises(RuntimeError):
+        launch.preload(demo_moe_cmd.HF_MODEL_MODULE)
+    demo_moe_cmd._preload_hf_model()

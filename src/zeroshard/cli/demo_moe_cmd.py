@@ -91,14 +91,26 @@ def _need_transformers() -> None:
         raise ValueError("--hf needs transformers (pip install -e '.[hf]')") from None
 
 
+def _preload_hf_model() -> None:
+    """Every rank builds the transformers model: its module imported once, in the forkserver
+    the ranks fork from. A process that spawned ranks before (a caller running demos in a
+    row) keeps its forkserver, and the ranks import the module themselves."""
+    from ..launch import preload
+
+    try:
+        preload(HF_MODEL_MODULE)
+    except RuntimeError:
+        pass
+
+
 def _run_arc(config: MoEDemoConfig, args: argparse.Namespace, phases: tuple[Phase, Phase], out: Path) -> None:
     """Phase 1 trains every step and saves halfway; phase 2 resumes that checkpoint at the
     other (W, EP) and trains the second half again, so its losses can be held against the
     uninterrupted run's."""
-    from ..launch import preload, spawn
+    from ..launch import spawn
 
-    if config.hf:  # every rank builds the transformers model: its module imported once, before they fork
-        preload(HF_MODEL_MODULE)
+    if config.hf:
+        _preload_hf_model()
     first_phase, second_phase = phases
     half, last = config.steps // 2, config.steps - 1
 
