@@ -293,10 +293,17 @@ class Collectives:
     def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """Collective over ``group``: every rank's ``tensor`` <- rank ``src``'s (a rank of this
         group, not a global rank), in place; returns it."""
-        self.bytes_moved["broadcast"] += tensor.numel() * tensor.element_size()
-        if self.world_size > 1:
-            dist.broadcast(tensor, src=self._global_rank(src), group=self.group)
+        self.start_broadcast(tensor, src).wait()
         return tensor
+
+    def start_broadcast(self, tensor: torch.Tensor, src: int):
+        """:meth:`broadcast_`, started: returns a handle to ``wait()`` on before using
+        ``tensor``. Broadcasts started one after another run back to back, so a few of them
+        cost about one round trip, not one each."""
+        self.bytes_moved["broadcast"] += tensor.numel() * tensor.element_size()
+        if self.world_size == 1:
+            return _Done()
+        return dist.broadcast(tensor, src=self._global_rank(src), group=self.group, async_op=True)
 
     def all_gather_object(self, value: Any) -> list[Any]:
         """Collective over ``group``: every rank's ``value`` (picklable), in rank order."""

@@ -116,14 +116,18 @@ def broadcast_module(
     rank that failed to read must not get here, or the others wait for its bytes."""
     device = torch.device("cuda", torch.cuda.current_device()) if comm.backend == "nccl" else torch.device("cpu")
     found: dict[str, torch.Tensor] = {}
-    for batch in share.batches():
+    started = []
+    for batch in share.batches():  # all started, then waited for: back to back, not a round trip each
         reader = batch[0].reader
         offsets = _offsets(batch)
         buffer = torch.empty(offsets[-1], dtype=torch.uint8, device=device)
         if reader == comm.rank:
             for tensor, begin in zip(batch, offsets):
                 buffer[begin : begin + tensor.nbytes].copy_(_bytes_of(mine[tensor.name]))
-        comm.broadcast_(buffer, reader)
+        started.append((batch, offsets, buffer, comm.start_broadcast(buffer, reader)))
+    for batch, offsets, buffer, handle in started:
+        handle.wait()
+        reader = batch[0].reader
         for tensor, begin in zip(batch, offsets):
             if reader == comm.rank:
                 found[tensor.name] = mine[tensor.name]
