@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -179,6 +180,54 @@ def test_files_are_plain_safetensors(tmp_path):
         fp32 = handle.get_slice("group0.fp32")[3:40]
         assert torch.equal(fp32, expected_partition(layout, 1, 0, "fp32")[3:40])
         assert handle.get_tensor("group1.scalar.step").item() == 7.0
+
+
+def data_offsets(path: Path) -> dict[str, int]:
+    """Where each tensor's bytes start in a safetensors file."""
+    raw = path.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + size])
+    return {key: 8 + size + entry["data_offsets"][0] for key, entry in header.items() if key != "__metadata__"}
+
+
+@pytest.mark.parametrize("block_size", [256, 4096, 8192, 12288, 1 << 20])
+def test_a_rank_files_partitions_start_on_a_page_boundary_inside_a_block(tmp_path, block_size):
+    """The header is padded so that the first partition (after the scalars) starts a page: a
+    load reads the partitions past the page cache straight into memory of that alignment.
+    Never on a checksum block's boundary, so the header's blocks hold partition bytes too,
+    which a load reads and checks: where blocks divide a page, not aligned at all."""
+    layout = build_layout([[ParamSpec.of("w", (512, 300), "bf16")], SPECS[1]], 2)
+    directory = run_ranks(
+        2, lambda coord: save_sharded(tmp_path, "t", synthesize_state(layout, coord.rank), coordinator=coord, block_size=block_size)
+    )[0]
+    for rank in range(2):
+        path = directory / f"rank-0000{rank}-of-00002.safetensors"
+        blocks = open_checkpoint(directory).manifest.files[path.name].block_size  # at most the one asked
+        start = data_offsets(path)["group0.fp32"]
+        assert (start % 4096 == 0) == (4096 % blocks != 0) and (start % 4096 or start % blocks), (start, blocks)
+        with safe_open(path, framework="pt") as handle:
+            assert torch.equal(handle.get_tensor("group0.fp32"), expected_partition(layout, rank, 0, "fp32"))
+            assert torch.equal(handle.get_tensor("group1.state.exp_avg"), expected_partition(layout, rank, 1, "exp_avg"))
+
+
+@pytest.mark.parametrize("before", [0, 1, 2, 3])
+@pytest.mark.parametrize("note", [0, 5000])
+def test_write_safetensors_puts_a_tensor_on_a_page_boundary_where_alignment_allows(tmp_path, before, note):
+    """Behind ``before`` 4-byte scalars: on a page boundary where the scalars end 8-byte
+    aligned (the header is padded with spaces), else where it falls; a plain file either way.
+    Never on a block boundary: a header of over a page (a ``note`` in the metadata) would put
+    it on the second page, which ends the first 8 KiB block; it goes a page further."""
+    from zeroshard.io.safetensors_io import write_safetensors
+
+    tensors = [(f"s{i}", torch.tensor([float(i)])) for i in range(before)] + [("big", torch.arange(3000.0)), ("tail", torch.ones(3))]
+    path = tmp_path / "t.safetensors"
+    write_safetensors(path, tensors, 8192, {"format": "test", "note": "x" * note}, page_aligned="big")
+    start = data_offsets(path)["big"]
+    assert (start % 4096 == 0) == (before % 2 == 0) and int.from_bytes(path.read_bytes()[:8], "little") % 8 == 0
+    assert start % 8192, start
+    assert start < 8 + len(json.dumps({"note": "x" * note})) + 100 + 2 * 4096  # padded by less than two pages
+    with safe_open(path, framework="pt") as handle:
+        assert all(torch.equal(handle.get_tensor(name), tensor) for name, tensor in tensors)
 
 
 def test_non_strict_load_keeps_the_base_values_of_new_parameters(tmp_path):

@@ -79,13 +79,13 @@ def spans_read(monkeypatch):
     announced: list[list[tuple[int, int]]] = []
 
     class Recording(ReadAhead):
-        def announce(self, path, spans):
+        def announce(self, path, spans, into=()):
             announced.append(list(spans))
-            super().announce(path, spans)
+            super().announce(path, spans, into)
 
-        def take(self, path, spans):
+        def take(self, path, spans, into=()):
             pending = list(self._announced)
-            arrived = super().take(path, spans)
+            arrived = super().take(path, spans, into)
             if arrived is None and pending and not self._announced:
                 DROPPED.append((path, spans, pending))
             return arrived
@@ -128,6 +128,77 @@ def test_a_cold_range_is_read_direct_with_the_same_bytes_and_counts(cold_file, s
     assert len(spans_read) == 1
     assert (direct.data, direct.bytes_by_file) == (cached.data, cached.bytes_by_file)
     assert stopped_reading_threads() and mapping_threads() == []
+
+
+def at_phase(nbytes: int, phase: int) -> np.ndarray:
+    """New bytes starting ``phase`` bytes into a page (new_zeros does so for arrays of a MiB up)."""
+    return np.frombuffer(mmap.mmap(-1, nbytes + phase), dtype=np.uint8, count=nbytes, offset=phase)
+
+
+@pytest.fixture
+def landed(monkeypatch):
+    """How the chunks of direct reads reached the loader's array: "in place" (read straight
+    into it) or "copied" (from a slot)."""
+    found: list[str] = []
+    same_memory = block_reader._same_memory
+
+    def recording(data, target):
+        result = same_memory(data, target)
+        found.append("in place" if result else "copied")
+        return result
+
+    monkeypatch.setattr(block_reader, "_same_memory", recording)
+    return found
+
+
+@pytest.mark.parametrize("begin, end", [(0, SIZE), (5, SIZE - 7), (BLOCK, 9 * BLOCK), (3 * BLOCK + 1, 30 * BLOCK)])
+@pytest.mark.parametrize("phase", ["the file's", "another"])
+def test_memory_with_the_files_alignment_is_read_into_with_no_slot(cold_file, landed, begin, end, phase):
+    """Direct reads land straight in an array that starts where the range does within a
+    page (no copy); in one that does not, in slots, copied in. The same bytes either way."""
+    path, payload, record = cold_file
+    offset = begin % mmap.PAGESIZE if phase == "the file's" else (begin + 64) % mmap.PAGESIZE
+    out = at_phase(end - begin, offset)
+    out[:] = 0xAA  # anything the read leaves unwritten shows
+    RangeReader().read_into(path, record, begin, memoryview(out))  # its threads end with it
+    assert out.tobytes() == payload[begin:end]
+    if phase == "the file's":
+        # All but a last read that ends with the file, off a page boundary: into a slot.
+        last = "copied" if end == SIZE else "in place"
+        assert landed and set(landed[:-1]) <= {"in place"} and landed[-1] == last, landed
+    else:
+        assert landed and set(landed) == {"copied"}, landed
+    assert stopped_reading_threads()
+
+
+def test_announced_memory_is_read_into_and_a_mismatched_take_reads_anew(cold_file):
+    """ReadAhead: spans announced with aligned memory arrive in it; announced with other
+    memory (or none) than the take names, they are not taken; a span whose memory is not
+    aligned, not its length or read-only goes to a slot."""
+    path, payload, _ = cold_file
+    spans = [(0, SLOT), (SLOT, 2 * SLOT)]
+    out = at_phase(2 * SLOT, 0)
+    into = [memoryview(out)[:SLOT], memoryview(out)[SLOT:]]
+    ahead = ReadAhead()
+    ahead.announce(path, spans, into)
+    arrived = [direct_reads.address_of(view) for view in ahead.take(path, spans, into)]
+    assert arrived == [direct_reads.address_of(view) for view in into]
+    assert out.tobytes() == payload[: 2 * SLOT]
+
+    ahead.announce(path, spans, into)
+    assert ahead.take(path, spans) is None  # announced into memory: not the spans a take into slots names
+    ahead.close()  # as a RangeReader does then, before it reads them anew
+    shifted = memoryview(at_phase(SLOT, 64))
+    assert not direct_reads.lands_in_place(shifted[:SLOT], 0, SLOT)
+    assert not direct_reads.lands_in_place(into[0][: SLOT - 4096], 0, SLOT)
+    assert not direct_reads.lands_in_place(into[0].toreadonly(), 0, SLOT)
+    ahead.announce(path, spans, [shifted[:SLOT], None])
+    got = [bytes(view) for view in ahead.take(path, spans, [shifted[:SLOT], None])]
+    assert got == [payload[:SLOT], payload[SLOT : 2 * SLOT]] and not shifted.tobytes().strip(b"\0")
+    with pytest.raises(ValueError, match="2 spans"):
+        ahead.announce(path, spans, into[:1])
+    ahead.close()
+    assert stopped_reading_threads()
 
 
 def test_a_range_the_page_cache_holds_is_read_through_it(cold_file, spans_read):
@@ -426,12 +497,17 @@ def test_mapping_ahead_maps_the_views_in_order_keeps_their_bytes_and_stops_betwe
     assert mapped % piece == 0 and resident == [1] * mapped + [0] * (pages - mapped), "mapped out of order, or a view in part"
 
 
-@pytest.mark.parametrize("kind", ["native", "universal"])
+@pytest.mark.parametrize("kind", ["native", "native, weights read", "universal"])
 @pytest.mark.parametrize("new_world", [1, 2, 3])
-def test_a_cold_load_reads_direct_and_holds_what_a_cached_load_holds(tmp_path, small_slots, spans_read, monkeypatch, new_world, kind):
+def test_a_cold_load_reads_direct_and_holds_what_a_cached_load_holds(
+    tmp_path, small_slots, spans_read, landed, monkeypatch, new_world, kind
+):
     """Saved at D=2 (and converted to a universal checkpoint), loaded at D = 1, 2, 3 from a
     cold checkpoint (direct reads) and from a cached one: the same tensors bit for bit, the
-    same bytes counted."""
+    same bytes counted. A native load that rebuilds the weights from the masters (as
+    load_checkpoint with several ranks) has its direct reads land in its partitions with no
+    copy (all of them at the saved layout); every partition starts 16-byte aligned."""
+    monkeypatch.setattr(host_memory, "SMALL", 4096)  # the partitions here are mapped memory, as big ones are
     from universal_helpers import save_synthetic
 
     from zeroshard.checkpoint.loader import load_state
@@ -445,7 +521,7 @@ def test_a_cold_load_reads_direct_and_holds_what_a_cached_load_holds(tmp_path, s
     path = save_synthetic(tmp_path, build_layout(specs, 2), block_size=BLOCK)
     if kind == "universal":
         path = to_universal(path, tmp_path / "universal", block_size=BLOCK, progress=False)
-    opened = NativeSource if kind == "native" else UniversalSource
+    opened = UniversalSource if kind == "universal" else NativeSource
     if direct_reads.open_direct(next(path.glob("*.safetensors"))) is None:
         pytest.skip(f"{tmp_path}: the file system reads nothing past the page cache (O_DIRECT)")
     layout = build_layout(specs, new_world)
@@ -456,16 +532,22 @@ def test_a_cold_load_reads_direct_and_holds_what_a_cached_load_holds(tmp_path, s
                 evict(file)
         stats = ReadStats()
         with opened(path, stats=stats) as source:
-            # As load_checkpoint loads a universal checkpoint: the weights rebuilt from the
+            # As load_checkpoint loads with several ranks: the weights rebuilt from the
             # masters the partitions hold (a share), not read whole beforehand.
-            shared = {} if kind == "native" else {"share": share_checkpoint(source.info.model_entries, layout, rank), "evidence": Evidence()}
+            shared = {"share": share_checkpoint(source.info.model_entries, layout, rank), "evidence": Evidence()}
+            if kind == "native, weights read":  # as a load alone without optimizer state: model.safetensors read
+                shared = {}
             state = load_state(source, layout, rank, **shared)
         tensors = [*state.fp32_partitions, *(t for group in state.optimizer_states for _, t in sorted(group.items()))]
         return tensors, (stats.data, stats.bytes_by_file)
 
     for rank in range(new_world):
+        landed.clear()
         direct, direct_counts = load(rank, cold=True)
         assert spans_read, f"rank {rank}: nothing read direct"
+        assert all(tensor.data_ptr() % 16 == 0 for tensor in direct)
+        if kind == "native":
+            assert "in place" in landed and (new_world != 2 or set(landed) == {"in place"}), (rank, landed)
         assert DROPPED == [], f"rank {rank}: the loader read other ranges than it announced"
         spans_read.clear()
         monkeypatch.setattr(direct_reads, "ENABLED", False)

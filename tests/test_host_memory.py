@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import mmap
 
 import ml_dtypes
 import numpy as np
@@ -22,6 +23,23 @@ def test_new_zeros_is_a_zeroed_writable_array(dtype, nbytes):
     assert not array.view(np.uint8).any()
     array[:] = 3
     assert (array == np.asarray(3, dtype)).all()
+
+
+@pytest.mark.parametrize("populated", [True, False])
+@pytest.mark.parametrize("phase", [0, 16, 1032, 4092])
+def test_new_zeros_starts_a_big_array_at_its_phase_in_a_page(phase, populated):
+    array = new_zeros(SMALL, np.float32, populated=populated, phase=phase)
+    assert array.ctypes.data % mmap.PAGESIZE == phase and array.size == SMALL and not array.any()
+    array[-1] = 2.0  # the array's last element lies in its mapping
+    assert torch.from_numpy(array).data_ptr() == array.ctypes.data
+    small = new_zeros(12, np.float32, phase=phase)  # small arrays take numpy's memory, whatever the phase
+    assert small.size == 12 and not small.any()
+
+
+@pytest.mark.parametrize("phase", [2, -4, mmap.PAGESIZE])
+def test_new_zeros_refuses_a_phase_off_its_itemsize_or_outside_a_page(phase):
+    with pytest.raises(ValueError, match=f"phase {phase}"):
+        new_zeros(SMALL, np.float32, phase=phase)
 
 
 def test_new_zeros_outlives_its_callers_references_and_is_shared_with_torch():

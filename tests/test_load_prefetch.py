@@ -1,5 +1,6 @@
 """A load hints the ranges it reads next (NativeSource.prefetch, posix_fadvise WILLNEED), so
-the storage keeps reading while the loader maps memory and checks what has arrived."""
+the storage keeps reading while the loader maps memory and checks what has arrived; each hint
+names the memory its read fills, where a direct read can land with no copy."""
 
 from __future__ import annotations
 
@@ -26,12 +27,13 @@ class Recording(NativeSource):
         super().__init__(path)
         self.events = events
 
-    def prefetch(self, rank, group, key, start, end):
-        self.events.append(("hint", rank, group, key, start, end))
-        super().prefetch(rank, group, key, start, end)
+    def prefetch(self, rank, group, key, start, end, into=None):
+        # With the memory the hint names: the read must fill that same memory.
+        self.events.append(("hint", rank, group, key, start, end, None if into is None else into.ctypes.data))
+        super().prefetch(rank, group, key, start, end, into)
 
     def read_into(self, rank, group, key, start, out, observe=None):
-        self.events.append(("read", rank, group, key, start, start + out.size))
+        self.events.append(("read", rank, group, key, start, start + out.size, out.ctypes.data))
         super().read_into(rank, group, key, start, out, observe)
 
 
@@ -64,7 +66,7 @@ def test_hints_stop_at_the_budget(tmp_path, monkeypatch):
     hints = [event for event in events if event[0] == "hint"]
     assert hints
     by_group: dict[int, int] = {}
-    for _, _, group, _, start, end in hints:
+    for _, _, group, _, start, end, _ in hints:
         by_group[group] = by_group.get(group, 0) + (end - start) * 4  # fp32 masters and Adam states
     assert all(0 < hinted <= 40 for hinted in by_group.values()), by_group
     first_read = next(event for event in events if event[0] == "read")

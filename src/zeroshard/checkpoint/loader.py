@@ -56,6 +56,8 @@ from .param_groups import map_param_groups
 from .source import ShardSource, read_into, read_model_tensors, read_param, read_whole_param
 
 PREFETCH_BYTES = 1 << 30  # what a group's reads hint ahead at most (see _prefetch)
+PAGE_BYTES = 4096  # see _phase
+IN_PLACE_ALIGNMENT = 16  # bytes: a state array starts aligned as the parameters do (DESIGN.md), at least
 
 
 def load_state(
@@ -217,7 +219,9 @@ def _load_shared(
         if full:
             group_fp32, group_states, group_scalars = _read_group(source, layout, plan, base, None, evidence, masters_read)
         else:
-            group_fp32 = _fill(source, plan, "fp32", _start(base, layout, plan.group, None, _stored_dtype(source, plan, "fp32")), evidence)
+            dest = _destination(source, plan, base, layout, "fp32")
+            _prefetch(source, plan, ["fp32"], {"fp32": dest})
+            group_fp32 = _fill(source, plan, "fp32", dest, evidence)
             group_states, group_scalars = {}, {}
             masters_read(plan.group, group_fp32)
         evidence.held(plan.group, group_fp32, group_states)
@@ -284,15 +288,15 @@ def _read_group(
             {name: value.clone() for name, value in base.optimizer_scalars[group].items()},
         )
 
-    def read(key: str, name: str | None) -> np.ndarray:
-        return _fill(source, plan, key, _start(base, layout, group, name, _stored_dtype(source, plan, key)), evidence)
-
     names = _state_names(group, [tuple(source.info.state_keys[g]) for g in plan.source_groups])
-    _prefetch(source, plan, (["fp32"] if fp32 is None else []) + list(names))
-    fp32 = read("fp32", None) if fp32 is None else fp32
+    keys = (["fp32"] if fp32 is None else []) + list(names)
+    # Every destination first (new memory, mapped as the reads land): the read-ahead reads into them.
+    dests = {key: _destination(source, plan, base, layout, key) for key in keys}
+    _prefetch(source, plan, keys, dests)
+    fp32 = _fill(source, plan, "fp32", dests["fp32"], evidence) if fp32 is None else fp32
     if on_masters is not None:
         on_masters(group, fp32)
-    states = {name: read(name, name) for name in names}
+    states = {name: _fill(source, plan, name, dests[name], evidence) for name in names}
     # Last: a source may take them from a file it has opened for the partitions.
     scalars = _torch_scalars(source.scalars(plan.source_groups[0])) if plan.source_groups else {}
     if plan.source_groups:
@@ -300,17 +304,19 @@ def _read_group(
     return fp32, states, scalars
 
 
-def _prefetch(source: ShardSource, plan: GroupPlan, keys: list[str]) -> None:
+def _prefetch(source: ShardSource, plan: GroupPlan, keys: list[str], dests: Mapping[str, np.ndarray]) -> None:
     """Announce the ranges of ``keys`` that this rank reads for a group, in the order it
     reads them, up to PREFETCH_BYTES: the storage keeps reading (past the page cache, or
     into it, see :mod:`zeroshard.io.direct_reads`) while the loader maps the group's memory
     and checks what has arrived, so a load from shared storage takes about its read time
     (benchmarks/load_bytes.py ``--read-bps``). Bounded, so that bytes hinted into the page
     cache are not evicted before their read; ranges past the budget are read
-    ahead within their own read."""
+    ahead within their own read. A source that ``reads_in_place`` is told where each range
+    goes in ``dests``."""
     hint = getattr(source, "prefetch", None)
     if hint is None:
         return
+    in_place = getattr(source, "reads_in_place", False)
     budget = PREFETCH_BYTES
     for key in keys:
         itemsize = dtype_info(_stored_dtype(source, plan, key)).itemsize
@@ -318,7 +324,11 @@ def _prefetch(source: ShardSource, plan: GroupPlan, keys: list[str]) -> None:
             length = min(copy.length, budget // itemsize)
             if length <= 0:
                 return
-            hint(copy.source_rank, copy.source_group, key, copy.source_start, copy.source_start + length)
+            where = (copy.source_rank, copy.source_group, key, copy.source_start, copy.source_start + length)
+            if in_place:
+                hint(*where, into=dests[key][copy.dest_start : copy.dest_start + length])
+            else:
+                hint(*where)
             budget -= length * itemsize
 
 
@@ -346,16 +356,38 @@ def _stored_dtype(source: ShardSource, plan: GroupPlan, key: str) -> str:
     return next(iter(found.values()), "float32")
 
 
-def _start(base: ShardedState | None, layout: Layout, group: int, name: str | None, dtype: str) -> np.ndarray:
-    """A partition before the checkpoint's ranges land in it: the base's values, or zeros."""
+def _destination(source: ShardSource, plan: GroupPlan, base: ShardedState | None, layout: Layout, key: str) -> np.ndarray:
+    """The new partition a group's ``key`` ("fp32" or a state's name) is read into."""
+    dtype = _stored_dtype(source, plan, key)
+    return _start(base, layout, plan.group, None if key == "fp32" else key, dtype, _phase(source, plan, key, dtype))
+
+
+def _phase(source: ShardSource, plan: GroupPlan, key: str, dtype: str) -> int:
+    """Where in its first page a group's new partition of ``key`` starts so that its biggest
+    range has the alignment it has in its file (a source that ``reads_in_place`` then reads
+    it straight into the partition); 0 where that would leave the partition less than
+    IN_PLACE_ALIGNMENT-aligned, or the source cannot say."""
+    if not plan.copies or not getattr(source, "reads_in_place", False):
+        return 0
+    biggest = max(plan.copies, key=lambda copy: copy.length)
+    offset = source.file_offset(biggest.source_rank, biggest.source_group, key, biggest.source_start)
+    phase = (offset - biggest.dest_start * dtype_info(dtype).itemsize) % PAGE_BYTES
+    return phase if phase % IN_PLACE_ALIGNMENT == 0 else 0
+
+
+def _start(
+    base: ShardedState | None, layout: Layout, group: int, name: str | None, dtype: str, phase: int = 0
+) -> np.ndarray:
+    """A partition before the checkpoint's ranges land in it: the base's values, or zeros
+    (starting ``phase`` bytes into a page when big, see :func:`~..io.host_memory.new_zeros`)."""
     if base is not None:
         tensor = base.fp32_partitions[group] if name is None else base.optimizer_states[group].get(name)
         if tensor is not None and dtype_of(tensor).name == dtype:
-            kept = new_zeros(tensor.numel(), dtype_info(dtype).numpy)
+            kept = new_zeros(tensor.numel(), dtype_info(dtype).numpy, phase=phase)
             np.copyto(kept, to_numpy(tensor).reshape(-1))
             return kept
     # Mapped as the reads land (they populate each chunk's pages just before it).
-    return new_zeros(layout.groups[group].partition_numel, dtype_info(dtype).numpy, populated=False)
+    return new_zeros(layout.groups[group].partition_numel, dtype_info(dtype).numpy, populated=False, phase=phase)
 
 
 def _fp32_from_weights(

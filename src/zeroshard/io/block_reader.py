@@ -15,9 +15,10 @@ A loader, which keeps what it reads, uses :meth:`RangeReader.read_into` instead:
 wholly inside the range land in the caller's array a chunk at a time, and each chunk is
 checked there right after it lands, while it is still in the CPU cache. From the page cache
 that is one copy (the kernel's, a pread per chunk); a big range the page cache lacks is read
-past it, a few chunks ahead on a thread, and copied in from the slots it lands in
-(:mod:`.direct_reads`). Either way one copy and a checksum pass on hot memory: about the
-cost of reading the bytes once. Given an observer (a digester: ``cuts`` and ``segment``, see
+past it, a few chunks ahead on a thread, straight into the caller's array where that has the
+file's alignment within a page (announced with it), else into slots it is copied in from
+(:mod:`.direct_reads`). So at most one copy and a checksum pass: about the cost of reading
+the bytes once. Given an observer (a digester: ``cuts`` and ``segment``, see
 :mod:`..checkpoint.attest.digests`), it also hands over the CRC of every segment it checks, cut at the
 observer's boundaries too, so a load digests what it read with no pass of its own. In a
 load whose ranks check the blocks at their ranges' ends together
@@ -149,10 +150,11 @@ class RangeReader:
         for index in edges:  # after the interior: the kernel has read them ahead meanwhile (announce)
             self._edge(path, record, index, begin, out, observe)
 
-    def announce(self, path: Path, record: FileRecord, begin: int, end: int) -> None:
-        """Say that :meth:`read_into` of bytes [begin, end) of ``path`` comes next, after
-        those announced before. Its blocks are read ahead past the page cache where that is
-        worth it (:mod:`.direct_reads`), else the kernel is asked to start reading them
+    def announce(self, path: Path, record: FileRecord, begin: int, end: int, into: memoryview | None = None) -> None:
+        """Say that :meth:`read_into` of bytes [begin, end) of ``path`` comes next (into
+        ``into`` when given, the writable bytes its ``out`` will be), after those announced
+        before. Its blocks are read ahead past the page cache where that is worth it
+        (:mod:`.direct_reads`; straight into ``into`` where its alignment allows), else the kernel is asked to start reading them
         into the page cache (``posix_fadvise(WILLNEED)``); so are the blocks at the range's
         ends that it holds only part of, which the read reads on its own, whole or in part,
         after the blocks inside it: asked for now, they are in the page cache by then. A
@@ -161,7 +163,8 @@ class RangeReader:
         if first <= last:
             span_begin, span_end = record.block_range(first)[0], record.block_range(last)[1]
             if self._worth_direct(path, record, span_begin, span_end):
-                self._ahead.announce(path, self._spans(record, first, last))
+                spans = self._spans(record, first, last)
+                self._ahead.announce(path, spans, _destinations(into, begin, spans))
                 for lo, hi in ((begin, span_begin), (span_end, end)):
                     if hi > lo:
                         edge_begin, edge_end = record.block_range(record.blocks_covering(lo, hi)[0])
@@ -236,7 +239,7 @@ class RangeReader:
         for a big range (:class:`~.host_memory.MappingAhead`), else each chunk's just before
         it lands."""
         origin = record.block_range(first)[0]
-        arrived = self._direct_arrivals(path, fd, record, first, last)
+        arrived = self._direct_arrivals(path, fd, record, first, last, out)
         with mapping_ahead(out[: record.block_range(last)[1] - origin]) as populate_here:
             if arrived is None:
                 for chunk_first, chunk_last, begin, end in _chunks(record, first, last, READ_CHUNK):
@@ -252,22 +255,28 @@ class RangeReader:
                     size = os.fstat(fd).st_size
                     raise CheckpointDamagedError(f"{path}: truncated: expected {end} bytes, the file ends at {size}")
                 target = out[begin - origin : end - origin]
-                populate_here(target)
-                target[:] = data
+                if not _same_memory(data, target):  # read into a slot, not in place
+                    populate_here(target)
+                    target[:] = data
                 yield chunk_first, chunk_last, begin, target
 
-    def _direct_arrivals(self, path: Path, fd: int, record: FileRecord, first: int, last: int) -> Iterator[memoryview] | None:
-        """The slots blocks first..last arrive in when read past the page cache: read ahead
-        already when announced, else read now when worth it; None to read them through it."""
+    def _direct_arrivals(
+        self, path: Path, fd: int, record: FileRecord, first: int, last: int, out: memoryview
+    ) -> Iterator[memoryview] | None:
+        """Where blocks first..last arrive when read past the page cache (into ``out``, which
+        starts at block ``first``, where it is aligned as the file, else into slots): read
+        ahead already when announced, else read now when worth it; None to read them through
+        the page cache."""
         span_begin, span_end = record.block_range(first)[0], record.block_range(last)[1]
         if not self._direct_sized(record, span_begin, span_end):
             return None  # never announced; and no reason to drop what is
         spans = self._spans(record, first, last)
-        arrived = self._ahead.take(path, spans)
+        into = _destinations(out, span_begin, spans)
+        arrived = self._ahead.take(path, spans, into)
         if arrived is None and self._worth_direct(path, record, span_begin, span_end, fd):
             self._ahead.close()  # read now: anything announced would be read ahead of it
-            self._ahead.announce(path, spans)
-            arrived = self._ahead.take(path, spans)
+            self._ahead.announce(path, spans, into)
+            arrived = self._ahead.take(path, spans, into)
         return arrived
 
     def _direct_sized(self, record: FileRecord, begin: int, end: int) -> bool:
@@ -450,3 +459,16 @@ def array_view(data: memoryview, dtype: str) -> np.ndarray:
     """A 1-D array of dtype ``dtype`` over ``data`` (shared when aligned for it, else a copy)."""
     array = from_bytes(data, dtype)
     return array if array.flags.aligned else array.copy()
+
+
+def _destinations(into: memoryview | None, origin: int, spans: list[tuple[int, int]]) -> list[memoryview | None]:
+    """Per span (file offsets), its part of ``into`` (bytes from file offset ``origin``), or
+    None without ``into`` (the read-ahead then reads every span into a slot)."""
+    if into is None:
+        return []
+    return [into[begin - origin : end - origin] if end - origin <= len(into) else None for begin, end in spans]
+
+
+def _same_memory(a: memoryview, b: memoryview) -> bool:
+    """Whether two byte views are the same bytes (a direct read that landed in place)."""
+    return len(a) == len(b) and direct_reads.address_of(a) == direct_reads.address_of(b)

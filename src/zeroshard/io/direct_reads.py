@@ -4,8 +4,10 @@ A load keeps what it reads, so reading through the page cache pays for memory tw
 kernel's cache pages and the load's own. Filling cache pages costs kernel time that swings
 with the state of free memory (0.13-1.34 s per GiB between rounds of one load on the VM of
 benchmarks/README.md, whose balloon takes freed memory back), and no load reads the same
-bytes twice. So a big range that is not in the page cache is read with ``O_DIRECT``: the
-disk writes into a few reused slots, and the loader copies each slot into the state.
+bytes twice. So a big range that is not in the page cache is read with ``O_DIRECT``:
+straight into the state where its memory has the file offset's alignment within a page (a
+loader allocates each partition so, see :mod:`..checkpoint.loader`; rank files start their
+partitions on a page), else into a few reused slots, which the loader copies into the state.
 
 The reads run on a thread of their own (:class:`ReadAhead`), which reads the ranges the
 loader announces (``NativeSource.prefetch``, a group's ranges before the group is read) in
@@ -135,12 +137,14 @@ class SlotRing:
         return [memoryview(slot) for slot in self._slots]
 
 
-Span = tuple[Path, int, int]  # a file and the offsets [begin, end) of one direct read
+_Announced = tuple[Path, int, int, int]  # a span and the address of the memory it lands in (0: a slot)
 
 
 class ReadAhead:
     """Reads announced spans of files past the page cache, in the order announced, on a
     thread of its own, into a ring of slots: at most a ring ahead of the loader taking them.
+    A span announced with the memory it goes to (aligned: see :func:`lands_in_place`) is read
+    straight into it instead, with no slot and no copy.
 
     A loader announces the ranges it will read next (:meth:`announce`, before mapping the
     memory they go to) and takes them in the same order (:meth:`take`), so the storage keeps
@@ -156,30 +160,35 @@ class ReadAhead:
         self._ring = ring or SlotRing()
         self.slot_bytes = self._ring.slot_bytes
         self._lock = threading.Lock()
-        self._announced: deque[Span] = deque()  # announced, not yet taken
+        self._announced: deque[_Announced] = deque()  # announced, not yet taken
         self._runs: list[_Run] = []  # the running thread's, if any; signalled when this reader is collected
         weakref.finalize(self, _Run.signal_all, self._runs)
 
-    def announce(self, path: Path, spans: Sequence[tuple[int, int]]) -> None:
+    def announce(self, path: Path, spans: Sequence[tuple[int, int]], into: Sequence[memoryview | None] = ()) -> None:
         """Read ``spans`` of ``path`` (each at most a slot, ``begin`` aligned) next, after
-        those announced before."""
+        those announced before. ``into``: per span, the writable memory its bytes go to, or
+        None (a slot); a span's memory is read into directly where :func:`lands_in_place`."""
         if any(end - begin > self._ring.slot_bytes or begin % ALIGN or end <= begin for begin, end in spans):
             raise ValueError("ReadAhead: a span is empty, longer than a slot or starts unaligned")
+        targets = _targets(spans, into)
         with self._lock:
             if not self._runs:
                 self._runs.append(_Run(self._ring.slots()))
-            for begin, end in spans:
-                self._announced.append((path, begin, end))
-                self._runs[0].to_read.put((path, begin, end))
+            for (begin, end), target in zip(spans, targets):
+                self._announced.append((path, begin, end, address_of(target)))
+                self._runs[0].to_read.put((path, begin, end, target))
 
-    def take(self, path: Path, spans: Sequence[tuple[int, int]]) -> Iterator[memoryview] | None:
-        """The bytes of ``spans`` of ``path``, a slot's view per span as it arrives (shorter
-        only where the file ends first; valid until the next step), when they are the next
-        announced; else None: for spans announced later (the reads changed order) once
+    def take(
+        self, path: Path, spans: Sequence[tuple[int, int]], into: Sequence[memoryview | None] = ()
+    ) -> Iterator[memoryview] | None:
+        """The bytes of ``spans`` of ``path``, a view per span as it arrives (shorter only
+        where the file ends first; a slot's valid until the next step, or the span's own
+        memory where it was read in place), when they are the next announced, with the same
+        ``into``; else None: for spans announced later (the reads changed order) once
         everything announced is dropped, for spans never announced with nothing dropped. An
         error of the read is raised in the loop; leaving the loop early drops what is
         announced too."""
-        wanted = [(path, begin, end) for begin, end in spans]
+        wanted = [(path, begin, end, address_of(target)) for (begin, end), target in zip(spans, _targets(spans, into))]
         with self._lock:
             if not self._runs or list(islice(self._announced, len(wanted))) != wanted:
                 if wanted and wanted[0] in self._announced:
@@ -195,16 +204,17 @@ class ReadAhead:
         with self._lock:
             self._stop()
 
-    def _deliver(self, run: _Run, wanted: list[Span]) -> Iterator[memoryview]:
+    def _deliver(self, run: _Run, wanted: list[_Announced]) -> Iterator[memoryview]:
         complete = False
         try:
-            for path, begin, end in wanted:
+            for _, begin, end, _ in wanted:
                 item = run.next_arrival()
                 if isinstance(item, BaseException):
                     raise item
-                index, got = item
-                yield run.slots[index][: min(got, end - begin)]
-                run.free.put(index)
+                view, got, slot = item
+                yield view[: min(got, end - begin)]
+                if slot is not None:
+                    run.free.put(slot)
             complete = True
         finally:
             if not complete:  # drop what this run read ahead, not a later run's
@@ -227,14 +237,14 @@ class _Run:
 
     def __init__(self, slots: list[memoryview], readers: int = 0) -> None:
         self.slots = slots
-        self.to_read: queue.Queue[Span | None] = queue.Queue()
+        self.to_read: queue.Queue[tuple[Path, int, int, memoryview | None] | None] = queue.Queue()
         self.free: queue.Queue[int | None] = queue.Queue()
-        self.arrived: queue.Queue[tuple[int, tuple[int, int] | BaseException]] = queue.Queue()
+        self.arrived: queue.Queue[tuple[int, _Arrival | BaseException]] = queue.Queue()
         self.stopping = threading.Event()
         self._claim = threading.Lock()
         self._claimed = 0  # spans handed to threads so far (under _claim): the next one's number
         self._delivered = 0  # spans handed to the loader so far
-        self._early: dict[int, tuple[int, int] | BaseException] = {}  # arrived before their turn
+        self._early: dict[int, _Arrival | BaseException] = {}  # arrived before their turn
         for index in range(len(slots)):
             self.free.put(index)
         count = max(1, min(readers or READERS, len(slots)))
@@ -260,8 +270,9 @@ class _Run:
         for run in runs:
             run.signal()
 
-    def next_arrival(self) -> tuple[int, int] | BaseException:
-        """The slot and byte count of the next span in announced order, or its read's error."""
+    def next_arrival(self) -> _Arrival | BaseException:
+        """The memory, byte count and slot (None: read in place) of the next span in announced
+        order, or its read's error."""
         while self._delivered not in self._early:
             try:
                 number, item = self.arrived.get(timeout=ReadAhead._POLL_SECONDS)
@@ -285,27 +296,62 @@ class _Run:
                 if span is None or self.stopping.is_set():
                     return
                 try:
-                    path, begin, end = span
+                    path, begin, end, target = span
+                    if target is not None:  # read in place: the slot is the next span's
+                        self.free.put(index)
+                        slot, view = None, target
+                    else:
+                        slot, view = index, self.slots[index][: -(-(end - begin) // ALIGN) * ALIGN]
                     if path not in descriptors:
                         descriptors[path] = _must_open_direct(path)
-                    slot = self.slots[index]
-                    length = min(len(slot), -(-(end - begin) // ALIGN) * ALIGN)
                     try:
-                        got = _read_until_end(descriptors[path], slot[:length], begin)
+                        got = _read_until_end(descriptors[path], view, begin)
                     except OSError as err:
                         if err.errno != errno.EINVAL:
                             raise
                         # A file system asking another alignment: this file through the page cache.
                         os.close(descriptors.pop(path))
                         descriptors[path] = open_member(path)
-                        got = _read_until_end(descriptors[path], slot[:length], begin)
-                    self.arrived.put((number, (index, got)))
+                        got = _read_until_end(descriptors[path], view, begin)
+                    self.arrived.put((number, (view, got, slot)))
                 except BaseException as err:  # handed to the loader, which raises it in its turn
                     self.arrived.put((number, err))
                     return
         finally:
             for fd in descriptors.values():
                 os.close(fd)
+
+
+_Arrival = tuple[memoryview, int, "int | None"]  # where a span landed, its bytes read, its slot (None: in place)
+
+
+def lands_in_place(view: memoryview, begin: int, end: int) -> bool:
+    """Whether bytes [begin, end) of a file, read past the page cache, can land straight in
+    ``view``: writable and contiguous, exactly as long, its address and length multiples of
+    ALIGN (a direct read's, as the file offset ``begin`` is)."""
+    return (
+        not view.readonly
+        and view.c_contiguous
+        and view.nbytes == end - begin
+        and (end - begin) % ALIGN == 0
+        and address_of(view) % ALIGN == 0
+    )
+
+
+def _targets(spans: Sequence[tuple[int, int]], into: Sequence[memoryview | None]) -> list[memoryview | None]:
+    """Per span, the memory it is read into in place, or None (a slot)."""
+    if not into:
+        return [None] * len(spans)
+    if len(into) != len(spans):
+        raise ValueError(f"ReadAhead: {len(into)} destinations for {len(spans)} spans")
+    return [view if view is not None and lands_in_place(view, *span) else None for view, span in zip(into, spans)]
+
+
+def address_of(view: memoryview | None) -> int:
+    """Where ``view``'s bytes start (0 for None)."""
+    if view is None:
+        return 0
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data if view.nbytes else 0
 
 
 def _must_open_direct(path: Path) -> int:

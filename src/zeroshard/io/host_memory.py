@@ -49,14 +49,22 @@ MADV_POPULATE_WRITE = 23  # Linux >= 5.14; older kernels refuse it (EINVAL) and 
 _populate_refused: list[bool] = []
 
 
-def new_zeros(numel: int, dtype: np.dtype, *, populated: bool = True) -> np.ndarray:
+def new_zeros(numel: int, dtype: np.dtype, *, populated: bool = True, phase: int = 0) -> np.ndarray:
     """A zero-filled 1-D array of ``numel`` elements of ``dtype``: its memory mapped already,
-    or, with ``populated=False``, mapped as the caller populates or writes it."""
+    or, with ``populated=False``, mapped as the caller populates or writes it.
+
+    ``phase`` (bytes, a multiple of the itemsize below the page size): where in its first page
+    a big array starts, so that a file's bytes read past the page cache can land in it
+    directly where their file offset has that phase (:mod:`.direct_reads`); small arrays
+    ignore it."""
     dtype = np.dtype(dtype)
     nbytes = numel * dtype.itemsize
     if nbytes < SMALL or not _POSIX:
         return np.zeros(numel, dtype=dtype)
-    return np.frombuffer(mmap.mmap(-1, nbytes, flags=_FLAGS | (_POPULATE if populated else 0)), dtype=dtype)
+    if not 0 <= phase < mmap.PAGESIZE or phase % dtype.itemsize:
+        raise ValueError(f"phase {phase} is not a multiple of {dtype.itemsize} below the page size")
+    memory = mmap.mmap(-1, nbytes + phase, flags=_FLAGS | (_POPULATE if populated else 0))
+    return np.frombuffer(memory, dtype=dtype, count=numel, offset=phase)
 
 
 def populate(view: memoryview) -> None:

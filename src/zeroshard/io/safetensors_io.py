@@ -102,13 +102,14 @@ class SafetensorsWriter:
         plan: Sequence[PlannedTensor],
         block_size: int,
         metadata: dict[str, str] | None = None,
+        page_aligned: str | None = None,
     ) -> None:
         self.path = path
         self._plan = list(plan)
         self._next = 0
         self._flushed = 0  # bytes handed to _start_writeback
         self._hasher = BlockHasher(block_size)
-        header = _plan_header(self._plan, metadata)
+        header = _plan_header(self._plan, metadata, page_aligned, block_size)
         self._file = open(path, "wb", buffering=0)
         try:
             for piece in (struct.pack("<Q", len(header)), header):
@@ -210,12 +211,15 @@ def write_safetensors(
     block_size: int,
     metadata: dict[str, str] | None = None,
     observers: Mapping[str, Observer] | None = None,
+    page_aligned: str | None = None,
 ) -> FileRecord:
     """Write ``tensors`` in the given order to ``path``, fsync it, return its block checksums.
-    ``observers[key]`` sees tensor ``key``'s bytes as they are written."""
+    ``observers[key]`` sees tensor ``key``'s bytes as they are written. ``page_aligned``: a
+    tensor whose bytes start on a page boundary of the file (the header is padded for it),
+    so a reader past the page cache can read them straight into page-aligned memory."""
     plan = [PlannedTensor(name, dtype_of(tensor).name, tuple(tensor.shape)) for name, tensor in tensors]
     observers = observers or {}
-    with SafetensorsWriter(path, plan, block_size, metadata) as writer:
+    with SafetensorsWriter(path, plan, block_size, metadata, page_aligned) as writer:
         for name, tensor in tensors:
             writer.write(name, tensor, observers.get(name))
         return writer.close()
@@ -238,10 +242,17 @@ def describe_os_error(err: OSError) -> str:
     return f"{' -> '.join(paths)}: {err.strerror}" if paths else err.strerror
 
 
-def _plan_header(plan: Sequence[PlannedTensor], metadata: dict[str, str] | None) -> bytes:
+_HEADER_SIZE_BYTES = 8  # the little-endian u64 before the header
+_PAGE = 4096  # a page, and a multiple of any disk's sector: direct reads' alignment
+
+
+def _plan_header(plan: Sequence[PlannedTensor], metadata: dict[str, str] | None, page_aligned: str | None, block_size: int) -> bytes:
     header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
     offset = 0
+    aligned_at = None  # the page_aligned tensor's offset in the data
     for entry in plan:
+        if entry.key == page_aligned:
+            aligned_at = offset
         if entry.key in header:
             raise ValueError(f"tensor key {entry.key!r} appears twice")
         header[entry.key] = {
@@ -251,7 +262,17 @@ def _plan_header(plan: Sequence[PlannedTensor], metadata: dict[str, str] | None)
         }
         offset += entry.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
-    return encoded + b" " * (-len(encoded) % 8)  # data starts 8-byte aligned, as safetensors writes it
+    padding = -len(encoded) % 8  # data starts 8-byte aligned, as safetensors writes it
+    # Never on a checksum block's boundary (so not at all where blocks divide a page): the
+    # blocks before it would hold the header and scalars only, which no load reads whole,
+    # so no load would check them.
+    if aligned_at is not None and aligned_at % 8 == 0 and _PAGE % block_size:
+        start = _HEADER_SIZE_BYTES + len(encoded) + padding + aligned_at
+        page = start + -start % _PAGE
+        if page % block_size == 0:
+            page += _PAGE  # two pages in a row are boundaries only where blocks divide a page
+        padding += page - start
+    return encoded + b" " * padding
 
 
 def _as_bytes(array: np.ndarray) -> memoryview:

@@ -419,7 +419,10 @@ def _write_rank_file(path: Path, state: ShardedState, block_size: int, terms: Te
     metadata = {"format": FORMAT_NAME, "rank": str(state.rank), "world_size": str(state.layout.world_size)}
     metadata.update(binding_metadata(state.layout, layout_digest(state.layout.to_dict()), state.rank))
     data_bytes = sum(t.numel() * t.element_size() for _, t in scalars + partitions)
-    return write_safetensors(path, scalars + partitions, _block_size_for(data_bytes, block_size), metadata, observers)
+    # The partitions from a page boundary: a load reads them past the page cache straight
+    # into its state, allocated with the same alignment (io.direct_reads).
+    first = partitions[0][0] if partitions else None
+    return write_safetensors(path, scalars + partitions, _block_size_for(data_bytes, block_size), metadata, observers, first)
 
 
 def _block_size_for(data_bytes: int, block_size: int) -> int:

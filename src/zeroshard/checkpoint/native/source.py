@@ -40,6 +40,7 @@ class NativeSource:
     kind = NATIVE_KIND
     observes_reads = True  # read_into digests what it reads (``observe``)
     digests_model_tensors = True  # and model_tensors (``digests``)
+    reads_in_place = True  # prefetch takes ``into``, and file_offset says where ranges lie
 
     def __init__(self, checkpoint: str | os.PathLike[str] | Checkpoint, *, stats: ReadStats | None = None) -> None:
         self.checkpoint = open_checkpoint(checkpoint)
@@ -93,13 +94,14 @@ class NativeSource:
         path, record = self.checkpoint.path(file_name), self._record(file_name)
         self._reader.read_into(path, record, begin, bytes_of(out), observe)
 
-    def prefetch(self, rank: int, group: int, key: str, start: int, end: int) -> None:
+    def prefetch(self, rank: int, group: int, key: str, start: int, end: int, into: np.ndarray | None = None) -> None:
         """Say that elements [start, end) of ``rank``'s partition of ``key`` in ``group``
-        will be read next (with :meth:`read_into`, after those announced before): a thread
-        starts reading them past the page cache where they are big and not cached, or the
-        kernel into it (:meth:`.RangeReader.announce`), so the disk keeps reading while the
-        loader checks what it has and maps new memory. A hint: nothing is checked or
-        counted until the bytes are read.
+        will be read next (with :meth:`read_into`, into ``into`` when given, after those
+        announced before): a thread starts reading them past the page cache where they are
+        big and not cached (straight into ``into`` where it has the file's alignment, see
+        :meth:`file_offset`), or the kernel into it (:meth:`.RangeReader.announce`), so the
+        disk keeps reading while the loader checks what it has and maps new memory. A hint:
+        nothing is checked or counted until the bytes are read.
 
         Raises:
             KeyError: ``key`` is not a state of the group (as the read would).
@@ -108,7 +110,17 @@ class NativeSource:
         file_name, entry, dtype = self._locate(rank, group, key, start, end)
         itemsize = itemsize_of(dtype)
         begin = entry.begin + start * itemsize
-        self._reader.announce(self.checkpoint.path(file_name), self._record(file_name), begin, begin + (end - start) * itemsize)
+        fits = into is not None and into.dtype == dtype_info(dtype).numpy and into.flags.c_contiguous and into.flags.writeable
+        destination = bytes_of(into) if fits and into.size == end - start else None
+        path, record = self.checkpoint.path(file_name), self._record(file_name)
+        self._reader.announce(path, record, begin, begin + (end - start) * itemsize, destination)
+
+    def file_offset(self, rank: int, group: int, key: str, start: int) -> int:
+        """Where element ``start`` of ``rank``'s partition of ``key`` in ``group`` lies in its
+        rank file (bytes): memory with this offset's alignment within a page has the bytes
+        read past the page cache land in it with no copy. Raises as :meth:`prefetch`."""
+        file_name, entry, dtype = self._locate(rank, group, key, start, start)
+        return entry.begin + start * itemsize_of(dtype)
 
     def scalars(self, group: int) -> dict[str, np.ndarray]:
         """The group's non-partitioned optimizer state: the same in every rank file, so
