@@ -504,9 +504,9 @@ def test_a_cold_load_reads_direct_and_holds_what_a_cached_load_holds(
 ):
     """Saved at D=2 (and converted to a universal checkpoint), loaded at D = 1, 2, 3 from a
     cold checkpoint (direct reads) and from a cached one: the same tensors bit for bit, the
-    same bytes counted. A native load that rebuilds the weights from the masters (as
-    load_checkpoint with several ranks) has its direct reads land in its partitions with no
-    copy (all of them at the saved layout); every partition starts 16-byte aligned."""
+    same bytes counted. A load that rebuilds the weights from the masters (as load_checkpoint
+    with several ranks) has its direct reads land in its partitions with no copy (all of them
+    at the saved layout); every partition starts 16-byte aligned."""
     monkeypatch.setattr(host_memory, "SMALL", 4096)  # the partitions here are mapped memory, as big ones are
     from universal_helpers import save_synthetic
 
@@ -546,7 +546,7 @@ def test_a_cold_load_reads_direct_and_holds_what_a_cached_load_holds(
         direct, direct_counts = load(rank, cold=True)
         assert spans_read, f"rank {rank}: nothing read direct"
         assert all(tensor.data_ptr() % 16 == 0 for tensor in direct)
-        if kind == "native":
+        if kind != "native, weights read":
             assert "in place" in landed and (new_world != 2 or set(landed) == {"in place"}), (rank, landed)
         assert DROPPED == [], f"rank {rank}: the loader read other ranges than it announced"
         spans_read.clear()

@@ -371,6 +371,8 @@ def _phase(source: ShardSource, plan: GroupPlan, key: str, dtype: str) -> int:
         return 0
     biggest = max(plan.copies, key=lambda copy: copy.length)
     offset = source.file_offset(biggest.source_rank, biggest.source_group, key, biggest.source_start)
+    if offset is None:  # no file holds that element
+        return 0
     phase = (offset - biggest.dest_start * dtype_info(dtype).itemsize) % PAGE_BYTES
     return phase if phase % IN_PLACE_ALIGNMENT == 0 else 0
 

@@ -59,10 +59,12 @@ def write_shards(
     progress: bool | None = None,
     description: str = "writing",
     digests: dict[str, int] | None = None,
+    page_aligned: bool = False,
 ) -> dict[str, FileRecord]:
     """Write each shard's tensors to ``directory / file_names[i]``; their records by file name.
     ``digests``, if given, receives the digest (``zlib.crc32``) of each tensor's bytes as
-    written, by key, computed while they are in the CPU cache.
+    written, by key, computed while they are in the CPU cache. ``page_aligned``: each shard's
+    first tensor starts on a page of its file (see :func:`.safetensors_io.write_safetensors`).
 
     Tensors are produced on this thread and written (hashed, written, fsynced) on another,
     so reading the next tensor overlaps writing the last; at most two are alive at a time.
@@ -85,7 +87,8 @@ def write_shards(
             for shard, file_name in zip(shards, file_names):
                 plan = [tensors[i].planned for i in shard]
                 opened.append({})
-                background.submit(functools.partial(_open, opened[-1], directory / file_name, plan, block_size, metadata))
+                aligned = plan[0].key if page_aligned and plan else None
+                background.submit(functools.partial(_open, opened[-1], directory / file_name, plan, block_size, metadata, aligned))
                 for index in shard:
                     entry = tensors[index]
                     background.reserve()
@@ -103,8 +106,10 @@ def write_shards(
     return records
 
 
-def _open(state: dict, path: Path, plan: list[PlannedTensor], block_size: int, metadata: dict[str, str] | None) -> None:
-    state["writer"] = SafetensorsWriter(path, plan, block_size, metadata)
+def _open(
+    state: dict, path: Path, plan: list[PlannedTensor], block_size: int, metadata: dict[str, str] | None, page_aligned: str | None
+) -> None:
+    state["writer"] = SafetensorsWriter(path, plan, block_size, metadata, page_aligned)
 
 
 def _write(state: dict, planned: PlannedTensor, values: np.ndarray, bar: Any, digests: dict[str, int] | None) -> None:

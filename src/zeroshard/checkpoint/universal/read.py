@@ -62,11 +62,12 @@ class UniversalCheckpoint:
         (:meth:`.RangeReader.read_into`)."""
         self._reader.read_into(path, record, begin, bytes_of(out), observe)
 
-    def announce_range(self, path: Path, record: FileRecord, begin: int, end: int) -> None:
-        """Say that :meth:`read_range_into` of bytes [begin, end) of ``path`` comes next, after
-        those announced before: the storage starts reading them (:meth:`.RangeReader.announce`).
-        A hint: nothing is checked or counted until the read."""
-        self._reader.announce(path, record, begin, end)
+    def announce_range(self, path: Path, record: FileRecord, begin: int, end: int, into: np.ndarray | None = None) -> None:
+        """Say that :meth:`read_range_into` of bytes [begin, end) of ``path`` comes next (into
+        ``into`` when given), after those announced before: the storage starts reading them
+        (:meth:`.RangeReader.announce`, straight into ``into`` where it is aligned as the
+        file). A hint: nothing is checked or counted until the read."""
+        self._reader.announce(path, record, begin, end, None if into is None else bytes_of(into))
 
     def check_with_others(
         self, together: SharedRecordChecks, wanted: dict[tuple[str, str], list[tuple[int, int]]], module: Sequence[str]

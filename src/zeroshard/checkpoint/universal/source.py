@@ -46,6 +46,7 @@ class UniversalSource(PackedSource):
 
     kind = FORMAT_NAME
     observes_reads = True  # read_into digests what it reads (``observe``): one CRC pass, not two
+    reads_in_place = True  # prefetch takes ``into``, and file_offset says where ranges lie
 
     def __init__(self, checkpoint: str | os.PathLike[str] | UniversalCheckpoint, *, stats: ReadStats | None = None) -> None:
         self.checkpoint = open_universal(checkpoint, stats=stats)
@@ -125,18 +126,29 @@ class UniversalSource(PackedSource):
         if observe is not None:
             observe_bytes(bytes_of(out), lo * out.itemsize, hi * out.itemsize, observe)
 
-    def prefetch(self, rank: int, group: int, key: str, start: int, end: int) -> None:
+    def prefetch(self, rank: int, group: int, key: str, start: int, end: int, into: np.ndarray | None = None) -> None:
         """Say that elements [start, end) of the partition of ``key`` in layout group
-        ``group`` will be read next (:meth:`read_into`, after those announced before): the
-        storage starts reading the runs of stored parameters they cover (see
-        :meth:`~zeroshard.checkpoint.native.source.NativeSource.prefetch`). A hint.
+        ``group`` will be read next (:meth:`read_into`, into ``into`` when given, after those
+        announced before): the storage starts reading the runs of stored parameters they
+        cover (see :meth:`~zeroshard.checkpoint.native.source.NativeSource.prefetch`). A hint.
 
         Raises:
             ValueError: no such group, a rank other than 0, or a range outside the partition.
             KeyError: ``key`` is not a state of a parameter the range covers."""
+        fits = into is not None and into.dtype == np.float32 and into.flags.c_contiguous and into.size == end - start
         for run in self._runs(rank, group, key, start, end):
             if run.path is not None:
-                self.checkpoint.announce_range(run.path, run.record, run.begin, run.begin + (run.end - run.start) * 4)
+                where = into[run.start - start : run.end - start] if fits else None
+                self.checkpoint.announce_range(run.path, run.record, run.begin, run.begin + (run.end - run.start) * 4, where)
+
+    def file_offset(self, rank: int, group: int, key: str, start: int) -> int | None:
+        """Where element ``start`` of the partition of ``key`` in layout group ``group`` lies
+        in its shard (bytes; None where no shard holds it: padding, an expert weight), as
+        :meth:`~zeroshard.checkpoint.native.source.NativeSource.file_offset`. Raises as
+        :meth:`prefetch`."""
+        partition_numel = self.info.layout.groups[group].partition_numel
+        runs = self._runs(rank, group, key, start, min(start + 1, partition_numel))
+        return runs[0].begin if runs and runs[0].path is not None and runs[0].start == start else None
 
     def check_records_with(self, terms: RecordTerms, reads: JobReads) -> None:
         """From now on, a checksum block that this rank reads only part of is checked

@@ -113,6 +113,7 @@ def _convert(
             metadata=shard_metadata(version),
             progress=progress,
             description="to-universal",
+            page_aligned=True,  # a load reads the masters past the page cache straight into its partitions
         )
         weight_map = {tensors[i].planned.key: name for shard, name in zip(shards, names) for i in shard}
         digests = checker.digests(len(manifest.param_groups), list(manifest.model_entries))
