@@ -100,6 +100,46 @@ def test_release_later_drops_on_a_thread_and_wait_released_waits_for_it():
     assert dropped == ["zeroshard-release"] * 2
 
 
+def test_one_thread_releases_for_every_caller_and_a_forked_child_gets_its_own():
+    """Releases go to one running thread (a load's end starts none); a child forked while it
+    runs releases on a thread of its own (none of its parent's runs in it)."""
+    import os
+    import threading
+    import time
+
+    from zeroshard.io.host_memory import release_later, wait_released
+
+    dropped = []
+
+    class Noted:
+        def __del__(self):
+            dropped.append(threading.get_ident())
+
+    wait_released()  # the thread runs from here on
+    release_later([Noted()])
+    release_later([Noted()])
+    wait_released()
+    assert len(dropped) == 2 and dropped[0] == dropped[1] != threading.get_ident()
+    assert [t.name for t in threading.enumerate()].count("zeroshard-release") == 1
+
+    child = os.fork()
+    if child == 0:  # the child: release, wait, report by exit code
+        release_later([Noted()])
+        wait_released()
+        os._exit(0 if len(dropped) == 3 and dropped[2] != threading.get_ident() else 1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(child, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(child, 9)
+        os.waitpid(child, 0)
+        pytest.fail("the forked child did not release within 30 s")
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 def test_a_load_frees_the_state_it_replaced_on_a_thread(tmp_path):
     """The masters and optimizer state a load replaces are dropped by the release thread,
     not by the load (which returns before they are unmapped)."""
