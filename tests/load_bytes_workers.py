@@ -270,7 +270,10 @@ def load_case(rank: int, world: int, kind: str, path: Path, option: str, engine:
     """Load ``path`` into ``engine`` with ``option``; what this rank read and needs, and the
     bytes it CRC'd."""
     stats = ReadStats()
-    with counting_crc() as crc_counts:
+    all_reduce = dist.all_reduce
+    all_reduces = []
+    with counting_crc() as crc_counts, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dist, "all_reduce", lambda *args, **kwargs: all_reduces.append(1) or all_reduce(*args, **kwargs))
         _, attestation = load_checkpoint_attested(engine, path, stats=stats, **OPTIONS[option])
     crc_bytes = sum(crc_counts)
     with open_source(path) as source:
@@ -292,6 +295,7 @@ def load_case(rank: int, world: int, kind: str, path: Path, option: str, engine:
         "files": dict(stats.bytes_by_file),
         "attested": attestation.line(),
         "rebuilt_bytes": sum(p.numel() * p.element_size() for p in engine.model.parameters() if p.requires_grad),
+        "all_reduces": len(all_reduces),
     }
 
 
@@ -325,6 +329,27 @@ def damaged_load(rank: int, root: Path, engine: ZeroOptimizer) -> dict[str, Any]
         error = (type(err).__name__, str(err))
     changed = [name for name, t in engine.model.state_dict().items() if not torch.equal(before[name], t)]
     return {"error": error, "changed": changed}
+
+
+def refused_import(rank: int, root: Path, engine: ZeroOptimizer) -> dict[str, Any]:
+    """Rank 1's engine refuses the state it read (its import check raises, as for a model or
+    optimizer that does not fit): every rank must raise rank 1's error, which the load's
+    agreement carries (the import agrees on nothing again), and nothing may change."""
+    before = {name: t.clone() for name, t in engine.model.state_dict().items()}
+    with pytest.MonkeyPatch.context() as patch:
+        if rank == 1:
+            patch.setattr(engine, "check_import", lambda *args, **kwargs: _refuse())
+        try:
+            load_checkpoint_attested(engine, root / "native" / "d2")
+            error = None
+        except Exception as err:  # noqa: BLE001 - what every rank raised is the result
+            error = (type(err).__name__, str(err))
+    changed = [name for name, t in engine.model.state_dict().items() if not torch.equal(before[name], t)]
+    return {"error": error, "changed": changed}
+
+
+def _refuse() -> None:
+    raise ValueError("the state does not fit this engine")
 
 
 def flip_middle_byte(checkpoint: Path, file_name: str, key: str) -> None:
@@ -373,6 +398,7 @@ def run_world(rank: int, world: int, root: str, saved_elsewhere: list[str], deep
         for option in OPTIONS:
             results.append(load_case(rank, world, "deepspeed", fixture.save_dir, option, deepspeed_engine(fixture)))
     if world == 2:
+        results.append(refused_import(rank, root_path, engine))
         results.append(damaged_load(rank, root_path, engine))
     return results
 

@@ -99,6 +99,22 @@ def test_no_rank_reads_a_shared_tensor_another_reads(loads):
         assert sum(per_rank) < records[0]["model_file_bytes"], (per_rank, records[0]["model_file_bytes"])
 
 
+def test_an_import_one_rank_refuses_fails_every_rank_in_the_loads_agreement(loads):
+    """Rank 1's engine refuses the state it read: the import's check runs before the load's
+    agreement, so every rank raises rank 1's one-line error and nothing changes; the loads
+    that pass import without an agreement of their own (no all-reduce at all)."""
+    outcomes = [per_rank[-2] for per_rank in loads[2]]
+    assert [outcome["changed"] for outcome in outcomes] == [[], []], outcomes
+    errors = {outcome["error"] for outcome in outcomes}
+    assert len(errors) == 1, errors
+    kind, message = errors.pop()
+    assert kind == "ValueError" and "\n" not in message, message
+    assert "not loaded (nothing changed): rank 1: ValueError: the state does not fit this engine" in message
+    for world in (2, 4):
+        for records in cases(loads[world]):
+            assert [record["all_reduces"] for record in records] == [0] * world, records[0]["path"]
+
+
 def test_a_rank_that_fails_to_read_a_shared_tensor_fails_every_rank(loads):
     """The frozen weight, read by one rank only, is corrupted: every rank raises that rank's
     one-line error (none waits for a broadcast that will not come) and nothing changes."""

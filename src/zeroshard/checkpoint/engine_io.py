@@ -18,11 +18,14 @@ weights cast, as the engine rebuilds them).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..io.dtypes import to_numpy, to_torch
+import torch
+
+from ..io.dtypes import to_numpy, to_torch, torch_dtype
 from ..io.host_memory import wait_released
 from ..io.read_stats import ReadStats
 from ..state import ShardedState
@@ -134,7 +137,10 @@ def load_checkpoint_attested(
                     source, layout, rank, evidence=evidence, module_state=module_state, base=base, share=share,
                     on_masters=on_masters, **options,
                 )  # fmt: skip
-                return state, share, dict(source.info.aliases)
+                aliases = dict(source.info.aliases)
+                # What the import would refuse, refused now: the load's agreement carries it.
+                engine.check_import(_as_broadcast(state, share, aliases), **options, weights_from_masters=share is not None)
+                return state, share, aliases
         finally:
             gather.start_rest()  # a rank that failed still starts every gather the others start
 
@@ -152,13 +158,25 @@ def load_checkpoint_attested(
         gather.wait()
         # Read for this call: no copies.
         gathered = gather.loaded
-        engine.import_state(state, **options, take=True, weights_from_masters=share is not None, params_gathered=gathered)
+        engine.import_state(
+            state, **options, take=True, weights_from_masters=share is not None, params_gathered=gathered, checked=True
+        )
     except Exception:
         gather.restore()  # every rank raises alike (agreed): put back the weights the run had
         raise
     if lr_scheduler is not None and LR_SCHEDULER_KEY in state.extra and not load_module_only:
         lr_scheduler.load_state_dict(state.extra[LR_SCHEDULER_KEY])
     return dict(state.extra), attestation
+
+
+def _as_broadcast(state: ShardedState, share: ModuleShare | None, aliases: dict[str, str]) -> ShardedState:
+    """``state`` with the model state it holds once the shared module tensors are broadcast
+    (every one of ``share``'s, and the names tied to them), in names and shapes only."""
+    if share is None:
+        return state
+    shared = {t.name: torch.empty(t.shape, dtype=torch_dtype(t.dtype), device="meta") for t in share.tensors}
+    shared.update({alias: shared[target] for alias, target in aliases.items() if target in shared})
+    return dataclasses.replace(state, model_state=shared)
 
 
 class _WeightsGather:

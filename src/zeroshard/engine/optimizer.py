@@ -294,13 +294,15 @@ class ZeroOptimizer(FragmentAccess, TorchOptimizerAPI, torch.optim.Optimizer):
         take: bool = False,
         weights_from_masters: bool = False,
         params_gathered: bool = False,
+        checked: bool = False,
     ) -> None:
         """Collective: every rank of ``process_group`` calls it with its own state. Load a
         state laid out for this engine; see ``state_io.import_state`` (``take=True``: the
         optimizer keeps the state's tensors and the masters its fp32 partitions, not copies;
         ``weights_from_masters=True``: the parameters are the state's fp32 partitions cast, its
         model state holds none; ``params_gathered=True``: and they already hold them, see
-        ``start_params_gather``).
+        ``start_params_gather``; ``checked=True``: every rank ran :meth:`check_import` and the
+        ranks agreed that none raised, so no agreement of its own).
 
         Raises:
             ValueError: on every rank alike, when any rank's state does not fit (another
@@ -317,6 +319,28 @@ class ZeroOptimizer(FragmentAccess, TorchOptimizerAPI, torch.optim.Optimizer):
             take=take,
             weights_from_masters=weights_from_masters,
             params_gathered=params_gathered,
+            checked=checked,
+        )
+
+    def check_import(
+        self,
+        state: ShardedState,
+        *,
+        load_optimizer_states: bool = True,
+        load_module_only: bool = False,
+        strict: bool = True,
+        weights_from_masters: bool = False,
+    ) -> None:
+        """Not collective: raise the ValueError :meth:`import_state` would refuse this rank's
+        ``state`` with; for a caller that agrees on the outcome in a collective of its own
+        (a checkpoint load's agreement) and then imports with ``checked=True``."""
+        state_io.check_import(
+            self,
+            state,
+            load_optimizer_states=load_optimizer_states,
+            load_module_only=load_module_only,
+            strict=strict,
+            weights_from_masters=weights_from_masters,
         )
 
     def sync_params_from_masters(self) -> None:

@@ -118,6 +118,7 @@ def import_state(
     take: bool = False,
     weights_from_masters: bool = False,
     params_gathered: bool = False,
+    checked: bool = False,
 ) -> None:
     """Collective: every rank of the engine's process group calls it with its own state.
     Load ``state`` (already laid out for this engine) into the engine.
@@ -139,6 +140,9 @@ def import_state(
     for every kind of load (a checkpoint load that read no weight does so).
     ``params_gathered=True`` (with it): the parameters already are those partitions cast and
     gathered (``start_params_gather`` while the load read), so none is gathered again.
+    ``checked=True``: every rank ran :func:`check_import` on its state (or on what it becomes:
+    the same names and shapes) with these options, and the ranks agreed that none raised (a
+    checkpoint load, whose agreement carries it), so this agrees on nothing again.
 
     Raises:
         ValueError: on every rank alike, naming the failing rank, when any rank's state has
@@ -150,8 +154,9 @@ def import_state(
     full = load_optimizer_states and not load_module_only
     options = f"load_optimizer_states={load_optimizer_states}, load_module_only={load_module_only}, strict={strict}"
     call = f"import_state({options}, weights_from_masters={weights_from_masters}, params_gathered={params_gathered})"
-    rebuilt = _rebuilt_names(engine) if weights_from_masters else set()
-    engine.comm.checked(call, lambda: _validate(engine, state, full, strict, rebuilt))  # every rank loads, or none
+    if not checked:  # every rank loads, or none
+        kind = dict(load_optimizer_states=load_optimizer_states, load_module_only=load_module_only, strict=strict)
+        engine.comm.checked(call, lambda: check_import(engine, state, **kind, weights_from_masters=weights_from_masters))
     with torch.no_grad():
         engine.model.load_state_dict(_cast_like(engine.model.state_dict(), state.model_state), strict=strict and not weights_from_masters)
     engine.reducer.zero_grad()
@@ -182,6 +187,23 @@ def import_state(
             engine.sync_params_from_masters()
     finally:
         release_later(replaced)
+
+
+def check_import(
+    engine: EngineParts,
+    state: ShardedState,
+    *,
+    load_optimizer_states: bool = True,
+    load_module_only: bool = False,
+    strict: bool = True,
+    weights_from_masters: bool = False,
+) -> None:
+    """Not collective: raise the ValueError :func:`import_state` would refuse this rank's
+    ``state`` with (another layout, rank or optimizer, partitions or a model state of other
+    shapes, with ``strict`` other names); its model state is read for names and shapes only."""
+    full = load_optimizer_states and not load_module_only
+    rebuilt = _rebuilt_names(engine) if weights_from_masters else set()
+    _validate(engine, state, full, strict, rebuilt)
 
 
 def _host_tensors(tensors: Iterable[Any]) -> list[torch.Tensor]:
