@@ -140,14 +140,14 @@ def landed(monkeypatch):
     """How the chunks of direct reads reached the loader's array: "in place" (read straight
     into it) or "copied" (from a slot)."""
     found: list[str] = []
-    same_memory = block_reader._same_memory
+    same_memory = direct_reads.same_memory
 
     def recording(data, target):
         result = same_memory(data, target)
         found.append("in place" if result else "copied")
         return result
 
-    monkeypatch.setattr(block_reader, "_same_memory", recording)
+    monkeypatch.setattr(block_reader, "same_memory", recording)
     return found
 
 

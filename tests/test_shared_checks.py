@@ -496,17 +496,25 @@ def test_source_runs_are_what_every_ranks_plan_reads(old_world, old_ep, new_worl
 # ---- a big range of a zip record, read past the page cache ------------------------------------
 
 
-def test_big_ranges_of_a_record_are_read_past_the_page_cache_and_checked_together(tmp_path, monkeypatch):
+@pytest.mark.parametrize("aligned", [True, False])
+def test_big_ranges_of_a_record_are_read_past_the_page_cache_and_checked_together(tmp_path, monkeypatch, aligned):
     """Two ranks' ranges of one 1.2 MB record, from a file not in the page cache, with
     slots of 64 KiB: each lands whole and right although the record starts off a page, the
     two ranks' terms give the record's CRC-32, and the page cache is left without them
-    (read direct). The same with a byte flipped on disk: the record is named."""
-    from test_direct_reads import evict
+    (read direct). Into memory ``aligned`` as the file within a page, the spans inside a
+    range land in it (no copy), the first (from the page before the range) in a slot; else
+    every span in a slot. The same with a byte flipped on disk: the record is named."""
+    from test_direct_reads import at_phase, evict
 
     from zeroshard.io import direct_reads
     from zeroshard.io.direct_reads import ReadAhead, cached_fraction
+    from zeroshard.torchfile import shared_reads
     from zeroshard.torchfile.shared_reads import announce, read_shared
     from zeroshard.torchfile.torch_file import load_torch_file
+
+    landed: list[bool] = []
+    same_memory = shared_reads.same_memory
+    monkeypatch.setattr(shared_reads, "same_memory", lambda a, b: landed.append(same_memory(a, b)) or landed[-1])
 
     monkeypatch.setattr(direct_reads, "SLOT_BYTES", 64 << 10)
     monkeypatch.setattr(direct_reads, "SLOTS", 2)
@@ -525,10 +533,14 @@ def test_big_ranges_of_a_record_are_read_past_the_page_cache_and_checked_togethe
         found, every_rank = [], []
         for start, end in ((0, cut), (cut, numel)):
             checks, ahead = SharedRecordChecks(RecordTerms()), ReadAhead()
-            announce(saved, start, end, ahead)
-            out = np.full(end - start, -1, dtype=np.float32)
+            phase = (saved.storage.data_offset + start * 4 + (0 if aligned else 64)) % 4096
+            out = at_phase((end - start) * 4, phase).view(np.float32)
+            out[:] = -1
+            announce(saved, start, end, ahead, out)
+            landed.clear()
             read_shared(saved, start, out, checks, lambda: [(0, numel * 4)], ahead)
             ahead.close()
+            assert len(landed) > 2 and not landed[0] and all(landed[1:-1]) == aligned and any(landed) == aligned, landed
             found.append(out)
             every_rank.append(checks.terms)
         with open(path, "rb") as handle:

@@ -152,9 +152,9 @@ def import_state(
         CollectiveCallError: the other ranks did not call it.
     """
     full = load_optimizer_states and not load_module_only
-    options = f"load_optimizer_states={load_optimizer_states}, load_module_only={load_module_only}, strict={strict}"
-    call = f"import_state({options}, weights_from_masters={weights_from_masters}, params_gathered={params_gathered})"
     if not checked:  # every rank loads, or none
+        options = f"load_optimizer_states={load_optimizer_states}, load_module_only={load_module_only}, strict={strict}"
+        call = f"import_state({options}, weights_from_masters={weights_from_masters}, params_gathered={params_gathered})"
         kind = dict(load_optimizer_states=load_optimizer_states, load_module_only=load_module_only, strict=strict)
         engine.comm.checked(call, lambda: check_import(engine, state, **kind, weights_from_masters=weights_from_masters))
     with torch.no_grad():

@@ -41,7 +41,7 @@ from .checksum import FileRecord
 from .damage import CheckpointDamagedError
 from . import direct_reads
 from .digest import FUSED, combine, crc32
-from .direct_reads import ALIGN, ReadAhead, advise, open_direct, worth_reading_direct
+from .direct_reads import ALIGN, ReadAhead, advise, destinations, open_direct, same_memory, worth_reading_direct
 from .dtypes import from_bytes
 from .host_memory import mapping_ahead
 from .observe import PartObserver, observe_bytes
@@ -164,7 +164,7 @@ class RangeReader:
             span_begin, span_end = record.block_range(first)[0], record.block_range(last)[1]
             if self._worth_direct(path, record, span_begin, span_end):
                 spans = self._spans(record, first, last)
-                self._ahead.announce(path, spans, _destinations(into, begin, spans))
+                self._ahead.announce(path, spans, destinations(into, begin, spans))
                 for lo, hi in ((begin, span_begin), (span_end, end)):
                     if hi > lo:
                         edge_begin, edge_end = record.block_range(record.blocks_covering(lo, hi)[0])
@@ -255,7 +255,7 @@ class RangeReader:
                     size = os.fstat(fd).st_size
                     raise CheckpointDamagedError(f"{path}: truncated: expected {end} bytes, the file ends at {size}")
                 target = out[begin - origin : end - origin]
-                if not _same_memory(data, target):  # read into a slot, not in place
+                if not same_memory(data, target):  # read into a slot, not in place
                     populate_here(target)
                     target[:] = data
                 yield chunk_first, chunk_last, begin, target
@@ -271,7 +271,7 @@ class RangeReader:
         if not self._direct_sized(record, span_begin, span_end):
             return None  # never announced; and no reason to drop what is
         spans = self._spans(record, first, last)
-        into = _destinations(out, span_begin, spans)
+        into = destinations(out, span_begin, spans)
         arrived = self._ahead.take(path, spans, into)
         if arrived is None and self._worth_direct(path, record, span_begin, span_end, fd):
             self._ahead.close()  # read now: anything announced would be read ahead of it
@@ -459,16 +459,3 @@ def array_view(data: memoryview, dtype: str) -> np.ndarray:
     """A 1-D array of dtype ``dtype`` over ``data`` (shared when aligned for it, else a copy)."""
     array = from_bytes(data, dtype)
     return array if array.flags.aligned else array.copy()
-
-
-def _destinations(into: memoryview | None, origin: int, spans: list[tuple[int, int]]) -> list[memoryview | None]:
-    """Per span (file offsets), its part of ``into`` (bytes from file offset ``origin``), or
-    None without ``into`` (the read-ahead then reads every span into a slot)."""
-    if into is None:
-        return []
-    return [into[begin - origin : end - origin] if end - origin <= len(into) else None for begin, end in spans]
-
-
-def _same_memory(a: memoryview, b: memoryview) -> bool:
-    """Whether two byte views are the same bytes (a direct read that landed in place)."""
-    return len(a) == len(b) and direct_reads.address_of(a) == direct_reads.address_of(b)

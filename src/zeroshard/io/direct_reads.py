@@ -347,6 +347,20 @@ def _targets(spans: Sequence[tuple[int, int]], into: Sequence[memoryview | None]
     return [view if view is not None and lands_in_place(view, *span) else None for view, span in zip(into, spans)]
 
 
+def destinations(into: memoryview | None, origin: int, spans: Sequence[tuple[int, int]]) -> list[memoryview | None]:
+    """Per span (file offsets), its part of ``into`` (the bytes from file offset ``origin``),
+    or None where it reaches outside them; none at all without ``into`` (the read-ahead then
+    reads every span into a slot)."""
+    if into is None:
+        return []
+    return [into[begin - origin : end - origin] if origin <= begin and end - origin <= len(into) else None for begin, end in spans]
+
+
+def same_memory(a: memoryview, b: memoryview) -> bool:
+    """Whether two byte views are the same bytes (a span that was read in place)."""
+    return len(a) == len(b) and address_of(a) == address_of(b)
+
+
 def address_of(view: memoryview | None) -> int:
     """Where ``view``'s bytes start (0 for None)."""
     if view is None:

@@ -7,10 +7,12 @@ it lands; so are the bytes of the record that no rank needs and this rank owns
 Nothing here checks a record alone.
 
 A big range the page cache lacks is read past it (:mod:`..io.direct_reads`): a zip record
-starts anywhere, so the spans read begin at the page before the range, into the read-ahead's
-slots, and each slot's part of the range is copied into the array. A load announces its
-ranges before reading them (:func:`announce`), so the disk reads the next range while the
-loader copies and checks this one.
+starts anywhere, so the spans read begin at the page before the range. Those inside the
+range land straight in the array where it has the file's alignment within a page (a loader
+allocates its partitions so); the others, the first and last at least, in the read-ahead's
+slots, whose part of the range is copied into the array. A load announces its ranges, with
+the arrays they go to, before reading them (:func:`announce`), so the disk reads the next
+range while the loader checks this one.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from ..io.observe import observe_bytes
 from ..io.digest import raw_crc, shift
 from ..io.dtypes import itemsize_of
 from ..io import direct_reads
-from ..io.direct_reads import ALIGN, ReadAhead, worth_reading_direct
+from ..io.direct_reads import ALIGN, ReadAhead, destinations, same_memory, worth_reading_direct
 from ..io.host_memory import mapping_ahead
 from ..io.read_stats import count_read
 from ..io.shared_checks import ByteRuns, RecordKey, SharedRecordChecks
@@ -82,10 +84,11 @@ def record_key(storage: StorageRecord) -> RecordKey:
     return (str(storage.path), f"record {named(storage.record_name)}")
 
 
-def announce(saved: StoredTensor, start: int, end: int, ahead: ReadAhead) -> None:
-    """Say that :func:`read_shared` of elements ``[start, end)`` of ``saved`` comes next,
-    after those announced before: a big range the page cache lacks starts being read past
-    it. A hint: nothing is checked or counted until the read."""
+def announce(saved: StoredTensor, start: int, end: int, ahead: ReadAhead, into: np.ndarray | None = None) -> None:
+    """Say that :func:`read_shared` of elements ``[start, end)`` of ``saved`` comes next (into
+    ``into`` when given, its ``out``), after those announced before: a big range the page
+    cache lacks starts being read past it, straight into ``into`` where aligned as the file.
+    A hint: nothing is checked or counted until the read."""
     itemsize = itemsize_of(saved.dtype)
     begin = saved.storage.data_offset + (saved.storage_offset + start) * itemsize
     spans = _direct_spans(begin, begin + (end - start) * itemsize, ahead.slot_bytes)
@@ -94,7 +97,7 @@ def announce(saved: StoredTensor, start: int, end: int, ahead: ReadAhead) -> Non
     fd = os.open(saved.storage.path, os.O_RDONLY | NONBLOCK)
     try:
         if worth_reading_direct(fd, spans[0][0], spans[-1][1]):
-            ahead.announce(saved.storage.path, spans)
+            ahead.announce(saved.storage.path, spans, destinations(None if into is None else memoryview(into.view(np.uint8)), begin, spans))
     finally:
         os.close(fd)
 
@@ -107,11 +110,12 @@ def _arrivals(storage: StorageRecord, fd: int, begin: int, buffer: memoryview, a
     spans = _direct_spans(first, first + len(buffer), ahead.slot_bytes) if ahead is not None else None
     arrived = None
     if spans is not None:
-        arrived = ahead.take(storage.path, spans)
+        into = destinations(buffer, first, spans)
+        arrived = ahead.take(storage.path, spans, into)
         if arrived is None and worth_reading_direct(fd, spans[0][0], spans[-1][1]):
             ahead.close()  # read now: anything announced would be read ahead of it
-            ahead.announce(storage.path, spans)
-            arrived = ahead.take(storage.path, spans)
+            ahead.announce(storage.path, spans, into)
+            arrived = ahead.take(storage.path, spans, into)
     with mapping_ahead(buffer) as populate_here:
         if arrived is None:
             count_read(None, storage.path.name, len(buffer))
@@ -128,8 +132,9 @@ def _arrivals(storage: StorageRecord, fd: int, begin: int, buffer: memoryview, a
                 raise ends_early(storage)
             count_read(None, storage.path.name, span_end - span_begin)
             target = buffer[lo - first : hi - first]
-            populate_here(target)
-            target[:] = data[lo - span_begin : hi - span_begin]
+            if not same_memory(data, target):  # read into a slot, not in place
+                populate_here(target)
+                target[:] = data[lo - span_begin : hi - span_begin]
             yield target
 
 

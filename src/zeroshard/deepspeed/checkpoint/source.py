@@ -59,6 +59,7 @@ class DeepSpeedSource:
     """A DeepSpeed ZeRO-1/2 checkpoint read range by range (the ShardSource protocol)."""
 
     observes_reads = True  # read_into digests what it reads (``observe``)
+    reads_in_place = True  # prefetch takes ``into``, and file_offset says where ranges lie
 
     def __init__(self, tag_dir: Path) -> None:
         self.path = tag_dir
@@ -158,18 +159,29 @@ class DeepSpeedSource:
         out[stop - start :] = 0
         _observe_all(out[stop - start :], (stop - start) * out.itemsize, observe)
 
-    def prefetch(self, rank: int, group: int, key: str, start: int, end: int) -> None:
+    def prefetch(self, rank: int, group: int, key: str, start: int, end: int, into: np.ndarray | None = None) -> None:
         """Say that :meth:`read_into` of elements [start, end) of ``rank``'s partition of
-        ``key`` in ``group`` comes next, after those announced before: in a load whose ranks
-        check the records together, a big range the page cache lacks starts being read past
-        it (:mod:`...torchfile.shared_reads`). A hint: nothing is checked or counted here."""
+        ``key`` in ``group`` comes next (into ``into`` when given), after those announced
+        before: in a load whose ranks check the records together, a big range the page cache
+        lacks starts being read past it, straight into ``into`` where it has the file's
+        alignment (:mod:`...torchfile.shared_reads`). A hint: nothing is checked or counted here."""
         if self._together is None:
             return  # the reads check whole records, through the page cache and the record cache
         saved = self._saved(rank, group, key, start, end)
         if isinstance(saved, StoredTensor) and saved.dtype == "float32" and saved.is_contiguous():
             stop = max(start, min(end, saved.numel())) if key == "fp32" else end
+            fits = into is not None and into.dtype == np.float32 and into.flags.c_contiguous and into.size == end - start
             if stop > start:
-                announce(saved, start, stop, self._ahead)
+                announce(saved, start, stop, self._ahead, into[: stop - start] if fits else None)
+
+    def file_offset(self, rank: int, group: int, key: str, start: int) -> int | None:
+        """Where element ``start`` of ``rank``'s partition of ``key`` in ``group`` lies in its
+        file (bytes), as :meth:`~zeroshard.checkpoint.native.source.NativeSource.file_offset`;
+        None where it is not stored as one contiguous fp32 run."""
+        saved = self._saved(rank, group, key, start, start)
+        if not isinstance(saved, StoredTensor) or saved.dtype != "float32" or not saved.is_contiguous():
+            return None
+        return saved.storage.data_offset + (saved.storage_offset + start) * 4
 
     def check_records_with(self, terms: RecordTerms, reads: JobReads) -> None:
         """From now on, check the zip records of the fp32 partitions and optimizer states that
