@@ -114,6 +114,15 @@ def param_group_owners(source: ShardSource) -> dict[int, int]:
     return owner
 
 
+def in_place_target(into: np.ndarray | None, dtype: np.dtype | type, count: int) -> np.ndarray | None:
+    """``into`` where a prefetch of ``count`` elements of ``dtype`` may land in it with no
+    copy (that dtype, C-contiguous, writable, exactly ``count`` long); None otherwise, and
+    the read then goes through a buffer of its own."""
+    if into is None or into.dtype != dtype or into.size != count:
+        return None
+    return into if into.flags.c_contiguous and into.flags.writeable else None
+
+
 def read_into(
     source: ShardSource, rank: int, group: int, key: str, start: int, out: np.ndarray, observe: Any = None
 ) -> bool:

@@ -26,7 +26,7 @@ from ...io.safetensors_io import ReadStats, TensorEntry, check_entries, read_hea
 from ...io.shared_checks import ByteRuns, RecordTerms, SharedRecordChecks
 from ..reshard import JobReads
 from ..model_config import STORED_NAMES, read_config
-from ..source import ModelEntry, SourceInfo
+from ..source import ModelEntry, SourceInfo, in_place_target
 from .binding import check_binding
 from .handle import Checkpoint, open_checkpoint
 from .manifest import ModelTensorRecord
@@ -110,8 +110,8 @@ class NativeSource:
         file_name, entry, dtype = self._locate(rank, group, key, start, end)
         itemsize = itemsize_of(dtype)
         begin = entry.begin + start * itemsize
-        fits = into is not None and into.dtype == dtype_info(dtype).numpy and into.flags.c_contiguous and into.flags.writeable
-        destination = bytes_of(into) if fits and into.size == end - start else None
+        target = in_place_target(into, dtype_info(dtype).numpy, end - start)
+        destination = bytes_of(target) if target is not None else None
         path, record = self.checkpoint.path(file_name), self._record(file_name)
         self._reader.announce(path, record, begin, begin + (end - start) * itemsize, destination)
 

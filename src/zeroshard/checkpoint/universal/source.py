@@ -35,7 +35,7 @@ from ..reshard import JobReads
 from ..formats import SourceFormat
 from ..packed import PACKED_POLICY, PackedPartitions, PackedSource
 from ..attest.digests import StateDigests
-from ..source import SourceInfo
+from ..source import SourceInfo, in_place_target
 from ..experts import stacked_from_exported
 from .format import FORMAT_NAME, UniversalManifest, is_universal_checkpoint
 from .read import UniversalCheckpoint, open_universal
@@ -135,10 +135,10 @@ class UniversalSource(PackedSource):
         Raises:
             ValueError: no such group, a rank other than 0, or a range outside the partition.
             KeyError: ``key`` is not a state of a parameter the range covers."""
-        fits = into is not None and into.dtype == np.float32 and into.flags.c_contiguous and into.size == end - start
+        target = in_place_target(into, np.float32, end - start)
         for run in self._runs(rank, group, key, start, end):
             if run.path is not None:
-                where = into[run.start - start : run.end - start] if fits else None
+                where = target[run.start - start : run.end - start] if target is not None else None
                 self.checkpoint.announce_range(run.path, run.record, run.begin, run.begin + (run.end - run.start) * 4, where)
 
     def file_offset(self, rank: int, group: int, key: str, start: int) -> int | None:

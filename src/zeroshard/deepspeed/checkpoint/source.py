@@ -28,7 +28,7 @@ import numpy as np
 from ...checkpoint.format import state_name_problem
 from ...io.budget import BudgetExceeded, quoted
 from ...io.dtypes import itemsize_of, to_float32
-from ...checkpoint.source import ModelEntry, SourceInfo
+from ...checkpoint.source import ModelEntry, SourceInfo, in_place_target
 from ...collector import collector_paused
 from ...layout import GroupLayout, Layout
 from ...state import ParamGroupState
@@ -170,9 +170,9 @@ class DeepSpeedSource:
         saved = self._saved(rank, group, key, start, end)
         if isinstance(saved, StoredTensor) and saved.dtype == "float32" and saved.is_contiguous():
             stop = max(start, min(end, saved.numel())) if key == "fp32" else end
-            fits = into is not None and into.dtype == np.float32 and into.flags.c_contiguous and into.size == end - start
+            target = in_place_target(into, np.float32, end - start)
             if stop > start:
-                announce(saved, start, stop, self._ahead, into[: stop - start] if fits else None)
+                announce(saved, start, stop, self._ahead, target[: stop - start] if target is not None else None)
 
     def file_offset(self, rank: int, group: int, key: str, start: int) -> int | None:
         """Where element ``start`` of ``rank``'s partition of ``key`` in ``group`` lies in its
