@@ -38,13 +38,13 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
 
-from ..layout import Fragment, GroupLayout, Layout, ParamSlot
-from ..layout.coordinates import ep_rank, expert_numel, shard_rank
+from ..layout import Layout
+from ..layout.coordinates import shard_rank
 from ..state import ParamGroupState, ShardedState
 from .attest.attestation import Evidence, attest_alone
 from .compat import Mismatch, compare_module, compare_params
@@ -53,7 +53,8 @@ from ..io.host_memory import new_zeros
 from .reshard import GroupPlan, JobReads, plan_reads
 from .shared_module import ModuleShare
 from .param_groups import map_param_groups
-from .source import ShardSource, read_into, read_model_tensors, read_param, read_whole_param
+from .module_state import module_weights, to_torch_keeping_ties
+from .source import ShardSource, read_into, read_model_tensors
 
 PREFETCH_BYTES = 1 << 30  # what a group's reads hint ahead at most (see _prefetch)
 PAGE_BYTES = 4096  # see _phase
@@ -147,7 +148,7 @@ def _load(
     # Weights cast from whole fp32 masters: their fragments also fill the rank's fp32
     # partitions, so no master byte is read twice.
     from_masters = _partitions_from_masters(source, layout, plans, base) if full and info.weights_from_masters else {}
-    weights = _module_weights(source, layout, rank, loadable, None if strict else module_state, from_masters, evidence)
+    weights = module_weights(source, layout, rank, loadable, None if strict else module_state, from_masters, evidence)
     fp32, states, scalars = [], [], []
     for plan in plans:
         if full:
@@ -161,7 +162,7 @@ def _load(
         fp32.append(group_fp32)
         states.append(group_states)
         scalars.append(group_scalars)
-    model_state = _to_torch_keeping_ties(weights, info.aliases)
+    model_state = to_torch_keeping_ties(weights, info.aliases)
     return _state(source, layout, rank, fp32, states, scalars, param_groups, load_module_only, model_state)
 
 
@@ -233,7 +234,7 @@ def _load_shared(
 
 
 def _shared_reads(source: ShardSource, share: ModuleShare, evidence: Evidence) -> dict[str, np.ndarray]:
-    """The module tensors ``share`` gives this rank to read, checked as :func:`_module_weights` does."""
+    """The module tensors ``share`` gives this rank to read, checked as :func:`.module_state.module_weights` does."""
     digests: dict[str, tuple] | None = {} if evidence.enabled else None
     found = read_model_tensors(source, share.mine, digests)
     for name, values in found.items():
@@ -406,7 +407,7 @@ def _fp32_from_weights(
 def _partitions_from_masters(
     source: ShardSource, layout: Layout, plans: tuple[GroupPlan, ...], base: ShardedState | None
 ) -> dict[int, np.ndarray]:
-    """The fp32 partitions :func:`_module_weights` fills from the masters it reads whole, as
+    """The fp32 partitions :func:`.module_state.module_weights` fills from the masters it reads whole, as
     they start (the base's values, or zeros), by new group; groups the checkpoint has none of,
     and expert groups (whose weights are read expert by expert), are read as usual."""
     return {
@@ -414,97 +415,6 @@ def _partitions_from_masters(
         for plan in plans
         if plan.source_groups and not layout.groups[plan.group].is_expert_group
     }
-
-
-def _module_weights(
-    source: ShardSource,
-    layout: Layout,
-    rank: int,
-    loadable: set[str],
-    keep_only: Mapping[str, Any] | None,
-    fp32: Mapping[int, np.ndarray],
-    evidence: Evidence,
-) -> dict[str, np.ndarray]:
-    """The module state_dict entries to load, tied names left out: the trained parameters'
-    weights in the run's dtype (of expert weights, the experts ``rank`` holds), buffers and
-    frozen parameters as stored (only those ``keep_only`` names, when given). A weight cast
-    from its fp32 master also copies the master's fragments of ``rank`` into the partition
-    of its group in ``fp32``, if there."""
-    info = source.info
-    planned: dict[str, np.ndarray | tuple[int, ...]] = {}  # an array, or the shape of one read as stored
-    for group in layout.groups:
-        partition = fp32.get(group.index)
-        fragments = _fragments_by_param(group.fragments(shard_rank(group, rank))) if partition is not None else {}
-        for slot in group.params:
-            if slot.name not in loadable:
-                if slot.numel == 0:
-                    planned[slot.name] = np.empty(slot.spec.shape, dtype=dtype_info(group.dtype).numpy)
-            elif group.is_expert_group:
-                planned[slot.name] = _local_experts(source, group, slot, rank, evidence)
-            elif info.weights_from_masters:
-                weight = _master_weight(source, slot, group.dtype, fragments.get(slot.name, ()), partition, evidence)
-                planned[slot.name] = weight.reshape(slot.spec.shape)
-            else:
-                planned[slot.name] = slot.spec.shape  # its dtype is the run's: a change is refused before
-    for entry in info.model_entries:
-        if entry.name not in planned and (keep_only is None or entry.name in keep_only):
-            planned[entry.name] = entry.shape
-    # All at once: the native source reads neighbouring tensors in one read.
-    digests: dict[str, tuple] | None = {} if evidence.enabled else None  # name -> (address, nbytes, digest) read
-    found = read_model_tensors(source, [name for name, value in planned.items() if isinstance(value, tuple)], digests)
-    for name, values in found.items():
-        evidence.model_tensor(name, values, digests.get(name) if digests else None)
-    return {name: found[name].reshape(value) if isinstance(value, tuple) else value for name, value in planned.items()}
-
-
-def _master_weight(
-    source: ShardSource,
-    slot: ParamSlot,
-    dtype: str,
-    fragments: Sequence[Fragment],
-    partition: np.ndarray | None,
-    evidence: Evidence,
-) -> np.ndarray:
-    """Parameter ``slot``'s fp32 master cast to ``dtype``; its ``fragments`` copied into ``partition``."""
-    master = read_whole_param(source, slot.name, "fp32")
-    evidence.master(slot.name, None, master)
-    for fragment in fragments:
-        end = fragment.param_start + fragment.length
-        partition[fragment.partition_start : fragment.partition_start + fragment.length] = master[fragment.param_start : end]
-        read = master[fragment.param_start : end]
-        evidence.read_range(slot.name, None, "fp32", fragment.param_start, read, slot.numel)
-    return cast(master, dtype)
-
-
-def _fragments_by_param(fragments: Sequence[Fragment]) -> dict[str, list[Fragment]]:
-    found: dict[str, list[Fragment]] = {}
-    for fragment in fragments:
-        found.setdefault(fragment.name, []).append(fragment)
-    return found
-
-
-def _local_experts(
-    source: ShardSource, group: GroupLayout, slot: ParamSlot, rank: int, evidence: Evidence
-) -> np.ndarray:
-    """The stacked weight of the experts ``rank`` holds: their fp32 masters (read by global
-    expert id) cast to the run's dtype, as the engine makes its parameters from its masters.
-    No checkpoint stores expert weights in low precision (a native one keeps one module
-    file, written by rank 0, which holds only its own experts)."""
-    per_expert = expert_numel(slot)
-    experts = group.expert_map[ep_rank(group, rank)]
-    masters = [read_param(source, slot.name, "fp32", g * per_expert, (g + 1) * per_expert) for g in experts]
-    stacked = np.concatenate(masters) if masters else np.empty(0, dtype=np.float32)
-    for local, expert in enumerate(experts):  # as placed: the cast keeps each element where it is
-        evidence.master(slot.name, expert, stacked[local * per_expert : (local + 1) * per_expert])
-    return cast(stacked, group.dtype).reshape(slot.spec.shape)
-
-
-def _to_torch_keeping_ties(weights: Mapping[str, np.ndarray], aliases: Mapping[str, str]) -> dict[str, torch.Tensor]:
-    state = {name: to_torch(array) for name, array in weights.items()}
-    for alias, target in aliases.items():
-        if target in state:
-            state[alias] = state[target]
-    return state
 
 
 def _torch_scalars(scalars: Mapping[str, Any]) -> dict[str, torch.Tensor]:
