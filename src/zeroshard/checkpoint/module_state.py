@@ -74,9 +74,8 @@ def _master_weight(
     master = read_whole_param(source, slot.name, "fp32")
     evidence.master(slot.name, None, master)
     for fragment in fragments:
-        end = fragment.param_start + fragment.length
-        partition[fragment.partition_start : fragment.partition_start + fragment.length] = master[fragment.param_start : end]
-        read = master[fragment.param_start : end]
+        read = master[fragment.param_start : fragment.param_start + fragment.length]
+        partition[fragment.partition_start : fragment.partition_start + fragment.length] = read
         evidence.read_range(slot.name, None, "fp32", fragment.param_start, read, slot.numel)
     return cast(master, dtype)
 
