@@ -8,6 +8,7 @@ import importlib.util
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from universal_helpers import save_synthetic
@@ -25,6 +26,7 @@ from zeroshard.checkpoint import (
 )
 from zeroshard.checkpoint.export.fp32 import to_fp32
 from zeroshard.checkpoint.native.source import NativeSource
+from zeroshard.checkpoint.source import in_place_target
 from zeroshard.checkpoint.testing import expected_partition
 from zeroshard.checkpoint.universal import to_universal
 from zeroshard.checkpoint.universal.source import UniversalSource
@@ -159,3 +161,19 @@ def assert_same_state(a, b) -> None:
         assert a.model_state[name].dtype == b.model_state[name].dtype and torch.equal(a.model_state[name], b.model_state[name]), name
     assert a.param_groups == b.param_groups and a.optimizer_class == b.optimizer_class
     assert a.extra.keys() == b.extra.keys()
+
+
+def test_a_prefetch_lands_in_place_only_in_memory_that_can_take_the_read_whole():
+    memory = np.zeros(8, dtype=np.float32)
+    assert in_place_target(memory, np.float32, 8) is memory
+    frozen = memory.copy()
+    frozen.flags.writeable = False
+    refused = {
+        "absent": (None, np.float32, 8),
+        "another dtype": (memory, np.float16, 8),
+        "too short": (memory, np.float32, 9),
+        "too long": (memory, np.float32, 7),
+        "strided": (np.zeros(16, dtype=np.float32)[::2], np.float32, 8),
+        "read-only": (frozen, np.float32, 8),
+    }
+    assert [why for why, args in refused.items() if in_place_target(*args) is not None] == []
